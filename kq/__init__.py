@@ -1,0 +1,58 @@
+"""kq: ``route_shed`` for MoE engines that keep a bounded arena of experts resident.
+
+``kq.route_shed`` dispatches on the array type: NumPy arrays go to the oracle,
+JAX arrays to :mod:`kq_jax`, MLX arrays to :mod:`kq_mlx`. Frameworks are
+imported only when an array of theirs arrives.
+"""
+
+from __future__ import annotations
+
+from kq.oracle import RouteShedResult, route_shed_oracle
+from kq.validate import RouteShedInputError, check_route_shed_args, validate
+
+__version__ = "0.1.0"
+__all__ = [
+    "RouteShedInputError",
+    "RouteShedResult",
+    "check_route_shed_args",
+    "route_shed",
+    "route_shed_oracle",
+    "validate",
+]
+
+
+def _framework(array) -> str:
+    module = type(array).__module__
+    if module.startswith(("jax", "jaxlib")):
+        return "jax"
+    if module.startswith("mlx"):
+        return "mlx"
+    return "numpy"
+
+
+def route_shed(indices, scores, slot_table, **options):
+    """Remaps routed expert ids to arena slots and sheds the non-resident ones.
+
+    Args:
+        indices: int32/uint32 ``[..., K]`` router top-k ids.
+        scores: float32/bfloat16/float16 ``[..., K]`` gate scores.
+        slot_table: int32 ``[E]``, negative = not resident.
+        **options: passed to the framework's implementation (``impl=`` for
+            JAX, ``stream=`` for MLX); NumPy takes none.
+
+    Returns:
+        ``(slots, mix, miss_ids, miss_scores)`` as a NamedTuple of arrays of
+        the input's framework.
+    """
+    framework = _framework(indices)
+    if framework == "jax":
+        import kq_jax
+
+        return kq_jax.route_shed(indices, scores, slot_table, **options)
+    if framework == "mlx":
+        import kq_mlx
+
+        return kq_mlx.route_shed(indices, scores, slot_table, **options)
+    if options:
+        raise TypeError(f"route_shed: the NumPy oracle takes no options, got {sorted(options)}")
+    return route_shed_oracle(indices, scores, slot_table)

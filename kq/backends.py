@@ -1,0 +1,99 @@
+"""Every implementation of ``route_shed`` that can run on this machine, behind one interface.
+
+``kq check``, ``kq bench`` and the test suite iterate over :func:`all_backends`.
+A backend imports its framework only when it is probed, so ``kq`` works with
+NumPy alone, with only JAX, or with only MLX installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from kq.oracle import RouteShedResult, route_shed_oracle
+
+Runner = Callable[[np.ndarray, np.ndarray, np.ndarray], RouteShedResult]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One implementation.
+
+    Attributes:
+        name: short id used in test ids and on the command line.
+        probe: returns ``(runner, device description)``, or raises
+            :class:`Unavailable` with the reason it cannot run here.
+    """
+
+    name: str
+    probe: Callable[[], tuple[Runner, str]]
+
+
+class Unavailable(RuntimeError):
+    """The backend cannot run on this machine; the message says why."""
+
+
+def _require(module: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise Unavailable(f"{module} is not installed")
+
+
+def _numpy_probe():
+    return route_shed_oracle, "cpu"
+
+
+def _as_numpy(result) -> RouteShedResult:
+    return RouteShedResult(*(np.asarray(x) for x in result))
+
+
+def _jax_device() -> str:
+    import jax
+
+    device = jax.devices()[0]
+    kind = getattr(device, "device_kind", device.platform)
+    name = device.platform if kind.lower() == device.platform else f"{device.platform} {kind}"
+    return f"{name}, jax {jax.__version__}"
+
+
+def _jax_probe(impl: str, *, needs_gpu: bool):
+    def probe():
+        _require("jax")
+        import jax
+
+        import kq_jax
+        from kq.validate import check_route_shed_args
+
+        if needs_gpu and jax.default_backend() != "gpu":
+            raise Unavailable(f"needs a CUDA GPU; jax's default backend is {jax.default_backend()}")
+        fn = jax.jit(functools.partial(kq_jax.route_shed, impl=impl))
+
+        def run(indices, scores, slot_table):
+            check_route_shed_args(indices, scores, slot_table)  # before jit canonicalises dtypes
+            return _as_numpy(fn(indices, scores, slot_table))
+
+        return run, _jax_device()
+
+    return probe
+
+
+BACKENDS: tuple[Backend, ...] = (
+    Backend("numpy-oracle", _numpy_probe),
+    Backend("jax-reference", _jax_probe("reference", needs_gpu=False)),
+    Backend("jax-pallas-interpret", _jax_probe("pallas_interpret", needs_gpu=False)),
+    Backend("jax-pallas", _jax_probe("pallas", needs_gpu=True)),
+)
+
+
+def all_backends() -> tuple[Backend, ...]:
+    return BACKENDS
+
+
+def backend(name: str) -> Backend:
+    for candidate in BACKENDS:
+        if candidate.name == name:
+            return candidate
+    raise KeyError(f"unknown backend {name!r}; known: {', '.join(b.name for b in BACKENDS)}")

@@ -1,0 +1,88 @@
+"""``kq check``: every golden case and a batch of random rows through every backend."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kq.backends import Backend, Unavailable, all_backends
+from kq.compare import Mismatch, first_mismatch
+from kq.inputs import adversarial_inputs, router_inputs
+from kq.oracle import route_shed_oracle
+from kq.spec import load_spec
+
+RANDOM_SHAPES = ((1, 8, 256), (257, 6, 40), (129, 10, 64), (64, 64, 512), (1000, 2, 8), (33, 1, 4))
+
+
+@dataclass
+class BackendReport:
+    name: str
+    device: str = "-"
+    passed: int = 0
+    run: int = 0
+    first_failure: str = ""
+    skipped: str = ""
+    failures: list[tuple[str, Mismatch | str]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.skipped and self.passed == self.run
+
+
+def random_cases(seed: int, rows_budget: int):
+    """Yields ``(name, inputs)`` of random rows over shapes, dtypes and edge mixes."""
+    rng = np.random.default_rng(seed)
+    combos = itertools.product(RANDOM_SHAPES, ("int32", "uint32"), ("float32", "bfloat16", "float16"))
+    per_case = max(1, rows_budget // (len(RANDOM_SHAPES) * 6))
+    for (rows, top_k, experts), index_dtype, score_dtype in combos:
+        rows = min(rows, per_case) if rows > 1 else 1
+        kw = dict(index_dtype=index_dtype, score_dtype=score_dtype)
+        yield f"router-{rows}x{top_k}-E{experts}-{index_dtype}-{score_dtype}", router_inputs(
+            rng, rows, top_k, experts, **kw)
+        yield f"edges-{rows}x{top_k}-E{experts}-{index_dtype}-{score_dtype}", adversarial_inputs(
+            rng, rows, top_k, experts, **kw)
+
+
+def run_checks(backends: tuple[Backend, ...] | None = None, *, random_rows: int = 4096, seed: int = 0):
+    """Runs the golden cases and random rows; returns one report per backend."""
+    spec = load_spec()
+    randoms = [(name, inputs, route_shed_oracle(*inputs)) for name, inputs in random_cases(seed, random_rows)]
+    cases = [(c.name, tuple(c.inputs.values()), c.expected) for c in spec.cases] + randoms
+    reports = []
+    for backend in backends or all_backends():
+        report = BackendReport(backend.name)
+        reports.append(report)
+        try:
+            runner, report.device = backend.probe()
+        except Unavailable as why:
+            report.skipped = str(why)
+            continue
+        for name, inputs, expected in cases:
+            report.run += 1
+            try:
+                mismatch = first_mismatch(expected, runner(*inputs))
+            except Exception as error:  # a crash is a failure of that case, not of the check
+                mismatch = f"{type(error).__name__}: {error}"
+            if mismatch is None:
+                report.passed += 1
+            else:
+                report.failures.append((name, mismatch))
+                report.first_failure = report.first_failure or f"{name}: {mismatch}"
+    return reports
+
+
+def format_table(reports: list[BackendReport]) -> str:
+    header = ("backend", "device", "passed/run", "first mismatch")
+    rows = [
+        (r.name, r.device, f"{r.passed}/{r.run}" if not r.skipped else "skipped",
+         r.skipped or r.first_failure or "-")
+        for r in reports
+    ]
+    widths = [max(len(str(x[i])) for x in [header, *rows]) for i in range(3)]
+    lines = []
+    for row in [header, *rows]:
+        lines.append("  ".join(str(cell).ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3])
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)

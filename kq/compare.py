@@ -1,0 +1,44 @@
+"""Bit-for-bit comparison of ``route_shed`` outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kq.oracle import RouteShedResult
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """The first difference between two results."""
+
+    output: str
+    index: tuple[int, ...] | None
+    expected: str
+    got: str
+
+    def __str__(self) -> str:
+        where = "" if self.index is None else str(list(self.index))
+        return f"{self.output}{where}: expected {self.expected}, got {self.got}"
+
+
+def _show(array: np.ndarray, index) -> str:
+    value = array[index]
+    if array.dtype.kind == "f":
+        return f"0x{int(np.asarray(value).view(np.uint32)):08x} ({value!r})"
+    return repr(int(value))
+
+
+def first_mismatch(expected: RouteShedResult, got) -> Mismatch | None:
+    """Compares dtype, shape and every bit of each output; None when identical."""
+    for name, want, have in zip(RouteShedResult._fields, expected, got):
+        have = np.asarray(have)
+        if have.dtype != want.dtype or have.shape != want.shape:
+            return Mismatch(name, None, f"{want.dtype}{list(want.shape)}", f"{have.dtype}{list(have.shape)}")
+        width = {4: np.uint32, 2: np.uint16, 1: np.uint8}[want.dtype.itemsize]
+        differs = want.view(width) != have.view(width)
+        if differs.any():
+            index = tuple(int(i) for i in np.argwhere(differs)[0])
+            return Mismatch(name, index, _show(want, index), _show(have, index))
+    return None

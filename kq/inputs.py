@@ -1,0 +1,131 @@
+"""Input generators shared by the golden spec, the tests, ``kq check`` and ``kq bench``.
+
+Two flavours:
+
+* ``router_inputs``: what a real MoE router produces (distinct top-k ids drawn
+  with Zipf-like expert popularity, softmax-like scores) against a slot table
+  with a chosen resident fraction.
+* ``adversarial_inputs``: the same, with a fraction of entries replaced by the
+  values the contract has rules for (zero, -0.0, subnormal, negative, inf,
+  NaN with odd payloads, out-of-range and duplicate ids).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+SCORE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+INDEX_DTYPES = {"int32": np.int32, "uint32": np.uint32}
+
+_SPECIAL_SCORE_BITS = np.array(
+    [
+        0x00000000,  # +0
+        0x80000000,  # -0
+        0x00000001,  # smallest subnormal
+        0x007FFFFF,  # largest subnormal
+        0x807FFFFF,  # negative subnormal
+        0x00800000,  # smallest normal
+        0x3F800000,  # 1.0
+        0xBF800000,  # -1.0
+        0x7F800000,  # +inf
+        0xFF800000,  # -inf
+        0x7FC00000,  # canonical NaN
+        0xFFC00001,  # negative NaN with payload
+        0x7F800001,  # signalling NaN
+        0x7F7FFFFF,  # largest finite
+        0x33800000,  # 2**-24: tiny normal
+    ],
+    dtype=np.uint32,
+)
+
+
+def slot_table(rng: np.random.Generator, num_experts: int, resident_fraction: float) -> np.ndarray:
+    """A valid ``int32 [E]`` table: a random subset resident, in distinct slots."""
+    resident = rng.random(num_experts) < resident_fraction
+    table = np.full(num_experts, -1, np.int32)
+    count = int(resident.sum())
+    table[resident] = rng.permutation(count).astype(np.int32)
+    negative = ~resident & (rng.random(num_experts) < 0.25)
+    # Any negative value means "not resident", not only -1.
+    table[negative] = rng.integers(np.iinfo(np.int32).min, -1, negative.sum(), dtype=np.int32)
+    return table
+
+
+def expert_popularity(rng: np.random.Generator, num_experts: int, skew: float = 1.1) -> np.ndarray:
+    """Zipf-like probabilities over experts, in a random order of experts."""
+    weights = 1.0 / np.arange(1, num_experts + 1) ** skew
+    return rng.permutation(weights / weights.sum())
+
+
+def router_inputs(
+    rng: np.random.Generator,
+    rows: int,
+    top_k: int,
+    num_experts: int,
+    *,
+    resident_fraction: float = 0.7,
+    index_dtype: str = "int32",
+    score_dtype: str = "float32",
+    normalized: bool = True,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Realistic router output: distinct ids per row (when ``top_k <= E``), softmax scores.
+
+    Returns:
+        ``(indices [rows, top_k], scores [rows, top_k], slot_table [E])``.
+    """
+    probs = expert_popularity(rng, num_experts)
+    # Gumbel top-k samples distinct experts without replacement, per row.
+    keys = np.log(probs)[None, :] + rng.gumbel(size=(rows, num_experts))
+    if top_k <= num_experts:
+        ids = np.argsort(-keys, axis=1)[:, :top_k]
+    else:
+        ids = rng.integers(0, num_experts, (rows, top_k))
+    logits = rng.normal(0.0, 1.5, (rows, top_k))
+    scores = np.exp(logits - logits.max(axis=1, keepdims=True))
+    if normalized:
+        scores = scores / scores.sum(axis=1, keepdims=True)
+    scores = np.sort(scores, axis=1)[:, ::-1]
+    return (
+        ids.astype(INDEX_DTYPES[index_dtype]),
+        scores.astype(np.float32).astype(SCORE_DTYPES[score_dtype]),
+        slot_table(rng, num_experts, resident_fraction),
+    )
+
+
+def adversarial_inputs(
+    rng: np.random.Generator,
+    rows: int,
+    top_k: int,
+    num_experts: int,
+    *,
+    edge_fraction: float = 0.15,
+    resident_fraction: float = 0.6,
+    index_dtype: str = "int32",
+    score_dtype: str = "float32",
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Router output with a fraction of entries replaced by contract edge cases."""
+    ids, scores, table = router_inputs(
+        rng, rows, top_k, num_experts, resident_fraction=resident_fraction,
+        index_dtype="int32", score_dtype="float32", normalized=rng.random() < 0.5,
+    )
+    ids = ids.astype(np.int64)
+    shape = ids.shape
+    special = rng.random(shape) < edge_fraction
+    picks = _SPECIAL_SCORE_BITS[rng.integers(0, len(_SPECIAL_SCORE_BITS), shape)]
+    scores = np.where(special, picks.view(np.float32), scores)
+    wide = rng.random(shape) < edge_fraction / 2
+    magnitudes = rng.uniform(-40, 40, shape).astype(np.float32)
+    scores = np.where(wide, (np.exp2(magnitudes) * rng.choice([-1, 1], shape)).astype(np.float32), scores)
+
+    bad_id = rng.random(shape) < edge_fraction / 2
+    if index_dtype == "uint32":
+        strays = rng.choice([num_experts, num_experts + 7, 2**31, 2**32 - 1], shape)
+    else:
+        strays = rng.choice([num_experts, num_experts + 7, -1, -(2**31), 2**31 - 1], shape)
+    ids = np.where(bad_id, strays, ids)
+    duplicate = rng.random(shape) < edge_fraction / 2
+    ids = np.where(duplicate, np.roll(ids, 1, axis=-1), ids)
+    with np.errstate(over="ignore"):  # huge scores becoming f16 inf is intended
+        scores = scores.astype(SCORE_DTYPES[score_dtype])
+    return ids.astype(INDEX_DTYPES[index_dtype]), scores, table

@@ -1,0 +1,136 @@
+"""The executable definition of ``route_shed``: a NumPy oracle.
+
+Every backend in this project is tested bit for bit against this module and
+against the golden vectors in ``shared/spec.json`` that it generates.
+
+The contract, per row of ``K`` routed experts (all arithmetic in IEEE-754
+binary32, round to nearest even, in exactly this order):
+
+1. ``s_k = flush(f32(scores_k))``; ``flush(x)`` maps every ``|x| < 2**-126``
+   (subnormals and -0.0) to +0.0. Upcasting bf16/f16 to f32 is exact.
+2. ``e_k = indices_k`` as a signed 64-bit integer (a uint32 id >= 2**31 is out
+   of range). ``valid_k = 0 <= e_k < E``; ``slot_k = slot_table[e_k]`` if valid,
+   else -1. Entry k is *kept* iff ``slot_k >= 0``.
+3. ``total = kept = 0.0``; for k = 0..K-1: ``total = flush(total + s_k)``; if
+   kept, ``kept = flush(kept + s_k)``. Sequential: no tree reduction, no FMA.
+4. ``scale = flush(total / kept)`` (correctly rounded) if ``kept > 0.0`` else 0.0.
+5. kept entries: ``slots_k = slot_k``, ``mix_k = flush(s_k * scale)``; shed
+   entries: ``slots_k`` = slot of the row's first kept entry (0 if none),
+   ``mix_k = +0.0``.
+6. Misses (shed and valid) are front-packed into ``miss_ids`` / ``miss_scores``
+   (the id and ``s_k``) by descending ``s_k``, NaN below every number, ties by
+   lower k; the remaining positions hold -1 and +0.0.
+7. Every NaN written to ``mix`` or ``miss_scores`` is 0x7FC00000.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from kq.validate import check_route_shed_args
+
+F32_MIN_NORMAL = np.float32(2.0**-126)
+CANONICAL_NAN_BITS = 0x7FC00000
+
+
+class RouteShedResult(NamedTuple):
+    """The four outputs of ``route_shed``, each shaped like ``indices``.
+
+    Attributes:
+        slots: arena slot per entry, dtype of ``indices``.
+        mix: float32 gate weight per entry (0.0 for shed entries).
+        miss_ids: int32 ids of shed resident-able experts, front-packed, -1 padded.
+        miss_scores: float32 scores of those misses, +0.0 padded.
+    """
+
+    slots: np.ndarray
+    mix: np.ndarray
+    miss_ids: np.ndarray
+    miss_scores: np.ndarray
+
+
+def flush(x: np.ndarray) -> np.ndarray:
+    """Maps every float32 with magnitude below 2**-126 (and -0.0) to +0.0."""
+    x = np.asarray(x, np.float32)
+    return np.where(np.abs(x) < F32_MIN_NORMAL, np.float32(0.0), x).astype(np.float32)
+
+
+def canonicalize_nan(x: np.ndarray) -> np.ndarray:
+    """Replaces every NaN (any sign or payload) by the quiet NaN 0x7FC00000."""
+    return np.where(np.isnan(x), np.uint32(CANONICAL_NAN_BITS).view(np.float32), x)
+
+
+def route_shed_oracle(indices, scores, slot_table) -> RouteShedResult:
+    """Remaps routed experts to arena slots, sheds the non-resident ones.
+
+    This is the reference definition of the op (see the module docstring for
+    the exact contract). It is vectorised across rows only, which cannot change
+    a bit: within a row every f32 operation happens in contract order.
+
+    Args:
+        indices: int32 or uint32 ``[..., K]`` router top-k expert ids.
+        scores: float32, bfloat16 or float16 ``[..., K]`` gate scores.
+        slot_table: int32 ``[E]``; ``slot_table[e] >= 0`` is the slot of a
+            resident expert e, any negative value means not resident.
+
+    Returns:
+        ``RouteShedResult(slots, mix, miss_ids, miss_scores)``, each shaped
+        like ``indices``; ``slots`` has the dtype of ``indices``, ``mix`` and
+        ``miss_scores`` are float32, ``miss_ids`` is int32.
+
+    Raises:
+        TypeError / ValueError: a wrong dtype or shape, naming the argument.
+    """
+    indices = np.asarray(indices)
+    scores = np.asarray(scores)
+    slot_table = np.asarray(slot_table)
+    check_route_shed_args(indices, scores, slot_table)
+    out_shape = indices.shape
+    k_width = out_shape[-1]
+    ids = indices.reshape(-1, k_width).astype(np.int64)  # [rows, k]
+    s = flush(scores.reshape(-1, k_width).astype(np.float32))  # [rows, k]
+    num_experts = slot_table.shape[0]
+
+    valid = (ids >= 0) & (ids < num_experts)
+    slot = np.where(valid, slot_table[np.where(valid, ids, 0)], -1).astype(np.int64)
+    keep = slot >= 0
+
+    rows = ids.shape[0]
+    total = np.zeros(rows, np.float32)
+    kept = np.zeros(rows, np.float32)
+    # Overflow to inf and inf - inf are part of the contract, not accidents.
+    with np.errstate(all="ignore"):
+        for k in range(k_width):
+            total = flush(total + s[:, k])
+            kept = np.where(keep[:, k], flush(kept + s[:, k]), kept)
+        has_mass = kept > np.float32(0.0)
+        quotient = flush(total / np.where(has_mass, kept, np.float32(1.0)))
+        scale = np.where(has_mass, quotient, np.float32(0.0))
+        mix = np.where(keep, flush(s * scale[:, None]), np.float32(0.0))
+
+    any_kept = keep.any(axis=1)
+    first_kept = np.argmax(keep, axis=1)
+    fallback = np.where(any_kept, slot[np.arange(rows), first_kept], 0)
+    slots = np.where(keep, slot, fallback[:, None])
+
+    miss = valid & ~keep
+    is_nan = np.isnan(s)
+    neg_score = np.where(is_nan, np.float32(0.0), -s)
+    position = np.broadcast_to(np.arange(k_width), ids.shape)
+    # lexsort's last key is the primary one: misses first, numbers before NaN,
+    # descending score, then ascending k.
+    order = np.lexsort((position, neg_score, is_nan, ~miss), axis=-1)
+    packed_ids = np.take_along_axis(ids, order, axis=1)
+    packed_scores = np.take_along_axis(s, order, axis=1)
+    filled = position < miss.sum(axis=1, keepdims=True)
+    miss_ids = np.where(filled, packed_ids, -1)
+    miss_scores = np.where(filled, packed_scores, np.float32(0.0))
+
+    return RouteShedResult(
+        slots=slots.astype(indices.dtype).reshape(out_shape),
+        mix=canonicalize_nan(mix.astype(np.float32)).reshape(out_shape),
+        miss_ids=miss_ids.astype(np.int32).reshape(out_shape),
+        miss_scores=canonicalize_nan(miss_scores.astype(np.float32)).reshape(out_shape),
+    )

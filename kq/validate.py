@@ -1,0 +1,146 @@
+"""Argument checks shared by every ``route_shed`` entry point.
+
+Two layers:
+
+* :func:`check_route_shed_args` checks dtypes and shapes only. It reads
+  ``.shape`` and ``.dtype`` and nothing else, so it runs at trace time in JAX
+  and without evaluation in MLX. Every public entry point calls it.
+* :func:`validate` checks the *values* a well-behaved router and arena
+  produce. ``route_shed`` itself has a defined answer for every input, so this
+  is a debugging aid for engines, not a precondition.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+MAX_TOP_K = 64
+INDEX_DTYPES = ("int32", "uint32")
+SCORE_DTYPES = ("float32", "bfloat16", "float16")
+SLOT_TABLE_DTYPES = ("int32",)
+
+
+class RouteShedInputError(ValueError):
+    """A value rule of :func:`validate` is broken.
+
+    Attributes:
+        argument: name of the offending argument.
+        position: index tuple of the first offending element.
+        rule: short name of the broken rule.
+    """
+
+    def __init__(self, argument: str, position: tuple[int, ...], rule: str, detail: str):
+        self.argument = argument
+        self.position = position
+        self.rule = rule
+        super().__init__(f"{argument}{list(position)}: {rule} ({detail})")
+
+
+def dtype_name(array) -> str:
+    """Framework-neutral dtype name: 'int32', 'bfloat16', ... (NumPy, JAX, MLX)."""
+    dtype = array.dtype
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        # mlx.core.Dtype prints as 'mlx.core.int32'.
+        return str(dtype).rsplit(".", 1)[-1]
+
+
+def _check_dtype(name: str, array, allowed: tuple[str, ...]) -> None:
+    got = dtype_name(array)
+    if got not in allowed:
+        raise TypeError(f"route_shed: {name} must have dtype {' or '.join(allowed)}, got {got}")
+
+
+def check_route_shed_args(indices, scores, slot_table) -> None:
+    """Raises TypeError/ValueError naming the argument on a wrong dtype or shape.
+
+    Args:
+        indices: ``[..., K]`` int32/uint32, ``1 <= K <= 64``.
+        scores: same shape as ``indices``; float32, bfloat16 or float16.
+        slot_table: ``[E]`` int32, ``E >= 1``.
+    """
+    _check_dtype("indices", indices, INDEX_DTYPES)
+    _check_dtype("scores", scores, SCORE_DTYPES)
+    _check_dtype("slot_table", slot_table, SLOT_TABLE_DTYPES)
+    ishape, sshape, tshape = tuple(indices.shape), tuple(scores.shape), tuple(slot_table.shape)
+    if len(ishape) < 1:
+        raise ValueError("route_shed: indices must have shape [..., K], got a scalar")
+    if not 1 <= ishape[-1] <= MAX_TOP_K:
+        raise ValueError(f"route_shed: indices' last dim K must be in [1, {MAX_TOP_K}], got shape {ishape}")
+    if sshape != ishape:
+        raise ValueError(f"route_shed: scores must have the shape of indices {ishape}, got {sshape}")
+    if len(tshape) != 1:
+        raise ValueError(f"route_shed: slot_table must be 1-D [E], got shape {tshape}")
+    if tshape[0] < 1:
+        raise ValueError("route_shed: slot_table must hold at least one expert (E >= 1), got E = 0")
+
+
+def _first(mask: np.ndarray) -> tuple[int, ...] | None:
+    flat = np.flatnonzero(mask)
+    if flat.size == 0:
+        return None
+    return tuple(int(i) for i in np.unravel_index(flat[0], mask.shape))
+
+
+def validate(indices, scores, slot_table, num_slots: int | None = None) -> None:
+    """Checks that the inputs are what a top-k router and an arena produce.
+
+    Rules, checked in this order, each reported at its first offending position
+    (row-major): dtypes and shapes; every id in ``[0, E)``; no id twice in a
+    row; every score finite and non-negative; every resident slot in
+    ``[0, num_slots)`` (when ``num_slots`` is given); no two experts sharing a
+    slot.
+
+    Args:
+        indices: ``[..., K]`` int32/uint32 router ids (host array).
+        scores: ``[..., K]`` float32/bfloat16/float16 gate scores.
+        slot_table: ``[E]`` int32 slot table, negative = not resident.
+        num_slots: arena size S, if known.
+
+    Raises:
+        RouteShedInputError: a value rule is broken (a ``ValueError``).
+        TypeError / ValueError: a dtype or shape is wrong.
+    """
+    indices, scores, slot_table = (np.asarray(a) for a in (indices, scores, slot_table))
+    check_route_shed_args(indices, scores, slot_table)
+    num_experts = slot_table.shape[0]
+    ids = indices.astype(np.int64)
+
+    where = _first((ids < 0) | (ids >= num_experts))
+    if where is not None:
+        raise RouteShedInputError("indices", where, "id out of range",
+                                  f"id {ids[where]} not in [0, {num_experts})")
+
+    rows = ids.reshape(-1, ids.shape[-1])
+    order = np.argsort(rows, axis=1, kind="stable")
+    sorted_ids = np.take_along_axis(rows, order, axis=1)
+    repeat = np.zeros(rows.shape, bool)
+    np.put_along_axis(repeat, order[:, 1:], sorted_ids[:, 1:] == sorted_ids[:, :-1], axis=1)
+    where = _first(repeat.reshape(ids.shape))
+    if where is not None:
+        raise RouteShedInputError("indices", where, "duplicate id in a row",
+                                  f"id {ids[where]} appears earlier in the same row")
+
+    values = scores.astype(np.float32)
+    where = _first(~np.isfinite(values))
+    if where is not None:
+        raise RouteShedInputError("scores", where, "non-finite score", f"score {values[where]}")
+    where = _first(values < 0)
+    if where is not None:
+        raise RouteShedInputError("scores", where, "negative score", f"score {values[where]}")
+
+    resident = slot_table >= 0
+    if num_slots is not None:
+        where = _first(resident & (slot_table >= num_slots))
+        if where is not None:
+            raise RouteShedInputError("slot_table", where, "slot out of range",
+                                      f"slot {slot_table[where]} not in [0, {num_slots})")
+
+    experts = np.flatnonzero(resident)
+    order = np.argsort(slot_table[experts], kind="stable")
+    shared = slot_table[experts][order][1:] == slot_table[experts][order][:-1]
+    if shared.any():
+        second = experts[order[1:][shared]].min()
+        raise RouteShedInputError("slot_table", (int(second),), "two experts share a slot",
+                                  f"slot {slot_table[second]} is already held by another expert")

@@ -1,0 +1,57 @@
+"""``kq_jax.route_shed``: one entry point over the Pallas kernel and the jnp reference."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+
+from kq.validate import check_route_shed_args
+from kq_jax.reference import RouteShed, route_shed_reference
+
+Impl = Literal["auto", "pallas", "pallas_interpret", "reference"]
+IMPLS = ("auto", "pallas", "pallas_interpret", "reference")
+
+
+def default_impl() -> str:
+    """The compiled Pallas kernel on a CUDA GPU, the jnp reference elsewhere."""
+    return "pallas" if jax.default_backend() == "gpu" else "reference"
+
+
+def route_shed(indices, scores, slot_table, *, impl: Impl = "auto") -> RouteShed:
+    """Remaps routed experts to arena slots and sheds the non-resident ones.
+
+    Bit-exact with ``shared/spec.json`` on every backend. Traceable under
+    ``jax.jit``, ``jax.vmap`` and ``lax.scan``; ``mix`` is differentiable with
+    respect to ``scores``.
+
+    Args:
+        indices: int32 or uint32 ``[..., K]`` router top-k ids, ``1 <= K <= 64``.
+        scores: float32, bfloat16 or float16 ``[..., K]`` gate scores.
+        slot_table: int32 ``[E]``; ``slot_table[e] >= 0`` is the arena slot of
+            resident expert ``e``, negative means not resident.
+        impl: ``"pallas"`` (the fused kernel, GPU), ``"pallas_interpret"``
+            (the same kernel in Pallas' interpreter: any backend, slow),
+            ``"reference"`` (pure jnp), or ``"auto"`` (:func:`default_impl`).
+
+    Returns:
+        ``RouteShed(slots, mix, miss_ids, miss_scores)``, each shaped like
+        ``indices``: ``slots`` in the dtype of ``indices``, ``mix`` float32,
+        ``miss_ids`` int32 (front-packed, -1 padded), ``miss_scores`` float32.
+
+    Raises:
+        TypeError / ValueError: a wrong dtype or shape, naming the argument
+            (at trace time under ``jax.jit``).
+    """
+    # Checked before anything converts: jnp.asarray would silently turn an
+    # int64 NumPy array into int32 when x64 is off.
+    check_route_shed_args(indices, scores, slot_table)
+    if impl not in IMPLS:
+        raise ValueError(f"route_shed: impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        impl = default_impl()
+    if impl == "reference":
+        return route_shed_reference(indices, scores, slot_table)
+    from kq_jax.route_shed_pallas import route_shed_pallas
+
+    return route_shed_pallas(indices, scores, slot_table, interpret=impl == "pallas_interpret")

@@ -1,0 +1,119 @@
+"""``route_shed`` in pure ``jax.numpy``: the reference the Pallas kernel is held to.
+
+Traceable under ``jax.jit``, ``jax.vmap`` and ``lax.scan``; bit-exact with
+``shared/spec.json`` on every XLA backend because the two rounded operations
+go through :mod:`kq_jax.exact_f32` and every other step is an exact select,
+compare or a sequential add followed by the contract's flush. ``mix`` is
+differentiable with respect to ``scores``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kq.validate import check_route_shed_args
+from kq_jax.exact_f32 import canonicalize_nan, div_flush, flush, mul_flush
+
+# Sort keys for the miss list: descending score maps to ascending key; these
+# two sit above every key a number can have.
+_NAN_KEY = 0x7F800002
+_NOT_A_MISS_KEY = 0x7F800003
+
+
+class RouteShed(NamedTuple):
+    """Outputs of ``route_shed``, each shaped like ``indices``.
+
+    Attributes:
+        slots: arena slot per routed entry, dtype of ``indices``.
+        mix: float32 renormalised gate weight (0.0 for shed entries).
+        miss_ids: int32 front-packed ids of shed, loadable experts; -1 padded.
+        miss_scores: float32 scores of those misses; +0.0 padded.
+    """
+
+    slots: jax.Array
+    mix: jax.Array
+    miss_ids: jax.Array
+    miss_scores: jax.Array
+
+
+def lookup_slots(ids, slot_table):
+    """Arena slot per id, -1 for ids outside [0, E) (uint32 ids >= 2**31 included).
+
+    Args:
+        ids: int32/uint32 ``[rows, k]``.
+        slot_table: int32 ``[E]``.
+
+    Returns:
+        ``(slot int32 [rows, k], valid bool [rows, k])``.
+    """
+    num_experts = slot_table.shape[0]
+    if ids.dtype == jnp.uint32:
+        valid = ids < jnp.uint32(num_experts)
+    else:
+        valid = (ids >= 0) & (ids < num_experts)
+    safe = jnp.where(valid, ids, 0).astype(jnp.int32)
+    return jnp.where(valid, slot_table[safe], -1), valid
+
+
+def score_order_key(s):
+    """int32 key whose ascending order is descending ``s`` with NaN last."""
+    bits = lax.bitcast_convert_type(s, jnp.int32)
+    monotone = jnp.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return jnp.where(jnp.isnan(s), _NAN_KEY, -monotone)
+
+
+def route_shed_reference(indices, scores, slot_table) -> RouteShed:
+    """Remaps routed experts to arena slots and sheds the non-resident ones.
+
+    Args:
+        indices: int32 or uint32 ``[..., K]`` router top-k ids, ``1 <= K <= 64``.
+        scores: float32, bfloat16 or float16 ``[..., K]`` gate scores.
+        slot_table: int32 ``[E]``; ``>= 0`` is the slot of a resident expert.
+
+    Returns:
+        ``RouteShed(slots, mix, miss_ids, miss_scores)`` shaped like ``indices``.
+
+    Raises:
+        TypeError / ValueError at trace time on a wrong dtype or shape.
+    """
+    check_route_shed_args(indices, scores, slot_table)
+    out_shape = indices.shape
+    k_width = out_shape[-1]
+    ids = indices.reshape(-1, k_width)  # [rows, k]
+    s = flush(scores.reshape(-1, k_width).astype(jnp.float32))  # [rows, k]
+
+    slot, valid = lookup_slots(ids, slot_table)
+    keep = slot >= 0
+
+    total = jnp.zeros(ids.shape[:1], jnp.float32)
+    kept = jnp.zeros(ids.shape[:1], jnp.float32)
+    for k in range(k_width):
+        total = flush(total + s[:, k])
+        kept = jnp.where(keep[:, k], flush(kept + s[:, k]), kept)
+    has_mass = kept > 0.0
+    scale = jnp.where(has_mass, div_flush(total, jnp.where(has_mass, kept, 1.0)), 0.0)
+    mix = jnp.where(keep, mul_flush(s, scale[:, None]), 0.0)
+
+    first_kept = jnp.argmax(keep, axis=1)
+    fallback = jnp.where(keep.any(axis=1), jnp.take_along_axis(slot, first_kept[:, None], axis=1)[:, 0], 0)
+    slots = jnp.where(keep, slot, fallback[:, None])
+
+    miss = valid & ~keep
+    position = lax.broadcasted_iota(jnp.int32, ids.shape, 1)
+    key = jnp.where(miss, score_order_key(s), _NOT_A_MISS_KEY)
+    _, _, packed_ids, packed_scores = lax.sort(
+        (key, position, ids.astype(jnp.int32), lax.stop_gradient(s)), dimension=1, num_keys=2)
+    filled = position < miss.sum(axis=1, keepdims=True)
+    miss_ids = jnp.where(filled, packed_ids, -1)
+    miss_scores = jnp.where(filled, packed_scores, 0.0)
+
+    return RouteShed(
+        slots=slots.astype(indices.dtype).reshape(out_shape),
+        mix=canonicalize_nan(mix).reshape(out_shape),
+        miss_ids=miss_ids.reshape(out_shape),
+        miss_scores=canonicalize_nan(miss_scores).reshape(out_shape),
+    )

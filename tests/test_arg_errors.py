@@ -1,0 +1,42 @@
+"""Wrong shapes and dtypes raise a clear error naming the argument, in every public entry point."""
+
+import numpy as np
+import pytest
+
+import kq
+from kq.backends import Unavailable, all_backends
+
+IDS = np.zeros((2, 4), np.int32)
+SCORES = np.full((2, 4), 0.25, np.float32)
+TABLE = np.arange(8, dtype=np.int32)
+
+BAD = [
+    ("k_over_64", (np.zeros((2, 65), np.int32), np.zeros((2, 65), np.float32), TABLE), ValueError, "indices"),
+    ("k_zero", (np.zeros((2, 0), np.int32), np.zeros((2, 0), np.float32), TABLE), ValueError, "indices"),
+    ("shape_mismatch", (IDS, np.zeros((2, 5), np.float32), TABLE), ValueError, "scores"),
+    ("float_ids", (IDS.astype(np.float32), SCORES, TABLE), TypeError, "indices"),
+    ("int64_ids", (IDS.astype(np.int64), SCORES, TABLE), TypeError, "indices"),
+    ("float64_scores", (IDS, SCORES.astype(np.float64), TABLE), TypeError, "scores"),
+    ("table_2d", (IDS, SCORES, TABLE.reshape(2, 4)), ValueError, "slot_table"),
+    ("table_int64", (IDS, SCORES, TABLE.astype(np.int64)), TypeError, "slot_table"),
+    ("table_empty", (IDS, SCORES, TABLE[:0]), ValueError, "slot_table"),
+    ("scalar_ids", (np.int32(1), np.float32(1), TABLE), ValueError, "indices"),
+]
+
+
+def entry_points():
+    yield "kq.route_shed", kq.route_shed
+    yield "kq.validate", kq.validate
+    for backend in all_backends():
+        try:
+            run, _ = backend.probe()
+        except Unavailable:
+            continue
+        yield backend.name, run
+
+
+@pytest.mark.parametrize("entry_name, entry", list(entry_points()), ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize("case, args, error, argument", BAD, ids=[b[0] for b in BAD])
+def test_bad_arguments_name_the_argument(entry_name, entry, case, args, error, argument):
+    with pytest.raises(error, match=argument):
+        entry(*args)

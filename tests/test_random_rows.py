@@ -1,0 +1,22 @@
+"""Hypothesis-driven random rows: every backend against the oracle, the oracle against the contract."""
+
+from hypothesis import HealthCheck, given, settings
+
+from conftest import assert_same_bits
+from kq.oracle import route_shed_oracle
+from scalar_contract import route_shed_scalar
+from strategies import route_shed_inputs
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@SETTINGS
+@given(inputs=route_shed_inputs())
+def test_backend_matches_oracle(runner, inputs):
+    assert_same_bits(route_shed_oracle(*inputs), runner(*inputs))
+
+
+@settings(max_examples=150, deadline=None)
+@given(inputs=route_shed_inputs(max_rows=6))
+def test_oracle_matches_scalar_contract(inputs):
+    assert_same_bits(route_shed_scalar(*inputs), route_shed_oracle(*inputs))

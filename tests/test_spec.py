@@ -1,0 +1,85 @@
+"""shared/spec.json and the oracle cannot drift apart, and the spec covers the contract."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import SPEC, assert_same_bits
+from kq.oracle import RouteShedResult, route_shed_oracle
+from kq.spec import decode_array, default_spec_path, encode_array
+from scalar_contract import route_shed_scalar
+
+REQUIRED_CASES = {
+    "decode_typical", "decode_uint32", "k1_kept", "k1_shed", "k6", "k10", "k64", "e1", "all_resident",
+    "none_resident", "first_kept_not_first", "tied_miss_scores", "special_scores", "kept_mass_zero",
+    "ids_out_of_range_int32", "ids_out_of_range_uint32", "duplicate_ids", "scores_bfloat16",
+    "scores_float16", "leading_dims_bsk", "zero_rows", "random_block", "product_rounds_up_to_normal",
+}
+CASES = {c.name: c for c in SPEC.cases}
+
+
+def test_spec_has_every_required_case():
+    assert REQUIRED_CASES <= set(CASES)
+
+
+def test_spec_covers_dtypes_and_shapes():
+    index_dtypes = {c.inputs["indices"].dtype.name for c in SPEC.cases}
+    score_dtypes = {c.inputs["scores"].dtype.name for c in SPEC.cases}
+    assert index_dtypes == {"int32", "uint32"}
+    assert score_dtypes == {"float32", "bfloat16", "float16"}
+    assert CASES["leading_dims_bsk"].inputs["indices"].ndim == 3
+    assert CASES["zero_rows"].rows == 0
+    assert CASES["random_block"].rows >= 1000
+    assert CASES["e1"].inputs["slot_table"].shape == (1,)
+
+
+def test_spec_scores_hold_every_edge_value():
+    bits = np.concatenate([c.inputs["scores"].astype(np.float32).reshape(-1) for c in SPEC.cases]).view(np.uint32)
+    values = bits.view(np.float32)
+    assert (bits == 0x80000000).any(), "-0.0"
+    assert ((np.abs(values) < 2.0**-126) & (values != 0)).any(), "subnormal"
+    assert (values < 0).any() and np.isposinf(values).any() and np.isneginf(values).any()
+    assert np.isnan(values).any() and (np.isnan(values) & (bits != 0x7FC00000)).any(), "non-canonical NaN"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_oracle_regenerates_spec(name):
+    case = CASES[name]
+    assert_same_bits(case.expected, route_shed_oracle(*case.inputs.values()))
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n].rows <= 300])
+def test_scalar_transcription_agrees_with_spec(name):
+    case = CASES[name]
+    assert_same_bits(case.expected, route_shed_scalar(*case.inputs.values()))
+
+
+def test_all_resident_scale_is_exactly_one():
+    case = CASES["all_resident"]
+    np.testing.assert_array_equal(case.expected.mix, case.inputs["scores"])
+
+
+def test_spec_roundtrip_is_lossless(rng):
+    bits = rng.integers(0, 2**32, 100, dtype=np.uint64).astype(np.uint32)
+    for array in (bits.view(np.float32), bits.astype(np.int32), bits, bits[:50].astype(np.uint16).view(np.float16)):
+        back = decode_array(encode_array(array))
+        assert back.dtype == array.dtype and back.tobytes() == array.tobytes()
+
+
+def test_spec_file_is_the_packaged_one():
+    repo_spec = Path(__file__).resolve().parents[1] / "shared" / "spec.json"
+    assert default_spec_path().read_bytes() == repo_spec.read_bytes()
+
+
+def test_make_spec_reproduces_the_file():
+    path = Path(__file__).resolve().parents[1] / "tools" / "make_spec.py"
+    module_spec = importlib.util.spec_from_file_location("make_spec", path)
+    make_spec = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(make_spec)
+    assert make_spec.dump(make_spec.build()) == default_spec_path().read_text()
+
+
+def test_result_fields_are_the_contract_outputs():
+    assert RouteShedResult._fields == ("slots", "mix", "miss_ids", "miss_scores")

@@ -1,0 +1,79 @@
+"""validate(): one error class, naming the argument, the first offending position and the rule."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kq import RouteShedInputError, validate
+
+TABLE = np.array([0, 1, -1, 2, -1], np.int32)
+
+
+def good():
+    return np.array([[0, 1, 3], [1, 2, 4]], np.int32), np.array([[0.5, 0.3, 0.2]] * 2, np.float32), TABLE.copy()
+
+
+def test_valid_inputs_pass():
+    validate(*good(), num_slots=3)
+
+
+@pytest.mark.parametrize("index_dtype", [np.int32, np.uint32])
+def test_id_out_of_range(index_dtype):
+    ids, scores, table = good()
+    ids = ids.astype(np.int64)
+    ids[1, 2] = 5
+    with pytest.raises(RouteShedInputError) as info:
+        validate(ids.astype(index_dtype), scores, table)
+    assert (info.value.argument, info.value.position, info.value.rule) == ("indices", (1, 2), "id out of range")
+    assert "indices[1, 2]" in str(info.value)
+
+
+def test_negative_id():
+    ids, scores, table = good()
+    ids[0, 1] = -3
+    with pytest.raises(RouteShedInputError, match=r"indices\[0, 1\]: id out of range"):
+        validate(ids, scores, table)
+
+
+def test_duplicate_id_reports_second_occurrence():
+    ids, scores, table = good()
+    ids[1] = [4, 2, 4]
+    with pytest.raises(RouteShedInputError) as info:
+        validate(ids, scores, table)
+    assert (info.value.position, info.value.rule) == ((1, 2), "duplicate id in a row")
+
+
+@pytest.mark.parametrize("bad, rule", [(np.nan, "non-finite score"), (np.inf, "non-finite score"),
+                                       (-0.25, "negative score")])
+def test_scores(bad, rule):
+    ids, scores, table = good()
+    scores[1, 1] = bad
+    with pytest.raises(RouteShedInputError) as info:
+        validate(ids, scores, table)
+    assert (info.value.argument, info.value.position, info.value.rule) == ("scores", (1, 1), rule)
+
+
+def test_bf16_scores_are_checked():
+    ids, scores, table = good()
+    scores[0, 0] = -1
+    with pytest.raises(RouteShedInputError, match="negative score"):
+        validate(ids, scores.astype(ml_dtypes.bfloat16), table)
+
+
+def test_slot_outside_arena():
+    ids, scores, table = good()
+    with pytest.raises(RouteShedInputError) as info:
+        validate(ids, scores, table, num_slots=2)
+    assert (info.value.argument, info.value.position, info.value.rule) == ("slot_table", (3,), "slot out of range")
+
+
+def test_two_experts_share_a_slot():
+    ids, scores, table = good()
+    table[4] = 1
+    with pytest.raises(RouteShedInputError) as info:
+        validate(ids, scores, table)
+    assert (info.value.argument, info.value.position, info.value.rule) == ("slot_table", (4,), "two experts share a slot")
+
+
+def test_error_is_a_value_error():
+    assert issubclass(RouteShedInputError, ValueError)
