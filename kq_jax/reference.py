@@ -81,6 +81,7 @@ def route_shed_reference(indices, scores, slot_table) -> RouteShed:
         TypeError / ValueError at trace time on a wrong dtype or shape.
     """
     check_route_shed_args(indices, scores, slot_table)
+    indices, scores, slot_table = (jnp.asarray(a) for a in (indices, scores, slot_table))
     out_shape = indices.shape
     k_width = out_shape[-1]
     ids = indices.reshape(-1, k_width)  # [rows, k]

@@ -1,0 +1,120 @@
+"""kq_jax under jit, vmap, scan and grad, for every implementation that runs here."""
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.test_util import check_grads  # noqa: E402
+
+import kq_jax  # noqa: E402
+from conftest import assert_same_bits  # noqa: E402
+from kq.inputs import adversarial_inputs, router_inputs  # noqa: E402
+from kq.oracle import route_shed_oracle  # noqa: E402
+
+ON_GPU = jax.default_backend() == "gpu"
+IMPLS = ["reference", "pallas_interpret"] + (["pallas"] if ON_GPU else [])
+
+
+def layered_inputs(rng, layers=3, rows=5, top_k=8, experts=32):
+    per_layer = [adversarial_inputs(rng, rows, top_k, experts, edge_fraction=0.1) for _ in range(layers)]
+    ids, scores, tables = (np.stack(parts) for parts in zip(*per_layer))
+    return ids, scores, tables  # [L, T, K], [L, T, K], [L, E]
+
+
+def per_layer_oracle(ids, scores, tables):
+    outs = [route_shed_oracle(i, s, t) for i, s, t in zip(ids, scores, tables)]
+    return type(outs[0])(*(np.stack(parts) for parts in zip(*outs)))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_vmap_over_layers(impl, rng):
+    ids, scores, tables = layered_inputs(rng)
+    got = jax.jit(jax.vmap(lambda i, s, t: kq_jax.route_shed(i, s, t, impl=impl)))(ids, scores, tables)
+    assert_same_bits(per_layer_oracle(ids, scores, tables), got)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_scan_over_layers(impl, rng):
+    ids, scores, tables = layered_inputs(rng)
+
+    def layer(carry, xs):
+        out = kq_jax.route_shed(*xs, impl=impl)
+        return carry + jnp.sum(out.mix), out
+
+    _, got = jax.jit(lambda xs: lax.scan(layer, jnp.float32(0), xs))((ids, scores, tables))
+    assert_same_bits(per_layer_oracle(ids, scores, tables), got)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_jit_with_leading_dims_and_uint32(impl, rng):
+    ids, scores, table = router_inputs(rng, 12, 6, 40, index_dtype="uint32", score_dtype="bfloat16")
+    ids, scores = ids.reshape(2, 6, 6), scores.reshape(2, 6, 6)
+    got = jax.jit(lambda i, s, t: kq_jax.route_shed(i, s, t, impl=impl))(ids, scores, table)
+    assert got.slots.dtype == jnp.uint32
+    assert_same_bits(route_shed_oracle(ids, scores, table), got)
+
+
+def _mix_loss(impl, ids, table, weights):
+    return lambda s: jnp.sum(kq_jax.route_shed(ids, s, table, impl=impl).mix * weights)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_mix_gradient_passes_check_grads(impl, rng):
+    ids, scores, table = router_inputs(rng, 6, 8, 32, resident_fraction=0.6)
+    weights = jnp.asarray(rng.normal(size=ids.shape), jnp.float32)
+    modes = ["rev"] if impl.startswith("pallas") else ["fwd", "rev"]
+    check_grads(_mix_loss(impl, ids, table, weights), (jnp.asarray(scores),), order=1, modes=modes,
+                atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "reference"])
+def test_kernel_gradient_matches_reference_within_one_ulp(impl, rng):
+    ids, scores, table = router_inputs(rng, 64, 8, 64, resident_fraction=0.6)
+    weights = jnp.asarray(rng.normal(size=ids.shape), jnp.float32)
+    want = np.asarray(jax.jit(jax.grad(_mix_loss("reference", ids, table, weights)))(scores))
+    got = np.asarray(jax.jit(jax.grad(_mix_loss(impl, ids, table, weights)))(scores))
+    ulps = np.abs(want.view(np.int32).astype(np.int64) - got.view(np.int32).astype(np.int64))
+    assert ulps.max() <= 1
+    assert np.abs(want).max() > 0  # the gradient is not trivially zero
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_integer_outputs_get_float0_cotangents(impl, rng):
+    ids, scores, table = router_inputs(rng, 4, 8, 16)
+    out, pullback = jax.vjp(lambda s: kq_jax.route_shed(ids, s, table, impl=impl), jnp.asarray(scores))
+    cotangent = out._replace(
+        slots=np.zeros(out.slots.shape, jax.dtypes.float0),
+        miss_ids=np.zeros(out.miss_ids.shape, jax.dtypes.float0),
+        mix=jnp.ones_like(out.mix),
+        miss_scores=jnp.zeros_like(out.miss_scores),
+    )
+    (d_scores,) = pullback(cotangent)
+    assert d_scores.shape == scores.shape and d_scores.dtype == jnp.float32
+
+
+def test_exact_division_where_plain_division_is_approximate():
+    total = kept = jnp.float32(3163.328613)
+    out = kq_jax.route_shed(jnp.array([[0]], jnp.int32), jnp.array([[total]], jnp.float32),
+                            jnp.array([0], jnp.int32))
+    assert float(out.mix[0, 0]) == float(kept)  # scale is exactly 1.0
+
+
+def test_auto_picks_reference_off_gpu():
+    assert kq_jax.default_impl() == ("pallas" if ON_GPU else "reference")
+
+
+def test_unknown_impl_is_rejected():
+    with pytest.raises(ValueError, match="impl"):
+        kq_jax.route_shed(np.zeros((1, 2), np.int32), np.zeros((1, 2), np.float32), np.zeros(2, np.int32),
+                          impl="cuda")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_shape_errors_raise_at_trace_time(impl):
+    fn = jax.jit(lambda i, s, t: kq_jax.route_shed(i, s, t, impl=impl))
+    with pytest.raises(ValueError, match="scores"):
+        fn(jnp.zeros((2, 4), jnp.int32), jnp.zeros((2, 3), jnp.float32), jnp.zeros(8, jnp.int32))
+    with pytest.raises(TypeError, match="slot_table"):
+        fn(jnp.zeros((2, 4), jnp.int32), jnp.zeros((2, 4), jnp.float32), jnp.zeros(8, jnp.float32))

@@ -1,0 +1,150 @@
+"""The JAX backend's whole check on a CUDA GPU, in one run; prints a one-line summary.
+
+Usage (on a machine with a GPU, from the repo root):
+    PYTHONPATH=. python tools/gpu_check.py --out DIR
+
+1. every golden case and random rows through jax-pallas and jax-reference (``kq check``);
+2. >= 100,000 random rows over the benchmark shapes, every index and score dtype,
+   router-like and adversarial, compiled kernel and jitted reference vs the oracle;
+3. the JAX test suite (jit / vmap / scan / grad) with the compiled kernel;
+4. what the lowering emits: the kernel's Triton IR and the PTX XLA writes, searched
+   for float division, float multiply and fused multiply-add;
+5. plain jnp division on this GPU, to show the approximation the kernel avoids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SHAPES = [  # (rows, K, E)
+    (1, 8, 256), (8, 8, 256), (64, 8, 256), (1, 64, 1024), (4096, 8, 256), (65536, 8, 256),
+    (65536, 2, 64), (4096, 64, 1024), (3001, 6, 4096), (2049, 10, 128), (1 << 20, 8, 256),
+]
+
+
+def log(line: str, sink) -> None:
+    print(line, flush=True)
+    sink.write(line + "\n")
+    sink.flush()
+
+
+def random_rows(sink) -> tuple[int, int, int]:
+    import jax
+    import numpy as np
+
+    import kq_jax
+    from kq.compare import first_mismatch
+    from kq.inputs import adversarial_inputs, router_inputs
+    from kq.oracle import route_shed_oracle
+
+    fns = {impl: jax.jit(lambda i, s, t, impl=impl: kq_jax.route_shed(i, s, t, impl=impl))
+           for impl in ("pallas", "reference")}
+    rng = np.random.default_rng(2026)
+    rows_checked = failures = cases = 0
+    for rows, top_k, experts in SHAPES:
+        for index_dtype in ("int32", "uint32"):
+            for score_dtype in ("float32", "bfloat16", "float16"):
+                for make in (router_inputs, adversarial_inputs):
+                    if rows >= 65536 and (index_dtype, score_dtype) != ("int32", "float32") and make is adversarial_inputs:
+                        continue  # the largest shapes once per flavour keep the run short
+                    kw = dict(index_dtype=index_dtype, score_dtype=score_dtype)
+                    if make is router_inputs:
+                        kw["resident_fraction"] = float(rng.choice([0.25, 0.7, 1.0]))
+                    inputs = make(rng, rows, top_k, experts, **kw)
+                    expected = route_shed_oracle(*inputs)
+                    for impl, fn in fns.items():
+                        cases += 1
+                        mismatch = first_mismatch(expected, fn(*inputs))
+                        if mismatch is not None:
+                            failures += 1
+                            log(f"MISMATCH {impl} {make.__name__} {rows}x{top_k} E={experts} "
+                                f"{index_dtype}/{score_dtype}: {mismatch}", sink)
+                    rows_checked += rows
+    return rows_checked, cases, failures
+
+
+def inspect_lowering(dump_dir: Path, sink) -> int:
+    """Counts forbidden float instructions in the route_shed kernels' PTX; returns the count."""
+    forbidden = re.compile(r"\b(div\.(full|approx|rn)(\.ftz)?\.f32|fma\.rn(\.ftz)?\.f32|mul(\.rn)?(\.ftz)?\.f32|"
+                           r"rcp\.approx(\.ftz)?\.f32)")
+    ptx_files = sorted(glob.glob(str(dump_dir / "**" / "*.ptx"), recursive=True))
+    bad = 0
+    seen = 0
+    for path in ptx_files:
+        text = Path(path).read_text(errors="replace")
+        if "route_shed" not in text and "route_shed" not in path:
+            continue
+        seen += 1
+        hits = sorted({m.group(0) for m in forbidden.finditer(text)})
+        int_div = len(re.findall(r"\bdiv\.u32\b", text))
+        log(f"PTX {Path(path).name}: forbidden f32 ops {hits or 'none'}; div.u32 x{int_div}", sink)
+        bad += len(hits)
+    log(f"PTX files mentioning route_shed: {seen} of {len(ptx_files)}", sink)
+    return bad if seen else -1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="out")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dump_dir = out / "xla_dump"
+    os.environ["XLA_FLAGS"] = f"--xla_dump_to={dump_dir} --xla_dump_hlo_module_re=.*route_shed.*"
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kq.backends import backend
+    from kq.check import format_table, run_checks
+    from kq_jax.exact_f32 import div_flush_raw
+
+    sink = open(out / "gpu_check.log", "w")
+    device = jax.devices()[0]
+    log(f"device: {device.device_kind}; jax {jax.__version__}; backend {jax.default_backend()}", sink)
+    if jax.default_backend() != "gpu":
+        log("FAIL: no GPU", sink)
+        return 1
+
+    start = time.time()
+    reports = run_checks(tuple(backend(n) for n in ("jax-reference", "jax-pallas")), random_rows=8192)
+    log(format_table(reports), sink)
+    golden_ok = all(r.ok for r in reports)
+
+    rows, cases, failures = random_rows(sink)
+    log(f"random rows: {rows} rows in {cases} (case, impl) runs, {failures} mismatching", sink)
+
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_jax.py", "tests/test_golden.py",
+                            "tests/test_random_rows.py", "-k", "jax or pallas or reference"],
+                           capture_output=True, text=True)
+    sink.write(tests.stdout[-6000:] + tests.stderr[-3000:])
+    summary = (tests.stdout.strip().splitlines() or ["(no output)"])[-1]
+    log(f"pytest (GPU): {summary}", sink)
+
+    plain = jax.jit(lambda a, b: a / b)
+    x = jnp.float32(3163.328613)
+    log(f"plain jnp division on this GPU: 3163.328613/3163.328613 = {float(plain(x, x))!r} "
+        f"(bits 0x{int(np.asarray(plain(x, x)).view(np.uint32)):08x}); exact_f32: "
+        f"{float(jax.jit(div_flush_raw)(x, x))!r}", sink)
+
+    bad_ops = inspect_lowering(dump_dir, sink)
+    ok = golden_ok and failures == 0 and tests.returncode == 0 and bad_ops == 0
+    log(f"SUMMARY {'PASS' if ok else 'FAIL'}: {device.device_kind}, jax {jax.__version__}: "
+        f"golden+random kq check {'ok' if golden_ok else 'FAILED'} "
+        f"({', '.join(f'{r.name} {r.passed}/{r.run}' for r in reports)}); "
+        f"{rows} random rows x 2 impls, {failures} mismatches; pytest {summary}; "
+        f"forbidden f32 ops in PTX: {bad_ops}; {time.time() - start:.0f}s", sink)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
