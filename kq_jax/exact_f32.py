@@ -26,11 +26,13 @@ derivatives so that autodiff through the reference works.
 from __future__ import annotations
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jax import lax
 
 F32_MIN_NORMAL = 2.0**-126
 CANONICAL_NAN_BITS = 0x7FC00000
+_CANONICAL_NAN = np.uint32(CANONICAL_NAN_BITS).view(np.float32)
 _U32 = jnp.uint32
 _I32 = jnp.int32
 
@@ -54,7 +56,9 @@ def flush(x):
 
 def canonicalize_nan(x):
     """Replaces every NaN by the quiet NaN 0x7FC00000."""
-    return jnp.where(jnp.isnan(x), _float(_u32(CANONICAL_NAN_BITS)), x)
+    # A float literal, not a bitcast of an integer constant: Triton's lowering
+    # cannot bitcast constants. NumPy's NaN literal is exactly 0x7FC00000.
+    return jnp.where(jnp.isnan(x), _CANONICAL_NAN, x)
 
 
 def _fields(x):

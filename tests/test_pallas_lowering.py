@@ -1,0 +1,43 @@
+"""The Pallas kernel's Triton IR, lowered here for CUDA without a GPU.
+
+The kernel must hold no float multiply, divide or FMA (they would let Triton
+pick approximate or contracted forms on the GPU): only float adds, compares
+and selects. ``tools/gpu_check.py`` checks the PTX on a real GPU as well.
+"""
+
+import functools
+import re
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+from jax import export  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
+
+from kq.inputs import router_inputs  # noqa: E402
+
+FORBIDDEN = re.compile(r"arith\.(mulf|divf|remf)|math\.fma|tt\.precise_divf|fdiv")
+
+
+@pytest.mark.parametrize("rows, top_k, experts, index_dtype, score_dtype", [
+    (64, 8, 256, "int32", "float32"), (5, 6, 40, "uint32", "bfloat16"), (3, 64, 1024, "int32", "float16"),
+    (7, 1, 1, "uint32", "float32"),
+])
+def test_triton_ir_has_no_float_multiply_or_divide(monkeypatch, capfd, rows, top_k, experts, index_dtype,
+                                                   score_dtype):
+    import kq_jax.route_shed_pallas as module
+
+    monkeypatch.setattr(module.pl, "pallas_call", functools.partial(pl.pallas_call, debug=True))
+    inputs = router_inputs(np.random.default_rng(0), rows, top_k, experts, index_dtype=index_dtype,
+                           score_dtype=score_dtype)
+    fn = jax.jit(lambda i, s, t: module.route_shed_pallas(i, s, t))
+    try:
+        export.export(fn, platforms=["cuda"],
+                      disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*inputs)
+    except (ImportError, NotImplementedError) as why:  # a jaxlib without the Triton dialect
+        pytest.skip(f"cannot lower to Triton here: {why}")
+    ir = capfd.readouterr().out
+    assert "tt.func" in ir and "tt.load" in ir, "the Triton IR was not printed"
+    assert "arith.addf" in ir
+    assert not FORBIDDEN.findall(ir), sorted(set(FORBIDDEN.findall(ir)))
