@@ -109,6 +109,7 @@ def main() -> int:
     parser.add_argument("--dump-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--parts", default="check,rows,pytest,ptx",
                         help="comma-separated subset of check,rows,pytest,ptx")
+    parser.add_argument("--pytest-timeout", type=int, default=300)
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     if args.dump_only:
@@ -151,12 +152,16 @@ def main() -> int:
     if "pytest" in parts:
         log(f"[{time.time() - start:.0f}s] pytest", sink)
         # The compiled kernel and the jitted reference; the interpreter is CI's job.
-        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "tests/test_jax.py",
-                                "tests/test_golden.py", "tests/test_random_rows.py", "-k",
-                                "not interpret and not numpy"], capture_output=True, text=True)
-        sink.write(tests.stdout[-6000:] + tests.stderr[-3000:])
-        summary = (tests.stdout.strip().splitlines() or ["(no output)"])[-1]
-        tests_ok = tests.returncode == 0
+        command = [sys.executable, "-m", "pytest", "-q", "-x", "tests/test_jax.py", "tests/test_golden.py",
+                   "tests/test_random_rows.py", "-k", "not interpret and not numpy"]
+        try:
+            tests = subprocess.run(command, capture_output=True, text=True, timeout=args.pytest_timeout)
+            sink.write(tests.stdout[-6000:] + tests.stderr[-3000:])
+            summary = (tests.stdout.strip().splitlines() or ["(no output)"])[-1]
+            tests_ok = tests.returncode == 0
+        except subprocess.TimeoutExpired as expired:
+            sink.write(str(expired.stdout or "")[-6000:])
+            summary, tests_ok = f"timed out after {args.pytest_timeout} s", False
         log(f"pytest (GPU): {summary}", sink)
 
     plain = jax.jit(lambda a, b: a / b)
