@@ -80,11 +80,76 @@ def _jax_probe(impl: str, *, needs_gpu: bool):
     return probe
 
 
+def _mlx_probe(*, compiled: bool):
+    def probe():
+        _require("mlx")
+        import mlx.core as mx
+
+        from kq_mlx.route_shed import from_numpy, route_shed_ops
+
+        def run(indices, scores, slot_table):
+            with mx.stream(mx.cpu):
+                out = route_shed_ops(*(from_numpy(np.asarray(a)) for a in (indices, scores, slot_table)),
+                                     compiled=compiled)
+                return RouteShedResult(*(np.array(o) for o in out))
+
+        return run, f"cpu, mlx {mx.__version__}"
+
+    return probe
+
+
+def _mlx_gpu_probe(kind: str):
+    def probe():
+        _require("mlx")
+        import mlx.core as mx
+
+        from kq_mlx.route_shed import from_numpy, implementation_for, route_shed
+
+        if implementation_for(mx.gpu) != kind:
+            raise Unavailable(f"needs MLX with a {kind} GPU")
+
+        def run(indices, scores, slot_table):
+            out = route_shed(*(from_numpy(np.asarray(a)) for a in (indices, scores, slot_table)), stream=mx.gpu)
+            return RouteShedResult(*(np.array(o) for o in out))
+
+        return run, f"gpu ({kind}), mlx {mx.__version__}"
+
+    return probe
+
+
+def _metal_cpu_probe():
+    from kq_mlx.metal_cpu import CompilerUnavailable, compiler, route_shed_metal_cpu
+
+    try:
+        return route_shed_metal_cpu, f"cpu via {compiler()} (route_shed.metal)"
+    except CompilerUnavailable as why:
+        raise Unavailable(str(why)) from why
+
+
+def _cuda_source_probe():
+    _require("cupy")
+    from kq_mlx.cuda_cupy import route_shed_cuda_cupy
+
+    import cupy
+
+    try:
+        name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    except cupy.cuda.runtime.CUDARuntimeError as why:
+        raise Unavailable(f"no CUDA device: {why}") from why
+    return route_shed_cuda_cupy, f"{name} via CuPy/NVRTC (route_shed.cu)"
+
+
 BACKENDS: tuple[Backend, ...] = (
     Backend("numpy-oracle", _numpy_probe),
     Backend("jax-reference", _jax_probe("reference", needs_gpu=False)),
     Backend("jax-pallas-interpret", _jax_probe("pallas_interpret", needs_gpu=False)),
     Backend("jax-pallas", _jax_probe("pallas", needs_gpu=True)),
+    Backend("mlx-ops", _mlx_probe(compiled=True)),
+    Backend("mlx-ops-eager", _mlx_probe(compiled=False)),
+    Backend("metal-source-cpu", _metal_cpu_probe),
+    Backend("mlx-metal", _mlx_gpu_probe("metal")),
+    Backend("mlx-cuda", _mlx_gpu_probe("cuda")),
+    Backend("cuda-source-cupy", _cuda_source_probe),
 )
 
 

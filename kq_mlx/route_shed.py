@@ -1,0 +1,231 @@
+"""``kq_mlx.route_shed``: a lazy MLX op with a Metal kernel, a CUDA twin and a pure-``mx`` path.
+
+One dispatcher picks the implementation from the stream the op runs on:
+
+* a GPU stream with Metal: ``route_shed.metal`` through ``mx.fast.metal_kernel``
+  (math mode "safe"), built once per (index dtype, score dtype, K);
+* a GPU stream on MLX's CUDA backend: ``route_shed.cu`` through ``mx.fast.cuda_kernel``;
+* a CPU stream (and any device without a kernel): :func:`route_shed_ops`,
+  ordinary ``mlx.core`` ops in the contract's order, compiled with ``mx.compile``.
+
+All three are bit-exact with ``shared/spec.json``; nothing is evaluated until
+the caller evaluates the outputs.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+from kq.validate import check_route_shed_args, dtype_name
+from kq_mlx import sources
+
+THREADS_PER_GROUP = 256
+_MIN_NORMAL = 2.0**-126
+_NAN_KEY = 0x7F800002
+_NOT_A_MISS_KEY = 0x7F800003
+_MX_DTYPES = {"int32": mx.int32, "uint32": mx.uint32, "float32": mx.float32, "bfloat16": mx.bfloat16,
+              "float16": mx.float16}
+
+
+class RouteShed(NamedTuple):
+    """Outputs of ``route_shed``, each shaped like ``indices``.
+
+    Attributes:
+        slots: arena slot per entry, dtype of ``indices`` (uint32 from an mlx-lm
+            router, ready for ``mx.gather_mm(..., rhs_indices=slots)``).
+        mix: float32 renormalised gate weights, 0 for shed entries.
+        miss_ids: int32 front-packed ids of shed experts to prestage, -1 padded.
+        miss_scores: float32 scores of those misses, +0.0 padded.
+    """
+
+    slots: mx.array
+    mix: mx.array
+    miss_ids: mx.array
+    miss_scores: mx.array
+
+
+def _flush(x):
+    return mx.where(mx.abs(x) < _MIN_NORMAL, 0.0, x)
+
+
+def _canonical_nan(x):
+    nan = mx.array(np.uint32(0x7FC00000)).view(mx.float32)
+    return mx.where(mx.isnan(x), nan, x)
+
+
+def _order_key(s):
+    bits = s.view(mx.int32)
+    monotone = mx.where(bits >= 0, bits, mx.bitwise_xor(bits, 0x7FFFFFFF))
+    return mx.where(mx.isnan(s), _NAN_KEY, -monotone)
+
+
+def _route_shed_ops_impl(indices, scores, slot_table):
+    top_k = indices.shape[-1]
+    ids = indices.reshape(-1, top_k)  # [rows, k]
+    s = _flush(scores.reshape(-1, top_k).astype(mx.float32))  # [rows, k]
+    num_experts = slot_table.shape[0]
+    if ids.dtype == mx.uint32:
+        valid = ids < mx.array(num_experts, mx.uint32)
+    else:
+        valid = (ids >= 0) & (ids < num_experts)
+    # mx gathers wrap negative indices, so invalid ids read slot 0 and are masked.
+    safe = mx.where(valid, ids, 0).astype(mx.int32)
+    slot = mx.where(valid, slot_table[safe], -1)
+    keep = slot >= 0
+
+    total = mx.zeros(ids.shape[:1], mx.float32)
+    kept = mx.zeros(ids.shape[:1], mx.float32)
+    for k in range(top_k):
+        total = _flush(total + s[:, k])
+        kept = mx.where(keep[:, k], _flush(kept + s[:, k]), kept)
+    has_mass = kept > 0.0
+    scale = mx.where(has_mass, _flush(total / mx.where(has_mass, kept, 1.0)), 0.0)
+    mix = mx.where(keep, _flush(s * scale[:, None]), 0.0)
+
+    position = mx.arange(top_k, dtype=mx.int32)
+    first_kept = mx.min(mx.where(keep, position, top_k - 1), axis=1, keepdims=True)
+    fallback = mx.where(mx.any(keep, axis=1, keepdims=True), mx.take_along_axis(slot, first_kept, axis=1), 0)
+    slots = mx.where(keep, slot, fallback)
+
+    # Misses by rank: a unique int64 key (score key, then k) makes the order
+    # independent of whether argsort is stable.
+    miss = valid & ~keep
+    key = mx.where(miss, _order_key(s), _NOT_A_MISS_KEY).astype(mx.int64) * 64 + position
+    order = mx.argsort(key, axis=1)
+    filled = position < mx.sum(miss, axis=1, keepdims=True)
+    miss_ids = mx.where(filled, mx.take_along_axis(ids.astype(mx.int32), order, axis=1), -1)
+    miss_scores = mx.where(filled, mx.take_along_axis(s, order, axis=1), 0.0)
+
+    out_shape = indices.shape
+    return (slots.astype(indices.dtype).reshape(out_shape), _canonical_nan(mix).reshape(out_shape),
+            miss_ids.reshape(out_shape), _canonical_nan(miss_scores).reshape(out_shape))
+
+
+_route_shed_ops_compiled = mx.compile(_route_shed_ops_impl)
+
+
+def route_shed_ops(indices, scores, slot_table, *, compiled: bool = True) -> RouteShed:
+    """The pure ``mlx.core`` implementation (any device; the CPU path).
+
+    Args:
+        indices, scores, slot_table: as :func:`route_shed`.
+        compiled: run through ``mx.compile`` (the default; measured faster on
+            the CPU, see docs/benchmarks.md) or op by op.
+    """
+    check_route_shed_args(indices, scores, slot_table)
+    fn = _route_shed_ops_compiled if compiled else _route_shed_ops_impl
+    return RouteShed(*fn(indices, scores, slot_table))
+
+
+@functools.lru_cache(maxsize=None)
+def metal_kernel(index_dtype: str, score_dtype: str, top_k: int):
+    """Builds (once per variant) the Metal kernel; raises where Metal is unavailable."""
+    if not mx.metal.is_available():
+        raise RuntimeError("route_shed: the Metal kernel needs MLX with a Metal GPU")
+    source = sources.load("route_shed.metal")
+    return mx.fast.metal_kernel(
+        name=sources.kernel_name(index_dtype, score_dtype, top_k),
+        input_names=list(sources.INPUT_NAMES),
+        output_names=list(sources.OUTPUT_NAMES),
+        source=source.body,
+        header=source.header,
+        ensure_row_contiguous=True,
+        compile_options={"math_mode": "safe"},
+    )
+
+
+def _cuda_available() -> bool:
+    return hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_kernel(index_dtype: str, score_dtype: str, top_k: int):
+    """Builds (once per variant) the CUDA twin; raises on an MLX build without CUDA."""
+    if not _cuda_available():
+        raise RuntimeError("route_shed: the CUDA kernel needs MLX built with its CUDA backend")
+    source = sources.load("route_shed.cu")
+    return mx.fast.cuda_kernel(
+        name=sources.kernel_name(index_dtype, score_dtype, top_k),
+        input_names=list(sources.INPUT_NAMES),
+        output_names=list(sources.OUTPUT_NAMES),
+        source=source.body,
+        header=source.header,
+        ensure_row_contiguous=True,
+    )
+
+
+def from_numpy(array: np.ndarray) -> mx.array:
+    """NumPy (including ml_dtypes.bfloat16) to MLX, bit for bit."""
+    if dtype_name(array) == "bfloat16":
+        return mx.array(np.ascontiguousarray(array).view(np.uint16)).view(mx.bfloat16)
+    return mx.array(array)
+
+
+def _launch(kernel, indices, scores, slot_table, *, template, stream) -> RouteShed:
+    top_k = indices.shape[-1]
+    rows = indices.size // top_k
+    out_shape = indices.shape
+    index_dtype = dtype_name(indices)
+    if rows == 0:
+        return RouteShed(*(mx.zeros(out_shape, _MX_DTYPES[d]) for d in sources.output_dtypes(index_dtype)))
+    outputs = kernel(
+        inputs=[indices.reshape(rows, top_k), scores.reshape(rows, top_k), slot_table],
+        template=template,
+        grid=(rows, 1, 1),
+        threadgroup=(min(THREADS_PER_GROUP, rows), 1, 1),
+        output_shapes=[(rows, top_k)] * 4,
+        output_dtypes=[_MX_DTYPES[d] for d in sources.output_dtypes(index_dtype)],
+        stream=stream,
+    )
+    return RouteShed(*(o.reshape(out_shape) for o in outputs))
+
+
+def implementation_for(stream=None) -> str:
+    """``"metal"``, ``"cuda"`` or ``"ops"``: what :func:`route_shed` runs on ``stream``."""
+    if stream is None:
+        stream = mx.default_device()
+    if isinstance(stream, mx.Stream):
+        stream = stream.device
+    device_type = stream.type if isinstance(stream, mx.Device) else stream
+    if device_type == mx.gpu:
+        if mx.metal.is_available():
+            return "metal"
+        if _cuda_available():
+            return "cuda"
+    return "ops"
+
+
+def route_shed(indices, scores, slot_table, *, stream=None) -> RouteShed:
+    """Remaps routed experts to arena slots and sheds the non-resident ones (lazily).
+
+    A drop-in for mlx_kquant's ``route_shed``: builds into the caller's graph
+    and evaluates nothing.
+
+    Args:
+        indices: uint32 (mlx-lm routers) or int32 ``[..., K]`` top-k expert ids,
+            ``1 <= K <= 64``.
+        scores: float32, bfloat16 or float16 ``[..., K]`` gate scores.
+        slot_table: int32 ``[E]``; ``slot_table[e] >= 0`` is the arena slot of
+            resident expert ``e``, negative means not resident.
+        stream: MLX stream or device to run on (default: the default stream).
+
+    Returns:
+        ``RouteShed(slots, mix, miss_ids, miss_scores)`` shaped like ``indices``;
+        ``slots`` has the dtype of ``indices``.
+
+    Raises:
+        TypeError / ValueError: a wrong dtype or shape, naming the argument.
+    """
+    check_route_shed_args(indices, scores, slot_table)
+    impl = implementation_for(stream)
+    if impl == "ops":
+        with mx.stream(stream if stream is not None else mx.default_stream(mx.default_device())):
+            return route_shed_ops(indices, scores, slot_table)
+    variant = (dtype_name(indices), dtype_name(scores), indices.shape[-1])
+    build = metal_kernel if impl == "metal" else cuda_kernel
+    template = [(name, _MX_DTYPES.get(value, value)) for name, value in sources.template_args(*variant)]
+    return _launch(build(*variant), indices, scores, slot_table, template=template, stream=stream)

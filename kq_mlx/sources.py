@@ -1,0 +1,94 @@
+"""The kernel sources of kq_mlx and the signatures MLX wraps around them.
+
+``route_shed.metal`` and ``route_shed.cu`` each hold a header and a body,
+split at ``// ==== header ====`` and ``// ==== body ====``. The same strings go
+to ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel`` and to the harnesses that
+execute them where the hardware is missing, together with a signature written
+the way MLX writes it, so what is tested is what MLX compiles.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from importlib import resources
+
+INPUT_NAMES = ("indices", "scores", "slot_table")
+OUTPUT_NAMES = ("slots", "mix", "miss_ids", "miss_scores")
+# Which inputs the bodies read the shape of (MLX passes `<name>_shape` then).
+SHAPED_INPUTS = ("indices", "slot_table")
+
+METAL_TYPES = {"int32": "int32_t", "uint32": "uint32_t", "float32": "float", "bfloat16": "bfloat16_t",
+               "float16": "float16_t"}
+CUDA_TYPES = {"int32": "int32_t", "uint32": "uint32_t", "float32": "float", "bfloat16": "__nv_bfloat16",
+              "float16": "__half"}
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    header: str
+    body: str
+
+
+@functools.lru_cache(maxsize=None)
+def load(filename: str) -> KernelSource:
+    """Splits ``route_shed.metal`` / ``route_shed.cu`` into header and body."""
+    text = (resources.files("kq_mlx") / filename).read_text()
+    _, rest = text.split("// ==== header ====\n", 1)
+    header, body = rest.split("// ==== body ====\n", 1)
+    return KernelSource(header=header, body=body)
+
+
+def kernel_name(index_dtype: str, score_dtype: str, top_k: int) -> str:
+    """One name per variant: MLX caches compiled libraries by name."""
+    return f"kq_route_shed_{index_dtype}_{score_dtype}_k{top_k}"
+
+
+def output_dtypes(index_dtype: str) -> tuple[str, ...]:
+    return (index_dtype, "float32", "int32", "float32")
+
+
+def metal_signature(index_dtype: str, score_dtype: str, top_k: int) -> str:
+    """The function MLX's metal_kernel generates around the body (template form)."""
+    types = dict(zip(INPUT_NAMES, (index_dtype, score_dtype, "int32")))
+    params, buffer = [], 0
+    for name in INPUT_NAMES:
+        params.append(f"const device {METAL_TYPES[types[name]]}* {name} [[buffer({buffer})]]")
+        buffer += 1
+        if name in SHAPED_INPUTS:
+            params.append(f"const constant int* {name}_shape [[buffer({buffer})]]")
+            buffer += 1
+    for name, dtype in zip(OUTPUT_NAMES, output_dtypes(index_dtype)):
+        params.append(f"device {METAL_TYPES[dtype]}* {name} [[buffer({buffer})]]")
+        buffer += 1
+    params.append("uint3 thread_position_in_grid [[thread_position_in_grid]]")
+    joined = ",\n  ".join(params)
+    return (f"template <typename IdT, typename ScoreT, int K>\n"
+            f"[[kernel]] void custom_kernel_{kernel_name(index_dtype, score_dtype, top_k)}(\n  {joined})")
+
+
+def template_args(index_dtype: str, score_dtype: str, top_k: int):
+    """Template arguments for either kernel, as (name, dtype name or int) pairs."""
+    return (("IdT", index_dtype), ("ScoreT", score_dtype), ("K", top_k))
+
+
+def cuda_harness_signature(index_dtype: str, score_dtype: str, top_k: int) -> str:
+    """MLX's cuda_kernel signature, with each ``Shape`` passed as a device pointer.
+
+    MLX passes ``<name>_shape`` by value as a ``__grid_constant__ Shape``; the
+    CuPy harness passes ``const int*`` instead. The body only indexes it
+    (``indices_shape[0]``), which reads the same either way.
+    """
+    types = dict(zip(INPUT_NAMES, (index_dtype, score_dtype, "int32")))
+    params = []
+    for name in INPUT_NAMES:
+        params.append(f"const {CUDA_TYPES[types[name]]}* {name}")
+        if name in SHAPED_INPUTS:
+            params.append(f"const int* {name}_shape")
+    for name, dtype in zip(OUTPUT_NAMES, output_dtypes(index_dtype)):
+        params.append(f"{CUDA_TYPES[dtype]}* {name}")
+    constants = "".join(
+        f"  constexpr int {n} = {v};\n" if isinstance(v, int) else f"  using {n} = {CUDA_TYPES[v]};\n"
+        for n, v in template_args(index_dtype, score_dtype, top_k))
+    joined = ",\n    ".join(params)
+    return f'extern "C" __global__ void kq_route_shed(\n    {joined}) {{\n{constants}'
