@@ -17,14 +17,23 @@
 //     <body>
 //   }
 //
-// NVRTC contracts a*b+c into FMA by default, so every float operation is an
-// explicit round-to-nearest intrinsic (__fadd_rn, __fmul_rn, __fdiv_rn);
-// without -ftz they keep subnormals, so the contract's flush is exact. The
-// launch rounds the grid up to whole blocks, hence the bounds check.
+// NVRTC contracts a*b+c into FMA by default, so every float add and the
+// division are explicit round-to-nearest intrinsics (__fadd_rn, __fdiv_rn),
+// each followed by the contract's flush. The multiply s * scale is NOT
+// __fmul_rn: measured on an H200 through CuPy/NVRTC, __fmul_rn gave 0 for
+// 2^-126 * (1 - 2^-24), which IEEE (and the contract) rounds up to 2^-126;
+// kq_mul_flush (exact_f32.inc, appended to this header by kq_mlx.sources)
+// computes it on integer mantissas instead. The launch rounds the grid up to
+// whole blocks, hence the bounds check.
 
 // ==== header ====
 #define KQ_MIN_NORMAL 1.17549435082228750797e-38f  // 2^-126
 #define KQ_CANONICAL_NAN 0x7FC00000u
+#define KQ_INLINE __device__ __forceinline__
+#define KQ_AS_UINT(x) __float_as_uint(x)
+#define KQ_AS_FLOAT(x) __uint_as_float(x)
+#define KQ_ISNAN(x) isnan(x)
+#define KQ_ISINF(x) isinf(x)
 
 __device__ __forceinline__ float kq_flush(float x) {
   return fabsf(x) < KQ_MIN_NORMAL ? 0.0f : x;
@@ -75,7 +84,7 @@ int miss_count = 0;
 for (int k = 0; k < K; k++) {
   const bool keep = slot[k] >= 0;
   slots[base + k] = keep ? slot[k] : fallback;
-  mix[base + k] = keep ? kq_canonical(kq_flush(__fmul_rn(s[k], scale))) : 0.0f;
+  mix[base + k] = keep ? kq_canonical(kq_mul_flush(s[k], scale)) : 0.0f;
   miss_count += miss[k] ? 1 : 0;
 }
 for (int k = 0; k < K; k++) {

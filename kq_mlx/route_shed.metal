@@ -21,13 +21,19 @@
 //
 // Exactness: compiled with math_mode "safe"; the division is
 // metal::precise::divide (correctly rounded); the multiply s * scale is done on
-// integer mantissas (kq_mul_flush) so that no GPU's flush-to-zero rule can turn
-// a product that IEEE rounds up to 2^-126 into 0; every sum is a sequential add
-// followed by the contract's flush.
+// integer mantissas (kq_mul_flush, exact_f32.inc, appended to this header by
+// kq_mlx.sources) so that no GPU's flush-to-zero rule can turn a product that
+// IEEE rounds up to 2^-126 into 0; every sum is a sequential add followed by
+// the contract's flush.
 
 // ==== header ====
 #define KQ_MIN_NORMAL 1.17549435082228750797e-38f  // 2^-126
 #define KQ_CANONICAL_NAN 0x7FC00000u
+#define KQ_INLINE inline
+#define KQ_AS_UINT(x) as_type<uint>(x)
+#define KQ_AS_FLOAT(x) as_type<float>(x)
+#define KQ_ISNAN(x) metal::isnan(x)
+#define KQ_ISINF(x) metal::isinf(x)
 
 inline float kq_flush(float x) {
   return metal::fabs(x) < KQ_MIN_NORMAL ? 0.0f : x;
@@ -35,41 +41,6 @@ inline float kq_flush(float x) {
 
 inline float kq_canonical(float x) {
   return metal::isnan(x) ? as_type<float>(KQ_CANONICAL_NAN) : x;
-}
-
-// flush(a * b), correctly rounded, for flushed a and b, on 24-bit mantissas.
-inline float kq_mul_flush(float a, float b) {
-  const uint ba = as_type<uint>(a), bb = as_type<uint>(b);
-  const uint sign = (ba ^ bb) & 0x80000000u;
-  const bool nan = metal::isnan(a) || metal::isnan(b) || (metal::isinf(a) && b == 0.0f) ||
-                   (a == 0.0f && metal::isinf(b));
-  if (nan) return as_type<float>(KQ_CANONICAL_NAN);
-  if (metal::isinf(a) || metal::isinf(b)) return as_type<float>(sign | 0x7F800000u);
-  if (a == 0.0f || b == 0.0f) return 0.0f;
-  const uint ma = (ba & 0x7FFFFFu) | 0x800000u, mb = (bb & 0x7FFFFFu) | 0x800000u;
-  const uint ah = ma >> 12, al = ma & 0xFFFu, bh = mb >> 12, bl = mb & 0xFFFu;
-  const uint middle = ah * bl + al * bh;
-  uint low = al * bl + ((middle & 0xFFFu) << 12);
-  const uint high = ah * bh + (middle >> 12) + (low >> 24);
-  low &= 0xFFFFFFu;
-  const bool top = (high >> 23) == 1u;
-  const uint mantissa = top ? high : ((high << 1) | (low >> 23));
-  const uint round_bit = top ? (low >> 23) : ((low >> 22) & 1u);
-  const uint sticky = top ? uint((low & 0x7FFFFFu) != 0u) : uint((low & 0x3FFFFFu) != 0u);
-  const int exponent = int((ba >> 23) & 0xFFu) + int((bb >> 23) & 0xFFu) - (top ? 126 : 127);
-  if (exponent < 1) {
-    // The top subnormal binade rounds (on the 2^-149 grid) up to 2^-126 only
-    // when every mantissa bit is set; everything else below 2^-126 flushes.
-    return (exponent == 0 && mantissa == 0xFFFFFFu) ? as_type<float>(sign | 0x00800000u) : 0.0f;
-  }
-  uint rounded = mantissa + (round_bit & (sticky | (mantissa & 1u)));
-  int biased = exponent;
-  if (rounded >> 24) {
-    rounded >>= 1;
-    biased += 1;
-  }
-  if (biased >= 255) return as_type<float>(sign | 0x7F800000u);
-  return as_type<float>(sign | (uint(biased) << 23) | (rounded & 0x7FFFFFu));
 }
 
 // Ascending key = descending score, NaN after every number.

@@ -1,7 +1,8 @@
 """The kernel sources of kq_mlx and the signatures MLX wraps around them.
 
 ``route_shed.metal`` and ``route_shed.cu`` each hold a header and a body,
-split at ``// ==== header ====`` and ``// ==== body ====``. The same strings go
+split at ``// ==== header ====`` and ``// ==== body ====``. The header gets ``exact_f32.inc`` appended (the integer multiply both
+kernels share). The same strings go
 to ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel`` and to the harnesses that
 execute them where the hardware is missing, together with a signature written
 the way MLX writes it, so what is tested is what MLX compiles.
@@ -33,9 +34,12 @@ class KernelSource:
 @functools.lru_cache(maxsize=None)
 def load(filename: str) -> KernelSource:
     """Splits ``route_shed.metal`` / ``route_shed.cu`` into header and body."""
-    text = (resources.files("kq_mlx") / filename).read_text()
+    package = resources.files("kq_mlx")
+    text = (package / filename).read_text()
     _, rest = text.split("// ==== header ====\n", 1)
     header, body = rest.split("// ==== body ====\n", 1)
+    # The integer multiply both kernels share, written once for both languages.
+    header += "\n" + (package / "exact_f32.inc").read_text()
     return KernelSource(header=header, body=body)
 
 
