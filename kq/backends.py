@@ -15,6 +15,7 @@ from typing import Callable
 import numpy as np
 
 from kq.oracle import RouteShedResult, route_shed_oracle
+from kq.validate import check_route_shed_args
 
 Runner = Callable[[np.ndarray, np.ndarray, np.ndarray], RouteShedResult]
 
@@ -65,7 +66,6 @@ def _jax_probe(impl: str, *, needs_gpu: bool):
         import jax
 
         import kq_jax
-        from kq.validate import check_route_shed_args
 
         if needs_gpu and jax.default_backend() != "gpu":
             raise Unavailable(f"needs a CUDA GPU; jax's default backend is {jax.default_backend()}")
@@ -85,9 +85,10 @@ def _mlx_probe(*, compiled: bool):
         _require("mlx")
         import mlx.core as mx
 
-        from kq_mlx.route_shed import from_numpy, route_shed_ops
+        from kq_mlx.route_shed_mlx import from_numpy, route_shed_ops
 
         def run(indices, scores, slot_table):
+            check_route_shed_args(indices, scores, slot_table)  # before MLX narrows float64 to float32
             with mx.stream(mx.cpu):
                 out = route_shed_ops(*(from_numpy(np.asarray(a)) for a in (indices, scores, slot_table)),
                                      compiled=compiled)
@@ -103,12 +104,13 @@ def _mlx_gpu_probe(kind: str):
         _require("mlx")
         import mlx.core as mx
 
-        from kq_mlx.route_shed import from_numpy, implementation_for, route_shed
+        from kq_mlx.route_shed_mlx import from_numpy, implementation_for, route_shed
 
         if implementation_for(mx.gpu) != kind:
             raise Unavailable(f"needs MLX with a {kind} GPU")
 
         def run(indices, scores, slot_table):
+            check_route_shed_args(indices, scores, slot_table)
             out = route_shed(*(from_numpy(np.asarray(a)) for a in (indices, scores, slot_table)), stream=mx.gpu)
             return RouteShedResult(*(np.array(o) for o in out))
 

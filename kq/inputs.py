@@ -126,6 +126,6 @@ def adversarial_inputs(
     ids = np.where(bad_id, strays, ids)
     duplicate = rng.random(shape) < edge_fraction / 2
     ids = np.where(duplicate, np.roll(ids, 1, axis=-1), ids)
-    with np.errstate(over="ignore"):  # huge scores becoming f16 inf is intended
+    with np.errstate(over="ignore", invalid="ignore"):  # huge scores becoming f16 inf, NaN to f16: intended
         scores = scores.astype(SCORE_DTYPES[score_dtype])
     return ids.astype(INDEX_DTYPES[index_dtype]), scores, table

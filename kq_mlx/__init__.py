@@ -11,7 +11,7 @@ __all__ = ["RouteShed", "from_numpy", "implementation_for", "route_shed", "route
 
 def __getattr__(name):
     if name in __all__:
-        from kq_mlx import route_shed as module
+        from kq_mlx import route_shed_mlx as module
 
         return getattr(module, name)
     raise AttributeError(f"module 'kq_mlx' has no attribute {name!r}")

@@ -103,8 +103,9 @@ def route_shed_metal_cpu(indices, scores, slot_table) -> RouteShedResult:
     Returns:
         ``RouteShedResult`` as the kernel wrote it.
     """
-    indices, scores, slot_table = (np.ascontiguousarray(a) for a in (indices, scores, slot_table))
+    indices, scores, slot_table = (np.asarray(a) for a in (indices, scores, slot_table))
     check_route_shed_args(indices, scores, slot_table)
+    indices, scores, slot_table = (np.ascontiguousarray(a) for a in (indices, scores, slot_table))
     index_dtype, score_dtype = dtype_name(indices), dtype_name(scores)
     out_shape = indices.shape
     top_k = out_shape[-1]

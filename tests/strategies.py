@@ -41,7 +41,7 @@ def route_shed_inputs(draw, max_rows=24, max_k=64, max_experts=300):
     elif style == "edges":
         picks = np.array(EDGE_F32_BITS, np.uint32)[rng.integers(0, len(EDGE_F32_BITS), ids.shape)]
         normal = rng.random(ids.shape).astype(np.float32)
-        with np.errstate(over="ignore"):
+        with np.errstate(over="ignore", invalid="ignore"):
             scores = np.where(rng.random(ids.shape) < 0.4, picks.view(np.float32), normal).astype(score_type)
     else:
         scores = rng.choice(np.array([0.25, 0.5, 0.125], np.float32), ids.shape).astype(score_type)

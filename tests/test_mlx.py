@@ -1,0 +1,110 @@
+"""kq_mlx: laziness, dispatch, eager vs mx.compile, and composing with mx.gather_mm."""
+
+import numpy as np
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+
+import kq_mlx  # noqa: E402
+from conftest import assert_same_bits  # noqa: E402
+from kq.inputs import adversarial_inputs, router_inputs  # noqa: E402
+from kq.oracle import route_shed_oracle  # noqa: E402
+from kq_mlx.route_shed_mlx import cuda_kernel, from_numpy, metal_kernel  # noqa: E402
+
+
+def as_mx(*arrays):
+    return tuple(from_numpy(a) for a in arrays)
+
+
+def test_building_the_op_evaluates_nothing(rng):
+    """mx.compile refuses any evaluation while tracing, so a clean trace proves laziness."""
+    inputs = router_inputs(rng, 16, 8, 64, index_dtype="uint32")
+    traced = mx.compile(lambda i, s, t: tuple(kq_mlx.route_shed(i, s, t)))
+    out = traced(*as_mx(*inputs))
+    assert_same_bits(route_shed_oracle(*inputs), [np.array(o) for o in out])
+
+
+def test_eval_during_compile_is_what_the_laziness_test_would_catch():
+    with pytest.raises(ValueError):
+        mx.compile(lambda x: x * float(x.sum().item()))(mx.ones(3))
+
+
+def test_cpu_stream_uses_the_ops_path():
+    assert kq_mlx.implementation_for(mx.cpu) == "ops"
+    assert kq_mlx.implementation_for(mx.default_stream(mx.cpu)) == "ops"
+
+
+@pytest.mark.skipif(mx.metal.is_available(), reason="this machine has Metal")
+def test_metal_kernel_refuses_to_build_without_metal():
+    with pytest.raises(RuntimeError, match="Metal"):
+        metal_kernel.__wrapped__("uint32", "float32", 8)
+
+
+@pytest.mark.skipif(hasattr(mx, "cuda") and mx.cuda.is_available(), reason="this MLX has CUDA")
+def test_cuda_kernel_refuses_to_build_without_cuda():
+    with pytest.raises(RuntimeError, match="CUDA"):
+        cuda_kernel.__wrapped__("uint32", "float32", 8)
+
+
+@pytest.mark.parametrize("score_dtype", ["float32", "bfloat16", "float16"])
+def test_eager_and_compiled_agree(rng, score_dtype):
+    inputs = adversarial_inputs(rng, 300, 8, 64, score_dtype=score_dtype, index_dtype="uint32")
+    eager = kq_mlx.route_shed_ops(*as_mx(*inputs), compiled=False)
+    compiled = kq_mlx.route_shed_ops(*as_mx(*inputs), compiled=True)
+    assert_same_bits(route_shed_oracle(*inputs), [np.array(o) for o in eager])
+    assert_same_bits(route_shed_oracle(*inputs), [np.array(o) for o in compiled])
+
+
+def test_slots_feed_gather_mm_like_a_resident_block(rng):
+    """An arena of S slots fed slots/mix gives the fully resident block's output."""
+    tokens, top_k, experts, d_in, d_out = 6, 4, 16, 8, 5
+    ids, scores, _ = router_inputs(rng, tokens, top_k, experts, index_dtype="uint32")
+    weights = rng.normal(size=(experts, d_in, d_out)).astype(np.float32)
+    resident = np.sort(rng.choice(experts, 9, replace=False))
+    table = np.full(experts, -1, np.int32)
+    table[resident] = rng.permutation(len(resident))
+    arena = np.zeros((len(resident), d_in, d_out), np.float32)
+    arena[table[resident]] = weights[resident]
+    x = mx.array(rng.normal(size=(tokens, 1, 1, d_in)).astype(np.float32))
+
+    out = kq_mlx.route_shed(*as_mx(ids, scores, table))
+    arena_y = mx.gather_mm(x, mx.array(arena), rhs_indices=out.slots)  # [T, K, 1, O]
+    arena_y = mx.sum(arena_y[:, :, 0, :] * out.mix[..., None], axis=1)
+
+    expected = route_shed_oracle(ids, scores, table)
+    full_y = mx.gather_mm(x, mx.array(weights), rhs_indices=mx.array(ids))
+    full_y = mx.sum(full_y[:, :, 0, :] * mx.array(expected.mix)[..., None], axis=1)
+    np.testing.assert_array_equal(np.array(arena_y), np.array(full_y))
+    assert out.slots.dtype == mx.uint32
+
+
+def test_all_resident_matches_the_unmodified_block(rng):
+    tokens, top_k, experts, d_in, d_out = 5, 8, 32, 8, 4
+    ids, scores, _ = router_inputs(rng, tokens, top_k, experts, index_dtype="uint32", normalized=True)
+    table = np.arange(experts, dtype=np.int32)
+    weights = mx.array(rng.normal(size=(experts, d_in, d_out)).astype(np.float32))
+    x = mx.array(rng.normal(size=(tokens, 1, 1, d_in)).astype(np.float32))
+    out = kq_mlx.route_shed(*as_mx(ids, scores, table))
+    shed = mx.sum(mx.gather_mm(x, weights, rhs_indices=out.slots)[:, :, 0, :] * out.mix[..., None], axis=1)
+    plain = mx.sum(mx.gather_mm(x, weights, rhs_indices=mx.array(ids))[:, :, 0, :] * mx.array(scores)[..., None],
+                   axis=1)
+    np.testing.assert_array_equal(np.array(shed), np.array(plain))
+
+
+def test_wrong_arguments_name_the_argument():
+    ids = mx.zeros((2, 4), mx.uint32)
+    with pytest.raises(ValueError, match="scores"):
+        kq_mlx.route_shed(ids, mx.zeros((2, 3)), mx.zeros(8, mx.int32))
+    with pytest.raises(TypeError, match="indices"):
+        kq_mlx.route_shed(ids.astype(mx.float32), mx.zeros((2, 4)), mx.zeros(8, mx.int32))
+    with pytest.raises(TypeError, match="slot_table"):
+        kq_mlx.route_shed(ids, mx.zeros((2, 4)), mx.zeros(8, mx.int64))
+
+
+def test_kq_route_shed_dispatches_mlx_arrays(rng):
+    import kq
+
+    inputs = router_inputs(rng, 3, 8, 32)
+    out = kq.route_shed(*as_mx(*inputs))
+    assert isinstance(out.mix, mx.array)
+    assert_same_bits(route_shed_oracle(*inputs), [np.array(o) for o in out])
