@@ -1,0 +1,340 @@
+"""The host side of the arena: prestage order, residency manager, expert store, adapters."""
+
+import threading
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kq import route_shed
+from kq.expert_store import ExpertStore, ExpertStoreError
+from kq.prestage import prestage_order
+from kq.residency import LayerReport, NumpyArena, ResidencyManager
+
+# ---- prestage_order ---------------------------------------------------------------------
+
+
+def prestage_brute_force(miss_ids, miss_scores):
+    best, count = {}, {}
+    for e, s in zip(np.ravel(miss_ids).tolist(), np.ravel(miss_scores).astype(np.float32).tolist()):
+        if e < 0:
+            continue
+        count[e] = count.get(e, 0) + 1
+        if s == s and (e not in best or best[e] != best[e] or s > best[e]):
+            best[e] = s
+        best.setdefault(e, float("nan"))
+    rank = sorted(best, key=lambda e: (best[e] != best[e], -best[e] if best[e] == best[e] else 0, e))
+    return rank, [count[e] for e in rank], [best[e] for e in rank]
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(0, 6), k=st.integers(1, 8), experts=st.integers(1, 12), seed=st.integers(0, 2**31))
+def test_prestage_order_matches_brute_force(rows, k, experts, seed):
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(-1, experts, (rows, k))
+    scores = rng.choice(np.array([0.5, 0.25, 0.125, np.nan, -np.inf, 0.0], np.float32), (rows, k))
+    got = prestage_order(ids, scores, experts)
+    want_ids, want_counts, want_best = prestage_brute_force(ids, scores)
+    assert got.expert_ids.tolist() == want_ids
+    assert got.counts.tolist() == want_counts
+    np.testing.assert_array_equal(got.best_scores, np.array(want_best, np.float32))
+
+
+def test_prestage_order_of_route_shed_output():
+    table = np.array([0, -1, 1, -1, -1], np.int32)
+    out = route_shed(np.array([[0, 1, 3], [3, 4, 2]], np.int32),
+                     np.array([[0.5, 0.3, 0.2], [0.6, 0.3, 0.1]], np.float32), table)
+    order = prestage_order(out.miss_ids, out.miss_scores, 5)
+    assert order.expert_ids.tolist() == [3, 1, 4] and order.counts.tolist() == [2, 1, 1]
+
+
+def test_prestage_order_rejects_ids_outside_the_table():
+    with pytest.raises(ValueError, match="outside"):
+        prestage_order(np.array([[7]]), np.array([[0.5]], np.float32), 4)
+
+
+# ---- residency manager: policies on hand-worked traces ------------------------------------
+
+
+def report(ids, scores=None, table=None):
+    """A LayerReport for one token, misses computed by route_shed against ``table``."""
+    ids = np.array(ids, np.int32).reshape(1, -1)
+    scores = np.full(ids.shape, 1.0 / ids.shape[1], np.float32) if scores is None else np.array(
+        scores, np.float32).reshape(1, -1)
+    out = route_shed(ids, scores, table)
+    return LayerReport(ids, scores, out.miss_ids, out.miss_scores)
+
+
+def run_trace(manager, tokens):
+    tables = manager.snapshot()
+    for ids in tokens:
+        tables = manager.step([report(ids, table=tables[0])])
+    return tables
+
+
+def loaded_into(slots_log):
+    def loader(layer, expert, slot):
+        slots_log.append((expert, slot))
+        return 0
+
+    return loader
+
+
+def test_lru_trace():
+    log = []
+    manager = ResidencyManager(1, 6, 2, loader=loaded_into(log), policy="lru", queue_depth=0)
+    # t0 routes 0,1 (both miss: loads into slots 0 and 1); they publish at t1's boundary.
+    tables = run_trace(manager, [[0, 1], [0, 3], [2, 0]])
+    assert log[:2] == [(0, 0), (1, 1)]
+    # t1's miss 3 had to evict: 0 and 3 are shielded (routed), 1 is the victim.
+    assert log[2] == (3, 1)
+    # t2 routes 2 and 0: 3 (published at t2's boundary) is the only victim not shielded,
+    # so the next token sees only expert 0 while 2 loads into slot 1.
+    assert log[3] == (2, 1)
+    assert tables[0].tolist() == [0, -1, -1, -1, -1, -1]
+    manager.drain()
+    assert manager.resident(0) == {0: 0, 2: 1}
+
+
+def test_lfu_trace_with_decay():
+    log = []
+    manager = ResidencyManager(1, 6, 2, loader=loaded_into(log), policy="lfu", decay_interval=0, queue_depth=0)
+    run_trace(manager, [[0, 1], [0, 1], [0, 2], [4, 5]])
+    # Popularity after t3: 0 -> 3, 1 -> 2, 2 -> 1. t2's miss 2 evicts the less popular of {1} (0 is routed).
+    assert log[2] == (2, 1)
+    # t3 misses 4 (0.5) and 5 (0.5): the victims are the least popular first: 2 (1) then 0 (3).
+    assert log[3:] == [(4, 1), (5, 0)]
+
+
+def test_pinned_experts_are_never_evicted_and_routed_ones_are_shielded():
+    log = []
+    manager = ResidencyManager(1, 8, 2, loader=loaded_into(log), pinned={0: [7]}, queue_depth=0)
+    manager.preload(0, [7])
+    assert manager.resident(0) == {7: 0}
+    run_trace(manager, [[1, 2], [3, 4], [5, 6]])
+    manager.drain()
+    assert manager.resident(0)[7] == 0
+    assert all(expert != 7 for expert, _ in log[1:])
+    with pytest.raises(ValueError, match="pins"):
+        ResidencyManager(1, 8, 1, loader=loaded_into([]), pinned={0: [1, 2]})
+
+
+def test_read_budget_limits_reads_per_token():
+    log = []
+    manager = ResidencyManager(2, 16, 8, loader=loaded_into(log), read_budget=3, queue_depth=0)
+    tables = manager.snapshot()
+    manager.step([report([0, 1, 2, 3], table=tables[0]), report([4, 5, 6, 7], table=tables[1])])
+    assert len(log) == 3
+
+
+def test_failed_read_leaves_the_expert_unpublished_and_is_reported():
+    def loader(layer, expert, slot):
+        if expert == 2:
+            raise OSError("disk on fire")
+        return 0
+
+    manager = ResidencyManager(1, 4, 4, loader=loader, queue_depth=0)
+    tables = manager.step([report([1, 2], table=manager.snapshot()[0])])
+    tables = manager.step([report([1, 3], table=tables[0])])
+    assert tables[0, 2] == -1 and tables[0, 1] >= 0
+    assert [(f.expert, str(f.error)) for f in manager.failures] == [(2, "disk on fire")]
+    per_layer, total = manager.stats()
+    assert total.reads_failed == 1 and total.reads_landed == 1
+    assert (manager.slot_owner(0) == 2).sum() == 0  # its slot was freed
+
+
+def test_statistics_and_over_budget_ledger():
+    manager = ResidencyManager(1, 4, 4, loader=loaded_into([]), keep_mass=0.8, queue_depth=0)
+    manager.preload(0, [0, 1])
+    tables = manager.snapshot()
+    # Token 0: ids 0,1 resident, 2 not: shed mass 0.3 of 1.0 > 0.2 -> over budget.
+    tables = manager.step([report([0, 1, 2], [0.4, 0.3, 0.3], tables[0])])
+    # Token 1: ids 0,1 resident, 7 out of range (shed, not a miss): shed mass 0.1 <= 0.2.
+    manager.step([report([0, 1, 7], [0.6, 0.3, 0.1], tables[0])])
+    _, total = manager.stats()
+    assert (total.lookups, total.hits, total.misses, total.shed_count) == (5, 4, 1, 2)
+    assert total.shed_mass == pytest.approx(0.4) and total.routed_mass == pytest.approx(2.0)
+    assert total.over_budget == 1
+    assert total.hit_rate == pytest.approx(0.8)
+
+
+# ---- the fence: no snapshot maps a slot whose contents are being replaced --------------------
+
+
+def expert_content(layer, expert):
+    return np.full(64, layer * 1000 + expert, np.float32)
+
+
+def test_fence_under_slow_concurrent_reads():
+    layers, experts, slots = 2, 24, 6
+    arena = NumpyArena(layers, slots, {"w": ((64,), np.float32)})
+    writing = set()
+    lock = threading.Lock()
+
+    def slow_loader(layer, expert, slot):
+        with lock:
+            writing.add((layer, slot))
+        target = arena.arrays["w"][layer, slot]
+        target[:32] = expert_content(layer, expert)[:32]  # half written...
+        time.sleep(0.004)
+        target[32:] = expert_content(layer, expert)[32:]  # ...then the rest
+        with lock:
+            writing.discard((layer, slot))
+        return 256
+
+    rng = np.random.default_rng(0)
+    manager = ResidencyManager(layers, experts, slots, loader=slow_loader, queue_depth=4, read_budget=4)
+    tables = manager.snapshot()
+    checked = 0
+    for token in range(150):
+        hot = rng.choice(experts, 4, replace=False) if token % 20 < 10 else rng.choice(8, 4, replace=False)
+        # "The gathers" of this token read every mapped slot while loads keep running.
+        for _ in range(3):
+            for layer in range(layers):
+                for expert in np.flatnonzero(tables[layer] >= 0):
+                    slot = tables[layer, expert]
+                    with lock:
+                        assert (layer, slot) not in writing, "a mapped slot is being written"
+                    np.testing.assert_array_equal(arena.arrays["w"][layer, slot], expert_content(layer, expert))
+                    checked += 1
+            time.sleep(0.001)
+        reports = [report(hot, table=tables[layer]) for layer in range(layers)]
+        tables = manager.step(reports, fence=lambda: None)
+    manager.drain()
+    manager.close()
+    _, total = manager.stats()
+    assert checked > 1000 and total.evictions > 20 and total.reads_landed > 20
+
+
+# ---- expert store ----------------------------------------------------------------------------
+
+save_file = pytest.importorskip("safetensors.numpy").save_file
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+SHAPES = {"gate_proj": (6, 4), "up_proj": (6, 4), "down_proj": (4, 6)}
+
+
+def weights(layer, expert, projection, dtype):
+    base = (layer * 100 + expert) * 10 + PROJECTIONS.index(projection)
+    return (np.arange(np.prod(SHAPES[projection])) + base).reshape(SHAPES[projection]).astype(dtype)
+
+
+@pytest.fixture(params=[np.float32, ml_dtypes.bfloat16, np.float16, np.int8], ids=lambda d: np.dtype(d).name)
+def dtype(request):
+    return request.param
+
+
+def write_per_expert(directory, layers, experts, dtype):
+    tensors = {f"model.layers.{l}.mlp.experts.{e}.{p}.weight": weights(l, e, p, dtype)
+               for l in range(layers) for e in range(experts) for p in PROJECTIONS}
+    names = sorted(tensors)
+    half = len(names) // 2  # two shards, as checkpoints on the Hub are
+    save_file({n: tensors[n] for n in names[:half]}, str(directory / "model-00001.safetensors"))
+    save_file({n: tensors[n] for n in names[half:]}, str(directory / "model-00002.safetensors"))
+
+
+def write_stacked(directory, layers, experts, dtype):
+    save_file({f"model.layers.{l}.mlp.experts.{p}": np.stack([weights(l, e, p, dtype) for e in range(experts)])
+               for l in range(layers) for p in PROJECTIONS}, str(directory / "experts.safetensors"))
+
+
+@pytest.mark.parametrize("layout, writer", [("per_expert", write_per_expert), ("stacked", write_stacked)])
+def test_store_reads_one_expert(tmp_path, dtype, layout, writer):
+    writer(tmp_path, 2, 5, dtype)
+    with ExpertStore(tmp_path, layout=layout, projections=PROJECTIONS) as store:
+        got = store.read_expert(1, 3)
+        for p in PROJECTIONS:
+            assert got[p].dtype == np.dtype(dtype)
+            np.testing.assert_array_equal(got[p], weights(1, 3, p, dtype))
+        one_expert = sum(weights(0, 0, p, dtype).nbytes for p in PROJECTIONS)
+        assert store.bytes_read == one_expert == store.expert_nbytes(1)
+        assert store.expert_shapes(0)["down_proj"] == ((4, 6), np.dtype(dtype))
+
+
+def test_store_concurrent_reads(tmp_path):
+    write_stacked(tmp_path, 3, 16, np.float32)
+    with ExpertStore(tmp_path, layout="stacked", queue_depth=8) as store:
+        futures = {(l, e): store.submit(l, e) for l in range(3) for e in range(16)}
+        for (l, e), future in futures.items():
+            np.testing.assert_array_equal(future.result()["up_proj"], weights(l, e, "up_proj", np.float32))
+
+
+def test_store_errors_name_file_tensor_and_expert(tmp_path):
+    write_stacked(tmp_path, 1, 4, np.float32)
+    store = ExpertStore(tmp_path, layout="stacked")
+    with pytest.raises(ExpertStoreError, match=r"experts.safetensors.*model.layers.0.mlp.experts.gate_proj.*expert 9"):
+        store.read_expert(0, 9)
+    with pytest.raises(ExpertStoreError, match=r"expert 1 of layer 5.*model.layers.5.mlp.experts.gate_proj.*experts.safetensors"):
+        store.read_expert(5, 1)
+    with pytest.raises(ExpertStoreError, match=r"expert 2 of layer 0.*float32\[6, 4\].*expects float32\[4, 6\]"):
+        store.read_expert(0, 2, expected={"gate_proj": ((4, 6), np.float32)})
+    store.close()
+
+
+def test_store_truncated_file_fails_the_read_not_the_slot(tmp_path):
+    write_stacked(tmp_path, 1, 4, np.float32)
+    path = tmp_path / "experts.safetensors"
+    path.write_bytes(path.read_bytes()[:-40])
+    store = ExpertStore(tmp_path, layout="stacked")
+    arena = NumpyArena(1, 2, {p: (SHAPES[p], np.float32) for p in PROJECTIONS})
+    manager = ResidencyManager(1, 4, 2, loader=lambda l, e, s: store.read_expert(l, e), arena=arena, queue_depth=2)
+    tables = manager.step([report([0, 3], table=manager.snapshot()[0])])
+    manager.drain()
+    assert manager.resident(0) == {0: 0}  # expert 3's down_proj runs past the truncated end
+    assert len(manager.failures) == 1 and "truncated" in str(manager.failures[0].error)
+    assert not arena.arrays["down_proj"][0, 1].any(), "the failed slot was written"
+    manager.close()
+    store.close()
+
+
+def test_store_with_manager_and_route_shed_end_to_end(tmp_path):
+    write_per_expert(tmp_path, 2, 8, np.float32)
+    with ExpertStore(tmp_path, layout="per_expert") as store:
+        arena = NumpyArena(2, 3, store.expert_shapes(0))
+        manager = ResidencyManager(2, 8, 3, loader=lambda l, e, s: store.read_expert(l, e), arena=arena,
+                                   queue_depth=4, bytes_per_expert=store.expert_nbytes(0))
+        rng = np.random.default_rng(3)
+        tables = manager.snapshot()
+        for _ in range(20):
+            reports = []
+            for layer in range(2):
+                ids = rng.choice(8, (2, 2), replace=False).astype(np.int32)
+                scores = np.full((2, 2), 0.5, np.float32)
+                out = route_shed(ids, scores, tables[layer])
+                for expert in np.flatnonzero(tables[layer] >= 0):  # what a gather would read
+                    np.testing.assert_array_equal(arena.arrays["up_proj"][layer, tables[layer, expert]],
+                                                  weights(layer, expert, "up_proj", np.float32))
+                reports.append(LayerReport(ids, scores, out.miss_ids, out.miss_scores))
+            tables = manager.step(reports)
+        manager.drain()
+        _, total = manager.stats()
+        assert total.bytes_read == total.reads_landed * store.expert_nbytes(0) > 0
+        manager.close()
+
+
+# ---- framework adapters ----------------------------------------------------------------------
+
+
+def test_jax_arena_writes_one_slot_and_donates():
+    pytest.importorskip("jax")
+    from kq_jax.arena import JaxArena
+
+    arena = JaxArena(2, 3, {"w": ((4, 5), np.float32), "b": ((5,), ml_dtypes.bfloat16)})
+    before = arena.arrays["w"]
+    arena.write_slot(1, 2, {"w": np.ones((4, 5), np.float32), "b": np.full(5, 2, ml_dtypes.bfloat16)})
+    w = np.asarray(arena.arrays["w"])
+    assert w[1, 2].sum() == 20 and w.sum() == 20
+    assert np.asarray(arena.arrays["b"], np.float32)[1, 2].tolist() == [2.0] * 5
+    assert before.is_deleted(), "the old arena buffer was not donated"
+
+
+def test_mlx_arena_writes_one_slot():
+    pytest.importorskip("mlx.core")
+    from kq_mlx.arena import MlxArena
+
+    arena = MlxArena(2, 3, {"w": ((4, 5), ml_dtypes.bfloat16)})
+    arena.write_slot(0, 1, {"w": np.full((4, 5), 3, ml_dtypes.bfloat16)})
+    w = np.array(arena.arrays["w"].astype(__import__("mlx.core").core.float32))
+    assert w[0, 1].sum() == 60 and w.sum() == 60
