@@ -95,7 +95,7 @@ def _round_pack(sign, exponent, mantissa, round_bit, sticky):
     return _float(bits)
 
 
-def _special(a, b, nan, inf, zero, sign):
+def _special(nan, inf, zero, sign):
     """The IEEE answer for the lanes where an operand is 0, inf or NaN."""
     nan_bits = _u32(CANONICAL_NAN_BITS)
     bits = jnp.where(nan, nan_bits, jnp.where(inf, (sign << 31) | 0x7F800000, _u32(0)))
@@ -126,7 +126,7 @@ def mul_flush_raw(a, b):
     a_zero, b_zero = a == 0, b == 0
     nan = a_nan | b_nan | (a_inf & b_zero) | (a_zero & b_inf)
     inf = (a_inf | b_inf) & ~nan
-    special_bits, is_special = _special(a, b, nan, inf, a_zero | b_zero, sign)
+    special_bits, is_special = _special(nan, inf, a_zero | b_zero, sign)
     return jnp.where(is_special, _float(special_bits), finite)
 
 
@@ -153,7 +153,7 @@ def div_flush_raw(a, b):
     a_zero, b_zero = a == 0, b == 0
     nan = a_nan | b_nan | (a_inf & b_inf) | (a_zero & b_zero)
     inf = (a_inf | b_zero) & ~nan
-    special_bits, is_special = _special(a, b, nan, inf, a_zero | b_inf, sign)
+    special_bits, is_special = _special(nan, inf, a_zero | b_inf, sign)
     return jnp.where(is_special, _float(special_bits), finite)
 
 

@@ -121,21 +121,21 @@ def route_shed_ops(indices, scores, slot_table, *, compiled: bool = True) -> Rou
     return RouteShed(*fn(indices, scores, slot_table))
 
 
+def _kernel_spec(filename: str, index_dtype: str, score_dtype: str, top_k: int) -> dict:
+    """The arguments both mx.fast kernel factories take, for one variant."""
+    source = sources.load(filename)
+    return dict(name=sources.kernel_name(index_dtype, score_dtype, top_k), input_names=list(sources.INPUT_NAMES),
+                output_names=list(sources.OUTPUT_NAMES), source=source.body, header=source.header,
+                ensure_row_contiguous=True)
+
+
 @functools.lru_cache(maxsize=None)
 def metal_kernel(index_dtype: str, score_dtype: str, top_k: int):
     """Builds (once per variant) the Metal kernel; raises where Metal is unavailable."""
     if not mx.metal.is_available():
         raise RuntimeError("route_shed: the Metal kernel needs MLX with a Metal GPU")
-    source = sources.load("route_shed.metal")
-    return mx.fast.metal_kernel(
-        name=sources.kernel_name(index_dtype, score_dtype, top_k),
-        input_names=list(sources.INPUT_NAMES),
-        output_names=list(sources.OUTPUT_NAMES),
-        source=source.body,
-        header=source.header,
-        ensure_row_contiguous=True,
-        compile_options={"math_mode": "safe"},
-    )
+    return mx.fast.metal_kernel(**_kernel_spec("route_shed.metal", index_dtype, score_dtype, top_k),
+                                compile_options={"math_mode": "safe"})
 
 
 def _cuda_available() -> bool:
@@ -147,15 +147,7 @@ def cuda_kernel(index_dtype: str, score_dtype: str, top_k: int):
     """Builds (once per variant) the CUDA twin; raises on an MLX build without CUDA."""
     if not _cuda_available():
         raise RuntimeError("route_shed: the CUDA kernel needs MLX built with its CUDA backend")
-    source = sources.load("route_shed.cu")
-    return mx.fast.cuda_kernel(
-        name=sources.kernel_name(index_dtype, score_dtype, top_k),
-        input_names=list(sources.INPUT_NAMES),
-        output_names=list(sources.OUTPUT_NAMES),
-        source=source.body,
-        header=source.header,
-        ensure_row_contiguous=True,
-    )
+    return mx.fast.cuda_kernel(**_kernel_spec("route_shed.cu", index_dtype, score_dtype, top_k))
 
 
 def from_numpy(array: np.ndarray) -> mx.array:
