@@ -20,6 +20,21 @@ def _check(args) -> int:
     return 1 if failed or not ran else 0
 
 
+def _bench(args) -> int:
+    from kq import bench
+
+    results = bench.run(tuple(args.sets), args.backends, repeats=args.repeats,
+                        resident_fraction=args.resident_fraction, progress=not args.no_progress)
+    print(bench.format_table(results))
+    if args.json:
+        bench.write_json(results, args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        bench.write_plot(results, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kq", description="route_shed kernels, checked against one spec.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -29,6 +44,18 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--random-rows", type=int, default=4096, help="random rows per backend (default 4096)")
     check.add_argument("--seed", type=int, default=0)
     check.set_defaults(func=_check)
+
+    from kq.bench import SHAPE_SETS
+
+    bench = sub.add_parser("bench", help="time every backend here against its floors and the naive baseline")
+    bench.add_argument("--sets", nargs="+", default=["decode"], choices=sorted(SHAPE_SETS))
+    bench.add_argument("--backends", nargs="+", metavar="NAME", help="subset of the backends found here")
+    bench.add_argument("--repeats", type=int, default=7)
+    bench.add_argument("--resident-fraction", type=float, default=0.7)
+    bench.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    bench.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")
+    bench.add_argument("--no-progress", action="store_true")
+    bench.set_defaults(func=_bench)
     args = parser.parse_args(argv)
     return args.func(args)
 

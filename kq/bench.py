@@ -1,0 +1,329 @@
+"""``kq bench``: time every route_shed backend on this machine against its floors and peers.
+
+Methods (they are printed with the results):
+
+* JAX (``jax-*``): ``N`` calls unrolled inside one jitted function, each call's
+  inputs passed through ``lax.optimization_barrier`` together with the previous
+  call's outputs, so the calls run in sequence and none is hoisted or removed;
+  device time per call = (time of N calls - time of the same function with no
+  call) / N, median over repeats. Unrolling avoids a ``fori_loop``'s own
+  per-iteration cost; subtracting the empty function removes the dispatch.
+  ``eager`` is one jitted call from Python, synchronised, as an eager user sees it.
+* MLX (``mlx-*``): one call evaluated on its own (``eager``), and, at decode
+  sizes (T * K <= 4096), a chain of 64 calls built then evaluated once, as a
+  decode graph over 64 layers would be (``per_call`` = chain time / 64).
+* NumPy and the C++-executed Metal source: one call, wall clock.
+
+Floors, measured in the same run: the launch floor (the same harness around
+a trivial op: a one-element ``pallas_call`` on a GPU, a one-element jnp op on
+the CPU, a one-element ``mx`` op for MLX) and the bandwidth floor (bytes the op
+must move, every input read once and every output written once, over the
+copy bandwidth measured on the device).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import numpy as np
+
+from kq.inputs import router_inputs
+
+SHAPE_SETS = {  # (rows T, top-k K, experts E)
+    "tiny": [(4, 8, 64)],
+    "decode": [(1, 8, 256), (8, 8, 256), (64, 8, 256), (1, 64, 1024)],
+    "prefill": [(4096, 8, 256), (65536, 8, 256), (65536, 2, 64), (4096, 64, 1024), (1048576, 8, 256)],
+}
+MLX_CHAIN = 64
+
+
+@dataclass
+class Result:
+    backend: str
+    device: str
+    shape_set: str
+    rows: int
+    top_k: int
+    experts: int
+    per_call_us: float  # device time per call (JAX), per call in a 64-call graph (MLX), wall clock otherwise
+    eager_us: float  # one call from Python, synchronised
+    launch_floor_us: float | None = None
+    bandwidth_floor_us: float | None = None
+
+
+def op_bytes(rows: int, top_k: int, experts: int) -> int:
+    """Bytes route_shed must move: ids, scores (f32) and table read; four [T, K] 4-byte outputs written."""
+    return rows * top_k * 4 * 2 + experts * 4 + rows * top_k * 4 * 4
+
+
+def _median_us(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e6
+
+
+def _unroll_count(rows: int, top_k: int) -> int:
+    return int(max(2, min(64, 2**21 // max(1, rows * top_k))))
+
+
+# ---- JAX --------------------------------------------------------------------------------------
+
+
+def _jax_timer(fn, inputs, repeats):
+    import jax
+    from jax import lax
+
+    n = _unroll_count(inputs[0].shape[0], inputs[0].shape[1])
+    args = tuple(jax.device_put(a) for a in inputs)
+
+    def chain(count):
+        def run(indices, scores, table):
+            carry = (indices, scores)
+            outs = ()
+            for _ in range(count):
+                outs = tuple(fn(*carry, table))
+                carry = lax.optimization_barrier((*carry, *outs))[:2]
+            return carry, outs
+
+        return jax.jit(run)
+
+    full, empty, single = chain(n), chain(0), jax.jit(fn)
+    per_call = (_median_us(lambda: jax.block_until_ready(full(*args)), repeats)
+                - _median_us(lambda: jax.block_until_ready(empty(*args)), repeats)) / n
+    eager = _median_us(lambda: jax.block_until_ready(single(*args)), repeats)
+    return max(per_call, 0.0), eager
+
+
+def _jax_floor_fn():
+    import jax
+    import jax.numpy as jnp
+
+    if jax.default_backend() != "gpu":
+        return lambda indices, scores, table: (indices[:1, :1] + 1,)
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1
+
+    one = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((1, 1), jnp.int32),
+                         in_specs=[pl.BlockSpec((1, 1), lambda: (0, 0))],
+                         out_specs=pl.BlockSpec((1, 1), lambda: (0, 0)), compiler_params=plgpu.CompilerParams())
+    return lambda indices, scores, table: (one(indices[:1, :1].astype(jnp.int32)),)
+
+
+def _jax_copy_bandwidth() -> float:
+    """Bytes per second of a large elementwise pass (read + write counted)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((1 << 26,), jnp.float32)  # 256 MiB
+    step = jax.jit(lambda a: a + 1.0)
+    seconds = _median_us(lambda: jax.block_until_ready(step(x)), 5) / 1e6
+    return 2 * x.nbytes / seconds
+
+
+def _jax_device() -> str:
+    import jax
+
+    device = jax.devices()[0]
+    return f"{getattr(device, 'device_kind', device.platform)} (jax {jax.__version__})"
+
+
+def _jax_backends():
+    import jax
+
+    import kq_jax
+    from kq_jax.naive import route_shed_naive
+
+    out = {"jax-reference": kq_jax.route_shed_reference, "jax-naive": route_shed_naive}
+    if jax.default_backend() == "gpu":
+        out["jax-pallas"] = kq_jax.route_shed_pallas
+    return out
+
+
+# ---- MLX --------------------------------------------------------------------------------------
+
+
+def _mlx_timer(fn, inputs, repeats):
+    import mlx.core as mx
+
+    from kq_mlx.route_shed_mlx import from_numpy
+
+    args = tuple(from_numpy(a) for a in inputs)
+    mx.eval(*args)
+    eager = _median_us(lambda: mx.eval(*fn(*args)), repeats)
+    # A decode graph holds one call per MoE layer; at prefill sizes one call already fills the machine.
+    length = MLX_CHAIN if inputs[0].size <= 4096 else 1
+    chain = _median_us(lambda: mx.eval([o for _ in range(length) for o in fn(*args)]), repeats)
+    return chain / length, eager
+
+
+def _mlx_backends():
+    import mlx.core as mx
+
+    import kq_mlx
+
+    mx.set_default_device(mx.cpu)
+    return {
+        "mlx-ops": lambda i, s, t: kq_mlx.route_shed_ops(i, s, t, compiled=True),
+        "mlx-ops-eager": lambda i, s, t: kq_mlx.route_shed_ops(i, s, t, compiled=False),
+    }
+
+
+def _native_timer(prepare, inputs, repeats):
+    """The C++-executed Metal source: the kernel loop alone, buffers prepared once."""
+    launch, _ = prepare(*inputs)
+    per_call = _median_us(launch, repeats)
+    return per_call, per_call
+
+
+def _numpy_timer(fn, inputs, repeats):
+    per_call = _median_us(lambda: fn(*inputs), repeats)
+    return per_call, per_call
+
+
+# ---- the run ----------------------------------------------------------------------------------
+
+
+def _available(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def run(sets=("decode",), backends=None, *, repeats: int = 7, resident_fraction: float = 0.7, seed: int = 0,
+        progress: bool = True) -> list[Result]:
+    """Times every requested backend over the named shape sets; returns one Result per (backend, shape)."""
+    from kq.oracle import route_shed_oracle
+
+    timers: dict[str, tuple[Callable, Callable, str]] = {"numpy-oracle": (route_shed_oracle, _numpy_timer,
+                                                                           "cpu (numpy)")}
+    jax_floor = mlx_floor = bandwidth = None
+    if _available("jax"):
+        for name, fn in _jax_backends().items():
+            timers[name] = (fn, _jax_timer, _jax_device())
+        jax_floor = _jax_floor_fn()
+        bandwidth = _jax_copy_bandwidth()
+    if _available("mlx"):
+        for name, fn in _mlx_backends().items():
+            timers[name] = (fn, _mlx_timer, "cpu (mlx)")
+        mlx_floor = lambda i, s, t: (i[:1, :1] + 1,)  # noqa: E731
+    from kq_mlx import metal_cpu
+
+    try:
+        timers["metal-source-cpu"] = (metal_cpu.prepare, _native_timer, f"cpu ({metal_cpu.compiler()})")
+    except metal_cpu.CompilerUnavailable:
+        pass
+    if backends:
+        unknown = set(backends) - set(timers)
+        if unknown:
+            raise ValueError(f"kq bench: unknown or unavailable backends {sorted(unknown)}; here: {sorted(timers)}")
+        timers = {k: v for k, v in timers.items() if k in backends}
+
+    work = [(set_name, shape, name) for set_name in sets for shape in SHAPE_SETS[set_name] for name in timers]
+    bar = _progress(len(work), progress)
+    rng = np.random.default_rng(seed)
+    results, floors = [], {}
+    inputs_cache = {}
+    for set_name, (rows, top_k, experts), name in work:
+        key = (rows, top_k, experts)
+        if key not in inputs_cache:
+            inputs_cache.clear()
+            inputs_cache[key] = router_inputs(rng, rows, top_k, experts, resident_fraction=resident_fraction)
+        inputs = inputs_cache[key]
+        fn, timer, device = timers[name]
+        per_call, eager = timer(fn, inputs, repeats)
+        launch = None
+        if name.startswith("jax") and jax_floor is not None:
+            launch = floors.setdefault(("jax", key), _jax_timer(jax_floor, inputs, repeats)[0])
+        elif name.startswith("mlx") and mlx_floor is not None:
+            launch = floors.setdefault(("mlx", key), _mlx_timer(mlx_floor, inputs, repeats)[0])
+        band = op_bytes(*key) / bandwidth * 1e6 if bandwidth and name.startswith("jax") else None
+        results.append(Result(name, device, set_name, rows, top_k, experts, per_call, eager, launch, band))
+        bar(f"{name} {rows}x{top_k} E={experts}")
+    bar(None)
+    return results
+
+
+def _progress(total: int, enabled: bool):
+    done = [0]
+
+    def tick(label):
+        if not enabled:
+            return
+        if label is None:
+            sys.stderr.write("\n")
+            return
+        done[0] += 1
+        width = 30
+        filled = width * done[0] // max(total, 1)
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done[0]}/{total} {label:<40}")
+        sys.stderr.flush()
+
+    return tick
+
+
+def format_table(results: list[Result]) -> str:
+    header = ("backend", "T", "K", "E", "per call us", "eager us", "launch floor", "x floor", "bw floor", "x bw")
+    rows = []
+    for r in results:
+        ratio = f"{r.per_call_us / r.launch_floor_us:.2f}" if r.launch_floor_us else "-"
+        bw_ratio = f"{r.per_call_us / r.bandwidth_floor_us:.2f}" if r.bandwidth_floor_us else "-"
+        rows.append((r.backend, r.rows, r.top_k, r.experts, f"{r.per_call_us:.2f}", f"{r.eager_us:.1f}",
+                     f"{r.launch_floor_us:.2f}" if r.launch_floor_us else "-", ratio,
+                     f"{r.bandwidth_floor_us:.2f}" if r.bandwidth_floor_us else "-", bw_ratio))
+    widths = [max(len(str(x[i])) for x in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
+             for row in [header, *rows]]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def write_json(results: list[Result], path: str) -> None:
+    import platform
+
+    payload = {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(), "processor": platform.processor(),
+               "method": __doc__, "results": [asdict(r) for r in results]}
+    with open(path, "w") as handle:
+        json.dump(payload, handle, indent=1)
+
+
+def write_plot(results: list[Result], path: str) -> None:
+    """Time per call against rows, one line per backend and top-k, floors dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    series: dict[str, list[Result]] = {}
+    for r in results:
+        series.setdefault(f"{r.backend} K={r.top_k}", []).append(r)
+    for label, points in sorted(series.items()):
+        points.sort(key=lambda r: r.rows)
+        ax.plot([p.rows for p in points], [p.per_call_us for p in points], marker="o", label=label)
+    floors = sorted({(r.rows, r.bandwidth_floor_us) for r in results if r.bandwidth_floor_us})
+    if floors:
+        ax.plot(*zip(*floors), "k--", label="bandwidth floor")
+    launch = sorted({(r.rows, r.launch_floor_us) for r in results if r.launch_floor_us})
+    if launch:
+        ax.plot(*zip(*launch), "k:", label="launch floor")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("rows T")
+    ax.set_ylabel("time per call (us)")
+    ax.set_title("route_shed")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

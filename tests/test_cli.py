@@ -1,0 +1,59 @@
+"""The command line: `kq check` and a smoke run of `kq bench` (a benchmark, not a timed test)."""
+
+import json
+
+import numpy as np
+
+import kq
+from kq.cli import main
+
+
+def test_check_passes_and_prints_a_table(capsys):
+    assert main(["check", "--backends", "numpy-oracle", "jax-reference", "--random-rows", "200"]) == 0
+    out = capsys.readouterr().out
+    assert "jax-reference" in out and "first mismatch" in out and "0 with mismatches" in out
+
+
+def test_check_lists_unavailable_backends_as_skipped(capsys):
+    main(["check", "--backends", "numpy-oracle", "jax-pallas", "--random-rows", "10"])
+    out = capsys.readouterr().out
+    assert "skipped" in out and "needs a CUDA GPU" in out
+
+
+def test_check_fails_on_a_mismatch(monkeypatch, capsys):
+    from kq import backends
+
+    def broken_probe():
+        def run(indices, scores, slot_table):
+            out = kq.route_shed_oracle(indices, scores, slot_table)
+            return out._replace(mix=np.nextafter(out.mix, np.float32(np.inf)))  # one ulp off everywhere
+
+        return run, "cpu"
+
+    monkeypatch.setattr(backends, "BACKENDS", (backends.Backend("off-by-one-ulp", broken_probe),))
+    assert main(["check", "--random-rows", "10"]) == 1
+    assert "off-by-one-ulp" in capsys.readouterr().out
+
+
+def test_bench_smoke_writes_json_and_plot(tmp_path, capsys):
+    json_path, plot_path = tmp_path / "bench.json", tmp_path / "bench.png"
+    assert main(["bench", "--sets", "tiny", "--repeats", "1", "--no-progress", "--backends", "numpy-oracle",
+                 "jax-reference", "jax-naive", "mlx-ops", "metal-source-cpu", "--json", str(json_path),
+                 "--plot", str(plot_path)]) == 0
+    results = json.loads(json_path.read_text())["results"]
+    assert {r["backend"] for r in results} == {"numpy-oracle", "jax-reference", "jax-naive", "mlx-ops",
+                                               "metal-source-cpu"}
+    assert all(r["per_call_us"] >= 0 and r["rows"] == 4 for r in results)
+    assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "per call us" in capsys.readouterr().out
+
+
+def test_readme_example_row():
+    """The row drawn in the README, computed."""
+    table = np.full(10, -1, np.int32)
+    table[7], table[3] = 2, 0
+    out = kq.route_shed(np.array([[7, 5, 3, 9]], np.int32), np.array([[0.4, 0.3, 0.2, 0.1]], np.float32), table)
+    assert out.slots.tolist() == [[2, 2, 0, 2]]
+    np.testing.assert_allclose(out.mix, [[0.4 / 0.6, 0, 0.2 / 0.6, 0]], rtol=1e-6)
+    assert out.miss_ids.tolist() == [[5, 9, -1, -1]]
+    np.testing.assert_array_equal(out.miss_scores, np.array([[0.3, 0.1, 0, 0]], np.float32))

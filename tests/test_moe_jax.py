@@ -1,0 +1,47 @@
+"""The JAX MoE layer on an arena against the fully resident layer."""
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+from kq_jax.moe import Experts, _experts_apply, moe_ffn_arena, moe_ffn_resident, route  # noqa: E402
+
+E, D, F, T, K = 16, 32, 24, 5, 4
+
+
+@pytest.fixture
+def layer():
+    rng = np.random.default_rng(0)
+    experts = Experts(*(jnp.asarray(rng.normal(size=s).astype(np.float32) * 0.1)
+                        for s in [(E, D, F), (E, D, F), (E, F, D)]))
+    router = jnp.asarray(rng.normal(size=(D, E)).astype(np.float32))
+    x = jnp.asarray(rng.normal(size=(T, D)).astype(np.float32))
+    return rng, experts, router, x
+
+
+def test_all_resident_arena_equals_the_resident_layer(layer):
+    rng, experts, router, x = layer
+    order = rng.permutation(E)  # slot s holds expert order[s]
+    table = np.empty(E, np.int32)
+    table[order] = np.arange(E)
+    arena = Experts(*(w[order] for w in experts))
+    want = jax.jit(lambda x: moe_ffn_resident(x, router, experts, top_k=K))(x)
+    got, _ = jax.jit(lambda x, t: moe_ffn_arena(x, router, arena, t, top_k=K))(x, jnp.asarray(table))
+    np.testing.assert_array_equal(np.asarray(want), np.asarray(got))
+
+
+def test_partial_arena_uses_only_resident_experts_renormalised(layer):
+    rng, experts, router, x = layer
+    resident = np.sort(rng.choice(E, 6, replace=False))
+    table = np.full(E, -1, np.int32)
+    table[resident] = np.arange(6)
+    arena = Experts(*(w[resident] for w in experts))
+    got, shed = jax.jit(lambda x, t: moe_ffn_arena(x, router, arena, t, top_k=K))(x, jnp.asarray(table))
+    indices, _ = route(x, router, top_k=K)
+    y = _experts_apply(x, experts, indices)
+    want = jnp.einsum("tkd,tk->td", y, shed.mix)
+    np.testing.assert_array_equal(np.asarray(want), np.asarray(got))
+    kept_mass = np.asarray(shed.mix).sum(-1)
+    np.testing.assert_allclose(kept_mass[np.asarray(shed.mix).any(-1)], 1.0, rtol=1e-5)

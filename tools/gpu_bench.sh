@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# One device call: kq bench on the GPU (JAX backends, both shape sets); JSON and PNG under $OUT.
+set -uo pipefail
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/device.txt"
+python3 -m kq.cli bench --sets decode prefill --backends jax-pallas jax-reference jax-naive \
+  --repeats 9 --no-progress --json "$OUT/bench_gpu.json" --plot "$OUT/bench_gpu.png" 2>&1 | tee "$OUT/bench_gpu.txt"
