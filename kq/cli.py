@@ -35,6 +35,25 @@ def _bench(args) -> int:
     return 0
 
 
+def _demo(args) -> int:
+    from kq import demo
+
+    frameworks = tuple(args.frameworks) if args.frameworks else demo.available_frameworks()
+    if not frameworks:
+        print("kq demo: neither JAX nor mlx-lm is installed (pip install -e '.[demo]')")
+        return 1
+    cfg = demo.DemoConfig(layers=args.layers, experts=args.experts, top_k=args.top_k, hidden=args.hidden,
+                          ffn=args.ffn, rows=args.rows, steps=args.steps, residency=args.residency,
+                          policy=args.policy, keep_mass=args.keep_mass, read_budget=args.read_budget,
+                          seed=args.seed, frameworks=frameworks)
+    traces = demo.run(cfg)
+    print(demo.summarize(cfg, traces))
+    if args.plot:
+        demo.plot(traces, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kq", description="route_shed kernels, checked against one spec.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -56,6 +75,23 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")
     bench.add_argument("--no-progress", action="store_true")
     bench.set_defaults(func=_bench)
+
+    demo = sub.add_parser("demo", help="decode a random MoE stack with a fraction of its experts streamed from disk")
+    demo.add_argument("--frameworks", nargs="+", choices=["jax", "mlx"], help="default: every one installed")
+    demo.add_argument("--layers", type=int, default=8)
+    demo.add_argument("--experts", type=int, default=64)
+    demo.add_argument("--top-k", type=int, default=8)
+    demo.add_argument("--hidden", type=int, default=256)
+    demo.add_argument("--ffn", type=int, default=128)
+    demo.add_argument("--rows", type=int, default=1, help="tokens decoded per step")
+    demo.add_argument("--steps", type=int, default=200)
+    demo.add_argument("--residency", type=float, default=0.25, help="fraction of each layer's experts in the arena")
+    demo.add_argument("--policy", choices=["lfu", "lru"], default="lfu")
+    demo.add_argument("--keep-mass", type=float, default=0.9)
+    demo.add_argument("--read-budget", type=int, default=None, help="expert reads per step (default: no limit)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--plot", metavar="PATH", default="kq_demo.png", help="PNG of hit rate and shed mass per step")
+    demo.set_defaults(func=_demo)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -15,18 +15,32 @@ import jax
 import jax.numpy as jnp
 
 from kq_jax.api import route_shed
+from kq_jax.reference import RouteShed
 
 
 class Experts(NamedTuple):
-    """SwiGLU expert weights, stacked over experts (or arena slots) on axis 0.
+    """SwiGLU expert weights stacked over experts (or arena slots) on axis 0, in the
+    checkpoint layout (``[out, in]`` per expert, as HF and mlx-lm store them).
 
     Attributes:
-        gate: ``[N, D, F]``; up: ``[N, D, F]``; down: ``[N, F, D]``.
+        gate: ``[N, F, D]``; up: ``[N, F, D]``; down: ``[N, D, F]``.
     """
 
     gate: jax.Array
     up: jax.Array
     down: jax.Array
+
+
+class ArenaRouting(NamedTuple):
+    """What one arena layer routed and shed; the host reads the misses from it after the step.
+
+    Attributes:
+        indices: int32 ``[T, k]``; scores: float32 ``[T, k]``; shed: ``route_shed``'s outputs.
+    """
+
+    indices: jax.Array
+    scores: jax.Array
+    shed: RouteShed
 
 
 def route(x, router_w, *, top_k: int):
@@ -44,9 +58,9 @@ def route(x, router_w, *, top_k: int):
 
 
 def _experts_apply(x, experts: Experts, rows):  # x [T, D], rows [T, k] -> [T, k, D]
-    gate = jnp.einsum("td,tkdf->tkf", x, experts.gate[rows])
-    up = jnp.einsum("td,tkdf->tkf", x, experts.up[rows])
-    return jnp.einsum("tkf,tkfd->tkd", jax.nn.silu(gate) * up, experts.down[rows])
+    gate = jnp.einsum("td,tkfd->tkf", x, experts.gate[rows])
+    up = jnp.einsum("td,tkfd->tkf", x, experts.up[rows])
+    return jnp.einsum("tkf,tkdf->tkd", jax.nn.silu(gate) * up, experts.down[rows])
 
 
 def moe_ffn_resident(x, router_w, experts: Experts, *, top_k: int):
@@ -64,10 +78,10 @@ def moe_ffn_arena(x, router_w, arena: Experts, slot_table, *, top_k: int, impl: 
         slot_table: int32 ``[E]`` (-1 = not resident); impl: ``route_shed``'s.
 
     Returns:
-        ``(y [T, D], RouteShed)``: the output, and route_shed's outputs so the
-        host can read the misses after the step.
+        ``(y [T, D], ArenaRouting)``: the output, and the routing and
+        ``route_shed`` outputs the host reads after the step.
     """
     indices, scores = route(x, router_w, top_k=top_k)
     shed = route_shed(indices, scores, slot_table, impl=impl)
     y = _experts_apply(x, arena, shed.slots)
-    return jnp.einsum("tkd,tk->td", y, shed.mix.astype(y.dtype)), shed
+    return jnp.einsum("tkd,tk->td", y, shed.mix.astype(y.dtype)), ArenaRouting(indices, scores, shed)

@@ -15,7 +15,7 @@ E, D, F, T, K = 16, 32, 24, 5, 4
 def layer():
     rng = np.random.default_rng(0)
     experts = Experts(*(jnp.asarray(rng.normal(size=s).astype(np.float32) * 0.1)
-                        for s in [(E, D, F), (E, D, F), (E, F, D)]))
+                        for s in [(E, F, D), (E, F, D), (E, D, F)]))
     router = jnp.asarray(rng.normal(size=(D, E)).astype(np.float32))
     x = jnp.asarray(rng.normal(size=(T, D)).astype(np.float32))
     return rng, experts, router, x
@@ -38,8 +38,10 @@ def test_partial_arena_uses_only_resident_experts_renormalised(layer):
     table = np.full(E, -1, np.int32)
     table[resident] = np.arange(6)
     arena = Experts(*(w[resident] for w in experts))
-    got, shed = jax.jit(lambda x, t: moe_ffn_arena(x, router, arena, t, top_k=K))(x, jnp.asarray(table))
+    got, routing = jax.jit(lambda x, t: moe_ffn_arena(x, router, arena, t, top_k=K))(x, jnp.asarray(table))
+    shed = routing.shed
     indices, _ = route(x, router, top_k=K)
+    np.testing.assert_array_equal(np.asarray(routing.indices), np.asarray(indices))
     y = _experts_apply(x, experts, indices)
     want = jnp.einsum("tkd,tk->td", y, shed.mix)
     np.testing.assert_array_equal(np.asarray(want), np.asarray(got))
