@@ -1,0 +1,89 @@
+"""Overhead of the JAX MoE layer on an arena over the fully resident layer (issue 7's bar: <= 5%).
+
+Usage: PYTHONPATH=. python tools/moe_overhead.py [--hidden 2048 --ffn 768] [--json PATH]
+Decode sizes: T in 1, 2, 4, 8; E in 64, 256; K = 8; bf16 weights. For each, the resident layer
+(E experts in memory, gathered by router ids) and the arena layer (S slots fed by route_shed) are
+timed as N calls unrolled in one jitted function, each call's input tied to the previous call's
+output, minus the same chain around a null layer; median over repeats. With residency 1.0 (S = E,
+slots permuted) both layers do the same gathers and products, so the difference is route_shed and
+its plumbing: that is the bar's number. Residency 0.25 is reported too; there shed entries reuse
+the first kept slot, so its gathers hit cache more often.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from kq.bench import _median_us  # noqa: E402
+from kq_jax.moe import Experts, moe_ffn_arena, moe_ffn_resident  # noqa: E402
+
+
+def chained(layer, n):
+    def run(x, *params):
+        for _ in range(n):
+            x = x + 0.0 * layer(x, *params).astype(x.dtype)
+        return x
+
+    return jax.jit(run)
+
+
+def per_call_us(layer, args, n, repeats):
+    null = lambda x, *params: x  # noqa: E731
+    full, empty = chained(layer, n), chained(null, n)
+    return (_median_us(lambda: jax.block_until_ready(full(*args)), repeats)
+            - _median_us(lambda: jax.block_until_ready(empty(*args)), repeats)) / n
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--ffn", type=int, default=768)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--experts", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--residency", type=float, nargs="+", default=[1.0, 0.25])
+    parser.add_argument("--unroll", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    device = jax.devices()[0]
+    rows = []
+    print(f"device {getattr(device, 'device_kind', device.platform)}, jax {jax.__version__}, "
+          f"hidden {args.hidden}, ffn {args.ffn}, K {args.top_k}, bf16 weights")
+    print(f"{'T':>3} {'E':>4} {'S':>4} {'resident us':>12} {'arena us':>10} {'overhead':>9}")
+    for experts in args.experts:
+        weights = Experts(*(jnp.asarray(rng.normal(size=(experts, *shape)) / np.sqrt(shape[1]), jnp.bfloat16)
+                            for shape in [(args.ffn, args.hidden), (args.ffn, args.hidden), (args.hidden, args.ffn)]))
+        router = jnp.asarray(rng.normal(size=(args.hidden, experts)), jnp.bfloat16)
+        for residency, tokens in ((r, t) for r in args.residency for t in args.tokens):
+            slots = max(args.top_k, int(experts * residency))
+            resident_ids = rng.choice(experts, slots, replace=False)
+            table = np.full(experts, -1, np.int32)
+            table[resident_ids] = np.arange(slots)
+            arena = Experts(*(w[jnp.asarray(resident_ids)] for w in weights))
+            x = jnp.asarray(rng.normal(size=(tokens, args.hidden)), jnp.bfloat16)
+            resident = per_call_us(lambda x, r, w: moe_ffn_resident(x, r, w, top_k=args.top_k),
+                                   (x, router, weights), args.unroll, args.repeats)
+            on_arena = per_call_us(lambda x, r, a, t: moe_ffn_arena(x, r, a, t, top_k=args.top_k)[0],
+                                   (x, router, arena, jnp.asarray(table)), args.unroll, args.repeats)
+            rows.append(dict(tokens=tokens, experts=experts, slots=slots, resident_us=resident, arena_us=on_arena,
+                             overhead=on_arena / resident - 1))
+            print(f"{tokens:>3} {experts:>4} {slots:>4} {resident:>12.1f} {on_arena:>10.1f} {rows[-1]['overhead']:>8.1%}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(device=str(device), jax=jax.__version__, args=vars(args),
+                                                   results=rows), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
