@@ -151,6 +151,13 @@ class ExpertStore:
             out[projection] = (shape, entry.dtype)
         return out
 
+    def _layer_shapes(self, layer: int) -> dict:
+        """Expert 0's shapes, the default every expert of the layer must match ({} if it is absent)."""
+        try:
+            return self.expert_shapes(layer, 0)
+        except ExpertStoreError:
+            return {}
+
     def expert_nbytes(self, layer: int, expert: int = 0) -> int:
         return sum(self._locate(layer, expert, p)[2] for p in self.projections)
 
@@ -160,8 +167,9 @@ class ExpertStore:
 
         Args:
             layer, expert: which expert.
-            expected: optional ``{projection: (shape, dtype)}`` each read must match
-                (the arena's slot layout).
+            expected: ``{projection: (shape, dtype)}`` each read must match (the
+                arena's slot layout). Default: the layer's expert 0, so one
+                mis-shaped expert in a per-expert checkpoint is caught.
 
         Returns:
             ``{projection: array}`` in the file's dtype and shape.
@@ -174,7 +182,9 @@ class ExpertStore:
         for projection in self.projections:
             entry, offset, nbytes, shape = self._locate(layer, expert, projection)
             name = self.template.format(layer=layer, expert=expert, projection=projection)
-            if expected is not None and projection in expected:
+            if expected is None:
+                expected = self._layer_shapes(layer)
+            if projection in expected:
                 want_shape, want_dtype = expected[projection]
                 if tuple(want_shape) != tuple(shape) or np.dtype(want_dtype) != entry.dtype:
                     raise ExpertStoreError(

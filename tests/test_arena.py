@@ -273,6 +273,18 @@ def test_store_errors_name_file_tensor_and_expert(tmp_path):
     store.close()
 
 
+def test_store_catches_a_mis_shaped_expert_by_default(tmp_path):
+    tensors = {f"model.layers.0.mlp.experts.{e}.{p}.weight": weights(0, e, p, np.float32)
+               for e in range(4) for p in PROJECTIONS}
+    tensors["model.layers.0.mlp.experts.3.up_proj.weight"] = np.zeros((5, 4), np.float32)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with ExpertStore(tmp_path) as store:
+        np.testing.assert_array_equal(store.read_expert(0, 2)["up_proj"], weights(0, 2, "up_proj", np.float32))
+        with pytest.raises(ExpertStoreError, match=r"model.safetensors: tensor model.layers.0.mlp.experts.3.up_proj"
+                                                   r".weight \(expert 3 of layer 0\) is float32\[5, 4\]"):
+            store.read_expert(0, 3)
+
+
 def test_store_truncated_file_fails_the_read_not_the_slot(tmp_path):
     write_stacked(tmp_path, 1, 4, np.float32)
     path = tmp_path / "experts.safetensors"

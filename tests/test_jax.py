@@ -118,3 +118,12 @@ def test_shape_errors_raise_at_trace_time(impl):
         fn(jnp.zeros((2, 4), jnp.int32), jnp.zeros((2, 3), jnp.float32), jnp.zeros(8, jnp.int32))
     with pytest.raises(TypeError, match="slot_table"):
         fn(jnp.zeros((2, 4), jnp.int32), jnp.zeros((2, 4), jnp.float32), jnp.zeros(8, jnp.float32))
+
+
+def test_kq_route_shed_dispatches_jax_arrays(rng):
+    import kq
+
+    ids, scores, table = router_inputs(rng, 3, 8, 32)
+    out = kq.route_shed(jnp.asarray(ids), jnp.asarray(scores), jnp.asarray(table))
+    assert isinstance(out.mix, jax.Array)
+    assert_same_bits(route_shed_oracle(ids, scores, table), out)
