@@ -8,7 +8,7 @@ NumPy alone, with only JAX, or with only MLX installed.
 from __future__ import annotations
 
 import functools
-import importlib.util
+import importlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -39,8 +39,10 @@ class Unavailable(RuntimeError):
 
 
 def _require(module: str) -> None:
-    if importlib.util.find_spec(module) is None:
-        raise Unavailable(f"{module} is not installed")
+    try:
+        importlib.import_module(module)
+    except ImportError as why:
+        raise Unavailable(f"{module} cannot be imported ({why})") from why
 
 
 def _numpy_probe():
