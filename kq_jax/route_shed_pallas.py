@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +41,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from kq.validate import check_route_shed_args
 from kq_jax.exact_f32 import canonicalize_nan, div_flush_raw, flush, mul_flush_raw
-from kq_jax.reference import RouteShed, score_order_key
+from kq_jax.reference import RouteShed, route_shed_reference, score_order_key
 
 # The [rows, KP, KP] comparison tile for the miss ranks is the kernel's
 # largest live value; this bounds it per program.
@@ -52,12 +53,26 @@ def _next_power_of_two(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def block_config(rows: int, k_width: int) -> tuple[int, int, int]:
-    """Picks ``(block_rows, padded_k, num_warps)`` for a ``[rows, k_width]`` problem."""
+class KernelConfig(NamedTuple):
+    """Launch parameters; ``None`` fields are chosen by :func:`block_config`."""
+
+    block_rows: int | None = None  # rows per program, a power of two
+    num_warps: int | None = None
+
+
+def block_config(rows: int, k_width: int, config: KernelConfig | None = None) -> tuple[int, int, int]:
+    """Picks ``(block_rows, padded_k, num_warps)`` for a ``[rows, k_width]`` problem.
+
+    The default keeps the ``[block_rows, KP, KP]`` rank tile at 16K elements;
+    ``config`` overrides either choice (``tools/gpu_tune.py`` sweeps them).
+    """
+    config = config or KernelConfig()
     padded_k = _next_power_of_two(k_width)
-    block_rows = max(1, min(_MAX_BLOCK_ROWS, _RANK_TILE_ELEMENTS // (padded_k * padded_k)))
+    block_rows = config.block_rows or max(1, min(_MAX_BLOCK_ROWS, _RANK_TILE_ELEMENTS // (padded_k * padded_k)))
+    if block_rows & (block_rows - 1):
+        raise ValueError(f"route_shed_pallas: block_rows must be a power of two, got {block_rows}")
     block_rows = min(block_rows, _next_power_of_two(max(rows, 1)))
-    num_warps = 4 if block_rows * padded_k >= 512 else 1
+    num_warps = config.num_warps or (4 if block_rows * padded_k >= 512 else 1)
     return block_rows, padded_k, num_warps
 
 
@@ -121,7 +136,7 @@ def _route_shed_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_
     plgpu.store(miss_scores_ref.at[offsets], canonicalize_nan(packed_scores), mask=in_bounds)
 
 
-def _pallas_forward(indices, scores, slot_table, *, interpret: bool) -> RouteShed:
+def _pallas_forward(indices, scores, slot_table, *, interpret: bool, config: KernelConfig | None) -> RouteShed:
     out_shape = indices.shape
     k_width = out_shape[-1]
     rows = indices.size // k_width
@@ -134,7 +149,7 @@ def _pallas_forward(indices, scores, slot_table, *, interpret: bool) -> RouteShe
     )
     if rows == 0:
         return RouteShed(*(jnp.zeros(out_shape, s.dtype) for s in shapes))
-    block_rows, padded_k, num_warps = block_config(rows, k_width)
+    block_rows, padded_k, num_warps = block_config(rows, k_width, config)
     kernel = functools.partial(
         _route_shed_kernel, rows=rows, k_width=k_width, num_experts=num_experts, block_rows=block_rows,
         padded_k=padded_k, unsigned_ids=indices.dtype == jnp.uint32)
@@ -154,20 +169,20 @@ def _pallas_forward(indices, scores, slot_table, *, interpret: bool) -> RouteShe
     return RouteShed(*(o.reshape(out_shape) for o in outputs))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _route_shed_diff(indices, scores, slot_table, interpret):
-    return _pallas_forward(indices, scores, slot_table, interpret=interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _route_shed_diff(indices, scores, slot_table, interpret, config):
+    return _pallas_forward(indices, scores, slot_table, interpret=interpret, config=config)
 
 
-def _route_shed_fwd(indices, scores, slot_table, interpret):
-    return _pallas_forward(indices, scores, slot_table, interpret=interpret), (indices, scores, slot_table)
+def _route_shed_fwd(indices, scores, slot_table, interpret, config):
+    outputs = _pallas_forward(indices, scores, slot_table, interpret=interpret, config=config)
+    return outputs, (indices, scores, slot_table)
 
 
-def _route_shed_bwd(interpret, residuals, cotangents):
+def _route_shed_bwd(interpret, config, residuals, cotangents):
     # The backward pass is autodiff of the pure-jnp reference, so the kernel's
-    # gradient is the reference's gradient bit for bit.
-    from kq_jax.reference import route_shed_reference
-
+    # gradient is the reference's gradient bit for bit; it launches no kernel.
+    del interpret, config
     indices, scores, slot_table = residuals
     _, pullback = jax.vjp(lambda s: route_shed_reference(indices, s, slot_table).mix, scores)
     (d_scores,) = pullback(cotangents.mix)
@@ -177,7 +192,8 @@ def _route_shed_bwd(interpret, residuals, cotangents):
 _route_shed_diff.defvjp(_route_shed_fwd, _route_shed_bwd)
 
 
-def route_shed_pallas(indices, scores, slot_table, *, interpret: bool = False) -> RouteShed:
+def route_shed_pallas(indices, scores, slot_table, *, interpret: bool = False,
+                      config: KernelConfig | None = None) -> RouteShed:
     """``route_shed`` in one fused Pallas kernel launch.
 
     Args:
@@ -185,10 +201,11 @@ def route_shed_pallas(indices, scores, slot_table, *, interpret: bool = False) -
         scores: float32, bfloat16 or float16 ``[..., K]``.
         slot_table: int32 ``[E]``; negative = not resident.
         interpret: run the kernel in Pallas' interpreter (any backend, slow).
+        config: launch parameters overriding :func:`block_config`'s choice.
 
     Returns:
         ``RouteShed(slots, mix, miss_ids, miss_scores)`` shaped like ``indices``;
         ``mix`` is differentiable with respect to ``scores``.
     """
     check_route_shed_args(indices, scores, slot_table)
-    return _route_shed_diff(indices, scores, slot_table, interpret)
+    return _route_shed_diff(indices, scores, slot_table, interpret, config)

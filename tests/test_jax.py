@@ -127,3 +127,20 @@ def test_kq_route_shed_dispatches_jax_arrays(rng):
     out = kq.route_shed(jnp.asarray(ids), jnp.asarray(scores), jnp.asarray(table))
     assert isinstance(out.mix, jax.Array)
     assert_same_bits(route_shed_oracle(ids, scores, table), out)
+
+
+@pytest.mark.parametrize("block_rows, num_warps", [(1, 1), (2, 1), (8, 2)])
+def test_pallas_launch_config_overrides_keep_the_bits(rng, block_rows, num_warps):
+    from kq_jax.route_shed_pallas import KernelConfig, route_shed_pallas
+
+    inputs = adversarial_inputs(rng, 11, 6, 40)  # 11 rows: a ragged last block for every block size
+    config = KernelConfig(block_rows, num_warps)
+    got = jax.jit(lambda i, s, t: route_shed_pallas(i, s, t, interpret=not ON_GPU, config=config))(*inputs)
+    assert_same_bits(route_shed_oracle(*inputs), got)
+
+
+def test_pallas_block_rows_must_be_a_power_of_two():
+    from kq_jax.route_shed_pallas import KernelConfig, block_config
+
+    with pytest.raises(ValueError, match="power of two"):
+        block_config(100, 8, KernelConfig(block_rows=48))
