@@ -61,6 +61,7 @@ class RunTrace:
     over_budget: list[int] = field(default_factory=list)
     bytes_read: list[int] = field(default_factory=list)
     divergence: list[float] = field(default_factory=list)  # ||y_stream - y_resident|| / ||y_resident||
+    boundary_ms: list[float] = field(default_factory=list)  # host time in ResidencyManager.step
     resident_steps_per_s: float = 0.0
     streamed_steps_per_s: float = 0.0
 
@@ -220,7 +221,9 @@ def run_framework(stack, cfg: DemoConfig, store: ExpertStore, states) -> RunTrac
     start = time.perf_counter()
     for h, want in zip(states, resident):
         y, reports = stack.streamed_step(h, tables)
+        boundary = time.perf_counter()
         tables = manager.step(reports)
+        trace.boundary_ms.append((time.perf_counter() - boundary) * 1e3)
         _, after = manager.stats()
         step = _delta(after, before)
         before = after
@@ -256,13 +259,15 @@ def summarize(cfg: DemoConfig, traces: list[RunTrace]) -> str:
              f"{cfg.slots} slots per layer ({cfg.slots / cfg.experts:.0%} resident), policy {cfg.policy}, "
              f"{cfg.steps} steps of {cfg.rows} row(s)"]
     header = ("framework", "hit first 10%", "hit steady", "shed experts/step", "shed mass/step", "over-budget",
-              "MiB read", "resident steps/s", "streamed steps/s", "divergence mean", "divergence max")
+              "MiB read", "resident steps/s", "streamed steps/s", "boundary ms/step", "divergence mean",
+              "divergence max")
     rows = []
     for t in traces:
         rows.append((t.framework, f"{np.mean(t.hit_rate[:warm]):.3f}", f"{np.mean(t.hit_rate[steady]):.3f}",
                      f"{np.mean(t.shed_experts):.2f}", f"{np.mean(t.shed_mass):.3f}", str(sum(t.over_budget)),
                      f"{sum(t.bytes_read) / 2**20:.1f}", f"{t.resident_steps_per_s:.1f}",
-                     f"{t.streamed_steps_per_s:.1f}", f"{np.mean(t.divergence):.4f}", f"{np.max(t.divergence):.4f}"))
+                     f"{t.streamed_steps_per_s:.1f}", f"{np.mean(t.boundary_ms):.2f}", f"{np.mean(t.divergence):.4f}",
+                     f"{np.max(t.divergence):.4f}"))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
