@@ -13,7 +13,8 @@ from kq.inputs import adversarial_inputs, router_inputs
 from kq.oracle import route_shed_oracle
 from kq.spec import load_spec
 
-RANDOM_SHAPES = ((1, 8, 256), (257, 6, 40), (129, 10, 64), (64, 64, 512), (1000, 2, 8), (33, 1, 4))
+# (rows weight, K, E): single-row decode cases stay one row; the others share the row budget by weight.
+RANDOM_SHAPES = ((1, 8, 256), (8, 6, 40), (4, 10, 64), (1, 64, 512), (16, 2, 8), (2, 1, 4))
 
 
 @dataclass
@@ -24,6 +25,7 @@ class BackendReport:
     run: int = 0
     first_failure: str = ""
     skipped: str = ""
+    random_rows: int = 0
     failures: list[tuple[str, Mismatch | str]] = field(default_factory=list)
 
     @property
@@ -32,12 +34,16 @@ class BackendReport:
 
 
 def random_cases(seed: int, rows_budget: int):
-    """Yields ``(name, inputs)`` of random rows over shapes, dtypes and edge mixes."""
+    """Yields ``(name, inputs)``: about ``rows_budget`` random rows over shapes, dtypes and edge mixes.
+
+    Each (shape, index dtype, score dtype) gets a router-like and an adversarial case; the
+    row budget is split between them by the shapes' weights (at least one row each).
+    """
     rng = np.random.default_rng(seed)
-    combos = itertools.product(RANDOM_SHAPES, ("int32", "uint32"), ("float32", "bfloat16", "float16"))
-    per_case = max(1, rows_budget // (len(RANDOM_SHAPES) * 6))
-    for (rows, top_k, experts), index_dtype, score_dtype in combos:
-        rows = min(rows, per_case) if rows > 1 else 1
+    combos = list(itertools.product(RANDOM_SHAPES, ("int32", "uint32"), ("float32", "bfloat16", "float16")))
+    unit = rows_budget / (2 * sum(weight for (weight, _, _), _, _ in combos))
+    for (weight, top_k, experts), index_dtype, score_dtype in combos:
+        rows = max(1, int(weight * unit))
         kw = dict(index_dtype=index_dtype, score_dtype=score_dtype)
         yield f"router-{rows}x{top_k}-E{experts}-{index_dtype}-{score_dtype}", router_inputs(
             rng, rows, top_k, experts, **kw)
@@ -49,10 +55,11 @@ def run_checks(backends: tuple[Backend, ...] | None = None, *, random_rows: int 
     """Runs the golden cases and random rows; returns one report per backend."""
     spec = load_spec()
     randoms = [(name, inputs, route_shed_oracle(*inputs)) for name, inputs in random_cases(seed, random_rows)]
+    random_row_count = sum(inputs[0].shape[0] for _, inputs, _ in randoms)
     cases = [(c.name, tuple(c.inputs.values()), c.expected) for c in spec.cases] + randoms
     reports = []
     for backend in backends or all_backends():
-        report = BackendReport(backend.name)
+        report = BackendReport(backend.name, random_rows=random_row_count)
         reports.append(report)
         try:
             runner, report.device = backend.probe()

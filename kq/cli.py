@@ -16,7 +16,8 @@ def _check(args) -> int:
     print(format_table(reports))
     failed = [r for r in reports if not r.skipped and not r.ok]
     ran = [r for r in reports if not r.skipped]
-    print(f"\n{len(ran)} backends ran, {len(failed)} with mismatches, {len(reports) - len(ran)} skipped")
+    print(f"\n{len(ran)} backends ran ({reports[0].random_rows} random rows each, besides the golden cases), "
+          f"{len(failed)} with mismatches, {len(reports) - len(ran)} skipped")
     return 1 if failed or not ran else 0
 
 
