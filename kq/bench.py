@@ -219,16 +219,12 @@ def run(sets=("decode",), backends=None, *, repeats: int = 7, resident_fraction:
 
     timers: dict[str, tuple[Callable, Callable, str]] = {"numpy-oracle": (route_shed_oracle, _numpy_timer,
                                                                            "cpu (numpy)")}
-    jax_floor = mlx_floor = bandwidth = None
     if _available("jax"):
         for name, fn in _jax_backends().items():
             timers[name] = (fn, _jax_timer, _jax_device())
-        jax_floor = _jax_floor_fn()
-        bandwidth = _jax_copy_bandwidth()
     if _available("mlx"):
         for name, fn in _mlx_backends().items():
             timers[name] = (fn, _mlx_timer, "cpu (mlx)")
-        mlx_floor = lambda i, s, t: (i[:1, :1] + 1,)  # noqa: E731
     from kq_mlx import metal_cpu
 
     try:
@@ -240,6 +236,12 @@ def run(sets=("decode",), backends=None, *, repeats: int = 7, resident_fraction:
         if unknown:
             raise ValueError(f"kq bench: unknown or unavailable backends {sorted(unknown)}; here: {sorted(timers)}")
         timers = {k: v for k, v in timers.items() if k in backends}
+    timing_jax = any(name.startswith("jax") for name in timers)
+    jax_floor = _jax_floor_fn() if timing_jax else None
+    bandwidth = _jax_copy_bandwidth() if timing_jax else None
+    floor_ops = {"mlx": (lambda i, s, t: (i[:1, :1] + 1,), _mlx_timer)}
+    if jax_floor is not None:
+        floor_ops["jax"] = (jax_floor, _jax_timer)
 
     work = [(set_name, shape, name) for set_name in sets for shape in SHAPE_SETS[set_name] for name in timers]
     bar = _progress(len(work), progress)
@@ -254,11 +256,13 @@ def run(sets=("decode",), backends=None, *, repeats: int = 7, resident_fraction:
         inputs = inputs_cache[key]
         fn, timer, device = timers[name]
         per_call, eager = timer(fn, inputs, repeats)
+        family = name.split("-")[0]
         launch = None
-        if name.startswith("jax") and jax_floor is not None:
-            launch = floors.setdefault(("jax", key), _jax_timer(jax_floor, inputs, repeats)[0])
-        elif name.startswith("mlx") and mlx_floor is not None:
-            launch = floors.setdefault(("mlx", key), _mlx_timer(mlx_floor, inputs, repeats)[0])
+        if family in floor_ops:
+            if (family, key) not in floors:
+                floor_fn, floor_timer = floor_ops[family]
+                floors[(family, key)] = floor_timer(floor_fn, inputs, repeats)[0]
+            launch = floors[(family, key)]
         band = op_bytes(*key) / bandwidth * 1e6 if bandwidth and name.startswith("jax") else None
         results.append(Result(name, device, set_name, rows, top_k, experts, per_call, eager, launch, band))
         bar(f"{name} {rows}x{top_k} E={experts}")
