@@ -58,11 +58,15 @@ def main() -> int:
     fig.savefig(docs / "shedding_study.png", dpi=120)
 
     cfg = DemoConfig()
+    import importlib.metadata as metadata
+
+    versions = ", ".join(f"{name} {metadata.version(name)}" for name in
+                         (("mlx", "mlx-lm") if args.framework == "mlx" else ("jax",)))
     lines = [
         "# Shedding study: what a bounded arena costs",
         "",
         f"`python tools/shedding_study.py --framework {args.framework} --steps {args.steps}`, run on "
-        f"{time.strftime('%Y-%m-%d')} on this project's CPU machine (2 cores), `kq demo`'s default stack: "
+        f"{time.strftime('%Y-%m-%d')} on this project's CPU machine (2 cores; {versions}), `kq demo`'s default stack: "
         f"{cfg.layers} Qwen3-MoE-style layers, {cfg.experts} experts, top-{cfg.top_k}, hidden {cfg.hidden}, "
         f"expert width {cfg.ffn}, one token per step, hidden states drifting by {cfg.drift} per step, "
         "experts streamed from safetensors files through the residency manager "
