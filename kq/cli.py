@@ -39,9 +39,13 @@ def _bench(args) -> int:
 def _demo(args) -> int:
     from kq import demo
 
+    import importlib.util
+
     frameworks = tuple(args.frameworks) if args.frameworks else demo.available_frameworks()
-    if not frameworks:
-        print("kq demo: neither JAX nor mlx-lm is installed (pip install -e '.[demo]')")
+    missing = [m for m in ("safetensors", "matplotlib") if importlib.util.find_spec(m) is None]
+    if not frameworks or missing:
+        print(f"kq demo needs JAX or mlx-lm, safetensors and matplotlib; missing: "
+              f"{', '.join(missing) or 'JAX and mlx-lm'} (pip install -e '.[demo]')")
         return 1
     cfg = demo.DemoConfig(layers=args.layers, experts=args.experts, top_k=args.top_k, hidden=args.hidden,
                           ffn=args.ffn, rows=args.rows, steps=args.steps, residency=args.residency,
