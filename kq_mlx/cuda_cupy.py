@@ -14,12 +14,9 @@ import functools
 import numpy as np
 
 from kq.oracle import RouteShedResult
-from kq.validate import check_route_shed_args, dtype_name
 from kq_mlx import sources
 
 BLOCK = 256
-_NUMPY_TYPES = {"int32": np.int32, "uint32": np.uint32, "float32": np.float32, "bfloat16": np.uint16,
-                "float16": np.float16}
 _PRELUDE = """#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 typedef int int32_t;
@@ -45,20 +42,16 @@ def route_shed_cuda_cupy(indices, scores, slot_table) -> RouteShedResult:
     """Runs the CUDA twin on the GPU (NumPy in, NumPy out)."""
     import cupy
 
-    indices, scores, slot_table = (np.asarray(a) for a in (indices, scores, slot_table))
-    check_route_shed_args(indices, scores, slot_table)
-    indices, scores, slot_table = (np.ascontiguousarray(a) for a in (indices, scores, slot_table))
-    index_dtype, score_dtype = dtype_name(indices), dtype_name(scores)
-    out_shape = indices.shape
-    top_k = out_shape[-1]
-    rows = indices.size // top_k
+    out_shape = np.shape(indices)
+    indices, scores, slot_table, index_dtype, score_dtype, top_k, rows = sources.host_inputs(
+        indices, scores, slot_table)
     guard = BLOCK * top_k
-    outputs = [cupy.full(rows * top_k + 2 * guard, 0x5A, dtype=_NUMPY_TYPES[d])
+    outputs = [cupy.full(rows * top_k + 2 * guard, 0x5A, dtype=sources.HOST_TYPES[d])
                for d in sources.output_dtypes(index_dtype)]
     if rows:
         kernel = build(index_dtype, score_dtype, top_k)
         args = (cupy.asarray(indices.reshape(-1)), cupy.asarray(np.array([rows, top_k], np.int32)),
-                cupy.asarray(scores.reshape(-1).view(_NUMPY_TYPES[score_dtype])), cupy.asarray(slot_table),
+                cupy.asarray(scores.reshape(-1)), cupy.asarray(slot_table),
                 cupy.asarray(np.array(slot_table.shape, np.int32)), *(o[guard:guard + rows * top_k] for o in outputs))
         kernel(((rows + BLOCK - 1) // BLOCK,), (BLOCK,), args)
     host = [cupy.asnumpy(o) for o in outputs]

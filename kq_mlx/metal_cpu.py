@@ -22,13 +22,10 @@ from pathlib import Path
 import numpy as np
 
 from kq.oracle import RouteShedResult
-from kq.validate import check_route_shed_args, dtype_name
 from kq_mlx import sources
 
 COMPILE_FLAGS = ("-std=c++17", "-O2", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-Wno-attributes")
 EXTRA_THREADS = 3  # threads launched past the last row, as a rounded-up grid would
-_NUMPY_TYPES = {"int32": np.int32, "uint32": np.uint32, "float32": np.float32, "bfloat16": np.uint16,
-                "float16": np.float16}
 
 
 class CompilerUnavailable(RuntimeError):
@@ -100,24 +97,19 @@ def prepare(indices, scores, slot_table):
     ``collect()`` checks the guard bands and returns the outputs. Split so that
     ``kq bench`` can time the native loop alone.
     """
-    indices, scores, slot_table = (np.asarray(a) for a in (indices, scores, slot_table))
-    check_route_shed_args(indices, scores, slot_table)
-    indices, scores, slot_table = (np.ascontiguousarray(a) for a in (indices, scores, slot_table))
-    index_dtype, score_dtype = dtype_name(indices), dtype_name(scores)
-    out_shape = indices.shape
-    top_k = out_shape[-1]
-    rows = indices.size // top_k
+    out_shape = np.shape(indices)
+    indices, scores, slot_table, index_dtype, score_dtype, top_k, rows = sources.host_inputs(
+        indices, scores, slot_table)
     run = build(index_dtype, score_dtype, top_k).kq_run
 
     # Outputs get a guard band on both sides: a thread past the last row that
     # wrote anything would change it.
     guard = (EXTRA_THREADS + 1) * top_k
-    outputs = [np.full(rows * top_k + 2 * guard, 0x5A, dtype=_NUMPY_TYPES[d])
+    outputs = [np.full(rows * top_k + 2 * guard, 0x5A, dtype=sources.HOST_TYPES[d])
                for d in sources.output_dtypes(index_dtype)]
     sentinels = [o.copy() for o in outputs]
     indices_shape = np.array([rows, top_k], np.int32)
     table_shape = np.array(slot_table.shape, np.int32)
-    scores = scores.view(_NUMPY_TYPES[score_dtype])
 
     def ptr(array):
         return array.ctypes.data_as(ctypes.c_void_p)

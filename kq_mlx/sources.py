@@ -13,6 +13,11 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from importlib import resources
+from typing import NamedTuple
+
+import numpy as np
+
+from kq.validate import check_route_shed_args, dtype_name
 
 INPUT_NAMES = ("indices", "scores", "slot_table")
 OUTPUT_NAMES = ("slots", "mix", "miss_ids", "miss_scores")
@@ -23,6 +28,34 @@ METAL_TYPES = {"int32": "int32_t", "uint32": "uint32_t", "float32": "float", "bf
                "float16": "float16_t"}
 CUDA_TYPES = {"int32": "int32_t", "uint32": "uint32_t", "float32": "float", "bfloat16": "__nv_bfloat16",
               "float16": "__half"}
+
+
+# NumPy storage of each dtype as the harnesses hand it to a kernel (bf16 as its bits).
+HOST_TYPES = {"int32": np.int32, "uint32": np.uint32, "float32": np.float32, "bfloat16": np.uint16,
+              "float16": np.float16}
+
+
+class HostInputs(NamedTuple):
+    """Checked, contiguous host inputs of a harness launch, with the variant they select."""
+
+    indices: np.ndarray
+    scores: np.ndarray  # viewed as HOST_TYPES[score_dtype]
+    slot_table: np.ndarray
+    index_dtype: str
+    score_dtype: str
+    top_k: int
+    rows: int
+
+
+def host_inputs(indices, scores, slot_table) -> HostInputs:
+    """Checks the arguments (before any conversion) and lays them out for a kernel harness."""
+    indices, scores, slot_table = (np.asarray(a) for a in (indices, scores, slot_table))
+    check_route_shed_args(indices, scores, slot_table)
+    index_dtype, score_dtype = dtype_name(indices), dtype_name(scores)
+    top_k = indices.shape[-1]
+    return HostInputs(np.ascontiguousarray(indices),
+                      np.ascontiguousarray(scores).view(HOST_TYPES[score_dtype]),
+                      np.ascontiguousarray(slot_table), index_dtype, score_dtype, top_k, indices.size // top_k)
 
 
 @dataclass(frozen=True)
