@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from kq.expert_store import ExpertStore
-from kq.residency import LayerReport, LayerStats, ResidencyManager
+from kq.residency import LayerReport, ResidencyManager
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -200,13 +200,6 @@ def available_frameworks() -> tuple[str, ...]:
 # ---- the run ----------------------------------------------------------------------------------
 
 
-def _delta(after: LayerStats, before: LayerStats) -> LayerStats:
-    out = LayerStats()
-    for name in out.__dataclass_fields__:
-        setattr(out, name, getattr(after, name) - getattr(before, name))
-    return out
-
-
 def run_framework(stack, cfg: DemoConfig, store: ExpertStore, states) -> RunTrace:
     trace = RunTrace(stack.name)
     start = time.perf_counter()
@@ -225,7 +218,7 @@ def run_framework(stack, cfg: DemoConfig, store: ExpertStore, states) -> RunTrac
         tables = manager.step(reports)
         trace.boundary_ms.append((time.perf_counter() - boundary) * 1e3)
         _, after = manager.stats()
-        step = _delta(after, before)
+        step = after.since(before)
         before = after
         trace.hit_rate.append(step.hit_rate)
         trace.shed_experts.append(step.shed_count / cfg.rows)

@@ -71,6 +71,10 @@ class LayerStats:
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
+    def since(self, earlier: "LayerStats") -> "LayerStats":
+        """The counts accumulated after ``earlier`` was taken (e.g. one token's)."""
+        return LayerStats(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
+
 
 @dataclass(frozen=True)
 class FailedRead:

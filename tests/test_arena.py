@@ -292,7 +292,7 @@ def test_store_truncated_file_fails_the_read_not_the_slot(tmp_path):
     store = ExpertStore(tmp_path, layout="stacked")
     arena = NumpyArena(1, 2, {p: (SHAPES[p], np.float32) for p in PROJECTIONS})
     manager = ResidencyManager(1, 4, 2, loader=lambda l, e, s: store.read_expert(l, e), arena=arena, queue_depth=2)
-    tables = manager.step([report([0, 3], table=manager.snapshot()[0])])
+    manager.step([report([0, 3], table=manager.snapshot()[0])])
     manager.drain()
     assert manager.resident(0) == {0: 0}  # expert 3's down_proj runs past the truncated end
     assert len(manager.failures) == 1 and "truncated" in str(manager.failures[0].error)

@@ -4,7 +4,6 @@ import re
 import shutil
 import subprocess
 
-import numpy as np
 import pytest
 
 from conftest import assert_same_bits
