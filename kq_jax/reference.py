@@ -21,7 +21,7 @@ from kq_jax.exact_f32 import canonicalize_nan, div_flush, flush, mul_flush
 # Sort keys for the miss list: descending score maps to ascending key; these
 # two sit above every key a number can have.
 _NAN_KEY = 0x7F800002
-_NOT_A_MISS_KEY = 0x7F800003
+NOT_A_MISS_KEY = 0x7F800003
 
 
 class RouteShed(NamedTuple):
@@ -105,7 +105,7 @@ def route_shed_reference(indices, scores, slot_table) -> RouteShed:
 
     miss = valid & ~keep
     position = lax.broadcasted_iota(jnp.int32, ids.shape, 1)
-    key = jnp.where(miss, score_order_key(s), _NOT_A_MISS_KEY)
+    key = jnp.where(miss, score_order_key(s), NOT_A_MISS_KEY)
     _, _, packed_ids, packed_scores = lax.sort(
         (key, position, ids.astype(jnp.int32), lax.stop_gradient(s)), dimension=1, num_keys=2)
     filled = position < miss.sum(axis=1, keepdims=True)

@@ -1,19 +1,24 @@
 """``route_shed`` as one fused Pallas kernel (Triton lowering), and its wrapper.
 
-One program handles ``block_rows`` rows as a ``[block_rows, KP]`` tile
-(``KP`` = K rounded up to a power of two, as Triton needs); all four outputs
-come out of the one launch. Loads and stores are masked, so a ragged last
-block and a K that is not a power of two never touch memory outside the
-arrays.
+One thread per row, like the Metal kernel: a program handles ``block_rows``
+rows, and every value in the kernel is a ``[block_rows]`` vector holding one
+entry of each row, so a row's K entries sit in one thread's registers. The
+sequential sums are plain adds and nothing crosses lanes: no reductions, no
+layout shuffles. (The first version worked on ``[block_rows, KP]`` tiles with
+masked row sums and a ``[block_rows, KP, KP]`` rank tile; on the H200 it ran
+at 5x the bandwidth floor at 1M rows and slower than plain jnp at 4096 rows.)
+Misses are stored straight to their rank's position, and padding to the
+positions past the row's last miss, so every output element is written once.
+All four outputs come out of the one launch; loads and stores are masked, so
+a ragged last block never touches memory outside the arrays.
 
 Exactness on the GPU: the kernel contains no floating-point multiply or
 divide at all. ``s * scale`` and ``total / kept`` go through the integer
 mantissa arithmetic of :mod:`kq_jax.exact_f32`, so neither Triton's
 approximate ``div.full.f32`` nor multiply-add contraction can occur; the
 remaining float ops are adds, compares and selects, each followed by the
-contract's flush. The column extraction for the sequential sums is a masked
-row sum with exactly one non-zero term, which is exact. ``tools/gpu_check.py``
-greps the generated PTX to keep it that way.
+contract's flush. ``tests/test_pallas_lowering.py`` lowers the kernel to
+Triton IR for CUDA and checks for float mul/div.
 
 Why Triton and not Mosaic GPU: the kernel gathers ``slot_table[ids]`` at
 data-dependent addresses. Pallas' Triton lowering turns an integer-array
@@ -41,12 +46,16 @@ from jax.experimental.pallas import triton as plgpu
 
 from kq.validate import check_route_shed_args
 from kq_jax.exact_f32 import canonicalize_nan, div_flush_raw, flush, mul_flush_raw
-from kq_jax.reference import RouteShed, route_shed_reference, score_order_key
+from kq_jax.reference import NOT_A_MISS_KEY, RouteShed, route_shed_reference, score_order_key
 
-# The [rows, KP, KP] comparison tile for the miss ranks is the kernel's
-# largest live value; this bounds it per program.
-_RANK_TILE_ELEMENTS = 16384
+# Rows per program: one row per thread, and at least ~2 programs per SM on
+# an H100/H200 (132 SMs) before a block grows past one warp.
+_MIN_BLOCK_ROWS = 32
 _MAX_BLOCK_ROWS = 256
+_TARGET_PROGRAMS = 264
+# Up to this K the kernel is unrolled over the row's entries; above it, the
+# per-entry second pass is a loop (see the kernel).
+_UNROLLED_MAX_K = 16
 
 
 def _next_power_of_two(n: int) -> int:
@@ -60,80 +69,86 @@ class KernelConfig(NamedTuple):
     num_warps: int | None = None
 
 
-def block_config(rows: int, k_width: int, config: KernelConfig | None = None) -> tuple[int, int, int]:
-    """Picks ``(block_rows, padded_k, num_warps)`` for a ``[rows, k_width]`` problem.
+def block_config(rows: int, config: KernelConfig | None = None) -> tuple[int, int]:
+    """Picks ``(block_rows, num_warps)`` for a problem of ``rows`` rows.
 
-    The default keeps the ``[block_rows, KP, KP]`` rank tile at 16K elements;
-    ``config`` overrides either choice (``tools/gpu_tune.py`` sweeps them).
+    Each thread owns one row (its K entries live in registers), so a program
+    of ``block_rows`` rows wants ``block_rows / 32`` warps. Blocks stay small
+    enough to give every SM work at prefill sizes and grow to 256 rows only
+    when the grid is large anyway; ``config`` overrides either choice
+    (``tools/gpu_tune.py`` sweeps them).
     """
     config = config or KernelConfig()
-    padded_k = _next_power_of_two(k_width)
-    block_rows = config.block_rows or max(1, min(_MAX_BLOCK_ROWS, _RANK_TILE_ELEMENTS // (padded_k * padded_k)))
+    wanted = _next_power_of_two(max(1, -(-rows // _TARGET_PROGRAMS)))
+    block_rows = config.block_rows or min(_MAX_BLOCK_ROWS, max(_MIN_BLOCK_ROWS, wanted))
     if block_rows & (block_rows - 1):
         raise ValueError(f"route_shed_pallas: block_rows must be a power of two, got {block_rows}")
     block_rows = min(block_rows, _next_power_of_two(max(rows, 1)))
-    num_warps = config.num_warps or (4 if block_rows * padded_k >= 512 else 1)
-    return block_rows, padded_k, num_warps
-
-
-def _column(tile, col, k):
-    """``tile[:, k]`` as a masked row sum (exactly one non-zero term: exact)."""
-    zero = jnp.zeros((), tile.dtype)
-    return jnp.sum(jnp.where(col == k, tile, zero), axis=1)
+    num_warps = config.num_warps or max(1, min(8, block_rows // 32))
+    return block_rows, num_warps
 
 
 def _route_shed_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_ids_ref, miss_scores_ref,
-                       *, rows: int, k_width: int, num_experts: int, block_rows: int, padded_k: int,
-                       unsigned_ids: bool):
-    row = pl.program_id(0) * block_rows + lax.broadcasted_iota(jnp.int32, (block_rows, padded_k), 0)
-    col = lax.broadcasted_iota(jnp.int32, (block_rows, padded_k), 1)
-    in_bounds = (row < rows) & (col < k_width)
-    offsets = row * k_width + col
+                       *, rows: int, k_width: int, num_experts: int, block_rows: int, unsigned_ids: bool):
+    # Every value below is a [block_rows] vector holding one entry k of each
+    # row: the K entries of a row sit in one thread's registers, as in the
+    # Metal kernel's one-thread-per-row loop, so the sequential sums are plain
+    # adds and nothing crosses lanes (no reductions, no layout shuffles).
+    row = pl.program_id(0) * block_rows + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
+    live = row < rows
+    base = row * k_width
 
-    ids = plgpu.load(ids_ref.at[offsets], mask=in_bounds, other=0)
-    s = flush(plgpu.load(scores_ref.at[offsets], mask=in_bounds, other=0).astype(jnp.float32))
-    if unsigned_ids:
-        valid = in_bounds & (ids < jnp.uint32(num_experts))
-    else:
-        valid = in_bounds & (ids >= 0) & (ids < num_experts)
-    safe_ids = jnp.where(valid, ids, 0).astype(jnp.int32)
-    slot = plgpu.load(table_ref.at[safe_ids], mask=valid, other=-1)
-    keep = slot >= 0
+    def load_entry(k):
+        id_k = plgpu.load(ids_ref.at[base + k], mask=live, other=0)
+        s_k = flush(plgpu.load(scores_ref.at[base + k], mask=live, other=0).astype(jnp.float32))
+        if unsigned_ids:
+            valid_k = live & (id_k < jnp.uint32(num_experts))
+        else:
+            valid_k = live & (id_k >= 0) & (id_k < num_experts)
+        slot_k = plgpu.load(table_ref.at[jnp.where(valid_k, id_k, 0).astype(jnp.int32)], mask=valid_k, other=-1)
+        return id_k, s_k, slot_k, valid_k & (slot_k < 0)
 
+    entries = [load_entry(k) for k in range(k_width)]
     total = jnp.zeros((block_rows,), jnp.float32)
     kept = jnp.zeros((block_rows,), jnp.float32)
-    kept_s = jnp.where(keep, s, 0.0)
-    for k in range(k_width):
-        total = flush(total + _column(s, col, k))
-        kept = jnp.where(_column(keep.astype(jnp.int32), col, k) > 0, flush(kept + _column(kept_s, col, k)), kept)
+    for _, s_k, slot_k, _ in entries:
+        total = flush(total + s_k)
+        kept = jnp.where(slot_k >= 0, flush(kept + s_k), kept)
     has_mass = kept > 0.0
     scale = jnp.where(has_mass, div_flush_raw(total, jnp.where(has_mass, kept, 1.0)), 0.0)
-    mix = jnp.where(keep, mul_flush_raw(s, scale[:, None]), 0.0)
+    fallback = jnp.zeros((block_rows,), jnp.int32)
+    for _, _, slot_k, _ in reversed(entries):
+        fallback = jnp.where(slot_k >= 0, slot_k, fallback)
+    # Misses order by descending score, NaN last, ties by lower k; non-misses
+    # carry a key above every miss's, so they never push a miss back.
+    keys = [jnp.where(miss_k, score_order_key(s_k), NOT_A_MISS_KEY) for _, s_k, _, miss_k in entries]
+    miss_count = sum(miss_k.astype(jnp.int32) for *_, miss_k in entries)
 
-    first_kept = jnp.min(jnp.where(keep, col, padded_k), axis=1)
-    fallback = jnp.max(jnp.where(keep & (col == first_kept[:, None]), slot, 0), axis=1)
-    slots = jnp.where(keep, slot, fallback[:, None])
+    def store_entry(k, id_k, s_k, slot_k, miss_k):
+        at = base + k
+        keep_k = slot_k >= 0
+        plgpu.store(slots_ref.at[at], jnp.where(keep_k, slot_k, fallback).astype(slots_ref.dtype), mask=live)
+        plgpu.store(mix_ref.at[at], canonicalize_nan(jnp.where(keep_k, mul_flush_raw(s_k, scale), 0.0)),
+                    mask=live)
+        # A miss lands at its rank among the row's misses; padding fills the
+        # positions past the last miss: each position is written exactly once.
+        key_k = jnp.where(miss_k, score_order_key(s_k), NOT_A_MISS_KEY)
+        rank = jnp.zeros((block_rows,), jnp.int32)
+        for j, key_j in enumerate(keys):
+            rank = rank + ((key_j < key_k) | ((key_j == key_k) & (j < k))).astype(jnp.int32)
+        plgpu.store(miss_ids_ref.at[base + rank], id_k.astype(jnp.int32), mask=miss_k)
+        plgpu.store(miss_scores_ref.at[base + rank], canonicalize_nan(s_k), mask=miss_k)
+        padding = live & (miss_count <= k)
+        plgpu.store(miss_ids_ref.at[at], jnp.full((block_rows,), -1, jnp.int32), mask=padding)
+        plgpu.store(miss_scores_ref.at[at], jnp.zeros((block_rows,), jnp.float32), mask=padding)
 
-    # Rank of each miss among the row's misses: descending score, NaN last,
-    # ties by lower k. The packed outputs are integer sums with one term.
-    miss = valid & ~keep
-    key = score_order_key(s)
-    key_j, key_k = key[:, :, None], key[:, None, :]
-    col_j, col_k = col[:, :, None], col[:, None, :]
-    before = miss[:, :, None] & ((key_j < key_k) | ((key_j == key_k) & (col_j < col_k)))
-    rank = jnp.where(miss, jnp.sum(before.astype(jnp.int32), axis=1), -1)
-    miss_count = jnp.sum(miss.astype(jnp.int32), axis=1)
-    lands = rank[:, None, :] == col[:, :, None]  # [rows, position, k]
-    packed_ids = jnp.sum(jnp.where(lands, ids.astype(jnp.int32)[:, None, :], 0), axis=2)
-    score_bits = lax.bitcast_convert_type(s, jnp.int32)
-    packed_bits = jnp.sum(jnp.where(lands, score_bits[:, None, :], 0), axis=2)
-    filled = col < miss_count[:, None]
-
-    plgpu.store(slots_ref.at[offsets], slots.astype(slots_ref.dtype), mask=in_bounds)
-    plgpu.store(mix_ref.at[offsets], canonicalize_nan(mix), mask=in_bounds)
-    plgpu.store(miss_ids_ref.at[offsets], jnp.where(filled, packed_ids, -1), mask=in_bounds)
-    packed_scores = lax.bitcast_convert_type(jnp.where(filled, packed_bits, 0), jnp.float32)
-    plgpu.store(miss_scores_ref.at[offsets], canonicalize_nan(packed_scores), mask=in_bounds)
+    if k_width <= _UNROLLED_MAX_K:
+        for k, entry in enumerate(entries):
+            store_entry(k, *entry)
+    else:
+        # Unrolling K entries of K compares each makes a huge kernel, slow to
+        # compile; loop instead, re-reading entry k (an L1 hit).
+        lax.fori_loop(0, k_width, lambda k, carry: (store_entry(k, *load_entry(k)), carry)[1], 0)
 
 
 def _pallas_forward(indices, scores, slot_table, *, interpret: bool, config: KernelConfig | None) -> RouteShed:
@@ -149,10 +164,10 @@ def _pallas_forward(indices, scores, slot_table, *, interpret: bool, config: Ker
     )
     if rows == 0:
         return RouteShed(*(jnp.zeros(out_shape, s.dtype) for s in shapes))
-    block_rows, padded_k, num_warps = block_config(rows, k_width, config)
+    block_rows, num_warps = block_config(rows, config)
     kernel = functools.partial(
         _route_shed_kernel, rows=rows, k_width=k_width, num_experts=num_experts, block_rows=block_rows,
-        padded_k=padded_k, unsigned_ids=indices.dtype == jnp.uint32)
+        unsigned_ids=indices.dtype == jnp.uint32)
     call = pl.pallas_call(
         kernel,
         out_shape=shapes,

@@ -143,4 +143,4 @@ def test_pallas_block_rows_must_be_a_power_of_two():
     from kq_jax.route_shed_pallas import KernelConfig, block_config
 
     with pytest.raises(ValueError, match="power of two"):
-        block_config(100, 8, KernelConfig(block_rows=48))
+        block_config(100, KernelConfig(block_rows=48))

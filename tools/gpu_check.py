@@ -138,7 +138,7 @@ def main() -> int:
     from kq.check import format_table, run_checks
     from kq_jax.exact_f32 import div_flush_raw
 
-    sink = open(out / "gpu_check.log", "w")
+    sink = open(out / "gpu_check.log", "a")  # several partial runs in one call add up in one log
     device = jax.devices()[0]
     log(f"device: {device.device_kind}; jax {jax.__version__}; backend {jax.default_backend()}", sink)
     if jax.default_backend() != "gpu":

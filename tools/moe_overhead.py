@@ -4,7 +4,7 @@ Usage: PYTHONPATH=. python tools/moe_overhead.py [--hidden 2048 --ffn 768] [--js
 Decode sizes: T in 1, 2, 4, 8; E in 64, 256; K = 8; bf16 weights. For each, the resident layer
 (E experts in memory, gathered by router ids) and the arena layer (S slots fed by route_shed) are
 timed as N calls unrolled in one jitted function, each call's input tied to the previous call's
-output, minus the same chain around a null layer; median over repeats. With residency 1.0 (S = E,
+output, minus the same chain around a null layer; the chains run interleaved, median over repeats. With residency 1.0 (S = E,
 slots permuted) both layers do the same gathers and products, so the difference is route_shed and
 its plumbing: that is the bar's number. Residency 0.25 is reported too; there shed entries reuse
 the first kept slot, so its gathers hit cache more often.
@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -23,7 +25,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kq.bench import _median_us  # noqa: E402
 from kq_jax.moe import Experts, moe_ffn_arena, moe_ffn_resident  # noqa: E402
 
 
@@ -36,11 +37,21 @@ def chained(layer, n):
     return jax.jit(run)
 
 
-def per_call_us(layer, args, n, repeats):
+def per_call_us(layers, args, n, repeats):
+    """Device time per call of each layer: chains of n calls minus a null chain, median over repeats.
+
+    The chains run interleaved, one of each per repeat, so clock and thermal drift hit every layer alike.
+    """
     null = lambda x, *params: x  # noqa: E731
-    full, empty = chained(layer, n), chained(null, n)
-    return (_median_us(lambda: jax.block_until_ready(full(*args)), repeats)
-            - _median_us(lambda: jax.block_until_ready(empty(*args)), repeats)) / n
+    chains = [chained(layer, n) for layer in (null, *layers)]
+    samples = [[] for _ in chains]
+    for _ in range(repeats + 1):  # the first round compiles and warms up
+        for chain, layer_args, times in zip(chains, ((args[0][0],), *args), samples):
+            start = time.perf_counter()
+            jax.block_until_ready(chain(*layer_args))
+            times.append(time.perf_counter() - start)
+    medians = [statistics.median(times[1:]) * 1e6 for times in samples]
+    return [(m - medians[0]) / n for m in medians[1:]]
 
 
 def main() -> int:
@@ -52,7 +63,7 @@ def main() -> int:
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--residency", type=float, nargs="+", default=[1.0, 0.25])
     parser.add_argument("--unroll", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--json")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
@@ -72,10 +83,10 @@ def main() -> int:
             table[resident_ids] = np.arange(slots)
             arena = Experts(*(w[jnp.asarray(resident_ids)] for w in weights))
             x = jnp.asarray(rng.normal(size=(tokens, args.hidden)), jnp.bfloat16)
-            resident = per_call_us(lambda x, r, w: moe_ffn_resident(x, r, w, top_k=args.top_k),
-                                   (x, router, weights), args.unroll, args.repeats)
-            on_arena = per_call_us(lambda x, r, a, t: moe_ffn_arena(x, r, a, t, top_k=args.top_k)[0],
-                                   (x, router, arena, jnp.asarray(table)), args.unroll, args.repeats)
+            resident, on_arena = per_call_us(
+                [lambda x, r, w: moe_ffn_resident(x, r, w, top_k=args.top_k),
+                 lambda x, r, a, t: moe_ffn_arena(x, r, a, t, top_k=args.top_k)[0]],
+                [(x, router, weights), (x, router, arena, jnp.asarray(table))], args.unroll, args.repeats)
             rows.append(dict(tokens=tokens, experts=experts, slots=slots, resident_us=resident, arena_us=on_arena,
                              overhead=on_arena / resident - 1))
             print(f"{tokens:>3} {experts:>4} {slots:>4} {resident:>12.1f} {on_arena:>10.1f} {rows[-1]['overhead']:>8.1%}")
