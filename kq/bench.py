@@ -73,7 +73,7 @@ def _median_us(fn: Callable[[], object], repeats: int) -> float:
 
 
 def _unroll_count(rows: int, top_k: int) -> int:
-    return int(max(2, min(64, 2**21 // max(1, rows * top_k))))
+    return int(max(2, min(32, 2**21 // max(1, rows * top_k))))
 
 
 # ---- JAX --------------------------------------------------------------------------------------
