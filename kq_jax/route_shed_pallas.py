@@ -151,6 +151,9 @@ def _route_shed_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_
         lax.fori_loop(0, k_width, lambda k, carry: (store_entry(k, *load_entry(k)), carry)[1], 0)
 
 
+# Jitted so that a program calling the op many times (one call per MoE layer)
+# traces and lowers the kernel once per distinct shape, not once per call.
+@functools.partial(jax.jit, static_argnames=("interpret", "config"))
 def _pallas_forward(indices, scores, slot_table, *, interpret: bool, config: KernelConfig | None) -> RouteShed:
     out_shape = indices.shape
     k_width = out_shape[-1]

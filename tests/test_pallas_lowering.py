@@ -41,3 +41,25 @@ def test_triton_ir_has_no_float_multiply_or_divide(monkeypatch, capfd, rows, top
     assert "tt.func" in ir and "tt.load" in ir, "the Triton IR was not printed"
     assert "arith.addf" in ir
     assert not FORBIDDEN.findall(ir), sorted(set(FORBIDDEN.findall(ir)))
+
+
+def test_repeated_calls_lower_the_kernel_once():
+    """A model calls route_shed once per MoE layer; each call must not trace and lower the kernel again
+    (on the H200 that cost ~1 s per call site and dominated compile time)."""
+    import kq_jax.route_shed_pallas as module
+
+    inputs = router_inputs(np.random.default_rng(0), 64, 8, 256)
+
+    def layers(indices, scores, table):
+        for _ in range(4):
+            scores = scores + 0 * module.route_shed_pallas(indices, scores, table).mix
+        return scores
+
+    try:
+        exported = export.export(jax.jit(layers), platforms=["cuda"], disabled_checks=[
+            export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*inputs)
+    except (ImportError, NotImplementedError) as why:
+        pytest.skip(f"cannot lower to Triton here: {why}")
+    module_text = exported.mlir_module()
+    assert module_text.count("__gpu$xla.gpu.triton") == 1
+    assert module_text.count("call @") >= 4
