@@ -1,0 +1,45 @@
+"""route_shed launches for the GPU tools: ``compute-sanitizer`` and Nsight Compute (``ncu``).
+
+Usage (on a GPU, from the repo root):
+    PYTHONPATH=. python tools/gpu_launches.py                      # the memcheck cases
+    PYTHONPATH=. python tools/gpu_launches.py --shape 1048576 8 256  # one shape, for a profile
+
+The memcheck cases: ragged tails (rows not a multiple of the block), K not a
+power of two, E = 1, zero rows. Every result is also compared with the oracle.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import kq_jax  # noqa: E402
+from kq.compare import first_mismatch  # noqa: E402
+from kq.inputs import adversarial_inputs, router_inputs  # noqa: E402
+from kq.oracle import route_shed_oracle  # noqa: E402
+
+CASES = [(1, 8, 256), (3, 8, 256), (257, 8, 256), (1023, 6, 64), (129, 10, 1), (77, 64, 1024), (5, 1, 1), (0, 8, 16)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", type=int, nargs=3, metavar=("ROWS", "K", "E"), help="one router-like shape")
+    args = parser.parse_args()
+    rng = np.random.default_rng(5)
+    fn = jax.jit(lambda i, s, t: kq_jax.route_shed(i, s, t, impl="pallas"))
+    bad = 0
+    cases = [(tuple(args.shape), router_inputs)] if args.shape else [(case, adversarial_inputs) for case in CASES]
+    for (rows, top_k, experts), make in cases:
+        inputs = make(rng, rows, top_k, experts)
+        mismatch = first_mismatch(route_shed_oracle(*inputs), fn(*inputs))
+        print(f"case rows={rows} K={top_k} E={experts}: {'ok' if mismatch is None else mismatch}")
+        bad += mismatch is not None
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
