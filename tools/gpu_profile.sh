@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: Nsight Compute on the Pallas kernel at one shape (default the largest prefill shape),
-# plus ptxas' register and spill counts from the same run's PTX. Report text under $OUT.
+# (its LaunchStats section gives registers per thread). Report text under $OUT.
 # Usage: bash tools/gpu_profile.sh [ROWS K E]
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
