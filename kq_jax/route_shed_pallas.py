@@ -67,15 +67,19 @@ class KernelConfig(NamedTuple):
 
     block_rows: int | None = None  # rows per program, a power of two
     num_warps: int | None = None
+    # Move a program's rows between memory and registers as [block_rows, KP]
+    # tiles (coalesced, whole-sector stores) instead of one strided 4-byte
+    # access per entry; K <= 16 only. Not yet measured on a GPU: off unless asked.
+    tiled_io: bool | None = None
 
 
-def block_config(rows: int, config: KernelConfig | None = None) -> tuple[int, int]:
-    """Picks ``(block_rows, num_warps)`` for a problem of ``rows`` rows.
+def block_config(rows: int, k_width: int, config: KernelConfig | None = None) -> tuple[int, int, bool]:
+    """Picks ``(block_rows, num_warps, tiled_io)`` for a ``[rows, k_width]`` problem.
 
     Each thread owns one row (its K entries live in registers), so a program
     of ``block_rows`` rows wants ``block_rows / 32`` warps. Blocks stay small
     enough to give every SM work at prefill sizes and grow to 256 rows only
-    when the grid is large anyway; ``config`` overrides either choice
+    when the grid is large anyway; ``config`` overrides any choice
     (``tools/gpu_tune.py`` sweeps them).
     """
     config = config or KernelConfig()
@@ -83,24 +87,50 @@ def block_config(rows: int, config: KernelConfig | None = None) -> tuple[int, in
     block_rows = config.block_rows or min(_MAX_BLOCK_ROWS, max(_MIN_BLOCK_ROWS, wanted))
     if block_rows & (block_rows - 1):
         raise ValueError(f"route_shed_pallas: block_rows must be a power of two, got {block_rows}")
+    if config.tiled_io and k_width > _UNROLLED_MAX_K:
+        raise ValueError(f"route_shed_pallas: tiled_io needs K <= {_UNROLLED_MAX_K}, got K = {k_width}")
     block_rows = min(block_rows, _next_power_of_two(max(rows, 1)))
     num_warps = config.num_warps or max(1, min(8, block_rows // 32))
-    return block_rows, num_warps
+    return block_rows, num_warps, bool(config.tiled_io)
+
+
+def _column(tile, col, k):
+    """``tile[:, k]`` of an integer tile, as a masked row sum (one non-zero term: exact)."""
+    return jnp.sum(jnp.where(col == k, tile, jnp.zeros((), tile.dtype)), axis=1)
 
 
 def _route_shed_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_ids_ref, miss_scores_ref,
-                       *, rows: int, k_width: int, num_experts: int, block_rows: int, unsigned_ids: bool):
-    # Every value below is a [block_rows] vector holding one entry k of each
-    # row: the K entries of a row sit in one thread's registers, as in the
-    # Metal kernel's one-thread-per-row loop, so the sequential sums are plain
-    # adds and nothing crosses lanes (no reductions, no layout shuffles).
+                       *, rows: int, k_width: int, num_experts: int, block_rows: int, unsigned_ids: bool,
+                       tiled_io: bool):
+    # Every value in the arithmetic is a [block_rows] vector holding one entry
+    # k of each row: the K entries of a row sit in one thread's registers, as
+    # in the Metal kernel's one-thread-per-row loop, so the sequential sums are
+    # plain adds and nothing crosses lanes. Only the way entries reach those
+    # registers and leave them depends on ``tiled_io``.
     row = pl.program_id(0) * block_rows + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
     live = row < rows
     base = row * k_width
 
+    if tiled_io:
+        padded_k = _next_power_of_two(k_width)
+        col = lax.broadcasted_iota(jnp.int32, (block_rows, padded_k), 1)
+        tile_row = pl.program_id(0) * block_rows + lax.broadcasted_iota(jnp.int32, (block_rows, padded_k), 0)
+        in_tile = (tile_row < rows) & (col < k_width)
+        tile_at = tile_row * k_width + col
+        id_tile = plgpu.load(ids_ref.at[tile_at], mask=in_tile, other=0)
+        score_bits = lax.bitcast_convert_type(
+            plgpu.load(scores_ref.at[tile_at], mask=in_tile, other=0).astype(jnp.float32), jnp.int32)
+
+        def read_entry(k):
+            return _column(id_tile, col, k), lax.bitcast_convert_type(_column(score_bits, col, k), jnp.float32)
+    else:
+        def read_entry(k):
+            return (plgpu.load(ids_ref.at[base + k], mask=live, other=0),
+                    plgpu.load(scores_ref.at[base + k], mask=live, other=0).astype(jnp.float32))
+
     def load_entry(k):
-        id_k = plgpu.load(ids_ref.at[base + k], mask=live, other=0)
-        s_k = flush(plgpu.load(scores_ref.at[base + k], mask=live, other=0).astype(jnp.float32))
+        id_k, s_k = read_entry(k)
+        s_k = flush(s_k)
         if unsigned_ids:
             valid_k = live & (id_k < jnp.uint32(num_experts))
         else:
@@ -124,18 +154,43 @@ def _route_shed_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_
     keys = [jnp.where(miss_k, score_order_key(s_k), NOT_A_MISS_KEY) for _, s_k, _, miss_k in entries]
     miss_count = sum(miss_k.astype(jnp.int32) for *_, miss_k in entries)
 
-    def store_entry(k, id_k, s_k, slot_k, miss_k):
-        at = base + k
+    def entry_outputs(k, s_k, slot_k, miss_k):
+        """Entry k's slot and mix, and its rank among the row's misses."""
         keep_k = slot_k >= 0
-        plgpu.store(slots_ref.at[at], jnp.where(keep_k, slot_k, fallback).astype(slots_ref.dtype), mask=live)
-        plgpu.store(mix_ref.at[at], canonicalize_nan(jnp.where(keep_k, mul_flush_raw(s_k, scale), 0.0)),
-                    mask=live)
-        # A miss lands at its rank among the row's misses; padding fills the
-        # positions past the last miss: each position is written exactly once.
+        slot_out = jnp.where(keep_k, slot_k, fallback).astype(slots_ref.dtype)
+        mix_out = canonicalize_nan(jnp.where(keep_k, mul_flush_raw(s_k, scale), 0.0))
         key_k = jnp.where(miss_k, score_order_key(s_k), NOT_A_MISS_KEY)
         rank = jnp.zeros((block_rows,), jnp.int32)
         for j, key_j in enumerate(keys):
             rank = rank + ((key_j < key_k) | ((key_j == key_k) & (j < k))).astype(jnp.int32)
+        return slot_out, mix_out, rank
+
+    if tiled_io:
+        # Each output tile starts as its padding; entry k fills column k, and
+        # a miss fills the column of its rank, so the misses end up packed.
+        slots_tile = jnp.zeros((block_rows, padded_k), slots_ref.dtype)
+        mix_tile = jnp.zeros((block_rows, padded_k), jnp.float32)
+        miss_ids_tile = jnp.full((block_rows, padded_k), -1, jnp.int32)
+        miss_scores_tile = jnp.zeros((block_rows, padded_k), jnp.float32)
+        for k, (id_k, s_k, slot_k, miss_k) in enumerate(entries):
+            slot_out, mix_out, rank = entry_outputs(k, s_k, slot_k, miss_k)
+            slots_tile = jnp.where(col == k, slot_out[:, None], slots_tile)
+            mix_tile = jnp.where(col == k, mix_out[:, None], mix_tile)
+            lands = (col == rank[:, None]) & miss_k[:, None]
+            miss_ids_tile = jnp.where(lands, id_k.astype(jnp.int32)[:, None], miss_ids_tile)
+            miss_scores_tile = jnp.where(lands, canonicalize_nan(s_k)[:, None], miss_scores_tile)
+        for ref, tile in ((slots_ref, slots_tile), (mix_ref, mix_tile), (miss_ids_ref, miss_ids_tile),
+                          (miss_scores_ref, miss_scores_tile)):
+            plgpu.store(ref.at[tile_at], tile, mask=in_tile)
+        return
+
+    def store_entry(k, id_k, s_k, slot_k, miss_k):
+        at = base + k
+        slot_out, mix_out, rank = entry_outputs(k, s_k, slot_k, miss_k)
+        plgpu.store(slots_ref.at[at], slot_out, mask=live)
+        plgpu.store(mix_ref.at[at], mix_out, mask=live)
+        # A miss lands at its rank among the row's misses; padding fills the
+        # positions past the last miss: each position is written exactly once.
         plgpu.store(miss_ids_ref.at[base + rank], id_k.astype(jnp.int32), mask=miss_k)
         plgpu.store(miss_scores_ref.at[base + rank], canonicalize_nan(s_k), mask=miss_k)
         padding = live & (miss_count <= k)
@@ -167,10 +222,10 @@ def _pallas_forward(indices, scores, slot_table, *, interpret: bool, config: Ker
     )
     if rows == 0:
         return RouteShed(*(jnp.zeros(out_shape, s.dtype) for s in shapes))
-    block_rows, num_warps = block_config(rows, config)
+    block_rows, num_warps, tiled_io = block_config(rows, k_width, config)
     kernel = functools.partial(
         _route_shed_kernel, rows=rows, k_width=k_width, num_experts=num_experts, block_rows=block_rows,
-        unsigned_ids=indices.dtype == jnp.uint32)
+        unsigned_ids=indices.dtype == jnp.uint32, tiled_io=tiled_io)
     call = pl.pallas_call(
         kernel,
         out_shape=shapes,

@@ -129,18 +129,38 @@ def test_kq_route_shed_dispatches_jax_arrays(rng):
     assert_same_bits(route_shed_oracle(ids, scores, table), out)
 
 
-@pytest.mark.parametrize("block_rows, num_warps", [(1, 1), (2, 1), (8, 2)])
-def test_pallas_launch_config_overrides_keep_the_bits(rng, block_rows, num_warps):
+@pytest.mark.parametrize("block_rows, num_warps, tiled_io", [(1, 1, False), (2, 1, False), (8, 2, False),
+                                                       (1, 1, True), (8, 2, True)])
+def test_pallas_launch_config_overrides_keep_the_bits(rng, block_rows, num_warps, tiled_io):
     from kq_jax.route_shed_pallas import KernelConfig, route_shed_pallas
 
     inputs = adversarial_inputs(rng, 11, 6, 40)  # 11 rows: a ragged last block for every block size
-    config = KernelConfig(block_rows, num_warps)
+    config = KernelConfig(block_rows, num_warps, tiled_io)
     got = jax.jit(lambda i, s, t: route_shed_pallas(i, s, t, interpret=not ON_GPU, config=config))(*inputs)
     assert_same_bits(route_shed_oracle(*inputs), got)
+
+
+def test_pallas_tiled_io_keeps_the_bits_on_every_golden_case():
+    from conftest import SPEC
+    from kq_jax.route_shed_pallas import KernelConfig, route_shed_pallas
+
+    cases = [case for case in SPEC.cases if case.inputs["indices"].shape[-1] <= 16]
+    assert len(cases) >= 20
+    for case in cases:
+        got = route_shed_pallas(*case.inputs.values(), interpret=not ON_GPU, config=KernelConfig(tiled_io=True))
+        assert_same_bits(case.expected, got)
+
+
+def test_pallas_tiled_io_is_for_k_up_to_16():
+    from kq_jax.route_shed_pallas import KernelConfig, block_config
+
+    assert block_config(100, 16, KernelConfig(tiled_io=True))[2]
+    with pytest.raises(ValueError, match="K <= 16"):
+        block_config(100, 17, KernelConfig(tiled_io=True))
 
 
 def test_pallas_block_rows_must_be_a_power_of_two():
     from kq_jax.route_shed_pallas import KernelConfig, block_config
 
     with pytest.raises(ValueError, match="power of two"):
-        block_config(100, KernelConfig(block_rows=48))
+        block_config(100, 8, KernelConfig(block_rows=48))

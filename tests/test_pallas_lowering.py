@@ -20,18 +20,20 @@ from kq.inputs import router_inputs  # noqa: E402
 FORBIDDEN = re.compile(r"arith\.(mulf|divf|remf)|math\.fma|tt\.precise_divf|fdiv")
 
 
-@pytest.mark.parametrize("rows, top_k, experts, index_dtype, score_dtype", [
-    (64, 8, 256, "int32", "float32"), (5, 6, 40, "uint32", "bfloat16"), (3, 64, 1024, "int32", "float16"),
-    (7, 1, 1, "uint32", "float32"),
+@pytest.mark.parametrize("rows, top_k, experts, index_dtype, score_dtype, tiled_io", [
+    (64, 8, 256, "int32", "float32", False), (5, 6, 40, "uint32", "bfloat16", False),
+    (3, 64, 1024, "int32", "float16", False), (7, 1, 1, "uint32", "float32", False),
+    (64, 8, 256, "int32", "float32", True), (5, 6, 40, "uint32", "bfloat16", True),
 ])
 def test_triton_ir_has_no_float_multiply_or_divide(monkeypatch, capfd, rows, top_k, experts, index_dtype,
-                                                   score_dtype):
+                                                   score_dtype, tiled_io):
     import kq_jax.route_shed_pallas as module
 
     monkeypatch.setattr(module.pl, "pallas_call", functools.partial(pl.pallas_call, debug=True))
     inputs = router_inputs(np.random.default_rng(0), rows, top_k, experts, index_dtype=index_dtype,
                            score_dtype=score_dtype)
-    fn = jax.jit(lambda i, s, t: module.route_shed_pallas(i, s, t))
+    config = module.KernelConfig(tiled_io=tiled_io)
+    fn = jax.jit(lambda i, s, t: module.route_shed_pallas(i, s, t, config=config))
     try:
         export.export(fn, platforms=["cuda"],
                       disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*inputs)
