@@ -15,6 +15,10 @@ Methods (they are printed with the results):
   decode graph over 64 layers would be (``per_call`` = chain time / 64).
 * NumPy and the C++-executed Metal source: one call, wall clock.
 
+Every kq backend's outputs on the timed inputs are also compared once with
+the oracle, bit for bit (column ``bits``), so a benchmark run is a check at
+sizes the tests do not reach (2^20 rows).
+
 Floors, measured in the same run: the launch floor (the same harness around
 a trivial op on a one-row input: a one-element ``pallas_call`` on a GPU, a
 one-element ``mx`` op for MLX; none for JAX on the CPU, where nothing is
@@ -56,6 +60,7 @@ class Result:
     eager_us: float  # one call from Python, synchronised
     launch_floor_us: float | None = None
     bandwidth_floor_us: float | None = None
+    bits_exact: bool | None = None  # one call's outputs against the oracle; None for the inexact baseline
 
 
 def op_bytes(rows: int, top_k: int, experts: int) -> int:
@@ -260,8 +265,9 @@ def run(sets=("decode",), backends=None, *, repeats: int = 7, resident_fraction:
         key = (rows, top_k, experts)
         if key not in inputs_cache:
             inputs_cache.clear()
-            inputs_cache[key] = router_inputs(rng, rows, top_k, experts, resident_fraction=resident_fraction)
-        inputs = inputs_cache[key]
+            inputs = router_inputs(rng, rows, top_k, experts, resident_fraction=resident_fraction)
+            inputs_cache[key] = inputs, route_shed_oracle(*inputs)
+        inputs, expected = inputs_cache[key]
         fn, timer, device = timers[name]
         per_call, eager = timer(fn, inputs, repeats)
         family = name.split("-")[0]
@@ -274,10 +280,30 @@ def run(sets=("decode",), backends=None, *, repeats: int = 7, resident_fraction:
                 floors[family] = floor_timer(floor_fn, (inputs[0][:1], inputs[1][:1], inputs[2]), repeats)[0]
             launch = floors[family]
         band = op_bytes(*key) / bandwidth * 1e6 if bandwidth and name.startswith("jax") else None
-        results.append(Result(name, device, set_name, rows, top_k, experts, per_call, eager, launch, band))
+        results.append(Result(name, device, set_name, rows, top_k, experts, per_call, eager, launch, band,
+                              _bits_exact(name, inputs, expected)))
         bar(f"{name} {rows}x{top_k} E={experts}")
     bar(None)
     return results
+
+
+def _bits_exact(name: str, inputs, expected) -> bool | None:
+    """Whether one call of a kq backend gives the oracle's bits on the timed inputs (a benchmark that is
+    also a check at sizes the tests do not reach); None for the oracle itself and for the naive
+    baseline, which is not exact."""
+    from kq.backends import Unavailable, backend
+    from kq.compare import first_mismatch
+
+    if name == "numpy-oracle":
+        return None
+    try:
+        runner, _ = backend(name).probe()
+    except (KeyError, Unavailable):
+        return None
+    mismatch = first_mismatch(expected, runner(*inputs))
+    if mismatch is not None:
+        sys.stderr.write(f"kq bench: {name} does not match the oracle at {inputs[0].shape}: {mismatch}\n")
+    return mismatch is None
 
 
 def _progress(total: int, enabled: bool):
@@ -299,14 +325,16 @@ def _progress(total: int, enabled: bool):
 
 
 def format_table(results: list[Result]) -> str:
-    header = ("backend", "T", "K", "E", "per call us", "eager us", "launch floor", "x floor", "bw floor", "x bw")
+    header = ("backend", "T", "K", "E", "per call us", "eager us", "launch floor", "x floor", "bw floor", "x bw",
+              "bits")
     rows = []
     for r in results:
         ratio = f"{r.per_call_us / r.launch_floor_us:.2f}" if r.launch_floor_us else "-"
         bw_ratio = f"{r.per_call_us / r.bandwidth_floor_us:.2f}" if r.bandwidth_floor_us else "-"
         rows.append((r.backend, r.rows, r.top_k, r.experts, f"{r.per_call_us:.2f}", f"{r.eager_us:.1f}",
                      "-" if r.launch_floor_us is None else f"{r.launch_floor_us:.2f}", ratio,
-                     "-" if r.bandwidth_floor_us is None else f"{r.bandwidth_floor_us:.2f}", bw_ratio))
+                     "-" if r.bandwidth_floor_us is None else f"{r.bandwidth_floor_us:.2f}", bw_ratio,
+                     {None: "-", True: "exact", False: "DIFFER"}[r.bits_exact]))
     widths = [max(len(str(x[i])) for x in [header, *rows]) for i in range(len(header))]
     lines = ["  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
              for row in [header, *rows]]

@@ -6,6 +6,8 @@ import numpy as np
 
 import kq
 from kq.cli import main
+from kq.inputs import router_inputs
+from kq.oracle import route_shed_oracle
 
 
 def test_check_passes_and_prints_a_table(capsys):
@@ -44,8 +46,21 @@ def test_bench_smoke_writes_json_and_plot(tmp_path, capsys):
     assert {r["backend"] for r in results} == {"numpy-oracle", "jax-reference", "jax-naive", "mlx-ops",
                                                "metal-source-cpu"}
     assert all(r["per_call_us"] >= 0 and r["rows"] == 4 for r in results)
+    exact = {r["backend"]: r["bits_exact"] for r in results}
+    assert exact == {"numpy-oracle": None, "jax-naive": None, "jax-reference": True, "mlx-ops": True,
+                     "metal-source-cpu": True}
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "per call us" in capsys.readouterr().out
+
+
+def test_bench_bit_check_reports_a_wrong_bit(rng):
+    from kq.bench import _bits_exact
+
+    inputs = router_inputs(rng, 6, 8, 64)
+    expected = route_shed_oracle(*inputs)
+    assert _bits_exact("jax-reference", inputs, expected)
+    expected.mix.view(np.uint32)[2, 3] ^= 1
+    assert not _bits_exact("jax-reference", inputs, expected)
 
 
 def test_readme_example_row():
