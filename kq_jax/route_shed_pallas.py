@@ -1,16 +1,20 @@
 """``route_shed`` as one fused Pallas kernel (Triton lowering), and its wrapper.
 
 One thread per row, like the Metal kernel: a program handles ``block_rows``
-rows, and every value in the kernel is a ``[block_rows]`` vector holding one
-entry of each row, so a row's K entries sit in one thread's registers. The
-sequential sums are plain adds and nothing crosses lanes: no reductions, no
-layout shuffles. (The first version worked on ``[block_rows, KP]`` tiles with
-masked row sums and a ``[block_rows, KP, KP]`` rank tile; on the H200 it ran
-at 5x the bandwidth floor at 1M rows and slower than plain jnp at 4096 rows.)
-Misses are stored straight to their rank's position, and padding to the
-positions past the row's last miss, so every output element is written once.
-All four outputs come out of the one launch; loads and stores are masked, so
-a ragged last block never touches memory outside the arrays.
+rows, and every value in the arithmetic is a ``[block_rows]`` vector holding
+one entry of each row, so a row's K entries sit in one thread's registers and
+the sequential sums are plain adds. By default each entry is loaded and
+stored with its own strided 4-byte access: no reductions, no layout shuffles.
+``KernelConfig(tiled_io=True)`` (K <= 16) moves rows between memory and
+registers as coalesced ``[block_rows, KP]`` tiles instead; it is bit-exact in
+the interpreter but not yet measured on a GPU, so it is not the default.
+Misses go straight to their rank's position and padding to the positions past
+the row's last miss, so every output element is written once. All four
+outputs come out of the one launch; loads and stores are masked, so a ragged
+last block never touches memory outside the arrays. (The first version kept
+``[block_rows, KP]`` tiles throughout, with a ``[block_rows, KP, KP]`` tile
+for the ranks; on an H200 it ran at 8.7x the bandwidth floor at 2^20 rows,
+this one at 6.3x: docs/benchmarks.md.)
 
 Exactness on the GPU: the kernel contains no floating-point multiply or
 divide at all. ``s * scale`` and ``total / kept`` go through the integer
