@@ -151,6 +151,17 @@ def test_pallas_tiled_io_keeps_the_bits_on_every_golden_case():
         assert_same_bits(case.expected, got)
 
 
+@pytest.mark.parametrize("rows, top_k, experts, index_dtype, score_dtype", [
+    (37, 1, 3, "int32", "float32"), (70, 2, 64, "uint32", "bfloat16"), (33, 10, 128, "int32", "float16"),
+    (65, 16, 4096, "uint32", "float32")])
+def test_pallas_tiled_io_keeps_the_bits_on_adversarial_rows(rng, rows, top_k, experts, index_dtype, score_dtype):
+    from kq_jax.route_shed_pallas import KernelConfig, route_shed_pallas
+
+    inputs = adversarial_inputs(rng, rows, top_k, experts, index_dtype=index_dtype, score_dtype=score_dtype)
+    got = route_shed_pallas(*inputs, interpret=not ON_GPU, config=KernelConfig(block_rows=32, tiled_io=True))
+    assert_same_bits(route_shed_oracle(*inputs), got)
+
+
 def test_pallas_tiled_io_is_for_k_up_to_16():
     from kq_jax.route_shed_pallas import KernelConfig, block_config
 
