@@ -207,7 +207,11 @@ def _route_shed_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_
     else:
         # Unrolling K entries of K compares each makes a huge kernel, slow to
         # compile; loop instead, re-reading entry k (an L1 hit).
-        lax.fori_loop(0, k_width, lambda k, carry: (store_entry(k, *load_entry(k)), carry)[1], 0)
+        def store_one(k, carry):
+            store_entry(k, *load_entry(k))
+            return carry
+
+        lax.fori_loop(0, k_width, store_one, 0)
 
 
 # Jitted so that a program calling the op many times (one call per MoE layer)
