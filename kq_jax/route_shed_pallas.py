@@ -118,9 +118,8 @@ def _route_shed_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_
     if tiled_io:
         padded_k = _next_power_of_two(k_width)
         col = lax.broadcasted_iota(jnp.int32, (block_rows, padded_k), 1)
-        tile_row = pl.program_id(0) * block_rows + lax.broadcasted_iota(jnp.int32, (block_rows, padded_k), 0)
-        in_tile = (tile_row < rows) & (col < k_width)
-        tile_at = tile_row * k_width + col
+        in_tile = live[:, None] & (col < k_width)
+        tile_at = base[:, None] + col
         id_tile = plgpu.load(ids_ref.at[tile_at], mask=in_tile, other=0)
         score_bits = lax.bitcast_convert_type(
             plgpu.load(scores_ref.at[tile_at], mask=in_tile, other=0).astype(jnp.float32), jnp.int32)
@@ -140,30 +139,31 @@ def _route_shed_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_
         else:
             valid_k = live & (id_k >= 0) & (id_k < num_experts)
         slot_k = plgpu.load(table_ref.at[jnp.where(valid_k, id_k, 0).astype(jnp.int32)], mask=valid_k, other=-1)
-        return id_k, s_k, slot_k, valid_k & (slot_k < 0)
+        miss_k = valid_k & (slot_k < 0)
+        # Misses order by descending score, NaN last, ties by lower k; non-misses
+        # carry a key above every miss's, so they never push a miss back.
+        key_k = jnp.where(miss_k, score_order_key(s_k), NOT_A_MISS_KEY)
+        return id_k, s_k, slot_k, miss_k, key_k
 
     entries = [load_entry(k) for k in range(k_width)]
     total = jnp.zeros((block_rows,), jnp.float32)
     kept = jnp.zeros((block_rows,), jnp.float32)
-    for _, s_k, slot_k, _ in entries:
+    for _, s_k, slot_k, _, _ in entries:
         total = flush(total + s_k)
         kept = jnp.where(slot_k >= 0, flush(kept + s_k), kept)
     has_mass = kept > 0.0
     scale = jnp.where(has_mass, div_flush_raw(total, jnp.where(has_mass, kept, 1.0)), 0.0)
     fallback = jnp.zeros((block_rows,), jnp.int32)
-    for _, _, slot_k, _ in reversed(entries):
+    for _, _, slot_k, _, _ in reversed(entries):
         fallback = jnp.where(slot_k >= 0, slot_k, fallback)
-    # Misses order by descending score, NaN last, ties by lower k; non-misses
-    # carry a key above every miss's, so they never push a miss back.
-    keys = [jnp.where(miss_k, score_order_key(s_k), NOT_A_MISS_KEY) for _, s_k, _, miss_k in entries]
-    miss_count = sum(miss_k.astype(jnp.int32) for *_, miss_k in entries)
+    keys = [key_k for *_, key_k in entries]
+    miss_count = sum(miss_k.astype(jnp.int32) for *_, miss_k, _ in entries)
 
-    def entry_outputs(k, s_k, slot_k, miss_k):
+    def entry_outputs(k, s_k, slot_k, key_k):
         """Entry k's slot and mix, and its rank among the row's misses."""
         keep_k = slot_k >= 0
         slot_out = jnp.where(keep_k, slot_k, fallback).astype(slots_ref.dtype)
         mix_out = canonicalize_nan(jnp.where(keep_k, mul_flush_raw(s_k, scale), 0.0))
-        key_k = jnp.where(miss_k, score_order_key(s_k), NOT_A_MISS_KEY)
         rank = jnp.zeros((block_rows,), jnp.int32)
         for j, key_j in enumerate(keys):
             rank = rank + ((key_j < key_k) | ((key_j == key_k) & (j < k))).astype(jnp.int32)
@@ -176,8 +176,8 @@ def _route_shed_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_
         mix_tile = jnp.zeros((block_rows, padded_k), jnp.float32)
         miss_ids_tile = jnp.full((block_rows, padded_k), -1, jnp.int32)
         miss_scores_tile = jnp.zeros((block_rows, padded_k), jnp.float32)
-        for k, (id_k, s_k, slot_k, miss_k) in enumerate(entries):
-            slot_out, mix_out, rank = entry_outputs(k, s_k, slot_k, miss_k)
+        for k, (id_k, s_k, slot_k, miss_k, key_k) in enumerate(entries):
+            slot_out, mix_out, rank = entry_outputs(k, s_k, slot_k, key_k)
             slots_tile = jnp.where(col == k, slot_out[:, None], slots_tile)
             mix_tile = jnp.where(col == k, mix_out[:, None], mix_tile)
             lands = (col == rank[:, None]) & miss_k[:, None]
@@ -188,9 +188,9 @@ def _route_shed_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_
             plgpu.store(ref.at[tile_at], tile, mask=in_tile)
         return
 
-    def store_entry(k, id_k, s_k, slot_k, miss_k):
+    def store_entry(k, id_k, s_k, slot_k, miss_k, key_k):
         at = base + k
-        slot_out, mix_out, rank = entry_outputs(k, s_k, slot_k, miss_k)
+        slot_out, mix_out, rank = entry_outputs(k, s_k, slot_k, key_k)
         plgpu.store(slots_ref.at[at], slot_out, mask=live)
         plgpu.store(mix_ref.at[at], mix_out, mask=live)
         # A miss lands at its rank among the row's misses; padding fills the

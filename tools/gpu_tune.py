@@ -9,6 +9,7 @@ configuration per shape next to block_config's default.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -45,11 +46,10 @@ def main() -> int:
         timings = []
         for block_rows, num_warps, tiled_io in sorted(configs):
             config = KernelConfig(block_rows, num_warps, tiled_io)
-            fn = jax.jit(lambda i, s, t, c=config: route_shed_pallas(i, s, t, config=c))
-            mismatch = first_mismatch(expected, fn(*inputs))
+            op = functools.partial(route_shed_pallas, config=config)
+            mismatch = first_mismatch(expected, jax.jit(op)(*inputs))
             bad += mismatch is not None
-            per_call, _ = _jax_timer(lambda i, s, t, c=config: route_shed_pallas(i, s, t, config=c),
-                                     inputs, args.repeats)
+            per_call, _ = _jax_timer(op, inputs, args.repeats)
             print(f"  {rows} x {top_k} E={experts} {config}: {per_call:8.2f} us"
                   f"{'' if mismatch is None else f'  MISMATCH {mismatch}'}", flush=True)
             timings.append((per_call, config, mismatch is None))
