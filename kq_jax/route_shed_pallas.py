@@ -75,16 +75,22 @@ class KernelConfig(NamedTuple):
     # tiles (coalesced, whole-sector stores) instead of one strided 4-byte
     # access per entry; K <= 16 only. Not yet measured on a GPU: off unless asked.
     tiled_io: bool | None = None
+    # Round ``s * scale`` and ``total / kept`` with PTX's IEEE ``mul.rn.f32`` /
+    # ``div.rn.f32`` (inline assembly, CUDA only) instead of the integer
+    # mantissa arithmetic of kq_jax.exact_f32. Not yet measured: off unless asked.
+    ptx_arith: bool | None = None
 
 
-def block_config(rows: int, k_width: int, config: KernelConfig | None = None) -> tuple[int, int, bool]:
-    """Picks ``(block_rows, num_warps, tiled_io)`` for a ``[rows, k_width]`` problem.
+def block_config(rows: int, k_width: int, config: KernelConfig | None = None, *,
+                 interpret: bool = False) -> KernelConfig:
+    """Resolves every field of ``config`` for a ``[rows, k_width]`` problem.
 
     Each thread owns one row (its K entries live in registers), so a program
     of ``block_rows`` rows wants ``block_rows / 32`` warps. Blocks stay small
     enough to give every SM work at prefill sizes and grow to 256 rows only
     when the grid is large anyway; ``config`` overrides any choice
-    (``tools/gpu_tune.py`` sweeps them).
+    (``tools/gpu_tune.py`` sweeps them). The interpreter has no PTX, so
+    ``interpret`` rules out ``ptx_arith``.
     """
     config = config or KernelConfig()
     wanted = _next_power_of_two(max(1, -(-rows // _TARGET_PROGRAMS)))
@@ -93,9 +99,29 @@ def block_config(rows: int, k_width: int, config: KernelConfig | None = None) ->
         raise ValueError(f"route_shed_pallas: block_rows must be a power of two, got {block_rows}")
     if config.tiled_io and k_width > _UNROLLED_MAX_K:
         raise ValueError(f"route_shed_pallas: tiled_io needs K <= {_UNROLLED_MAX_K}, got K = {k_width}")
+    if config.ptx_arith and interpret:
+        raise ValueError("route_shed_pallas: ptx_arith is inline PTX, which the interpreter cannot run")
     block_rows = min(block_rows, _next_power_of_two(max(rows, 1)))
     num_warps = config.num_warps or max(1, min(8, block_rows // 32))
-    return block_rows, num_warps, bool(config.tiled_io)
+    return KernelConfig(block_rows, num_warps, bool(config.tiled_io), bool(config.ptx_arith))
+
+
+def _ptx_rn(opcode: str, a, b):
+    """``flush(a <opcode> b)`` as one IEEE round-to-nearest PTX instruction.
+
+    Written with ``.rn`` and without ``.ftz``, the instruction is the correctly
+    rounded IEEE operation, subnormal results included, and PTX never fuses an
+    instruction with an explicit rounding mode into an FMA; the flush after it
+    is the contract's. Inside a Pallas Triton kernel on a CUDA GPU only.
+    """
+    [result] = plgpu.elementwise_inline_asm(
+        f"{opcode}.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
+    return flush(result)
+
+
+ptx_mul_flush = functools.partial(_ptx_rn, "mul")
+ptx_div_flush = functools.partial(_ptx_rn, "div")
 
 
 def _column(tile, col, k):
@@ -105,7 +131,7 @@ def _column(tile, col, k):
 
 def _route_shed_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_ids_ref, miss_scores_ref,
                        *, rows: int, k_width: int, num_experts: int, block_rows: int, unsigned_ids: bool,
-                       tiled_io: bool):
+                       tiled_io: bool, ptx_arith: bool):
     # Every value in the arithmetic is a [block_rows] vector holding one entry
     # k of each row: the K entries of a row sit in one thread's registers, as
     # in the Metal kernel's one-thread-per-row loop, so the sequential sums are
@@ -114,6 +140,7 @@ def _route_shed_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_
     row = pl.program_id(0) * block_rows + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
     live = row < rows
     base = row * k_width
+    multiply, divide = (ptx_mul_flush, ptx_div_flush) if ptx_arith else (mul_flush_raw, div_flush_raw)
 
     if tiled_io:
         padded_k = _next_power_of_two(k_width)
@@ -152,7 +179,7 @@ def _route_shed_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_
         total = flush(total + s_k)
         kept = jnp.where(slot_k >= 0, flush(kept + s_k), kept)
     has_mass = kept > 0.0
-    scale = jnp.where(has_mass, div_flush_raw(total, jnp.where(has_mass, kept, 1.0)), 0.0)
+    scale = jnp.where(has_mass, divide(total, jnp.where(has_mass, kept, 1.0)), 0.0)
     fallback = jnp.zeros((block_rows,), jnp.int32)
     for _, _, slot_k, _, _ in reversed(entries):
         fallback = jnp.where(slot_k >= 0, slot_k, fallback)
@@ -163,7 +190,7 @@ def _route_shed_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_
         """Entry k's slot and mix, and its rank among the row's misses."""
         keep_k = slot_k >= 0
         slot_out = jnp.where(keep_k, slot_k, fallback).astype(slots_ref.dtype)
-        mix_out = canonicalize_nan(jnp.where(keep_k, mul_flush_raw(s_k, scale), 0.0))
+        mix_out = canonicalize_nan(jnp.where(keep_k, multiply(s_k, scale), 0.0))
         rank = jnp.zeros((block_rows,), jnp.int32)
         for j, key_j in enumerate(keys):
             rank = rank + ((key_j < key_k) | ((key_j == key_k) & (j < k))).astype(jnp.int32)
@@ -230,10 +257,10 @@ def _pallas_forward(indices, scores, slot_table, *, interpret: bool, config: Ker
     )
     if rows == 0:
         return RouteShed(*(jnp.zeros(out_shape, s.dtype) for s in shapes))
-    block_rows, num_warps, tiled_io = block_config(rows, k_width, config)
+    block_rows, num_warps, tiled_io, ptx_arith = block_config(rows, k_width, config, interpret=interpret)
     kernel = functools.partial(
         _route_shed_kernel, rows=rows, k_width=k_width, num_experts=num_experts, block_rows=block_rows,
-        unsigned_ids=indices.dtype == jnp.uint32, tiled_io=tiled_io)
+        unsigned_ids=indices.dtype == jnp.uint32, tiled_io=tiled_io, ptx_arith=ptx_arith)
     call = pl.pallas_call(
         kernel,
         out_shape=shapes,

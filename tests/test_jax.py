@@ -140,32 +140,63 @@ def test_pallas_launch_config_overrides_keep_the_bits(rng, block_rows, num_warps
     assert_same_bits(route_shed_oracle(*inputs), got)
 
 
-def test_pallas_tiled_io_keeps_the_bits_on_every_golden_case():
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="inline PTX runs on a CUDA GPU only")
+# The kernel's optional paths; the default one is covered by every other test here.
+VARIANTS = [
+    pytest.param(dict(tiled_io=True), id="tiled_io"),
+    pytest.param(dict(ptx_arith=True), id="ptx_arith", marks=gpu_only),
+    pytest.param(dict(tiled_io=True, ptx_arith=True), id="tiled_io+ptx_arith", marks=gpu_only),
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_pallas_variant_keeps_the_bits_on_every_golden_case(variant):
     from conftest import SPEC
     from kq_jax.route_shed_pallas import KernelConfig, route_shed_pallas
 
     cases = [case for case in SPEC.cases if case.inputs["indices"].shape[-1] <= 16]
     assert len(cases) >= 20
     for case in cases:
-        got = route_shed_pallas(*case.inputs.values(), interpret=not ON_GPU, config=KernelConfig(tiled_io=True))
+        got = route_shed_pallas(*case.inputs.values(), interpret=not ON_GPU, config=KernelConfig(**variant))
         assert_same_bits(case.expected, got)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("rows, top_k, experts, index_dtype, score_dtype", [
     (37, 1, 3, "int32", "float32"), (70, 2, 64, "uint32", "bfloat16"), (33, 10, 128, "int32", "float16"),
     (65, 16, 4096, "uint32", "float32")])
-def test_pallas_tiled_io_keeps_the_bits_on_adversarial_rows(rng, rows, top_k, experts, index_dtype, score_dtype):
+def test_pallas_variant_keeps_the_bits_on_adversarial_rows(rng, variant, rows, top_k, experts, index_dtype,
+                                                           score_dtype):
     from kq_jax.route_shed_pallas import KernelConfig, route_shed_pallas
 
     inputs = adversarial_inputs(rng, rows, top_k, experts, index_dtype=index_dtype, score_dtype=score_dtype)
-    got = route_shed_pallas(*inputs, interpret=not ON_GPU, config=KernelConfig(block_rows=32, tiled_io=True))
+    config = KernelConfig(block_rows=32, **variant)
+    got = route_shed_pallas(*inputs, interpret=not ON_GPU, config=config)
     assert_same_bits(route_shed_oracle(*inputs), got)
+
+
+@gpu_only
+def test_pallas_ptx_arith_keeps_the_bits_on_rounding_edges(rng):
+    """Scales and products that round at ties, overflow, or land on and under 2**-126."""
+    from kq_jax.route_shed_pallas import KernelConfig, route_shed_pallas
+
+    inputs = adversarial_inputs(rng, 20000, 8, 64, edge_fraction=0.5)
+    got = jax.jit(lambda i, s, t: route_shed_pallas(i, s, t, config=KernelConfig(ptx_arith=True)))(*inputs)
+    assert_same_bits(route_shed_oracle(*inputs), got)
+
+
+def test_pallas_ptx_arith_is_refused_by_the_interpreter():
+    from kq_jax.route_shed_pallas import KernelConfig, route_shed_pallas
+
+    with pytest.raises(ValueError, match="interpreter"):
+        route_shed_pallas(*router_inputs(np.random.default_rng(0), 2, 8, 16), interpret=True,
+                          config=KernelConfig(ptx_arith=True))
 
 
 def test_pallas_tiled_io_is_for_k_up_to_16():
     from kq_jax.route_shed_pallas import KernelConfig, block_config
 
-    assert block_config(100, 16, KernelConfig(tiled_io=True))[2]
+    assert block_config(100, 16, KernelConfig(tiled_io=True)).tiled_io
     with pytest.raises(ValueError, match="K <= 16"):
         block_config(100, 17, KernelConfig(tiled_io=True))
 

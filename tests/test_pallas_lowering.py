@@ -2,7 +2,8 @@
 
 The kernel must hold no float multiply, divide or FMA (they would let Triton
 pick approximate or contracted forms on the GPU): only float adds, compares
-and selects. ``tools/gpu_check.py`` checks the PTX on a real GPU as well.
+and selects, plus, with ``ptx_arith``, the IEEE ``mul.rn.f32`` and
+``div.rn.f32`` written out as inline PTX. ``tools/gpu_check.py`` checks the PTX on a real GPU as well.
 """
 
 import functools
@@ -20,19 +21,21 @@ from kq.inputs import router_inputs  # noqa: E402
 FORBIDDEN = re.compile(r"arith\.(mulf|divf|remf)|math\.fma|tt\.precise_divf|fdiv")
 
 
-@pytest.mark.parametrize("rows, top_k, experts, index_dtype, score_dtype, tiled_io", [
-    (64, 8, 256, "int32", "float32", False), (5, 6, 40, "uint32", "bfloat16", False),
-    (3, 64, 1024, "int32", "float16", False), (7, 1, 1, "uint32", "float32", False),
-    (64, 8, 256, "int32", "float32", True), (5, 6, 40, "uint32", "bfloat16", True),
+@pytest.mark.parametrize("rows, top_k, experts, index_dtype, score_dtype, tiled_io, ptx_arith", [
+    (64, 8, 256, "int32", "float32", False, False), (5, 6, 40, "uint32", "bfloat16", False, False),
+    (3, 64, 1024, "int32", "float16", False, False), (7, 1, 1, "uint32", "float32", False, False),
+    (64, 8, 256, "int32", "float32", True, False), (5, 6, 40, "uint32", "bfloat16", True, False),
+    (64, 8, 256, "int32", "float32", False, True), (3, 64, 1024, "int32", "float16", False, True),
+    (64, 8, 256, "int32", "float32", True, True),
 ])
 def test_triton_ir_has_no_float_multiply_or_divide(monkeypatch, capfd, rows, top_k, experts, index_dtype,
-                                                   score_dtype, tiled_io):
+                                                   score_dtype, tiled_io, ptx_arith):
     import kq_jax.route_shed_pallas as module
 
     monkeypatch.setattr(module.pl, "pallas_call", functools.partial(pl.pallas_call, debug=True))
     inputs = router_inputs(np.random.default_rng(0), rows, top_k, experts, index_dtype=index_dtype,
                            score_dtype=score_dtype)
-    config = module.KernelConfig(tiled_io=tiled_io)
+    config = module.KernelConfig(tiled_io=tiled_io, ptx_arith=ptx_arith)
     fn = jax.jit(lambda i, s, t: module.route_shed_pallas(i, s, t, config=config))
     try:
         export.export(fn, platforms=["cuda"],
@@ -43,6 +46,9 @@ def test_triton_ir_has_no_float_multiply_or_divide(monkeypatch, capfd, rows, top
     assert "tt.func" in ir and "tt.load" in ir, "the Triton IR was not printed"
     assert "arith.addf" in ir
     assert not FORBIDDEN.findall(ir), sorted(set(FORBIDDEN.findall(ir)))
+    # With ptx_arith the one multiply and the one divide are the IEEE PTX instructions, written out.
+    rounded = sorted(set(re.findall(r"(?:mul|div)\.rn\.f32", ir)))
+    assert rounded == (["div.rn.f32", "mul.rn.f32"] if ptx_arith else [])
 
 
 def test_repeated_calls_lower_the_kernel_once():

@@ -3,9 +3,12 @@
 Usage (on a GPU, from the repo root):
     PYTHONPATH=. python tools/gpu_launches.py                      # the memcheck cases
     PYTHONPATH=. python tools/gpu_launches.py --shape 1048576 8 256  # one shape, for a profile
+    PYTHONPATH=. python tools/gpu_launches.py --shape 65536 8 256 --variants default tiled_io ptx_arith
 
 The memcheck cases: ragged tails (rows not a multiple of the block), K not a
 power of two, E = 1, zero rows. Every result is also compared with the oracle.
+``--variants`` launches the kernel once per named KernelConfig variant
+(``default``, ``tiled_io``, ``ptx_arith``, ``tiled_io+ptx_arith``), in that order.
 """
 
 import argparse
@@ -17,10 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-import kq_jax  # noqa: E402
 from kq.compare import first_mismatch  # noqa: E402
 from kq.inputs import adversarial_inputs, router_inputs  # noqa: E402
 from kq.oracle import route_shed_oracle  # noqa: E402
+from kq_jax.route_shed_pallas import KernelConfig, route_shed_pallas  # noqa: E402
 
 CASES = [(1, 8, 256), (3, 8, 256), (257, 8, 256), (1023, 6, 64), (129, 10, 1), (77, 64, 1024), (5, 1, 1), (0, 8, 16)]
 
@@ -28,16 +31,22 @@ CASES = [(1, 8, 256), (3, 8, 256), (257, 8, 256), (1023, 6, 64), (129, 10, 1), (
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", type=int, nargs=3, metavar=("ROWS", "K", "E"), help="one router-like shape")
+    parser.add_argument("--variants", nargs="+", default=["default"])
     args = parser.parse_args()
     rng = np.random.default_rng(5)
-    fn = jax.jit(lambda i, s, t: kq_jax.route_shed(i, s, t, impl="pallas"))
+    interpret = jax.default_backend() != "gpu"  # lets the tool itself be tried without a GPU
     bad = 0
     cases = [(tuple(args.shape), router_inputs)] if args.shape else [(case, adversarial_inputs) for case in CASES]
     for (rows, top_k, experts), make in cases:
         inputs = make(rng, rows, top_k, experts)
-        mismatch = first_mismatch(route_shed_oracle(*inputs), fn(*inputs))
-        print(f"case rows={rows} K={top_k} E={experts}: {'ok' if mismatch is None else mismatch}")
-        bad += mismatch is not None
+        expected = route_shed_oracle(*inputs)
+        for variant in args.variants:
+            fields = {} if variant == "default" else {name: True for name in variant.split("+")}
+            fn = jax.jit(lambda i, s, t, config=KernelConfig(**fields): route_shed_pallas(
+                i, s, t, interpret=interpret, config=config))
+            mismatch = first_mismatch(expected, fn(*inputs))
+            print(f"case rows={rows} K={top_k} E={experts} {variant}: {'ok' if mismatch is None else mismatch}")
+            bad += mismatch is not None
     return 1 if bad else 0
 
 

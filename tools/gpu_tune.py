@@ -1,9 +1,13 @@
 """Sweeps the Pallas kernel's launch parameters on a GPU: bits checked, device time per call.
 
-Usage: PYTHONPATH=. python tools/gpu_tune.py [--json PATH]
-For each benchmark shape with K <= 16 and each (block_rows, num_warps, tiled_io), checks the outputs against
-the oracle bit for bit and times the call as kq bench does; prints the table and the fastest
-configuration per shape next to block_config's default.
+Usage: PYTHONPATH=. python tools/gpu_tune.py [--json PATH] [--repeats N]
+
+For each benchmark shape with K <= 16, prefill shapes first: stage 1 times the
+four code paths (``tiled_io`` x ``ptx_arith``) at block_config's default block;
+stage 2 sweeps (block_rows, num_warps) for the fastest path. Every
+configuration's outputs are compared with the oracle bit for bit and timed as
+kq bench times a call; prints every configuration and the best per shape next
+to the default. Exits non-zero if any configuration's bits differ.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ from kq.inputs import router_inputs  # noqa: E402
 from kq.oracle import route_shed_oracle  # noqa: E402
 from kq_jax.route_shed_pallas import KernelConfig, block_config, route_shed_pallas  # noqa: E402
 
-BLOCK_ROWS = (32, 64, 128, 256, 512)
-NUM_WARPS = (1, 4, 8)
+# (block_rows, num_warps): one row per thread, and fewer warps than rows / 32 (rows per thread > 1).
+BLOCKS = ((32, 1), (64, 2), (128, 4), (256, 8), (128, 1), (256, 4), (512, 8), (512, 4), (1024, 8))
 
 
 def main() -> int:
@@ -36,32 +40,39 @@ def main() -> int:
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     rows_out, bad = [], 0
-    shapes = [s for name in ("decode", "prefill") for s in SHAPE_SETS[name] if s[1] <= 16]
+    shapes = [s for name in ("prefill", "decode") for s in SHAPE_SETS[name] if s[1] <= 16]
     for rows, top_k, experts in shapes:
         inputs = router_inputs(rng, rows, top_k, experts)
         expected = route_shed_oracle(*inputs)
-        default = block_config(rows, top_k)
-        configs = {default} | {(b, w, tiled) for b in BLOCK_ROWS for w in NUM_WARPS for tiled in (False, True)
-                                if 32 * w <= b and b <= 2 * max(rows, 32)}
-        timings = []
-        for block_rows, num_warps, tiled_io in sorted(configs):
-            config = KernelConfig(block_rows, num_warps, tiled_io)
+        timed: dict[KernelConfig, float] = {}
+
+        def measure(config: KernelConfig) -> None:
+            nonlocal bad
+            if config in timed:
+                return
             op = functools.partial(route_shed_pallas, config=config)
             mismatch = first_mismatch(expected, jax.jit(op)(*inputs))
             bad += mismatch is not None
             per_call, _ = _jax_timer(op, inputs, args.repeats)
-            print(f"  {rows} x {top_k} E={experts} {config}: {per_call:8.2f} us"
+            timed[config] = per_call if mismatch is None else float("inf")
+            print(f"  {rows} x {top_k} E={experts} {tuple(config)}: {per_call:8.2f} us"
                   f"{'' if mismatch is None else f'  MISMATCH {mismatch}'}", flush=True)
-            timings.append((per_call, config, mismatch is None))
-            rows_out.append(dict(rows=rows, top_k=top_k, experts=experts, block_rows=block_rows,
-                                 num_warps=num_warps, tiled_io=tiled_io, per_call_us=per_call,
-                                 exact=mismatch is None))
-        best = min(timings, key=lambda timing: timing[0])
-        default_time = next(t for t, c, _ in timings if c == KernelConfig(*default))
-        print(f"{rows:>8} x {top_k:<2} E={experts:<5} best {best[0]:8.2f} us at {best[1]}; "
-              f"default {default}: {default_time:8.2f} us", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows_out, indent=1))
+            rows_out.append(dict(rows=rows, top_k=top_k, experts=experts, **config._asdict(),
+                                 per_call_us=per_call, exact=mismatch is None))
+
+        default = block_config(rows, top_k)
+        for tiled_io in (False, True):
+            for ptx_arith in (False, True):
+                measure(default._replace(tiled_io=tiled_io, ptx_arith=ptx_arith))
+        path = min(timed, key=timed.get)
+        for block_rows, num_warps in BLOCKS:
+            if block_rows <= 2 * max(rows, 32):
+                measure(block_config(rows, top_k, path._replace(block_rows=block_rows, num_warps=num_warps)))
+        best = min(timed, key=timed.get)
+        print(f"{rows:>8} x {top_k:<2} E={experts:<5} best {timed[best]:8.2f} us at {tuple(best)}; "
+              f"default {tuple(default)}: {timed[default]:8.2f} us", flush=True)
+        if args.json:  # rewritten after every shape, so a run cut short keeps what it measured
+            Path(args.json).write_text(json.dumps(rows_out, indent=1))
     print(f"SUMMARY: {len(rows_out)} configurations, {bad} with mismatching bits")
     return 1 if bad else 0
 

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call: the Pallas kernel's optional paths (tiled_io, ptx_arith) checked and measured.
+# 1. their GPU tests (inline-PTX rounding against NumPy; golden and adversarial rows per path);
+# 2. Nsight Compute on each path at two prefill shapes (ncu_<rows>.txt);
+# 3. tools/gpu_tune.py: paths x launch parameters, bits checked, timed (tune.json), capped at TUNE_SECONDS.
+set -uo pipefail
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+LOG="$OUT/tune.txt"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>&1 | tee -a "$LOG"
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee -a "$LOG"
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_exact_f32.py tests/test_jax.py -k "variant or ptx" \
+  2>&1 | tail -15 | tee -a "$LOG"
+for rows in 65536 1048576; do
+  # --clock-control none: leave the clocks as they are (the device README's METHOD.md).
+  timeout 120 ncu --clock-control none --target-processes all --kernel-name regex:route_shed --launch-count 4 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \
+    --section WarpStateStats --section SourceCounters \
+    python3 tools/gpu_launches.py --shape "$rows" 8 256 --variants default tiled_io ptx_arith tiled_io+ptx_arith \
+    > "$OUT/ncu_$rows.txt" 2>&1
+  echo "ncu $rows exit $?" | tee -a "$LOG"
+  grep -E "^case|Duration|DRAM Throughput|Compute \(SM\) Throughput|Registers Per Thread|Achieved Occupancy" \
+    "$OUT/ncu_$rows.txt" | tee -a "$LOG"
+done
+timeout "${TUNE_SECONDS:-240}" python3 tools/gpu_tune.py --json "$OUT/tune.json" 2>&1 | tee -a "$LOG"
