@@ -10,6 +10,11 @@ Methods (they are printed with the results):
   shapes) / N, median over repeats. Unrolling avoids a ``fori_loop``'s own
   per-iteration cost; subtracting the null chain removes dispatch and the tie-in.
   ``eager`` is one jitted call from Python, synchronised, as an eager user sees it.
+* JAX on a GPU, also ``kernel``: the GPU time of one call's kernels, summed, from
+  JAX's profiler (CUPTI): one jitted call run ``KERNEL_CALLS`` times back to back in
+  one trace, the kernel durations of the device's stream lines added up and divided
+  by the number of calls. No harness at all, no launch gaps: the time the op keeps
+  the GPU busy. The bandwidth ratio (``x bw``) is taken on it where it exists.
 * MLX (``mlx-*``): one call evaluated on its own (``eager``), and, at decode
   sizes (T * K <= 4096), a chain of 64 calls built then evaluated once, as a
   decode graph over 64 layers would be (``per_call`` = chain time / 64).
@@ -46,6 +51,7 @@ SHAPE_SETS = {  # (rows T, top-k K, experts E)
     "prefill": [(4096, 8, 256), (65536, 8, 256), (65536, 2, 64), (4096, 64, 1024), (1048576, 8, 256)],
 }
 MLX_CHAIN = 64
+KERNEL_CALLS = 20
 
 
 @dataclass
@@ -61,6 +67,7 @@ class Result:
     launch_floor_us: float | None = None
     bandwidth_floor_us: float | None = None
     bits_exact: bool | None = None  # one call's outputs against the oracle; None for the inexact baseline
+    kernel_us: float | None = None  # GPU kernel time of one call, from the profiler (JAX on a GPU only)
 
 
 def op_bytes(rows: int, top_k: int, experts: int) -> int:
@@ -117,6 +124,50 @@ def _jax_timer(fn, inputs, repeats):
                 - _median_us(lambda: jax.block_until_ready(empty(*args)), repeats)) / n
     eager = _median_us(lambda: jax.block_until_ready(single(*args)), repeats)
     return max(per_call, 0.0), eager
+
+
+def _jax_kernel_us(fn, inputs) -> float | None:
+    """One call's GPU kernel time (us) from JAX's profiler; None off the GPU or when the trace has none."""
+    import gzip
+    import tempfile
+    from pathlib import Path
+
+    import jax
+
+    if jax.default_backend() != "gpu":
+        return None
+    args = tuple(jax.device_put(a) for a in inputs)
+    single = jax.jit(fn)
+    jax.block_until_ready(single(*args))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            for _ in range(KERNEL_CALLS):
+                outputs = single(*args)
+            jax.block_until_ready(outputs)
+        traces = sorted(Path(trace_dir).rglob("perfetto_trace.json.gz"))
+        if not traces:
+            return None
+        with gzip.open(traces[-1]) as handle:
+            events = json.load(handle)["traceEvents"]
+    total = kernel_time_in_trace(events)
+    return None if total is None else total / KERNEL_CALLS
+
+
+def kernel_time_in_trace(events: list[dict]) -> float | None:
+    """Summed durations (us) of the events on a GPU's stream lines of a perfetto trace; None if there are none.
+
+    The GPU's other lines (XLA modules and ops) repeat the same time as annotations and are left out.
+    """
+    gpus = {e["pid"] for e in events
+            if e.get("ph") == "M" and e.get("name") == "process_name" and "GPU" in e["args"].get("name", "")}
+    streams = {(e["pid"], e["tid"]) for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") in gpus
+               and "stream" in e["args"].get("name", "").lower()}
+    spans = [e["dur"] for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams]
+    if gpus and not spans:
+        lines = sorted({e["args"].get("name") for e in events if e.get("name") == "thread_name" and e["pid"] in gpus})
+        sys.stderr.write(f"kq bench: no kernel events on the GPU's stream lines; its lines: {lines}\n")
+    return sum(spans) if spans else None
 
 
 def _jax_floor_fn():
@@ -270,6 +321,7 @@ def run(sets=("decode",), backends=None, *, repeats: int = 7, resident_fraction:
         inputs, expected = inputs_cache[key]
         fn, timer, device = timers[name]
         per_call, eager = timer(fn, inputs, repeats)
+        kernel = _jax_kernel_us(fn, inputs) if name.startswith("jax") else None
         family = name.split("-")[0]
         launch = None
         if family in floor_ops:
@@ -281,7 +333,7 @@ def run(sets=("decode",), backends=None, *, repeats: int = 7, resident_fraction:
             launch = floors[family]
         band = op_bytes(*key) / bandwidth * 1e6 if bandwidth and name.startswith("jax") else None
         results.append(Result(name, device, set_name, rows, top_k, experts, per_call, eager, launch, band,
-                              _bits_exact(name, inputs, expected)))
+                              _bits_exact(name, inputs, expected), kernel))
         bar(f"{name} {rows}x{top_k} E={experts}")
     bar(None)
     return results
@@ -325,13 +377,15 @@ def _progress(total: int, enabled: bool):
 
 
 def format_table(results: list[Result]) -> str:
-    header = ("backend", "T", "K", "E", "per call us", "eager us", "launch floor", "x floor", "bw floor", "x bw",
-              "bits")
+    header = ("backend", "T", "K", "E", "per call us", "kernel us", "eager us", "launch floor", "x floor",
+              "bw floor", "x bw", "bits")
     rows = []
     for r in results:
         ratio = f"{r.per_call_us / r.launch_floor_us:.2f}" if r.launch_floor_us else "-"
-        bw_ratio = f"{r.per_call_us / r.bandwidth_floor_us:.2f}" if r.bandwidth_floor_us else "-"
-        rows.append((r.backend, r.rows, r.top_k, r.experts, f"{r.per_call_us:.2f}", f"{r.eager_us:.1f}",
+        busy = r.per_call_us if r.kernel_us is None else r.kernel_us
+        bw_ratio = f"{busy / r.bandwidth_floor_us:.2f}" if r.bandwidth_floor_us else "-"
+        rows.append((r.backend, r.rows, r.top_k, r.experts, f"{r.per_call_us:.2f}",
+                     "-" if r.kernel_us is None else f"{r.kernel_us:.2f}", f"{r.eager_us:.1f}",
                      "-" if r.launch_floor_us is None else f"{r.launch_floor_us:.2f}", ratio,
                      "-" if r.bandwidth_floor_us is None else f"{r.bandwidth_floor_us:.2f}", bw_ratio,
                      {None: "-", True: "exact", False: "DIFFER"}[r.bits_exact]))

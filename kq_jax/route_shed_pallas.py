@@ -3,26 +3,28 @@
 One thread per row, like the Metal kernel: a program handles ``block_rows``
 rows, and every value in the arithmetic is a ``[block_rows]`` vector holding
 one entry of each row, so a row's K entries sit in one thread's registers and
-the sequential sums are plain adds. By default each entry is loaded and
-stored with its own strided 4-byte access: no reductions, no layout shuffles.
-``KernelConfig(tiled_io=True)`` (K <= 16) moves rows between memory and
-registers as coalesced ``[block_rows, KP]`` tiles instead; it is bit-exact in
-the interpreter but not yet measured on a GPU, so it is not the default.
-Misses go straight to their rank's position and padding to the positions past
-the row's last miss, so every output element is written once. All four
-outputs come out of the one launch; loads and stores are masked, so a ragged
-last block never touches memory outside the arrays. (The first version kept
-``[block_rows, KP]`` tiles throughout, with a ``[block_rows, KP, KP]`` tile
-for the ranks; on an H200 it ran at 8.7x the bandwidth floor at 2^20 rows,
-this one at 6.3x: docs/benchmarks.md.)
+the sequential sums are plain adds. For K <= 16 (``tiled_io``, the default)
+rows move between memory and registers as coalesced ``[block_rows, KP]``
+tiles; above 16, each entry is loaded and stored with its own strided 4-byte
+access, and the second pass over the entries is a loop. Misses go straight to
+their rank's position and padding to the positions past the row's last miss,
+so every output element is written once. All four outputs come out of the one
+launch; loads and stores are masked, so a ragged last block never touches
+memory outside the arrays. (On an H200 at 2^20 x 8 rows, Nsight Compute: the
+strided version's kernel takes 323 us, the tiled one 122 us: the strided
+4-byte stores made the load/store queue the bottleneck. docs/benchmarks.md
+has the history.)
 
-Exactness on the GPU: the kernel contains no floating-point multiply or
-divide at all. ``s * scale`` and ``total / kept`` go through the integer
-mantissa arithmetic of :mod:`kq_jax.exact_f32`, so neither Triton's
-approximate ``div.full.f32`` nor multiply-add contraction can occur; the
-remaining float ops are adds, compares and selects, each followed by the
+Exactness on the GPU: the two roundings the contract asks for, ``s * scale``
+and ``total / kept``, are the IEEE instructions ``mul.rn.f32`` and
+``div.rn.f32`` written out as inline PTX (``ptx_arith``, the default on a
+CUDA GPU), so neither Triton's approximate ``div.full.f32`` nor multiply-add
+contraction can occur. Elsewhere (the interpreter, or ``ptx_arith=False``)
+they go through the integer mantissa arithmetic of :mod:`kq_jax.exact_f32`.
+The remaining float ops are adds, compares and selects, each followed by the
 contract's flush. ``tests/test_pallas_lowering.py`` lowers the kernel to
-Triton IR for CUDA and checks for float mul/div.
+Triton IR for CUDA and checks that no other float multiply or divide is there;
+``tests/test_exact_f32.py`` checks both roundings against NumPy on a GPU.
 
 Why Triton and not Mosaic GPU: the kernel gathers ``slot_table[ids]`` at
 data-dependent addresses. Pallas' Triton lowering turns an integer-array
@@ -52,8 +54,8 @@ from kq.validate import check_route_shed_args
 from kq_jax.exact_f32 import canonicalize_nan, div_flush_raw, flush, mul_flush_raw
 from kq_jax.reference import NOT_A_MISS_KEY, RouteShed, route_shed_reference, score_order_key
 
-# Rows per program: one row per thread, and at least ~2 programs per SM on
-# an H100/H200 (132 SMs) before a block grows past one warp.
+# Rows per program: one row per thread. The strided kernel wants at least ~2
+# programs per SM on an H100/H200 (132 SMs) before a block grows past one warp.
 _MIN_BLOCK_ROWS = 32
 _MAX_BLOCK_ROWS = 256
 _TARGET_PROGRAMS = 264
@@ -72,38 +74,51 @@ class KernelConfig(NamedTuple):
     block_rows: int | None = None  # rows per program, a power of two
     num_warps: int | None = None
     # Move a program's rows between memory and registers as [block_rows, KP]
-    # tiles (coalesced, whole-sector stores) instead of one strided 4-byte
-    # access per entry; K <= 16 only. Not yet measured on a GPU: off unless asked.
+    # tiles (coalesced) instead of one strided 4-byte access per entry.
+    # K <= 16 only; the default there.
     tiled_io: bool | None = None
     # Round ``s * scale`` and ``total / kept`` with PTX's IEEE ``mul.rn.f32`` /
-    # ``div.rn.f32`` (inline assembly, CUDA only) instead of the integer
-    # mantissa arithmetic of kq_jax.exact_f32. Not yet measured: off unless asked.
+    # ``div.rn.f32`` (inline assembly) instead of the integer mantissa
+    # arithmetic of kq_jax.exact_f32. CUDA only; the default there.
     ptx_arith: bool | None = None
+
+
+def _on_cuda() -> bool:
+    device = jax.devices()[0]
+    return device.platform == "gpu" and "rocm" not in device.client.platform_version.lower()
 
 
 def block_config(rows: int, k_width: int, config: KernelConfig | None = None, *,
                  interpret: bool = False) -> KernelConfig:
     """Resolves every field of ``config`` for a ``[rows, k_width]`` problem.
 
-    Each thread owns one row (its K entries live in registers), so a program
-    of ``block_rows`` rows wants ``block_rows / 32`` warps. Blocks stay small
-    enough to give every SM work at prefill sizes and grow to 256 rows only
-    when the grid is large anyway; ``config`` overrides any choice
-    (``tools/gpu_tune.py`` sweeps them). The interpreter has no PTX, so
-    ``interpret`` rules out ``ptx_arith``.
+    Each thread owns one row (its K entries live in registers). The tiled
+    kernel holds ~110 registers per thread, which caps an H200 SM at 16-18
+    resident warps whatever the block, so it runs one warp (32 rows) per
+    program: the most programs to spread over the SMs and the finest tail.
+    The strided kernel (K > 16) keeps blocks small enough to give every SM
+    work at prefill sizes and grows them to 256 rows only when the grid is
+    large anyway. ``config`` overrides any choice (``tools/gpu_tune.py``
+    sweeps them). The interpreter has no PTX, so ``interpret`` rules out
+    ``ptx_arith``.
     """
     config = config or KernelConfig()
-    wanted = _next_power_of_two(max(1, -(-rows // _TARGET_PROGRAMS)))
-    block_rows = config.block_rows or min(_MAX_BLOCK_ROWS, max(_MIN_BLOCK_ROWS, wanted))
+    tiled_io = k_width <= _UNROLLED_MAX_K if config.tiled_io is None else config.tiled_io
+    if tiled_io and k_width > _UNROLLED_MAX_K:
+        raise ValueError(f"route_shed_pallas: tiled_io needs K <= {_UNROLLED_MAX_K}, got K = {k_width}")
+    ptx_arith = (not interpret and _on_cuda()) if config.ptx_arith is None else config.ptx_arith
+    if ptx_arith and interpret:
+        raise ValueError("route_shed_pallas: ptx_arith is inline PTX, which the interpreter cannot run")
+    if tiled_io:
+        wanted = _MIN_BLOCK_ROWS
+    else:
+        wanted = min(_MAX_BLOCK_ROWS, max(_MIN_BLOCK_ROWS, _next_power_of_two(-(-max(rows, 1) // _TARGET_PROGRAMS))))
+    block_rows = config.block_rows or wanted
     if block_rows & (block_rows - 1):
         raise ValueError(f"route_shed_pallas: block_rows must be a power of two, got {block_rows}")
-    if config.tiled_io and k_width > _UNROLLED_MAX_K:
-        raise ValueError(f"route_shed_pallas: tiled_io needs K <= {_UNROLLED_MAX_K}, got K = {k_width}")
-    if config.ptx_arith and interpret:
-        raise ValueError("route_shed_pallas: ptx_arith is inline PTX, which the interpreter cannot run")
     block_rows = min(block_rows, _next_power_of_two(max(rows, 1)))
     num_warps = config.num_warps or max(1, min(8, block_rows // 32))
-    return KernelConfig(block_rows, num_warps, bool(config.tiled_io), bool(config.ptx_arith))
+    return KernelConfig(block_rows, num_warps, tiled_io, ptx_arith)
 
 
 def _ptx_rn(opcode: str, a, b):

@@ -63,6 +63,25 @@ def test_bench_bit_check_reports_a_wrong_bit(rng):
     assert not _bits_exact("jax-reference", inputs, expected)
 
 
+def test_kernel_time_sums_the_gpu_stream_lines_only():
+    from kq.bench import kernel_time_in_trace
+
+    def meta(pid, tid, kind, name):
+        return {"ph": "M", "pid": pid, "tid": tid, "name": kind, "args": {"name": name}}
+
+    events = [
+        meta(1, 0, "process_name", "/host:CPU"), meta(1, 5, "thread_name", "python"),
+        meta(2, 0, "process_name", "/device:GPU:0"), meta(2, 7, "thread_name", "Stream #14(Kernel)"),
+        meta(2, 8, "thread_name", "XLA Ops"),
+        {"ph": "X", "pid": 2, "tid": 7, "dur": 3.5, "name": "route_shed_k8"},
+        {"ph": "X", "pid": 2, "tid": 7, "dur": 1.25, "name": "fusion"},
+        {"ph": "X", "pid": 2, "tid": 8, "dur": 4.75, "name": "custom-call"},  # the same time, annotated
+        {"ph": "X", "pid": 1, "tid": 5, "dur": 100.0, "name": "PjitFunction"},
+    ]
+    assert kernel_time_in_trace(events) == 4.75
+    assert kernel_time_in_trace(events[:2] + events[-1:]) is None
+
+
 def test_readme_example_row():
     """The row drawn in the README, computed."""
     table = np.full(10, -1, np.int32)

@@ -20,5 +20,5 @@ write_plot([r for p in sys.argv[2:] for r in read_json(p)], sys.argv[1])" \
   "$OUT/bench_gpu.png" "$OUT/bench_decode.json" "$OUT/bench_prefill.json" 2>&1 | tee -a "$LOG"
 python3 tools/moe_overhead.py --json "$OUT/moe_overhead.json" 2>&1 | tee -a "$LOG"
 if [ "${TUNE_SECONDS:-120}" -gt 0 ]; then
-  timeout "${TUNE_SECONDS:-120}" python3 tools/gpu_tune.py 2>&1 | tee -a "$LOG"
+  timeout "${TUNE_SECONDS:-120}" python3 tools/gpu_tune.py --json "$OUT/tune.json" 2>&1 | tee -a "$LOG"
 fi

@@ -1,13 +1,15 @@
 """Sweeps the Pallas kernel's launch parameters on a GPU: bits checked, device time per call.
 
-Usage: PYTHONPATH=. python tools/gpu_tune.py [--json PATH] [--repeats N]
+Usage: PYTHONPATH=. python tools/gpu_tune.py [--json PATH]
 
 For each benchmark shape with K <= 16, prefill shapes first: stage 1 times the
-four code paths (``tiled_io`` x ``ptx_arith``) at block_config's default block;
+four code paths (``tiled_io`` x ``ptx_arith``) at block_config's default blocks;
 stage 2 sweeps (block_rows, num_warps) for the fastest path. Every
-configuration's outputs are compared with the oracle bit for bit and timed as
-kq bench times a call; prints every configuration and the best per shape next
-to the default. Exits non-zero if any configuration's bits differ.
+configuration's outputs are compared with the oracle bit for bit and timed by
+its kernel's duration from JAX's profiler (kq bench's ``kernel`` column: the
+unrolled-chain timings of a first sweep scattered by more than the differences
+between configurations); prints every configuration and the best per shape
+next to the default. Exits non-zero if any configuration's bits differ.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kq.bench import SHAPE_SETS, _jax_timer  # noqa: E402
+from kq.bench import SHAPE_SETS, _jax_kernel_us  # noqa: E402
 from kq.compare import first_mismatch  # noqa: E402
 from kq.inputs import router_inputs  # noqa: E402
 from kq.oracle import route_shed_oracle  # noqa: E402
@@ -36,7 +38,6 @@ BLOCKS = ((32, 1), (64, 2), (128, 4), (256, 8), (128, 1), (256, 4), (512, 8), (5
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
-    parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     rows_out, bad = [], 0
@@ -53,17 +54,17 @@ def main() -> int:
             op = functools.partial(route_shed_pallas, config=config)
             mismatch = first_mismatch(expected, jax.jit(op)(*inputs))
             bad += mismatch is not None
-            per_call, _ = _jax_timer(op, inputs, args.repeats)
-            timed[config] = per_call if mismatch is None else float("inf")
-            print(f"  {rows} x {top_k} E={experts} {tuple(config)}: {per_call:8.2f} us"
+            kernel = _jax_kernel_us(op, inputs)
+            timed[config] = kernel if mismatch is None and kernel is not None else float("inf")
+            print(f"  {rows} x {top_k} E={experts} {tuple(config)}: kernel {kernel} us"
                   f"{'' if mismatch is None else f'  MISMATCH {mismatch}'}", flush=True)
             rows_out.append(dict(rows=rows, top_k=top_k, experts=experts, **config._asdict(),
-                                 per_call_us=per_call, exact=mismatch is None))
+                                 kernel_us=kernel, exact=mismatch is None))
 
         default = block_config(rows, top_k)
         for tiled_io in (False, True):
             for ptx_arith in (False, True):
-                measure(default._replace(tiled_io=tiled_io, ptx_arith=ptx_arith))
+                measure(block_config(rows, top_k, KernelConfig(tiled_io=tiled_io, ptx_arith=ptx_arith)))
         path = min(timed, key=timed.get)
         for block_rows, num_warps in BLOCKS:
             if block_rows <= 2 * max(rows, 32):
