@@ -27,7 +27,7 @@ sizes the tests do not reach (2^20 rows).
 Floors, measured in the same run: the launch floor (the same harness around
 a trivial op on a one-row input: a one-element ``pallas_call`` on a GPU, a
 one-element ``mx`` op for MLX; none for JAX on the CPU, where nothing is
-launched) and the bandwidth floor (bytes the op must move, every input read
+launched; on a GPU also that op's kernel time, ``floor kernel``) and the bandwidth floor (bytes the op must move, every input read
 once and every output written once, over the copy bandwidth measured on the
 device).
 """
@@ -68,6 +68,7 @@ class Result:
     bandwidth_floor_us: float | None = None
     bits_exact: bool | None = None  # one call's outputs against the oracle; None for the inexact baseline
     kernel_us: float | None = None  # GPU kernel time of one call, from the profiler (JAX on a GPU only)
+    launch_floor_kernel_us: float | None = None  # the trivial op's kernel time, from the profiler
 
 
 def op_bytes(rows: int, top_k: int, experts: int) -> int:
@@ -203,6 +204,12 @@ def _jax_copy_bandwidth() -> float:
     # 1 GiB on a GPU, so that one call's dispatch (~10 us) is ~2% of its time; 256 MiB on a CPU.
     x = jnp.ones((1 << 28 if jax.default_backend() == "gpu" else 1 << 26,), jnp.float32)
     step = jax.jit(lambda a: a + 1.0)
+    if jax.default_backend() == "gpu":
+        # Measured first in a run, so it also warms the GPU: an idle H200 sits at 345 MHz, and the first
+        # GPU run's launch floor read 6.2 us where a later one, in the same call, read 2.7 us.
+        deadline = time.perf_counter() + 2.0
+        while time.perf_counter() < deadline:
+            jax.block_until_ready(step(x))
     seconds = _median_us(lambda: jax.block_until_ready(step(x)), 9) / 1e6
     return 2 * x.nbytes / seconds
 
@@ -323,17 +330,19 @@ def run(sets=("decode",), backends=None, *, repeats: int = 7, resident_fraction:
         per_call, eager = timer(fn, inputs, repeats)
         kernel = _jax_kernel_us(fn, inputs) if name.startswith("jax") else None
         family = name.split("-")[0]
-        launch = None
+        launch = launch_kernel = None
         if family in floor_ops:
             if family not in floors:
                 # Measured once, on one row: at large shapes the chain's own tie-in work over the whole
                 # scores array would bury a ~2 us launch in its noise (the H200 run read 0 to 11 us).
                 floor_fn, floor_timer = floor_ops[family]
-                floors[family] = floor_timer(floor_fn, (inputs[0][:1], inputs[1][:1], inputs[2]), repeats)[0]
-            launch = floors[family]
+                one_row = (inputs[0][:1], inputs[1][:1], inputs[2])
+                floors[family] = (floor_timer(floor_fn, one_row, repeats)[0],
+                                  _jax_kernel_us(floor_fn, one_row) if family == "jax" else None)
+            launch, launch_kernel = floors[family]
         band = op_bytes(*key) / bandwidth * 1e6 if bandwidth and name.startswith("jax") else None
         results.append(Result(name, device, set_name, rows, top_k, experts, per_call, eager, launch, band,
-                              _bits_exact(name, inputs, expected), kernel))
+                              _bits_exact(name, inputs, expected), kernel, launch_kernel))
         bar(f"{name} {rows}x{top_k} E={experts}")
     bar(None)
     return results
@@ -378,7 +387,7 @@ def _progress(total: int, enabled: bool):
 
 def format_table(results: list[Result]) -> str:
     header = ("backend", "T", "K", "E", "per call us", "kernel us", "eager us", "launch floor", "x floor",
-              "bw floor", "x bw", "bits")
+              "floor kernel", "bw floor", "x bw", "bits")
     rows = []
     for r in results:
         ratio = f"{r.per_call_us / r.launch_floor_us:.2f}" if r.launch_floor_us else "-"
@@ -387,6 +396,7 @@ def format_table(results: list[Result]) -> str:
         rows.append((r.backend, r.rows, r.top_k, r.experts, f"{r.per_call_us:.2f}",
                      "-" if r.kernel_us is None else f"{r.kernel_us:.2f}", f"{r.eager_us:.1f}",
                      "-" if r.launch_floor_us is None else f"{r.launch_floor_us:.2f}", ratio,
+                     "-" if r.launch_floor_kernel_us is None else f"{r.launch_floor_kernel_us:.2f}",
                      "-" if r.bandwidth_floor_us is None else f"{r.bandwidth_floor_us:.2f}", bw_ratio,
                      {None: "-", True: "exact", False: "DIFFER"}[r.bits_exact]))
     widths = [max(len(str(x[i])) for x in [header, *rows]) for i in range(len(header))]

@@ -3,10 +3,11 @@
 One thread per row, like the Metal kernel: a program handles ``block_rows``
 rows, and every value in the arithmetic is a ``[block_rows]`` vector holding
 one entry of each row, so a row's K entries sit in one thread's registers and
-the sequential sums are plain adds. For K <= 16 (``tiled_io``, the default)
-rows move between memory and registers as coalesced ``[block_rows, KP]``
-tiles; above 16, each entry is loaded and stored with its own strided 4-byte
-access, and the second pass over the entries is a loop. Misses go straight to
+the sequential sums are plain adds. With ``tiled_io`` (K <= 16; the default
+above 4096 rows) rows move between memory and registers as coalesced
+``[block_rows, KP]`` tiles; otherwise each entry is loaded and stored with its
+own strided 4-byte access, and for K > 16 the second pass over the entries is
+a loop. Misses go straight to
 their rank's position and padding to the positions past the row's last miss,
 so every output element is written once. All four outputs come out of the one
 launch; loads and stores are masked, so a ragged last block never touches
@@ -62,6 +63,8 @@ _TARGET_PROGRAMS = 264
 # Up to this K the kernel is unrolled over the row's entries; above it, the
 # per-entry second pass is a loop (see the kernel).
 _UNROLLED_MAX_K = 16
+# Up to this many rows the strided kernel is the default (see block_config).
+_STRIDED_MAX_ROWS = 4096
 
 
 def _next_power_of_two(n: int) -> int:
@@ -92,25 +95,37 @@ def block_config(rows: int, k_width: int, config: KernelConfig | None = None, *,
                  interpret: bool = False) -> KernelConfig:
     """Resolves every field of ``config`` for a ``[rows, k_width]`` problem.
 
-    Each thread owns one row (its K entries live in registers). The tiled
-    kernel holds ~110 registers per thread, which caps an H200 SM at 16-18
-    resident warps whatever the block, so it runs one warp (32 rows) per
-    program: the most programs to spread over the SMs and the finest tail.
-    The strided kernel (K > 16) keeps blocks small enough to give every SM
-    work at prefill sizes and grows them to 256 rows only when the grid is
-    large anyway. ``config`` overrides any choice (``tools/gpu_tune.py``
-    sweeps them). The interpreter has no PTX, so ``interpret`` rules out
-    ``ptx_arith``.
+    Each thread owns one row (its K entries live in registers). Measured on an
+    H200 (kernel time, ``tools/gpu_tune.py``; docs/benchmarks.md):
+
+    * Tiled I/O pays off once the grid is throughput-bound: 6.4 us against
+      22.4 us at 65536 x 8 rows, 78 us against 322 us at 2^20 x 8. Up to 4096
+      rows each SM holds at most one program, the per-thread chain of work is
+      the time, and the strided kernel, with fewer instructions, is as fast or
+      faster (2.2 against 3.1 us at one row), so it stays there.
+    * The tiled kernel's registers (~110 per thread at K = 8) cap an SM at
+      16-18 resident warps whatever the block, so it runs one warp (32 rows)
+      per program: the most programs to spread and the finest tail (78 us at
+      2^20 rows, 129 us with 256-row programs). At K <= 4 it needs far fewer
+      registers and 128-row programs of 4 warps win (1.6 against 2.5 us at
+      65536 x 2).
+    * The strided kernel keeps blocks small enough to give every SM work and
+      grows them to 256 rows only when the grid is large anyway.
+
+    ``config`` overrides any choice. The interpreter has no PTX, so
+    ``interpret`` rules out ``ptx_arith``.
     """
     config = config or KernelConfig()
-    tiled_io = k_width <= _UNROLLED_MAX_K if config.tiled_io is None else config.tiled_io
+    tiled_io = config.tiled_io
+    if tiled_io is None:
+        tiled_io = k_width <= _UNROLLED_MAX_K and rows > _STRIDED_MAX_ROWS
     if tiled_io and k_width > _UNROLLED_MAX_K:
         raise ValueError(f"route_shed_pallas: tiled_io needs K <= {_UNROLLED_MAX_K}, got K = {k_width}")
     ptx_arith = (not interpret and _on_cuda()) if config.ptx_arith is None else config.ptx_arith
     if ptx_arith and interpret:
         raise ValueError("route_shed_pallas: ptx_arith is inline PTX, which the interpreter cannot run")
     if tiled_io:
-        wanted = _MIN_BLOCK_ROWS
+        wanted = 128 if k_width <= 4 else 32
     else:
         wanted = min(_MAX_BLOCK_ROWS, max(_MIN_BLOCK_ROWS, _next_power_of_two(-(-max(rows, 1) // _TARGET_PROGRAMS))))
     block_rows = config.block_rows or wanted

@@ -141,12 +141,12 @@ def test_pallas_launch_config_overrides_keep_the_bits(rng, block_rows, num_warps
 
 
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="inline PTX runs on a CUDA GPU only")
-# The kernel's code paths besides the default one (tiled I/O for K <= 16; PTX rounding on a CUDA GPU,
-# integer rounding elsewhere), which every other test here covers.
+# The kernel's code paths, forced: on the tests' small inputs the default is the strided one (tiled I/O
+# is the default above 4096 rows), with PTX rounding on a CUDA GPU and integer rounding elsewhere.
 VARIANTS = [
-    pytest.param(dict(tiled_io=False, ptx_arith=False), id="strided+integer"),
-    pytest.param(dict(tiled_io=False, ptx_arith=True), id="strided+ptx", marks=gpu_only),
-] + ([pytest.param(dict(tiled_io=True, ptx_arith=False), id="tiled+integer")] if ON_GPU else [])
+    pytest.param(dict(tiled_io=True, ptx_arith=False), id="tiled+integer"),
+    pytest.param(dict(tiled_io=True, ptx_arith=True), id="tiled+ptx", marks=gpu_only),
+] + ([pytest.param(dict(tiled_io=False, ptx_arith=False), id="strided+integer")] if ON_GPU else [])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -196,7 +196,8 @@ def test_pallas_ptx_arith_is_refused_by_the_interpreter():
 def test_pallas_tiled_io_is_for_k_up_to_16():
     from kq_jax.route_shed_pallas import KernelConfig, block_config
 
-    assert block_config(100, 16).tiled_io and not block_config(100, 17).tiled_io
+    assert block_config(8192, 16).tiled_io and not block_config(8192, 17).tiled_io
+    assert not block_config(4096, 8).tiled_io  # small grids: the strided kernel (see block_config)
     assert block_config(100, 16, KernelConfig(tiled_io=True)).tiled_io
     with pytest.raises(ValueError, match="K <= 16"):
         block_config(100, 17, KernelConfig(tiled_io=True))

@@ -5,7 +5,7 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
-[ -n "${SKIP_MEMCHECK:-}" ] || timeout 150 compute-sanitizer --tool memcheck --leak-check no python3 tools/gpu_launches.py > "$OUT/memcheck.log" 2>&1
+[ -n "${SKIP_MEMCHECK:-}" ] || timeout 150 compute-sanitizer --tool memcheck --leak-check no python3 tools/gpu_launches.py --variants default tiled_io > "$OUT/memcheck.log" 2>&1
 mem=$?
 grep -E "^case|ERROR SUMMARY" "$OUT/memcheck.log"
 timeout 420 python3 tools/gpu_check.py --out "$OUT/check" ${GPU_CHECK_PARTS:+--parts $GPU_CHECK_PARTS} 2>&1 | grep -v -E "RuntimeWarning|astype\("; check=${PIPESTATUS[0]}
