@@ -424,6 +424,7 @@ def read_json(path: str) -> list[Result]:
 def write_plot(results: list[Result], path: str) -> None:
     """Time per call against rows at the most common top-k (8 in both sets), one line per backend, floors dashed.
 
+    Where the results carry GPU kernel times, each backend also gets a dotted line of those in its colour.
     The other shapes (K = 2 and 64) are in the table and the JSON.
     """
     import collections
@@ -441,7 +442,10 @@ def write_plot(results: list[Result], path: str) -> None:
         series.setdefault(r.backend, []).append(r)
     for label, points in sorted(series.items()):
         points.sort(key=lambda r: r.rows)
-        ax.plot([p.rows for p in points], [p.per_call_us for p in points], marker="o", label=label)
+        [line] = ax.plot([p.rows for p in points], [p.per_call_us for p in points], marker="o", label=label)
+        kernels = [(p.rows, p.kernel_us) for p in points if p.kernel_us is not None]
+        if kernels:
+            ax.plot(*zip(*kernels), ":", marker="x", color=line.get_color(), label=f"{label} (kernel time)")
     floors = sorted({(r.rows, r.bandwidth_floor_us) for r in results if r.bandwidth_floor_us})
     if floors:
         ax.plot(*zip(*floors), "k--", label="bandwidth floor")

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # One device call: memcheck of the kernel, then the JAX GPU check. Logs under $OUT.
+# GPU_CHECK_PARTS picks tools/gpu_check.py's parts; PYTEST_TIMEOUT (default 300 s) caps its pytest part,
+# which needed more than 300 s for the whole suite in the last run (72 tests of ~250 done).
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-out}
@@ -8,7 +10,8 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/dev
 [ -n "${SKIP_MEMCHECK:-}" ] || timeout 150 compute-sanitizer --tool memcheck --leak-check no python3 tools/gpu_launches.py --variants default tiled_io > "$OUT/memcheck.log" 2>&1
 mem=$?
 grep -E "^case|ERROR SUMMARY" "$OUT/memcheck.log"
-timeout 420 python3 tools/gpu_check.py --out "$OUT/check" ${GPU_CHECK_PARTS:+--parts $GPU_CHECK_PARTS} 2>&1 | grep -v -E "RuntimeWarning|astype\("; check=${PIPESTATUS[0]}
+timeout $(( ${PYTEST_TIMEOUT:-300} + 120 )) python3 tools/gpu_check.py --out "$OUT/check" \
+  --pytest-timeout "${PYTEST_TIMEOUT:-300}" ${GPU_CHECK_PARTS:+--parts $GPU_CHECK_PARTS} 2>&1 | grep -v -E "RuntimeWarning|astype\("; check=${PIPESTATUS[0]}
 rm -rf "$OUT/check/xla_dump"
 echo "gpu_check exit $check, memcheck exit $mem"
 exit $(( check || mem ))
