@@ -13,9 +13,19 @@ Impl = Literal["auto", "pallas", "pallas_interpret", "reference"]
 IMPLS = ("auto", "pallas", "pallas_interpret", "reference")
 
 
-def default_impl() -> str:
-    """The compiled Pallas kernel on a CUDA GPU, the jnp reference elsewhere."""
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
+# Above this K the jnp reference beats the kernel on an H200 (docs/benchmarks.md: at K = 64 the
+# kernel's one thread per row makes 4,096 rank compares in sequence; 39 us against the reference's
+# 15 us of kernel time for one row, 43 against 38 us at 4096 rows).
+_KERNEL_MAX_K = 16
+
+
+def default_impl(k_width: int = 8) -> str:
+    """What ``impl="auto"`` runs for rows of ``k_width`` entries.
+
+    The compiled Pallas kernel on a GPU for K <= 16, the jnp reference for
+    larger K and on every other backend. Both give the same bits.
+    """
+    return "pallas" if jax.default_backend() == "gpu" and k_width <= _KERNEL_MAX_K else "reference"
 
 
 def route_shed(indices, scores, slot_table, *, impl: Impl = "auto") -> RouteShed:
@@ -32,7 +42,8 @@ def route_shed(indices, scores, slot_table, *, impl: Impl = "auto") -> RouteShed
             resident expert ``e``, negative means not resident.
         impl: ``"pallas"`` (the fused kernel, GPU), ``"pallas_interpret"``
             (the same kernel in Pallas' interpreter: any backend, slow),
-            ``"reference"`` (pure jnp), or ``"auto"`` (:func:`default_impl`).
+            ``"reference"`` (pure jnp), or ``"auto"`` (:func:`default_impl`:
+            the kernel on a GPU for K <= 16, else the reference).
 
     Returns:
         ``RouteShed(slots, mix, miss_ids, miss_scores)``, each shaped like
@@ -49,7 +60,7 @@ def route_shed(indices, scores, slot_table, *, impl: Impl = "auto") -> RouteShed
     if impl not in IMPLS:
         raise ValueError(f"route_shed: impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        impl = default_impl()
+        impl = default_impl(indices.shape[-1])
     if impl == "reference":
         return route_shed_reference(indices, scores, slot_table)
     from kq_jax.route_shed_pallas import route_shed_pallas
