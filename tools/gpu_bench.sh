@@ -4,12 +4,7 @@
 # step writes its JSON under $OUT as it finishes, so a call cut short brings back the finished steps.
 # BENCH_SETS (default "decode prefill") picks the shape sets; MOE=0 skips the MoE overhead;
 # TUNE_SECONDS (default 120) caps the sweep; 0 skips it.
-set -uo pipefail
-export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-LOG="$OUT/gpu_bench.txt"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>&1 | tee -a "$LOG"
+source "$(dirname "$0")/gpu_env.sh" gpu_bench.txt
 bench() {
   python3 -m kq.cli bench --sets "$1" --backends jax-pallas jax-reference jax-naive --repeats 9 --no-progress \
     --json "$OUT/bench_$1.json" 2>&1 | tee -a "$LOG"

@@ -3,12 +3,7 @@
 # 1. their GPU tests (inline-PTX rounding against NumPy; golden and adversarial rows per path);
 # 2. Nsight Compute on each path at two prefill shapes (ncu_<rows>.txt);
 # 3. tools/gpu_tune.py: paths x launch parameters, bits checked, timed (tune.json), capped at TUNE_SECONDS.
-set -uo pipefail
-export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-OUT=${OUT:-out}
-mkdir -p "$OUT"
-LOG="$OUT/tune.txt"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader 2>&1 | tee -a "$LOG"
+source "$(dirname "$0")/gpu_env.sh" tune.txt
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tee -a "$LOG"
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_exact_f32.py tests/test_jax.py -k "variant or ptx" \
   2>&1 | tail -15 | tee -a "$LOG"
