@@ -27,9 +27,9 @@ sizes the tests do not reach (2^20 rows).
 Floors, measured in the same run: the launch floor (the same harness around
 a trivial op on a one-row input: a one-element ``pallas_call`` on a GPU, a
 one-element ``mx`` op for MLX; none for JAX on the CPU, where nothing is
-launched; on a GPU also that op's kernel time, ``floor kernel``) and the bandwidth floor (bytes the op must move, every input read
-once and every output written once, over the copy bandwidth measured on the
-device).
+launched; on a GPU also that op's kernel time, ``floor kernel``) and the
+bandwidth floor (bytes the op must move, every input read once and every
+output written once, over the copy bandwidth measured on the device).
 """
 
 from __future__ import annotations
@@ -205,8 +205,8 @@ def _jax_copy_bandwidth() -> float:
     x = jnp.ones((1 << 28 if jax.default_backend() == "gpu" else 1 << 26,), jnp.float32)
     step = jax.jit(lambda a: a + 1.0)
     if jax.default_backend() == "gpu":
-        # Measured first in a run, so it also warms the GPU: an idle H200 sits at 345 MHz, and the first
-        # GPU run's launch floor read 6.2 us where a later one, in the same call, read 2.7 us.
+        # Measured first in a run, so it also warms the GPU up: nvidia-smi reads 345 MHz on an idle H200,
+        # and a launch floor timed at the start of a call read 6.2 us where a later run read 2.7 us.
         deadline = time.perf_counter() + 2.0
         while time.perf_counter() < deadline:
             jax.block_until_ready(step(x))
