@@ -83,6 +83,11 @@ class KernelConfig(NamedTuple):
     # ``div.rn.f32`` (inline assembly) instead of the integer mantissa
     # arithmetic of kq_jax.exact_f32. CUDA only; the default there.
     ptx_arith: bool | None = None
+    # One lane per entry ([block_rows, KP] tiles), each lane counting its own
+    # entry's rank in a loop over the row, instead of one thread per row: for
+    # large K. Bit-exact in the interpreter, not yet measured on a GPU: off
+    # unless asked.
+    entry_lanes: bool | None = None
 
 
 def _on_cuda() -> bool:
@@ -115,15 +120,18 @@ def block_config(rows: int, k_width: int, config: KernelConfig | None = None, *,
     ``interpret`` rules out ``ptx_arith``.
     """
     config = config or KernelConfig()
+    entry_lanes = bool(config.entry_lanes)
+    if entry_lanes and config.tiled_io:
+        raise ValueError("route_shed_pallas: entry_lanes and tiled_io are two different kernels; pick one")
     tiled_io = config.tiled_io
     if tiled_io is None:
-        tiled_io = k_width <= _UNROLLED_MAX_K and rows > _STRIDED_MAX_ROWS
+        tiled_io = k_width <= _UNROLLED_MAX_K and rows > _STRIDED_MAX_ROWS and not entry_lanes
     if tiled_io and k_width > _UNROLLED_MAX_K:
         raise ValueError(f"route_shed_pallas: tiled_io needs K <= {_UNROLLED_MAX_K}, got K = {k_width}")
     ptx_arith = (not interpret and _on_cuda()) if config.ptx_arith is None else config.ptx_arith
     if ptx_arith and interpret:
         raise ValueError("route_shed_pallas: ptx_arith is inline PTX, which the interpreter cannot run")
-    if tiled_io:
+    if tiled_io or entry_lanes:
         wanted = 128 if k_width <= 4 else 32
     else:
         wanted = min(_MAX_BLOCK_ROWS, max(_MIN_BLOCK_ROWS, _next_power_of_two(-(-max(rows, 1) // _TARGET_PROGRAMS))))
@@ -131,8 +139,10 @@ def block_config(rows: int, k_width: int, config: KernelConfig | None = None, *,
     if block_rows & (block_rows - 1):
         raise ValueError(f"route_shed_pallas: block_rows must be a power of two, got {block_rows}")
     block_rows = min(block_rows, _next_power_of_two(max(rows, 1)))
-    num_warps = config.num_warps or max(1, min(8, block_rows // 32))
-    return KernelConfig(block_rows, num_warps, tiled_io, ptx_arith)
+    # A lane per entry: about 512 tile elements per warp keeps the tiles in registers.
+    lanes = block_rows * _next_power_of_two(k_width) // 512 if entry_lanes else block_rows // 32
+    num_warps = config.num_warps or max(1, min(8, lanes))
+    return KernelConfig(block_rows, num_warps, tiled_io, ptx_arith, entry_lanes)
 
 
 def _ptx_rn(opcode: str, a, b):
@@ -158,6 +168,25 @@ def _column(tile, col, k):
     return jnp.sum(jnp.where(col == k, tile, jnp.zeros((), tile.dtype)), axis=1)
 
 
+def _classify(table_ref, ids, scores, live, *, num_experts: int, unsigned_ids: bool):
+    """Entries' ``(id, s, slot, miss, key)`` from their ids and f32 scores (arrays of any one shape)."""
+    scores = flush(scores)
+    if unsigned_ids:
+        valid = live & (ids < jnp.uint32(num_experts))
+    else:
+        valid = live & (ids >= 0) & (ids < num_experts)
+    slots = plgpu.load(table_ref.at[jnp.where(valid, ids, 0).astype(jnp.int32)], mask=valid, other=-1)
+    miss = valid & (slots < 0)
+    # Misses order by descending score, NaN last, ties by lower k; non-misses
+    # carry a key above every miss's, so they never push a miss back.
+    key = jnp.where(miss, score_order_key(scores), NOT_A_MISS_KEY)
+    return ids, scores, slots, miss, key
+
+
+def _load_scores(scores_ref, at, mask):
+    return plgpu.load(scores_ref.at[at], mask=mask, other=0).astype(jnp.float32)
+
+
 def _route_shed_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_ids_ref, miss_scores_ref,
                        *, rows: int, k_width: int, num_experts: int, block_rows: int, unsigned_ids: bool,
                        tiled_io: bool, ptx_arith: bool):
@@ -177,29 +206,16 @@ def _route_shed_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_
         in_tile = live[:, None] & (col < k_width)
         tile_at = base[:, None] + col
         id_tile = plgpu.load(ids_ref.at[tile_at], mask=in_tile, other=0)
-        score_bits = lax.bitcast_convert_type(
-            plgpu.load(scores_ref.at[tile_at], mask=in_tile, other=0).astype(jnp.float32), jnp.int32)
+        score_bits = lax.bitcast_convert_type(_load_scores(scores_ref, tile_at, in_tile), jnp.int32)
 
         def read_entry(k):
             return _column(id_tile, col, k), lax.bitcast_convert_type(_column(score_bits, col, k), jnp.float32)
     else:
         def read_entry(k):
-            return (plgpu.load(ids_ref.at[base + k], mask=live, other=0),
-                    plgpu.load(scores_ref.at[base + k], mask=live, other=0).astype(jnp.float32))
+            return plgpu.load(ids_ref.at[base + k], mask=live, other=0), _load_scores(scores_ref, base + k, live)
 
     def load_entry(k):
-        id_k, s_k = read_entry(k)
-        s_k = flush(s_k)
-        if unsigned_ids:
-            valid_k = live & (id_k < jnp.uint32(num_experts))
-        else:
-            valid_k = live & (id_k >= 0) & (id_k < num_experts)
-        slot_k = plgpu.load(table_ref.at[jnp.where(valid_k, id_k, 0).astype(jnp.int32)], mask=valid_k, other=-1)
-        miss_k = valid_k & (slot_k < 0)
-        # Misses order by descending score, NaN last, ties by lower k; non-misses
-        # carry a key above every miss's, so they never push a miss back.
-        key_k = jnp.where(miss_k, score_order_key(s_k), NOT_A_MISS_KEY)
-        return id_k, s_k, slot_k, miss_k, key_k
+        return _classify(table_ref, *read_entry(k), live, num_experts=num_experts, unsigned_ids=unsigned_ids)
 
     entries = [load_entry(k) for k in range(k_width)]
     total = jnp.zeros((block_rows,), jnp.float32)
@@ -270,6 +286,55 @@ def _route_shed_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_
         lax.fori_loop(0, k_width, store_one, 0)
 
 
+def _route_shed_lanes_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_ids_ref, miss_scores_ref,
+                             *, rows: int, k_width: int, num_experts: int, block_rows: int, unsigned_ids: bool,
+                             ptx_arith: bool):
+    # One lane per entry: a [block_rows, KP] tile holds a program's rows, and
+    # each lane counts its own entry's rank in one loop over the row's entries
+    # (K compares per lane instead of K^2 in sequence per thread). The same loop
+    # carries the row's sequential sums, first kept slot and miss count as
+    # [block_rows] vectors, entry j re-read from memory (an L1 hit) in k order.
+    row = pl.program_id(0) * block_rows + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
+    live = row < rows
+    base = row * k_width
+    lane = lax.broadcasted_iota(jnp.int32, (block_rows, _next_power_of_two(k_width)), 1)
+    in_tile = live[:, None] & (lane < k_width)
+    at = base[:, None] + lane
+    multiply, divide = (ptx_mul_flush, ptx_div_flush) if ptx_arith else (mul_flush_raw, div_flush_raw)
+    classify = functools.partial(_classify, table_ref, num_experts=num_experts, unsigned_ids=unsigned_ids)
+    ids, scores, slots, miss, key = classify(
+        plgpu.load(ids_ref.at[at], mask=in_tile, other=0), _load_scores(scores_ref, at, in_tile), in_tile)
+
+    def step(j, carry):
+        total, kept, fallback, found, miss_count, rank = carry
+        _, s_j, slot_j, miss_j, key_j = classify(
+            plgpu.load(ids_ref.at[base + j], mask=live, other=0), _load_scores(scores_ref, base + j, live), live)
+        keep_j = slot_j >= 0
+        total = flush(total + s_j)
+        kept = jnp.where(keep_j, flush(kept + s_j), kept)
+        fallback = jnp.where(keep_j & ~found, slot_j, fallback)
+        before = (key_j[:, None] < key) | ((key_j[:, None] == key) & (j < lane))
+        return (total, kept, fallback, found | keep_j, miss_count + miss_j.astype(jnp.int32),
+                rank + before.astype(jnp.int32))
+
+    vector_zeros = jnp.zeros((block_rows,), jnp.float32)
+    start = (vector_zeros, vector_zeros, jnp.zeros((block_rows,), jnp.int32), jnp.zeros((block_rows,), jnp.bool_),
+             jnp.zeros((block_rows,), jnp.int32), jnp.zeros(lane.shape, jnp.int32))
+    total, kept, fallback, _, miss_count, rank = lax.fori_loop(0, k_width, step, start)
+    has_mass = kept > 0.0
+    scale = jnp.where(has_mass, divide(total, jnp.where(has_mass, kept, 1.0)), 0.0)
+    keep = slots >= 0
+    plgpu.store(slots_ref.at[at], jnp.where(keep, slots, fallback[:, None]).astype(slots_ref.dtype), mask=in_tile)
+    mix = multiply(scores, jnp.broadcast_to(scale[:, None], scores.shape))
+    plgpu.store(mix_ref.at[at], canonicalize_nan(jnp.where(keep, mix, 0.0)), mask=in_tile)
+    # Misses land at their rank; padding fills the positions past the last miss.
+    plgpu.store(miss_ids_ref.at[base[:, None] + rank], ids.astype(jnp.int32), mask=miss)
+    plgpu.store(miss_scores_ref.at[base[:, None] + rank], canonicalize_nan(scores), mask=miss)
+    padding = in_tile & (lane >= miss_count[:, None])
+    plgpu.store(miss_ids_ref.at[at], jnp.full(lane.shape, -1, jnp.int32), mask=padding)
+    plgpu.store(miss_scores_ref.at[at], jnp.zeros(lane.shape, jnp.float32), mask=padding)
+
+
 # Jitted so that a program calling the op many times (one call per MoE layer)
 # traces and lowers the kernel once per distinct shape, not once per call.
 @functools.partial(jax.jit, static_argnames=("interpret", "config"))
@@ -286,10 +351,14 @@ def _pallas_forward(indices, scores, slot_table, *, interpret: bool, config: Ker
     )
     if rows == 0:
         return RouteShed(*(jnp.zeros(out_shape, s.dtype) for s in shapes))
-    block_rows, num_warps, tiled_io, ptx_arith = block_config(rows, k_width, config, interpret=interpret)
-    kernel = functools.partial(
-        _route_shed_kernel, rows=rows, k_width=k_width, num_experts=num_experts, block_rows=block_rows,
-        unsigned_ids=indices.dtype == jnp.uint32, tiled_io=tiled_io, ptx_arith=ptx_arith)
+    block_rows, num_warps, tiled_io, ptx_arith, entry_lanes = block_config(rows, k_width, config,
+                                                                          interpret=interpret)
+    params = dict(rows=rows, k_width=k_width, num_experts=num_experts, block_rows=block_rows,
+                  unsigned_ids=indices.dtype == jnp.uint32, ptx_arith=ptx_arith)
+    if entry_lanes:
+        kernel = functools.partial(_route_shed_lanes_kernel, **params)
+    else:
+        kernel = functools.partial(_route_shed_kernel, tiled_io=tiled_io, **params)
     call = pl.pallas_call(
         kernel,
         out_shape=shapes,

@@ -147,7 +147,13 @@ gpu_only = pytest.mark.skipif(not ON_GPU, reason="inline PTX runs on a CUDA GPU 
 VARIANTS = [
     pytest.param(dict(tiled_io=True, ptx_arith=False), id="tiled+integer"),
     pytest.param(dict(tiled_io=True, ptx_arith=True), id="tiled+ptx", marks=gpu_only),
+    pytest.param(dict(entry_lanes=True, ptx_arith=False), id="lanes+integer"),
+    pytest.param(dict(entry_lanes=True, ptx_arith=True), id="lanes+ptx", marks=gpu_only),
 ] + ([pytest.param(dict(tiled_io=False, ptx_arith=False), id="strided+integer")] if ON_GPU else [])
+
+
+def variant_takes(variant, top_k):
+    return not variant.get("tiled_io") or top_k <= 16  # tiled I/O is for K <= 16
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -155,7 +161,7 @@ def test_pallas_variant_keeps_the_bits_on_every_golden_case(variant):
     from conftest import SPEC
     from kq_jax.route_shed_pallas import KernelConfig, route_shed_pallas
 
-    cases = [case for case in SPEC.cases if case.inputs["indices"].shape[-1] <= 16]
+    cases = [case for case in SPEC.cases if variant_takes(variant, case.inputs["indices"].shape[-1])]
     assert len(cases) >= 20
     for case in cases:
         got = route_shed_pallas(*case.inputs.values(), interpret=not ON_GPU, config=KernelConfig(**variant))
@@ -165,15 +171,25 @@ def test_pallas_variant_keeps_the_bits_on_every_golden_case(variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("rows, top_k, experts, index_dtype, score_dtype", [
     (37, 1, 3, "int32", "float32"), (70, 2, 64, "uint32", "bfloat16"), (33, 10, 128, "int32", "float16"),
-    (65, 16, 4096, "uint32", "float32")])
+    (65, 16, 4096, "uint32", "float32"), (40, 33, 256, "int32", "bfloat16"), (9, 64, 1024, "uint32", "float32")])
 def test_pallas_variant_keeps_the_bits_on_adversarial_rows(rng, variant, rows, top_k, experts, index_dtype,
                                                            score_dtype):
     from kq_jax.route_shed_pallas import KernelConfig, route_shed_pallas
 
+    if not variant_takes(variant, top_k):
+        pytest.skip("tiled I/O is for K <= 16")
     inputs = adversarial_inputs(rng, rows, top_k, experts, index_dtype=index_dtype, score_dtype=score_dtype)
     config = KernelConfig(block_rows=32, **variant)
     got = route_shed_pallas(*inputs, interpret=not ON_GPU, config=config)
     assert_same_bits(route_shed_oracle(*inputs), got)
+
+
+def test_pallas_entry_lanes_and_tiled_io_are_exclusive():
+    from kq_jax.route_shed_pallas import KernelConfig, block_config
+
+    with pytest.raises(ValueError, match="entry_lanes"):
+        block_config(100, 8, KernelConfig(tiled_io=True, entry_lanes=True))
+    assert not block_config(8192, 8, KernelConfig(entry_lanes=True)).tiled_io
 
 
 @gpu_only

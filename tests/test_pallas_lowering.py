@@ -21,21 +21,22 @@ from kq.inputs import router_inputs  # noqa: E402
 FORBIDDEN = re.compile(r"arith\.(mulf|divf|remf)|math\.fma|tt\.precise_divf|fdiv")
 
 
-@pytest.mark.parametrize("rows, top_k, experts, index_dtype, score_dtype, tiled_io, ptx_arith", [
-    (64, 8, 256, "int32", "float32", False, False), (5, 6, 40, "uint32", "bfloat16", False, False),
-    (3, 64, 1024, "int32", "float16", False, False), (7, 1, 1, "uint32", "float32", False, False),
-    (64, 8, 256, "int32", "float32", True, False), (5, 6, 40, "uint32", "bfloat16", True, False),
-    (64, 8, 256, "int32", "float32", False, True), (3, 64, 1024, "int32", "float16", False, True),
-    (64, 8, 256, "int32", "float32", True, True),
+@pytest.mark.parametrize("rows, top_k, experts, index_dtype, score_dtype, path, ptx_arith", [
+    (64, 8, 256, "int32", "float32", "strided", False), (5, 6, 40, "uint32", "bfloat16", "strided", False),
+    (3, 64, 1024, "int32", "float16", "strided", False), (7, 1, 1, "uint32", "float32", "strided", False),
+    (64, 8, 256, "int32", "float32", "tiled", False), (5, 6, 40, "uint32", "bfloat16", "tiled", False),
+    (64, 8, 256, "int32", "float32", "strided", True), (3, 64, 1024, "int32", "float16", "strided", True),
+    (64, 8, 256, "int32", "float32", "tiled", True),
+    (9, 64, 1024, "uint32", "float32", "lanes", False), (9, 64, 1024, "int32", "bfloat16", "lanes", True),
 ])
 def test_triton_ir_has_no_float_multiply_or_divide(monkeypatch, capfd, rows, top_k, experts, index_dtype,
-                                                   score_dtype, tiled_io, ptx_arith):
+                                                   score_dtype, path, ptx_arith):
     import kq_jax.route_shed_pallas as module
 
     monkeypatch.setattr(module.pl, "pallas_call", functools.partial(pl.pallas_call, debug=True))
     inputs = router_inputs(np.random.default_rng(0), rows, top_k, experts, index_dtype=index_dtype,
                            score_dtype=score_dtype)
-    config = module.KernelConfig(tiled_io=tiled_io, ptx_arith=ptx_arith)
+    config = module.KernelConfig(tiled_io=path == "tiled", ptx_arith=ptx_arith, entry_lanes=path == "lanes")
     fn = jax.jit(lambda i, s, t: module.route_shed_pallas(i, s, t, config=config))
     try:
         export.export(fn, platforms=["cuda"],

@@ -3,12 +3,12 @@
 Usage (on a GPU, from the repo root):
     PYTHONPATH=. python tools/gpu_launches.py                      # the memcheck cases
     PYTHONPATH=. python tools/gpu_launches.py --shape 1048576 8 256  # one shape, for a profile
-    PYTHONPATH=. python tools/gpu_launches.py --shape 65536 8 256 --variants default tiled_io ptx_arith
+    PYTHONPATH=. python tools/gpu_launches.py --shape 65536 8 256 --variants strided+ptx tiled+ptx
 
 The memcheck cases: ragged tails (rows not a multiple of the block), K not a
 power of two, E = 1, zero rows. Every result is also compared with the oracle.
-``--variants`` launches the kernel once per named KernelConfig variant
-(``default``, ``tiled_io``, ``ptx_arith``, ``tiled_io+ptx_arith``), in that order.
+``--variants`` launches the kernel once per variant, in the order given: ``default``
+(block_config's choice) or words of VARIANT_WORDS joined by ``+``, e.g. ``tiled+ptx``.
 """
 
 import argparse
@@ -25,6 +25,9 @@ from kq.inputs import adversarial_inputs, router_inputs  # noqa: E402
 from kq.oracle import route_shed_oracle  # noqa: E402
 from kq_jax.route_shed_pallas import KernelConfig, route_shed_pallas  # noqa: E402
 
+# --variants words, joined by "+": the kernel path and the rounding, each forced.
+VARIANT_WORDS = {"strided": ("tiled_io", False), "tiled": ("tiled_io", True), "lanes": ("entry_lanes", True),
+                 "integer": ("ptx_arith", False), "ptx": ("ptx_arith", True)}
 CASES = [(1, 8, 256), (3, 8, 256), (257, 8, 256), (1023, 6, 64), (129, 10, 1), (77, 64, 1024), (5, 1, 1), (0, 8, 16)]
 
 
@@ -41,7 +44,7 @@ def main() -> int:
         inputs = make(rng, rows, top_k, experts)
         expected = route_shed_oracle(*inputs)
         for variant in args.variants:
-            fields = {} if variant == "default" else {name: True for name in variant.split("+")}
+            fields = {} if variant == "default" else dict(VARIANT_WORDS[word] for word in variant.split("+"))
             if fields.get("tiled_io") and top_k > 16:
                 continue  # tiled I/O is for K <= 16
             fn = jax.jit(lambda i, s, t, config=KernelConfig(**fields): route_shed_pallas(

@@ -2,7 +2,7 @@
 # One device call: memcheck of the kernel, then the JAX GPU check. Logs under $OUT.
 # GPU_CHECK_PARTS picks tools/gpu_check.py's parts; PYTEST_TIMEOUT (default 300 s) caps its pytest part.
 source "$(dirname "$0")/gpu_env.sh" device.txt
-[ -n "${SKIP_MEMCHECK:-}" ] || timeout 150 compute-sanitizer --tool memcheck --leak-check no python3 tools/gpu_launches.py --variants default tiled_io > "$OUT/memcheck.log" 2>&1
+[ -n "${SKIP_MEMCHECK:-}" ] || timeout 150 compute-sanitizer --tool memcheck --leak-check no python3 tools/gpu_launches.py --variants default tiled lanes > "$OUT/memcheck.log" 2>&1
 mem=$?
 grep -E "^case|ERROR SUMMARY" "$OUT/memcheck.log"
 timeout $(( ${PYTEST_TIMEOUT:-300} + 120 )) python3 tools/gpu_check.py --out "$OUT/check" \

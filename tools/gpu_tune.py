@@ -2,8 +2,9 @@
 
 Usage: PYTHONPATH=. python tools/gpu_tune.py [--json PATH]
 
-For each benchmark shape with K <= 16, prefill shapes first: stage 1 times the
-four code paths (``tiled_io`` x ``ptx_arith``) at block_config's default blocks;
+For each benchmark shape, prefill shapes first: stage 1 times the code paths
+(strided, ``tiled_io`` for K <= 16, ``entry_lanes``; each with and without
+``ptx_arith``) at block_config's default blocks;
 stage 2 sweeps (block_rows, num_warps) for the fastest path. Every
 configuration's outputs are compared with the oracle bit for bit and timed by
 its kernel's duration from JAX's profiler (kq bench's ``kernel`` column: the
@@ -41,7 +42,7 @@ def main() -> int:
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     rows_out, bad = [], 0
-    shapes = [s for name in ("prefill", "decode") for s in SHAPE_SETS[name] if s[1] <= 16]
+    shapes = [s for name in ("prefill", "decode") for s in SHAPE_SETS[name]]
     for rows, top_k, experts in shapes:
         inputs = router_inputs(rng, rows, top_k, experts)
         expected = route_shed_oracle(*inputs)
@@ -62,9 +63,10 @@ def main() -> int:
                                  kernel_us=kernel, exact=mismatch is None))
 
         default = block_config(rows, top_k)
-        for tiled_io in (False, True):
+        paths = [dict(tiled_io=False), dict(entry_lanes=True)] + ([dict(tiled_io=True)] if top_k <= 16 else [])
+        for path in paths:
             for ptx_arith in (False, True):
-                measure(block_config(rows, top_k, KernelConfig(tiled_io=tiled_io, ptx_arith=ptx_arith)))
+                measure(block_config(rows, top_k, KernelConfig(ptx_arith=ptx_arith, **path)))
         path = min(timed, key=timed.get)
         for block_rows, num_warps in BLOCKS:
             if block_rows <= 2 * max(rows, 32):
