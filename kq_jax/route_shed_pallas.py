@@ -7,7 +7,9 @@ the sequential sums are plain adds. With ``tiled_io`` (K <= 16; the default
 above 4096 rows) rows move between memory and registers as coalesced
 ``[block_rows, KP]`` tiles; otherwise each entry is loaded and stored with its
 own strided 4-byte access, and for K > 16 the second pass over the entries is
-a loop. Misses go straight to their rank's position and padding to the
+a loop. ``entry_lanes`` (any K; off until measured) is a second kernel for
+large K: one lane per entry, each lane counting its own rank in one loop over
+the row. Misses go straight to their rank's position and padding to the
 positions past the row's last miss, so every output element is written once.
 All four outputs come out of the one launch; loads and stores are masked, so a
 ragged last block never touches memory outside the arrays. (On an H200 at
