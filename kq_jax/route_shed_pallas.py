@@ -185,8 +185,35 @@ def _classify(table_ref, ids, scores, live, *, num_experts: int, unsigned_ids: b
     return ids, scores, slots, miss, key
 
 
-def _load_scores(scores_ref, at, mask):
-    return plgpu.load(scores_ref.at[at], mask=mask, other=0).astype(jnp.float32)
+def _load_entries(ids_ref, scores_ref, at, mask):
+    """The ids and f32 scores at flat positions ``at`` (any shape), masked."""
+    return (plgpu.load(ids_ref.at[at], mask=mask, other=0),
+            plgpu.load(scores_ref.at[at], mask=mask, other=0).astype(jnp.float32))
+
+
+def _program_rows(block_rows: int, rows: int, k_width: int):
+    """This program's rows as ``[block_rows]`` vectors: which exist, and where each starts in the flat arrays."""
+    row = pl.program_id(0) * block_rows + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
+    return row < rows, row * k_width
+
+
+def _roundings(ptx_arith: bool):
+    """The contract's rounded ``(multiply, divide)``, both flushed."""
+    return (ptx_mul_flush, ptx_div_flush) if ptx_arith else (mul_flush_raw, div_flush_raw)
+
+
+def _scale(total, kept, divide):
+    """``total / kept`` where the row kept some mass, else 0 (the contract's step 4)."""
+    has_mass = kept > 0.0
+    return jnp.where(has_mass, divide(total, jnp.where(has_mass, kept, 1.0)), 0.0)
+
+
+def _store_misses(miss_ids_ref, miss_scores_ref, ids, scores, miss, rank_at, padding, padding_at):
+    """Each miss at its rank's position; padding (-1, +0.0) where ``padding`` holds: each position once."""
+    plgpu.store(miss_ids_ref.at[rank_at], ids.astype(jnp.int32), mask=miss)
+    plgpu.store(miss_scores_ref.at[rank_at], canonicalize_nan(scores), mask=miss)
+    plgpu.store(miss_ids_ref.at[padding_at], jnp.full(padding.shape, -1, jnp.int32), mask=padding)
+    plgpu.store(miss_scores_ref.at[padding_at], jnp.zeros(padding.shape, jnp.float32), mask=padding)
 
 
 def _route_shed_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_ids_ref, miss_scores_ref,
@@ -197,24 +224,22 @@ def _route_shed_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_
     # in the Metal kernel's one-thread-per-row loop, so the sequential sums are
     # plain adds and nothing crosses lanes. Only the way entries reach those
     # registers and leave them depends on ``tiled_io``.
-    row = pl.program_id(0) * block_rows + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
-    live = row < rows
-    base = row * k_width
-    multiply, divide = (ptx_mul_flush, ptx_div_flush) if ptx_arith else (mul_flush_raw, div_flush_raw)
+    live, base = _program_rows(block_rows, rows, k_width)
+    multiply, divide = _roundings(ptx_arith)
 
     if tiled_io:
         padded_k = _next_power_of_two(k_width)
         col = lax.broadcasted_iota(jnp.int32, (block_rows, padded_k), 1)
         in_tile = live[:, None] & (col < k_width)
         tile_at = base[:, None] + col
-        id_tile = plgpu.load(ids_ref.at[tile_at], mask=in_tile, other=0)
-        score_bits = lax.bitcast_convert_type(_load_scores(scores_ref, tile_at, in_tile), jnp.int32)
+        id_tile, score_tile = _load_entries(ids_ref, scores_ref, tile_at, in_tile)
+        score_bits = lax.bitcast_convert_type(score_tile, jnp.int32)
 
         def read_entry(k):
             return _column(id_tile, col, k), lax.bitcast_convert_type(_column(score_bits, col, k), jnp.float32)
     else:
         def read_entry(k):
-            return plgpu.load(ids_ref.at[base + k], mask=live, other=0), _load_scores(scores_ref, base + k, live)
+            return _load_entries(ids_ref, scores_ref, base + k, live)
 
     def load_entry(k):
         return _classify(table_ref, *read_entry(k), live, num_experts=num_experts, unsigned_ids=unsigned_ids)
@@ -225,8 +250,7 @@ def _route_shed_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_
     for _, s_k, slot_k, _, _ in entries:
         total = flush(total + s_k)
         kept = jnp.where(slot_k >= 0, flush(kept + s_k), kept)
-    has_mass = kept > 0.0
-    scale = jnp.where(has_mass, divide(total, jnp.where(has_mass, kept, 1.0)), 0.0)
+    scale = _scale(total, kept, divide)
     fallback = jnp.zeros((block_rows,), jnp.int32)
     for _, _, slot_k, _, _ in reversed(entries):
         fallback = jnp.where(slot_k >= 0, slot_k, fallback)
@@ -267,13 +291,8 @@ def _route_shed_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_
         slot_out, mix_out, rank = entry_outputs(k, s_k, slot_k, key_k)
         plgpu.store(slots_ref.at[at], slot_out, mask=live)
         plgpu.store(mix_ref.at[at], mix_out, mask=live)
-        # A miss lands at its rank among the row's misses; padding fills the
-        # positions past the last miss: each position is written exactly once.
-        plgpu.store(miss_ids_ref.at[base + rank], id_k.astype(jnp.int32), mask=miss_k)
-        plgpu.store(miss_scores_ref.at[base + rank], canonicalize_nan(s_k), mask=miss_k)
-        padding = live & (miss_count <= k)
-        plgpu.store(miss_ids_ref.at[at], jnp.full((block_rows,), -1, jnp.int32), mask=padding)
-        plgpu.store(miss_scores_ref.at[at], jnp.zeros((block_rows,), jnp.float32), mask=padding)
+        # Padding fills the positions past the row's last miss.
+        _store_misses(miss_ids_ref, miss_scores_ref, id_k, s_k, miss_k, base + rank, live & (miss_count <= k), at)
 
     if k_width <= _UNROLLED_MAX_K:
         for k, entry in enumerate(entries):
@@ -296,21 +315,17 @@ def _route_shed_lanes_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref,
     # (K compares per lane instead of K^2 in sequence per thread). The same loop
     # carries the row's sequential sums, first kept slot and miss count as
     # [block_rows] vectors, entry j re-read from memory (an L1 hit) in k order.
-    row = pl.program_id(0) * block_rows + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
-    live = row < rows
-    base = row * k_width
+    live, base = _program_rows(block_rows, rows, k_width)
     lane = lax.broadcasted_iota(jnp.int32, (block_rows, _next_power_of_two(k_width)), 1)
     in_tile = live[:, None] & (lane < k_width)
     at = base[:, None] + lane
-    multiply, divide = (ptx_mul_flush, ptx_div_flush) if ptx_arith else (mul_flush_raw, div_flush_raw)
+    multiply, divide = _roundings(ptx_arith)
     classify = functools.partial(_classify, table_ref, num_experts=num_experts, unsigned_ids=unsigned_ids)
-    ids, scores, slots, miss, key = classify(
-        plgpu.load(ids_ref.at[at], mask=in_tile, other=0), _load_scores(scores_ref, at, in_tile), in_tile)
+    ids, scores, slots, miss, key = classify(*_load_entries(ids_ref, scores_ref, at, in_tile), in_tile)
 
     def step(j, carry):
         total, kept, fallback, found, miss_count, rank = carry
-        _, s_j, slot_j, miss_j, key_j = classify(
-            plgpu.load(ids_ref.at[base + j], mask=live, other=0), _load_scores(scores_ref, base + j, live), live)
+        _, s_j, slot_j, miss_j, key_j = classify(*_load_entries(ids_ref, scores_ref, base + j, live), live)
         keep_j = slot_j >= 0
         total = flush(total + s_j)
         kept = jnp.where(keep_j, flush(kept + s_j), kept)
@@ -323,18 +338,14 @@ def _route_shed_lanes_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref,
     start = (vector_zeros, vector_zeros, jnp.zeros((block_rows,), jnp.int32), jnp.zeros((block_rows,), jnp.bool_),
              jnp.zeros((block_rows,), jnp.int32), jnp.zeros(lane.shape, jnp.int32))
     total, kept, fallback, _, miss_count, rank = lax.fori_loop(0, k_width, step, start)
-    has_mass = kept > 0.0
-    scale = jnp.where(has_mass, divide(total, jnp.where(has_mass, kept, 1.0)), 0.0)
+    scale = _scale(total, kept, divide)
     keep = slots >= 0
     plgpu.store(slots_ref.at[at], jnp.where(keep, slots, fallback[:, None]).astype(slots_ref.dtype), mask=in_tile)
     mix = multiply(scores, jnp.broadcast_to(scale[:, None], scores.shape))
     plgpu.store(mix_ref.at[at], canonicalize_nan(jnp.where(keep, mix, 0.0)), mask=in_tile)
-    # Misses land at their rank; padding fills the positions past the last miss.
-    plgpu.store(miss_ids_ref.at[base[:, None] + rank], ids.astype(jnp.int32), mask=miss)
-    plgpu.store(miss_scores_ref.at[base[:, None] + rank], canonicalize_nan(scores), mask=miss)
-    padding = in_tile & (lane >= miss_count[:, None])
-    plgpu.store(miss_ids_ref.at[at], jnp.full(lane.shape, -1, jnp.int32), mask=padding)
-    plgpu.store(miss_scores_ref.at[at], jnp.zeros(lane.shape, jnp.float32), mask=padding)
+    # Padding fills the positions past the row's last miss.
+    _store_misses(miss_ids_ref, miss_scores_ref, ids, scores, miss, base[:, None] + rank,
+                  in_tile & (lane >= miss_count[:, None]), at)
 
 
 # Jitted so that a program calling the op many times (one call per MoE layer)
