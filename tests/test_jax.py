@@ -210,6 +210,16 @@ def test_pallas_ptx_arith_is_refused_by_the_interpreter():
                           config=KernelConfig(ptx_arith=True))
 
 
+def test_pallas_default_path_follows_the_rows():
+    from kq_jax.route_shed_pallas import KernelConfig, block_config
+
+    paths = {rows: block_config(rows, 8) for rows in (1, 8, 9, 4096, 4097)}
+    assert [c.entry_lanes for c in paths.values()] == [True, True, False, False, False]
+    assert [c.tiled_io for c in paths.values()] == [False, False, False, False, True]
+    assert not block_config(1, 17).entry_lanes  # K > 16: the row kernel's loop
+    assert not block_config(1, 8, KernelConfig(tiled_io=True)).entry_lanes
+
+
 def test_pallas_tiled_io_is_for_k_up_to_16():
     from kq_jax.route_shed_pallas import KernelConfig, block_config
 

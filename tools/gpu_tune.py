@@ -1,6 +1,6 @@
 """Sweeps the Pallas kernel's launch parameters on a GPU: bits checked, device time per call.
 
-Usage: PYTHONPATH=. python tools/gpu_tune.py [--json PATH]
+Usage: PYTHONPATH=. python tools/gpu_tune.py [--json PATH] [--shapes ROWSxKxE ...]
 
 For each benchmark shape, prefill shapes first: stage 1 times the code paths
 (strided, ``tiled_io`` for K <= 16, ``entry_lanes``; each with and without
@@ -39,10 +39,15 @@ BLOCKS = ((32, 1), (64, 2), (128, 4), (256, 8), (128, 1), (256, 4), (512, 8), (5
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
+    parser.add_argument("--shapes", nargs="+", metavar="ROWSxKxE",
+                        help="shapes to sweep (default: kq bench's prefill then decode sets)")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     rows_out, bad = [], 0
-    shapes = [s for name in ("prefill", "decode") for s in SHAPE_SETS[name]]
+    if args.shapes:
+        shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes]
+    else:
+        shapes = [s for name in ("prefill", "decode") for s in SHAPE_SETS[name]]
     for rows, top_k, experts in shapes:
         inputs = router_inputs(rng, rows, top_k, experts)
         expected = route_shed_oracle(*inputs)
