@@ -184,14 +184,16 @@ def _jax_floor_fn():
     def kernel(x_ref, o_ref):
         o_ref[...] = x_ref[...] + 1
 
-    one = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((1, 1), jnp.int32),
-                         in_specs=[pl.BlockSpec((1, 1), lambda: (0, 0))],
-                         out_specs=pl.BlockSpec((1, 1), lambda: (0, 0)), compiler_params=plgpu.CompilerParams())
     def floor(indices, scores, table):
         del indices, table
-        # Fed from the scores, which change every call in the chain: an input that did not would let
-        # XLA merge the chain's identical launches into one (the first GPU run's floor read ~0 us).
-        return (one(jax.lax.bitcast_convert_type(scores[:1, :1].astype(jnp.float32), jnp.int32)),) * 4
+        # Reads scores[0, 0] in place (one launch, nothing else: its kernel time is one trivial
+        # kernel's). Fed from the scores, which change every call in the chain: an input that did
+        # not would let XLA merge the chain's identical launches into one (the first GPU run's
+        # floor read ~0 us).
+        one = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((1, 1), scores.dtype),
+                             in_specs=[pl.BlockSpec((1, 1), lambda: (0, 0))],
+                             out_specs=pl.BlockSpec((1, 1), lambda: (0, 0)), compiler_params=plgpu.CompilerParams())
+        return (one(scores),) * 4
 
     return floor
 

@@ -89,7 +89,7 @@ class KernelConfig(NamedTuple):
     ptx_arith: bool | None = None
     # One lane per entry ([block_rows, KP] tiles), each lane counting its own
     # entry's rank in a loop over the row, instead of one thread per row.
-    # The default at decode sizes (up to 8 rows, K <= 16).
+    # The default at decode sizes (up to 8 rows) and for K > 16.
     entry_lanes: bool | None = None
 
 
@@ -112,7 +112,9 @@ def block_config(rows: int, k_width: int, config: KernelConfig | None = None, *,
       faster (2.2 against 3.1 us at one row), so it stays there.
     * At decode sizes (up to 8 rows) the entry-lanes kernel, its K entries
       spread over K lanes, is faster still: 1.7 against 2.2 us at 1 x 8, 2.2
-      against 2.4 at 8 x 8 (3.5 against 3.3 at 4096 x 8).
+      against 2.4 at 8 x 8 (3.5 against 3.3 at 4096 x 8). Past K = 16 it is
+      the default at every size: 6.4 against 35 us at 1 x 64, where the row
+      kernel's K^2 compares run in sequence on one thread.
     * The tiled kernel's registers (~110 per thread at K = 8) cap an SM at
       16-18 resident warps whatever the block, so it runs one warp (32 rows)
       per program: the most programs to spread and the finest tail (78 us at
@@ -128,7 +130,7 @@ def block_config(rows: int, k_width: int, config: KernelConfig | None = None, *,
     config = config or KernelConfig()
     entry_lanes = config.entry_lanes
     if entry_lanes is None:
-        entry_lanes = rows <= _LANES_MAX_ROWS and k_width <= _UNROLLED_MAX_K and not config.tiled_io
+        entry_lanes = (rows <= _LANES_MAX_ROWS or k_width > _UNROLLED_MAX_K) and not config.tiled_io
     if entry_lanes and config.tiled_io:
         raise ValueError("route_shed_pallas: entry_lanes and tiled_io are two different kernels; pick one")
     tiled_io = config.tiled_io

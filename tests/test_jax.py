@@ -216,7 +216,7 @@ def test_pallas_default_path_follows_the_rows():
     paths = {rows: block_config(rows, 8) for rows in (1, 8, 9, 4096, 4097)}
     assert [c.entry_lanes for c in paths.values()] == [True, True, False, False, False]
     assert [c.tiled_io for c in paths.values()] == [False, False, False, False, True]
-    assert not block_config(1, 17).entry_lanes  # K > 16: the row kernel's loop
+    assert block_config(1, 17).entry_lanes and block_config(5000, 64).entry_lanes  # K > 16: every size
     assert not block_config(1, 8, KernelConfig(tiled_io=True)).entry_lanes
 
 

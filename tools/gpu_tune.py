@@ -32,8 +32,10 @@ from kq.inputs import router_inputs  # noqa: E402
 from kq.oracle import route_shed_oracle  # noqa: E402
 from kq_jax.route_shed_pallas import KernelConfig, block_config, route_shed_pallas  # noqa: E402
 
-# (block_rows, num_warps): one row per thread, and fewer warps than rows / 32 (rows per thread > 1).
+# (block_rows, num_warps): one row per thread, and fewer warps than rows / 32 (rows per thread > 1);
+# for entry_lanes (a row per K lanes) also blocks of a few rows.
 BLOCKS = ((32, 1), (64, 2), (128, 4), (256, 8), (128, 1), (256, 4), (512, 8), (512, 4), (1024, 8))
+LANES_BLOCKS = ((1, 2), (2, 2), (4, 2), (4, 4), (8, 2), (8, 4), (16, 4), (16, 8), (32, 4), (32, 8))
 
 
 def main() -> int:
@@ -73,7 +75,7 @@ def main() -> int:
             for ptx_arith in (False, True):
                 measure(block_config(rows, top_k, KernelConfig(ptx_arith=ptx_arith, **path)))
         path = min(timed, key=timed.get)
-        for block_rows, num_warps in BLOCKS:
+        for block_rows, num_warps in LANES_BLOCKS if path.entry_lanes else BLOCKS:
             if block_rows <= 2 * max(rows, 32):
                 measure(block_config(rows, top_k, path._replace(block_rows=block_rows, num_warps=num_warps)))
         best = min(timed, key=timed.get)
