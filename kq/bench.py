@@ -339,8 +339,10 @@ def run(sets=("decode",), backends=None, *, repeats: int = 7, resident_fraction:
                 # scores array would bury a ~2 us launch in its noise (the H200 run read 0 to 11 us).
                 floor_fn, floor_timer = floor_ops[family]
                 one_row = (inputs[0][:1], inputs[1][:1], inputs[2])
+                # The kernel time of one output: the floor's four are one array, which a jitted
+                # function returns as four buffers, three of them device copies in the trace.
                 floors[family] = (floor_timer(floor_fn, one_row, repeats)[0],
-                                  _jax_kernel_us(floor_fn, one_row) if family == "jax" else None)
+                                  _jax_kernel_us(lambda *a: floor_fn(*a)[0], one_row) if family == "jax" else None)
             launch, launch_kernel = floors[family]
         band = op_bytes(*key) / bandwidth * 1e6 if bandwidth and name.startswith("jax") else None
         results.append(Result(name, device, set_name, rows, top_k, experts, per_call, eager, launch, band,

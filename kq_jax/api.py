@@ -16,16 +16,14 @@ IMPLS = ("auto", "pallas", "pallas_interpret", "reference")
 # Above this K the jnp reference beats the kernel on an H200 (docs/benchmarks.md: at K = 64 the
 # kernel's one thread per row makes 4,096 rank compares in sequence; 39 us against the reference's
 # 15 us of kernel time for one row, 43 against 38 us at 4096 rows).
-_KERNEL_MAX_K = 16
+def default_impl() -> str:
+    """What ``impl="auto"`` runs.
 
-
-def default_impl(k_width: int = 8) -> str:
-    """What ``impl="auto"`` runs for rows of ``k_width`` entries.
-
-    The compiled Pallas kernel on a GPU for K <= 16, the jnp reference for
-    larger K and on every other backend. Both give the same bits.
+    The compiled Pallas kernel on a GPU (faster than the reference at every
+    benchmark shape, K = 64 included, on the H200 of docs/benchmarks.md), the
+    jnp reference on every other backend. Both give the same bits.
     """
-    return "pallas" if jax.default_backend() == "gpu" and k_width <= _KERNEL_MAX_K else "reference"
+    return "pallas" if jax.default_backend() == "gpu" else "reference"
 
 
 def route_shed(indices, scores, slot_table, *, impl: Impl = "auto") -> RouteShed:
@@ -43,7 +41,7 @@ def route_shed(indices, scores, slot_table, *, impl: Impl = "auto") -> RouteShed
         impl: ``"pallas"`` (the fused kernel, GPU), ``"pallas_interpret"``
             (the same kernel in Pallas' interpreter: any backend, slow),
             ``"reference"`` (pure jnp), or ``"auto"`` (:func:`default_impl`:
-            the kernel on a GPU for K <= 16, else the reference).
+            the kernel on a GPU, else the reference).
 
     Returns:
         ``RouteShed(slots, mix, miss_ids, miss_scores)``, each shaped like
@@ -60,7 +58,7 @@ def route_shed(indices, scores, slot_table, *, impl: Impl = "auto") -> RouteShed
     if impl not in IMPLS:
         raise ValueError(f"route_shed: impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        impl = default_impl(indices.shape[-1])
+        impl = default_impl()
     if impl == "reference":
         return route_shed_reference(indices, scores, slot_table)
     from kq_jax.route_shed_pallas import route_shed_pallas

@@ -114,7 +114,9 @@ def block_config(rows: int, k_width: int, config: KernelConfig | None = None, *,
       spread over K lanes, is faster still: 1.7 against 2.2 us at 1 x 8, 2.2
       against 2.4 at 8 x 8 (3.5 against 3.3 at 4096 x 8). Past K = 16 it is
       the default at every size: 6.4 against 35 us at 1 x 64, where the row
-      kernel's K^2 compares run in sequence on one thread.
+      kernel's K^2 compares run in sequence on one thread, and 22 against
+      43 us at 4096 x 64, in programs of 8 rows and 2 warps (32 rows: 42 us;
+      4 rows: 25 us; 2 warps also at one row: 6.4 against 7.3 us with 1).
     * The tiled kernel's registers (~110 per thread at K = 8) cap an SM at
       16-18 resident warps whatever the block, so it runs one warp (32 rows)
       per program: the most programs to spread and the finest tail (78 us at
@@ -141,7 +143,9 @@ def block_config(rows: int, k_width: int, config: KernelConfig | None = None, *,
     ptx_arith = (not interpret and _on_cuda()) if config.ptx_arith is None else config.ptx_arith
     if ptx_arith and interpret:
         raise ValueError("route_shed_pallas: ptx_arith is inline PTX, which the interpreter cannot run")
-    if tiled_io or entry_lanes:
+    if entry_lanes:
+        wanted = 32 if k_width <= _UNROLLED_MAX_K else 8
+    elif tiled_io:
         wanted = 128 if k_width <= 4 else 32
     else:
         wanted = min(_MAX_BLOCK_ROWS, max(_MIN_BLOCK_ROWS, _next_power_of_two(-(-max(rows, 1) // _TARGET_PROGRAMS))))
@@ -149,9 +153,11 @@ def block_config(rows: int, k_width: int, config: KernelConfig | None = None, *,
     if block_rows & (block_rows - 1):
         raise ValueError(f"route_shed_pallas: block_rows must be a power of two, got {block_rows}")
     block_rows = min(block_rows, _next_power_of_two(max(rows, 1)))
-    # A lane per entry: about 512 tile elements per warp keeps the tiles in registers.
-    lanes = block_rows * _next_power_of_two(k_width) // 512 if entry_lanes else block_rows // 32
-    num_warps = config.num_warps or max(1, min(8, lanes))
+    if entry_lanes:
+        num_warps = 1 if k_width <= _UNROLLED_MAX_K else 2
+    else:
+        num_warps = max(1, min(8, block_rows // 32))
+    num_warps = config.num_warps or num_warps
     return KernelConfig(block_rows, num_warps, tiled_io, ptx_arith, entry_lanes)
 
 

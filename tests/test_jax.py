@@ -101,9 +101,8 @@ def test_exact_division_where_plain_division_is_approximate():
     assert float(out.mix[0, 0]) == float(kept)  # scale is exactly 1.0
 
 
-def test_auto_picks_the_kernel_on_a_gpu_up_to_k_16():
-    assert kq_jax.default_impl(8) == kq_jax.default_impl(16) == ("pallas" if ON_GPU else "reference")
-    assert kq_jax.default_impl(17) == kq_jax.default_impl(64) == "reference"
+def test_auto_picks_the_kernel_on_a_gpu_and_the_reference_elsewhere():
+    assert kq_jax.default_impl() == ("pallas" if ON_GPU else "reference")
 
 
 def test_unknown_impl_is_rejected():
