@@ -1,21 +1,27 @@
 """``route_shed`` as one fused Pallas kernel (Triton lowering), and its wrapper.
 
-One thread per row, like the Metal kernel: a program handles ``block_rows``
-rows, and every value in the arithmetic is a ``[block_rows]`` vector holding
-one entry of each row, so a row's K entries sit in one thread's registers and
-the sequential sums are plain adds. With ``tiled_io`` (K <= 16; the default
-above 4096 rows) rows move between memory and registers as coalesced
-``[block_rows, KP]`` tiles; otherwise each entry is loaded and stored with its
-own strided 4-byte access, and for K > 16 the second pass over the entries is
-a loop. ``entry_lanes`` (any K; off until measured) is a second kernel for
-large K: one lane per entry, each lane counting its own rank in one loop over
-the row. Misses go straight to their rank's position and padding to the
-positions past the row's last miss, so every output element is written once.
-All four outputs come out of the one launch; loads and stores are masked, so a
-ragged last block never touches memory outside the arrays. (On an H200 at
-2^20 x 8 rows the strided kernel takes 323 us, its warps waiting on a full
-load/store queue; the tiled one with PTX rounding 78 us, 1.03x the bandwidth
-floor. docs/benchmarks.md has the history and the measurements.)
+Two kernels; :func:`block_config` picks one by shape:
+
+* The row kernel, one thread per row like the Metal kernel: a program handles
+  ``block_rows`` rows, and every value in the arithmetic is a ``[block_rows]``
+  vector holding one entry of each row, so a row's K entries sit in one
+  thread's registers and the sequential sums are plain adds. With
+  ``tiled_io`` (K <= 16; the default above 4096 rows) rows move between
+  memory and registers as coalesced ``[block_rows, KP]`` tiles; otherwise each
+  entry is loaded and stored with its own strided 4-byte access, and for
+  K > 16 the second pass over the entries is a loop.
+* The entry-lanes kernel (``entry_lanes``; the default up to 8 rows and for
+  K > 16): one lane per entry, each lane counting its own rank in one loop
+  over the row, the row's sums carried in the same loop.
+
+Misses go straight to their rank's position and padding to the positions past
+the row's last miss, so every output element is written once. All four
+outputs come out of the one launch; loads and stores are masked, so a ragged
+last block never touches memory outside the arrays. (On an H200 at 2^20 x 8
+rows the strided kernel takes 323 us, its warps waiting on a full load/store
+queue; the tiled one with PTX rounding 78 us, 1.03x the bandwidth floor. At
+4096 x 64 the row kernel takes 43 us, entry lanes 22 us. docs/benchmarks.md
+has the history and the measurements.)
 
 Exactness on the GPU: the two roundings the contract asks for, ``s * scale``
 and ``total / kept``, are the IEEE instructions ``mul.rn.f32`` and
