@@ -13,9 +13,6 @@ Impl = Literal["auto", "pallas", "pallas_interpret", "reference"]
 IMPLS = ("auto", "pallas", "pallas_interpret", "reference")
 
 
-# Above this K the jnp reference beats the kernel on an H200 (docs/benchmarks.md: at K = 64 the
-# kernel's one thread per row makes 4,096 rank compares in sequence; 39 us against the reference's
-# 15 us of kernel time for one row, 43 against 38 us at 4096 rows).
 def default_impl() -> str:
     """What ``impl="auto"`` runs.
 

@@ -108,8 +108,9 @@ def block_config(rows: int, k_width: int, config: KernelConfig | None = None, *,
                  interpret: bool = False) -> KernelConfig:
     """Resolves every field of ``config`` for a ``[rows, k_width]`` problem.
 
-    Each thread owns one row (its K entries live in registers). Measured on an
-    H200 (kernel time, ``tools/gpu_tune.py``; docs/benchmarks.md):
+    Which kernel (row or entry lanes), how rows move (strided or tiled), how
+    the two roundings are made, and the launch shape. Measured on an H200
+    (kernel time, ``tools/gpu_tune.py``; docs/benchmarks.md):
 
     * Tiled I/O pays off once the grid is throughput-bound: 6.4 us against
       22.4 us at 65536 x 8 rows, 78 us against 322 us at 2^20 x 8. Up to 4096
