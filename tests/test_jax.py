@@ -141,14 +141,17 @@ def test_pallas_launch_config_overrides_keep_the_bits(rng, block_rows, num_warps
 
 
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="inline PTX runs on a CUDA GPU only")
-# The kernel's code paths, forced: on the tests' small inputs the default is the strided one (tiled I/O
-# is the default above 4096 rows), with PTX rounding on a CUDA GPU and integer rounding elsewhere.
+# The kernel's code paths, forced: the defaults on the tests' inputs mix them (block_config: entry lanes
+# up to 8 rows and for K > 16, the strided row kernel up to 4096 rows, tiled I/O above), with PTX
+# rounding on a CUDA GPU and integer rounding elsewhere.
 VARIANTS = [
+    pytest.param(dict(entry_lanes=False, tiled_io=False, ptx_arith=False), id="strided+integer"),
+    pytest.param(dict(entry_lanes=False, tiled_io=False, ptx_arith=True), id="strided+ptx", marks=gpu_only),
     pytest.param(dict(tiled_io=True, ptx_arith=False), id="tiled+integer"),
     pytest.param(dict(tiled_io=True, ptx_arith=True), id="tiled+ptx", marks=gpu_only),
     pytest.param(dict(entry_lanes=True, ptx_arith=False), id="lanes+integer"),
     pytest.param(dict(entry_lanes=True, ptx_arith=True), id="lanes+ptx", marks=gpu_only),
-] + ([pytest.param(dict(tiled_io=False, ptx_arith=False), id="strided+integer")] if ON_GPU else [])
+]
 
 
 def variant_takes(variant, top_k):

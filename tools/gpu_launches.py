@@ -26,8 +26,8 @@ from kq.oracle import route_shed_oracle  # noqa: E402
 from kq_jax.route_shed_pallas import KernelConfig, route_shed_pallas  # noqa: E402
 
 # --variants words, joined by "+": the kernel path and the rounding, each forced.
-VARIANT_WORDS = {"strided": ("tiled_io", False), "tiled": ("tiled_io", True), "lanes": ("entry_lanes", True),
-                 "integer": ("ptx_arith", False), "ptx": ("ptx_arith", True)}
+VARIANT_WORDS = {"strided": dict(tiled_io=False, entry_lanes=False), "tiled": dict(tiled_io=True),
+                 "lanes": dict(entry_lanes=True), "integer": dict(ptx_arith=False), "ptx": dict(ptx_arith=True)}
 CASES = [(1, 8, 256), (3, 8, 256), (257, 8, 256), (1023, 6, 64), (129, 10, 1), (77, 64, 1024), (5, 1, 1), (0, 8, 16)]
 
 
@@ -44,7 +44,9 @@ def main() -> int:
         inputs = make(rng, rows, top_k, experts)
         expected = route_shed_oracle(*inputs)
         for variant in args.variants:
-            fields = {} if variant == "default" else dict(VARIANT_WORDS[word] for word in variant.split("+"))
+            fields = {}
+            for word in [] if variant == "default" else variant.split("+"):
+                fields.update(VARIANT_WORDS[word])
             if fields.get("tiled_io") and top_k > 16:
                 continue  # tiled I/O is for K <= 16
             fn = jax.jit(lambda i, s, t, config=KernelConfig(**fields): route_shed_pallas(

@@ -70,7 +70,8 @@ def main() -> int:
                                  kernel_us=kernel, exact=mismatch is None))
 
         default = block_config(rows, top_k)
-        paths = [dict(tiled_io=False), dict(entry_lanes=True)] + ([dict(tiled_io=True)] if top_k <= 16 else [])
+        paths = [dict(tiled_io=False, entry_lanes=False), dict(entry_lanes=True)] + (
+            [dict(tiled_io=True)] if top_k <= 16 else [])
         for path in paths:
             for ptx_arith in (False, True):
                 measure(block_config(rows, top_k, KernelConfig(ptx_arith=ptx_arith, **path)))
