@@ -285,9 +285,12 @@ def _available(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-def run(sets=("decode",), backends=None, *, repeats: int = 7, resident_fraction: float = 0.7, seed: int = 0,
-        progress: bool = True) -> list[Result]:
-    """Times every requested backend over the named shape sets; returns one Result per (backend, shape)."""
+def run(sets=("decode",), backends=None, *, shapes=(), repeats: int = 7, resident_fraction: float = 0.7,
+        seed: int = 0, progress: bool = True) -> list[Result]:
+    """Times every requested backend over the named shape sets and ``shapes``; one Result per (backend, shape).
+
+    ``shapes`` are ``(rows, top_k, experts)`` tuples of the caller's own, reported as set ``"custom"``.
+    """
     from kq.oracle import route_shed_oracle
 
     timers: dict[str, tuple[Callable, Callable, str]] = {"numpy-oracle": (route_shed_oracle, _numpy_timer,
@@ -316,7 +319,8 @@ def run(sets=("decode",), backends=None, *, repeats: int = 7, resident_fraction:
     if jax_floor is not None:
         floor_ops["jax"] = (jax_floor, _jax_timer)
 
-    work = [(set_name, shape, name) for set_name in sets for shape in SHAPE_SETS[set_name] for name in timers]
+    named = [(set_name, shape) for set_name in sets for shape in SHAPE_SETS[set_name]]
+    work = [(set_name, shape, name) for set_name, shape in named + [("custom", s) for s in shapes] for name in timers]
     bar = _progress(len(work), progress)
     rng = np.random.default_rng(seed)
     results, floors = [], {}

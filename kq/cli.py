@@ -21,10 +21,22 @@ def _check(args) -> int:
     return 1 if failed or not ran else 0
 
 
+def _shape(text: str) -> tuple[int, int, int]:
+    """``"TxKxE"`` (rows, top-k, experts) as three positive integers."""
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(part.isdigit() and int(part) > 0 for part in parts):
+        raise argparse.ArgumentTypeError(f"a shape is ROWSxKxE with three positive integers, e.g. 1x8x128; got {text!r}")
+    rows, top_k, experts = (int(part) for part in parts)
+    if top_k > 64:
+        raise argparse.ArgumentTypeError(f"route_shed takes K <= 64; got K = {top_k}")
+    return rows, top_k, experts
+
+
 def _bench(args) -> int:
     from kq import bench
 
-    results = bench.run(tuple(args.sets), args.backends, repeats=args.repeats,
+    sets = args.sets or ([] if args.shapes else ["decode"])
+    results = bench.run(tuple(sets), args.backends, shapes=tuple(args.shapes or ()), repeats=args.repeats,
                         resident_fraction=args.resident_fraction, progress=not args.no_progress)
     print(bench.format_table(results))
     if args.json:
@@ -72,7 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     from kq.bench import SHAPE_SETS
 
     bench = sub.add_parser("bench", help="time every backend here against its floors and the naive baseline")
-    bench.add_argument("--sets", nargs="+", default=["decode"], choices=sorted(SHAPE_SETS))
+    bench.add_argument("--sets", nargs="+", choices=sorted(SHAPE_SETS),
+                       help="named shape sets (default: decode, unless --shapes is given)")
+    bench.add_argument("--shapes", nargs="+", type=_shape, metavar="TxKxE",
+                       help="shapes of your own model, e.g. 1x8x128 (rows x top-k x experts)")
     bench.add_argument("--backends", nargs="+", metavar="NAME", help="subset of the backends found here")
     bench.add_argument("--repeats", type=int, default=7)
     bench.add_argument("--resident-fraction", type=float, default=0.7)

@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pytest
 
 import kq
 from kq.cli import main
@@ -51,6 +52,23 @@ def test_bench_smoke_writes_json_and_plot(tmp_path, capsys):
                      "metal-source-cpu": True}
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "per call us" in capsys.readouterr().out
+
+
+def test_bench_times_shapes_of_ones_own(tmp_path):
+    json_path = tmp_path / "bench.json"
+    assert main(["bench", "--shapes", "3x5x40", "2X1x7", "--repeats", "1", "--no-progress", "--backends",
+                 "jax-reference", "--json", str(json_path)]) == 0
+    results = json.loads(json_path.read_text())["results"]
+    assert [(r["shape_set"], r["rows"], r["top_k"], r["experts"]) for r in results] == [
+        ("custom", 3, 5, 40), ("custom", 2, 1, 7)]
+    assert all(r["bits_exact"] for r in results)
+
+
+@pytest.mark.parametrize("shape", ["3x5", "3x0x40", "3x65x40", "ax5x40"])
+def test_bench_refuses_a_malformed_shape(shape, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--shapes", shape])
+    assert exit_info.value.code == 2 and "--shapes" in capsys.readouterr().err
 
 
 def test_bench_bit_check_reports_a_wrong_bit(rng):
