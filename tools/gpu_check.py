@@ -4,7 +4,7 @@ Usage (on a machine with a GPU, from the repo root):
     PYTHONPATH=. python tools/gpu_check.py --out DIR
 
 1. every golden case and random rows through jax-pallas and jax-reference (``kq check``);
-2. >= 100,000 random rows over the benchmark shapes, every index and score dtype,
+2. random rows over the benchmark shapes (~8.4 million; each shape started before ``--rows-seconds``), every index and score dtype,
    router-like and adversarial, compiled kernel and jitted reference vs the oracle;
 3. the JAX tests (jit / vmap / scan / grad, every kernel path) with the compiled kernel, and the
    kernel's PTX roundings against NumPy;
@@ -36,7 +36,7 @@ def log(line: str, sink) -> None:
     sink.flush()
 
 
-def random_rows(sink) -> tuple[int, int, int]:
+def random_rows(sink, seconds: float) -> tuple[int, int, int]:
     import jax
     import numpy as np
 
@@ -49,7 +49,11 @@ def random_rows(sink) -> tuple[int, int, int]:
            for impl in ("pallas", "reference")}
     rng = np.random.default_rng(2026)
     rows_checked = failures = cases = 0
+    deadline = time.time() + seconds
     for rows, top_k, experts in SHAPES:
+        if time.time() > deadline:
+            log(f"random rows: stopped at the {seconds:.0f} s deadline before {rows}x{top_k} E={experts}", sink)
+            break
         for index_dtype in ("int32", "uint32"):
             for score_dtype in ("float32", "bfloat16", "float16"):
                 for make in (router_inputs, adversarial_inputs):
@@ -68,6 +72,7 @@ def random_rows(sink) -> tuple[int, int, int]:
                             log(f"MISMATCH {impl} {make.__name__} {rows}x{top_k} E={experts} "
                                 f"{index_dtype}/{score_dtype}: {mismatch}", sink)
                     rows_checked += rows
+        log(f"  {rows}x{top_k} E={experts} done: {rows_checked} rows, {cases} runs, {failures} mismatching", sink)
     return rows_checked, cases, failures
 
 
@@ -122,6 +127,8 @@ def main() -> int:
     parser.add_argument("--parts", default="check,rows,pytest,lowering",
                         help="comma-separated subset of check,rows,pytest,lowering")
     parser.add_argument("--pytest-timeout", type=int, default=300)
+    parser.add_argument("--rows-seconds", type=float, default=240,
+                        help="the random-rows part starts no new shape after this many seconds")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     if args.dump_only:
@@ -157,7 +164,7 @@ def main() -> int:
     rows = cases = failures = 0
     if "rows" in parts:
         log(f"[{time.time() - start:.0f}s] random rows", sink)
-        rows, cases, failures = random_rows(sink)
+        rows, cases, failures = random_rows(sink, args.rows_seconds)
         log(f"random rows: {rows} rows in {cases} (case, impl) runs, {failures} mismatching", sink)
 
     tests_ok, summary = True, "not run"
