@@ -71,6 +71,17 @@ class Result:
     launch_floor_kernel_us: float | None = None  # the trivial op's kernel time, from the profiler
 
 
+def parse_shape(text: str) -> tuple[int, int, int]:
+    """``"TxKxE"`` (rows, top-k, experts; the x in either case) as three positive integers, K <= 64."""
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(part.isdigit() and int(part) > 0 for part in parts):
+        raise ValueError(f"a shape is ROWSxKxE with three positive integers, e.g. 1x8x128; got {text!r}")
+    rows, top_k, experts = (int(part) for part in parts)
+    if top_k > 64:
+        raise ValueError(f"route_shed takes K <= 64; got K = {top_k}")
+    return rows, top_k, experts
+
+
 def op_bytes(rows: int, top_k: int, experts: int) -> int:
     """Bytes route_shed must move: ids, scores (f32) and table read; four [T, K] 4-byte outputs written."""
     return rows * top_k * 4 * 2 + experts * 4 + rows * top_k * 4 * 4
@@ -174,7 +185,6 @@ def kernel_time_in_trace(events: list[dict]) -> float | None:
 def _jax_floor_fn():
     """A one-element pallas_call on a GPU; None on the CPU, where nothing is launched."""
     import jax
-    import jax.numpy as jnp
 
     if jax.default_backend() != "gpu":
         return None

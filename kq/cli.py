@@ -22,14 +22,12 @@ def _check(args) -> int:
 
 
 def _shape(text: str) -> tuple[int, int, int]:
-    """``"TxKxE"`` (rows, top-k, experts) as three positive integers."""
-    parts = text.lower().split("x")
-    if len(parts) != 3 or not all(part.isdigit() and int(part) > 0 for part in parts):
-        raise argparse.ArgumentTypeError(f"a shape is ROWSxKxE with three positive integers, e.g. 1x8x128; got {text!r}")
-    rows, top_k, experts = (int(part) for part in parts)
-    if top_k > 64:
-        raise argparse.ArgumentTypeError(f"route_shed takes K <= 64; got K = {top_k}")
-    return rows, top_k, experts
+    from kq.bench import parse_shape
+
+    try:
+        return parse_shape(text)
+    except ValueError as error:  # argparse shows an ArgumentTypeError's own message
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _bench(args) -> int:

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kq.bench import SHAPE_SETS, _jax_kernel_us  # noqa: E402
+from kq.bench import SHAPE_SETS, _jax_kernel_us, parse_shape  # noqa: E402
 from kq.compare import first_mismatch  # noqa: E402
 from kq.inputs import router_inputs  # noqa: E402
 from kq.oracle import route_shed_oracle  # noqa: E402
@@ -41,15 +41,12 @@ LANES_BLOCKS = ((1, 2), (2, 2), (4, 2), (4, 4), (8, 2), (8, 4), (16, 4), (16, 8)
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
-    parser.add_argument("--shapes", nargs="+", metavar="ROWSxKxE",
+    parser.add_argument("--shapes", nargs="+", type=parse_shape, metavar="ROWSxKxE",
                         help="shapes to sweep (default: kq bench's prefill then decode sets)")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     rows_out, bad = [], 0
-    if args.shapes:
-        shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes]
-    else:
-        shapes = [s for name in ("prefill", "decode") for s in SHAPE_SETS[name]]
+    shapes = args.shapes or [s for name in ("prefill", "decode") for s in SHAPE_SETS[name]]
     for rows, top_k, experts in shapes:
         inputs = router_inputs(rng, rows, top_k, experts)
         expected = route_shed_oracle(*inputs)
