@@ -140,33 +140,42 @@ def _jax_timer(fn, inputs, repeats):
 
 def _jax_kernel_us(fn, inputs) -> float | None:
     """One call's GPU kernel time (us) from JAX's profiler; None off the GPU or when the trace has none."""
+    import jax
+
+    if jax.default_backend() != "gpu":
+        return None
+    kernels = trace_kernels(jax.jit(fn), tuple(jax.device_put(a) for a in inputs), KERNEL_CALLS)
+    return sum(k["dur"] for k in kernels) / KERNEL_CALLS if kernels else None
+
+
+def trace_kernels(jitted, args, calls: int) -> list[dict]:
+    """The GPU kernels of ``calls`` back-to-back calls of a jitted function, from JAX's profiler.
+
+    The function is run once untraced first (compile, warm up). Returns the
+    perfetto ``X`` events of the GPU's stream lines (``name``, ``ts`` and ``dur``
+    in us), in trace order; empty when the trace has none.
+    """
     import gzip
     import tempfile
     from pathlib import Path
 
     import jax
 
-    if jax.default_backend() != "gpu":
-        return None
-    args = tuple(jax.device_put(a) for a in inputs)
-    single = jax.jit(fn)
-    jax.block_until_ready(single(*args))
+    jax.block_until_ready(jitted(*args))
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            for _ in range(KERNEL_CALLS):
-                outputs = single(*args)
+            for _ in range(calls):
+                outputs = jitted(*args)
             jax.block_until_ready(outputs)
         traces = sorted(Path(trace_dir).rglob("perfetto_trace.json.gz"))
         if not traces:
-            return None
+            return []
         with gzip.open(traces[-1]) as handle:
-            events = json.load(handle)["traceEvents"]
-    total = kernel_time_in_trace(events)
-    return None if total is None else total / KERNEL_CALLS
+            return kernel_events_in_trace(json.load(handle)["traceEvents"])
 
 
-def kernel_time_in_trace(events: list[dict]) -> float | None:
-    """Summed durations (us) of the events on a GPU's stream lines of a perfetto trace; None if there are none.
+def kernel_events_in_trace(events: list[dict]) -> list[dict]:
+    """The events on a GPU's stream lines of a perfetto trace (its kernels and copies).
 
     The GPU's other lines (XLA modules and ops) repeat the same time as annotations and are left out.
     """
@@ -175,11 +184,17 @@ def kernel_time_in_trace(events: list[dict]) -> float | None:
     streams = {(e["pid"], e["tid"]) for e in events
                if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") in gpus
                and "stream" in e["args"].get("name", "").lower()}
-    spans = [e["dur"] for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams]
+    spans = [e for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams]
     if gpus and not spans:
         lines = sorted({e["args"].get("name") for e in events if e.get("name") == "thread_name" and e["pid"] in gpus})
         sys.stderr.write(f"kq bench: no kernel events on the GPU's stream lines; its lines: {lines}\n")
-    return sum(spans) if spans else None
+    return spans
+
+
+def kernel_time_in_trace(events: list[dict]) -> float | None:
+    """Summed durations (us) of the events on a GPU's stream lines of a perfetto trace; None if there are none."""
+    spans = kernel_events_in_trace(events)
+    return sum(e["dur"] for e in spans) if spans else None
 
 
 def _jax_floor_fn():

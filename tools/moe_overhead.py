@@ -8,12 +8,18 @@ output, minus the same chain around a null layer; the chains run interleaved, me
 slots permuted) both layers do the same gathers and products, so the difference is route_shed and
 its plumbing: that is the bar's number. Residency 0.25 is reported too; there shed entries reuse
 the first kept slot, so its gathers hit cache more often.
+
+--profile adds, from JAX's profiler on one run of each chain: kernels per layer, their summed time
+per layer, and the GPU's busy span per layer (first kernel's start to last kernel's end over the
+chain, so the gaps between kernels are in it); with the chain timer's time these tell launch gaps
+and host-bound dispatch from kernel work. The kernels of one call of each layer go into the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -25,6 +31,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from kq.bench import trace_kernels  # noqa: E402
 from kq_jax.moe import Experts, moe_ffn_arena, moe_ffn_resident  # noqa: E402
 
 
@@ -54,6 +61,17 @@ def per_call_us(layers, args, n, repeats):
     return [(m - medians[0]) / n for m in medians[1:]]
 
 
+def kernel_profile(layer, args, n):
+    """Kernels per layer, their summed us per layer, and the busy span per layer of a chain of n layers."""
+    kernels = trace_kernels(chained(layer, n), args, 1)
+    if not kernels:
+        return {}
+    span = max(k["ts"] + k["dur"] for k in kernels) - min(k["ts"] for k in kernels)
+    one_call = trace_kernels(jax.jit(layer), args, 1)
+    return dict(kernels=len(kernels) / n, kernel_us=sum(k["dur"] for k in kernels) / n, span_us=span / n,
+                one_call=[(k["name"], k["dur"]) for k in one_call])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--hidden", type=int, default=2048)
@@ -64,13 +82,16 @@ def main() -> int:
     parser.add_argument("--residency", type=float, nargs="+", default=[1.0, 0.25])
     parser.add_argument("--unroll", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--impl", default="auto", help="route_shed's impl in the arena layer")
+    parser.add_argument("--profile", action="store_true", help="also profile the chains' kernels (GPU)")
     parser.add_argument("--json")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     device = jax.devices()[0]
     rows = []
     print(f"device {getattr(device, 'device_kind', device.platform)}, jax {jax.__version__}, "
-          f"hidden {args.hidden}, ffn {args.ffn}, K {args.top_k}, bf16 weights")
+          f"hidden {args.hidden}, ffn {args.ffn}, K {args.top_k}, bf16 weights, route_shed impl {args.impl}, "
+          f"XLA_FLAGS {os.environ.get('XLA_FLAGS', '')!r}")
     print(f"{'T':>3} {'E':>4} {'S':>4} {'resident us':>12} {'arena us':>10} {'overhead':>9}")
     for experts in args.experts:
         weights = Experts(*(jnp.asarray(rng.normal(size=(experts, *shape)) / np.sqrt(shape[1]), jnp.bfloat16)
@@ -83,15 +104,21 @@ def main() -> int:
             table[resident_ids] = np.arange(slots)
             arena = Experts(*(w[jnp.asarray(resident_ids)] for w in weights))
             x = jnp.asarray(rng.normal(size=(tokens, args.hidden)), jnp.bfloat16)
-            resident, on_arena = per_call_us(
-                [lambda x, r, w: moe_ffn_resident(x, r, w, top_k=args.top_k),
-                 lambda x, r, a, t: moe_ffn_arena(x, r, a, t, top_k=args.top_k)[0]],
-                [(x, router, weights), (x, router, arena, jnp.asarray(table))], args.unroll, args.repeats)
+            layers = [lambda x, r, w: moe_ffn_resident(x, r, w, top_k=args.top_k),
+                      lambda x, r, a, t: moe_ffn_arena(x, r, a, t, top_k=args.top_k, impl=args.impl)[0]]
+            layer_args = [(x, router, weights), (x, router, arena, jnp.asarray(table))]
+            resident, on_arena = per_call_us(layers, layer_args, args.unroll, args.repeats)
             rows.append(dict(tokens=tokens, experts=experts, slots=slots, resident_us=resident, arena_us=on_arena,
                              overhead=on_arena / resident - 1))
             print(f"{tokens:>3} {experts:>4} {slots:>4} {resident:>12.1f} {on_arena:>10.1f} {rows[-1]['overhead']:>8.1%}")
+            if args.profile:
+                for name, layer, a in zip(("resident", "arena"), layers, layer_args):
+                    rows[-1][f"{name}_profile"] = profile = kernel_profile(layer, a, args.unroll)
+                    if profile:
+                        print(f"    {name}: {profile['kernels']:.1f} kernels, {profile['kernel_us']:.1f} us of "
+                              f"kernels, {profile['span_us']:.1f} us busy span per layer")
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(device=str(device), jax=jax.__version__, args=vars(args),
+        Path(args.json).write_text(json.dumps(dict(device=str(device), jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""), args=vars(args),
                                                    results=rows), indent=1))
     return 0
 
