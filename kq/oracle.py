@@ -21,6 +21,18 @@ binary32, round to nearest even, in exactly this order):
    (the id and ``s_k``) by descending ``s_k``, NaN below every number, ties by
    lower k; the remaining positions hold -1 and +0.0.
 7. Every NaN written to ``mix`` or ``miss_scores`` is 0x7FC00000.
+
+``topk_route_shed(probs, slot_table, top_k)`` routes as well, so a MoE layer
+on an arena needs one launch after its softmax. Per row of ``E`` values:
+
+1. ``v_e = f32(probs_e)``. The entries are ranked by descending ``v_e`` in a
+   total order: +0.0 above -0.0, NaN (any payload) below every number, ties
+   by lower ``e``; ``indices`` holds the first ``top_k`` (int32). On rows
+   without NaN and without both signs of zero this is ``lax.top_k``'s order.
+2. ``r_j = flush(v[indices_j])``; ``total = 0.0``; for j = 0..top_k-1:
+   ``total = flush(total + r_j)``; ``scores_j = flush(r_j / total)``,
+   correctly rounded (IEEE for 0/0 and x/0), every NaN 0x7FC00000.
+3. ``shed = route_shed(indices, scores, slot_table)``.
 """
 
 from __future__ import annotations
@@ -29,7 +41,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kq.validate import check_route_shed_args
+from kq.validate import check_route_shed_args, check_topk_route_shed_args
 
 F32_MIN_NORMAL = np.float32(2.0**-126)
 CANONICAL_NAN_BITS = 0x7FC00000
@@ -134,3 +146,56 @@ def route_shed_oracle(indices, scores, slot_table) -> RouteShedResult:
         miss_ids=miss_ids.astype(np.int32).reshape(out_shape),
         miss_scores=canonicalize_nan(miss_scores.astype(np.float32)).reshape(out_shape),
     )
+
+
+class TopkRouteShedResult(NamedTuple):
+    """Outputs of ``topk_route_shed``: the routing, and ``route_shed`` of it.
+
+    Attributes:
+        indices: int32 ``[..., k]`` the row's top-k expert ids, best first.
+        scores: float32 ``[..., k]`` their values renormalised to the row's top-k mass.
+        shed: ``route_shed(indices, scores, slot_table)``.
+    """
+
+    indices: np.ndarray
+    scores: np.ndarray
+    shed: RouteShedResult
+
+
+def score_order_key(values: np.ndarray) -> np.ndarray:
+    """int64 key whose ascending order is descending f32 ``values``, +0.0 before -0.0, NaN last."""
+    bits = np.asarray(values, np.float32).view(np.int32).astype(np.int64)
+    monotone = np.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return np.where(np.isnan(values), np.int64(2**31), -monotone)
+
+
+def topk_normalized_oracle(probs, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Steps 1 and 2 of ``topk_route_shed``: ``(indices int32 [..., k], scores float32 [..., k])``."""
+    values = np.asarray(probs).astype(np.float32)
+    out_shape = values.shape[:-1] + (top_k,)
+    values = values.reshape(-1, values.shape[-1])  # [rows, E]
+    order = np.argsort(score_order_key(values), axis=1, kind="stable")[:, :top_k]
+    raw = flush(np.take_along_axis(values, order, axis=1))
+    total = np.zeros(raw.shape[0], np.float32)
+    with np.errstate(all="ignore"):
+        for j in range(top_k):
+            total = flush(total + raw[:, j])
+        scores = flush(raw / total[:, None])
+    return order.astype(np.int32).reshape(out_shape), canonicalize_nan(scores).reshape(out_shape)
+
+
+def topk_route_shed_oracle(probs, slot_table, top_k: int) -> TopkRouteShedResult:
+    """Routes each row to its top-k experts and sheds the non-resident ones (module docstring).
+
+    Args:
+        probs: float32, bfloat16 or float16 ``[..., E]`` router probabilities.
+        slot_table: int32 ``[E]``; ``>= 0`` is the slot of a resident expert.
+        top_k: experts per row, ``1 <= top_k <= min(E, 64)``.
+
+    Returns:
+        ``TopkRouteShedResult(indices, scores, shed)``, shaped ``[..., top_k]``.
+    """
+    probs, slot_table = np.asarray(probs), np.asarray(slot_table)
+    check_topk_route_shed_args(probs, slot_table, top_k)
+    indices, scores = topk_normalized_oracle(probs, top_k)
+    return TopkRouteShedResult(indices, scores, route_shed_oracle(indices, scores, slot_table))

@@ -76,6 +76,26 @@ def check_route_shed_args(indices, scores, slot_table) -> None:
         raise ValueError("route_shed: slot_table must hold at least one expert (E >= 1), got E = 0")
 
 
+def check_topk_route_shed_args(probs, slot_table, top_k: int) -> None:
+    """:func:`check_route_shed_args` for ``topk_route_shed``, which routes as well.
+
+    Args:
+        probs: ``[..., E]`` float32/bfloat16/float16 router probabilities.
+        slot_table: ``[E]`` int32.
+        top_k: ``1 <= top_k <= min(E, 64)``.
+    """
+    _check_dtype("probs", probs, SCORE_DTYPES)
+    _check_dtype("slot_table", slot_table, SLOT_TABLE_DTYPES)
+    pshape, tshape = tuple(probs.shape), tuple(slot_table.shape)
+    if len(pshape) < 1 or pshape[-1] < 1:
+        raise ValueError(f"topk_route_shed: probs must have shape [..., E] with E >= 1, got {pshape}")
+    if tshape != pshape[-1:]:
+        raise ValueError(f"topk_route_shed: slot_table must have shape [E] = {pshape[-1:]}, got {tshape}")
+    if not (isinstance(top_k, (int, np.integer)) and 1 <= top_k <= min(pshape[-1], MAX_TOP_K)):
+        raise ValueError(f"topk_route_shed: top_k must be an int in [1, min(E, {MAX_TOP_K})] "
+                         f"with E = {pshape[-1]}, got {top_k!r}")
+
+
 def _first(mask: np.ndarray) -> tuple[int, ...] | None:
     flat = np.flatnonzero(mask)
     if flat.size == 0:

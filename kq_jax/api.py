@@ -6,8 +6,8 @@ from typing import Literal
 
 import jax
 
-from kq.validate import check_route_shed_args
-from kq_jax.reference import RouteShed, route_shed_reference
+from kq.validate import check_route_shed_args, check_topk_route_shed_args
+from kq_jax.reference import RouteShed, TopkRouteShed, route_shed_reference, topk_route_shed_reference
 
 Impl = Literal["auto", "pallas", "pallas_interpret", "reference"]
 IMPLS = ("auto", "pallas", "pallas_interpret", "reference")
@@ -61,3 +61,39 @@ def route_shed(indices, scores, slot_table, *, impl: Impl = "auto") -> RouteShed
     from kq_jax.route_shed_pallas import route_shed_pallas
 
     return route_shed_pallas(indices, scores, slot_table, interpret=impl == "pallas_interpret")
+
+
+def topk_route_shed(probs, slot_table, *, top_k: int, impl: Impl = "auto") -> TopkRouteShed:
+    """Routes each row to its top-k experts, renormalises, and sheds the non-resident ones.
+
+    ``route_shed(*topk(probs), slot_table)`` in one launch after the router's
+    softmax (one fewer than ``lax.top_k`` then ``route_shed``, and no
+    normalisation kernel between them): the op for a MoE layer on an arena at
+    decode sizes. The order and normalisation are defined bit for bit in
+    :mod:`kq.oracle`; on rows without NaN and without both signs of zero the
+    order is ``lax.top_k``'s. :func:`kq_jax.reference.topk_ref` and
+    :func:`kq_jax.reference.normalize_topk_ref` are the same two steps for a
+    layer that keeps every expert (``kq_jax.moe.route``).
+
+    Args:
+        probs: float32, bfloat16 or float16 ``[..., E]`` router probabilities.
+        slot_table: int32 ``[E]``; ``>= 0`` is the arena slot of a resident expert.
+        top_k: experts per row, ``1 <= top_k <= min(E, 64)``; the fused kernel
+            takes up to 16, past that the top-k runs in XLA before it.
+        impl: as for :func:`route_shed`.
+
+    Returns:
+        ``TopkRouteShed(indices, scores, shed)``: int32 ids and float32
+        renormalised scores ``[..., top_k]``, and ``route_shed`` of them.
+        ``scores`` and ``shed.mix`` are differentiable with respect to ``probs``.
+    """
+    check_topk_route_shed_args(probs, slot_table, top_k)
+    if impl not in IMPLS:
+        raise ValueError(f"topk_route_shed: impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        impl = default_impl()
+    if impl == "reference":
+        return topk_route_shed_reference(probs, slot_table, top_k=top_k)
+    from kq_jax.route_shed_pallas import topk_route_shed_pallas
+
+    return topk_route_shed_pallas(probs, slot_table, top_k=top_k, interpret=impl == "pallas_interpret")

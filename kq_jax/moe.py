@@ -3,8 +3,10 @@
 Routing follows Qwen3-MoE (softmax over experts, top-k, renormalised); experts
 are SwiGLU (``down(silu(gate(x)) * up(x))``). :func:`moe_ffn_resident` is the
 same layer with every expert in memory; with every expert resident in the
-arena the two give identical bits, because ``route_shed`` keeps an all-kept
-row's weights exactly (``scale`` is exactly 1).
+arena the two give identical bits: both take the top-k and renormalise it as
+:mod:`kq.oracle` defines (the arena layer in ``topk_route_shed``'s one
+launch, the resident one with ``lax.top_k`` and an XLA fusion), and
+``route_shed`` keeps an all-kept row's weights exactly (``scale`` is exactly 1).
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kq_jax.api import route_shed
-from kq_jax.reference import RouteShed
+from kq_jax.api import topk_route_shed
+from kq_jax.reference import TopkRouteShed, normalize_topk_ref, topk_ref
 
 
 class Experts(NamedTuple):
@@ -31,20 +33,17 @@ class Experts(NamedTuple):
     down: jax.Array
 
 
-class ArenaRouting(NamedTuple):
-    """What one arena layer routed and shed; the host reads the misses from it after the step.
-
-    Attributes:
-        indices: int32 ``[T, k]``; scores: float32 ``[T, k]``; shed: ``route_shed``'s outputs.
-    """
-
-    indices: jax.Array
-    scores: jax.Array
-    shed: RouteShed
+def router_probs(x, router_w):
+    """Softmax over experts in float32. x ``[T, D]``, router_w ``[D, E]`` -> ``[T, E]``."""
+    return jax.nn.softmax((x @ router_w).astype(jnp.float32), axis=-1)
 
 
 def route(x, router_w, *, top_k: int):
     """Softmax top-k routing, renormalised over the chosen k (Qwen3-MoE with norm_topk_prob).
+
+    The top-k and the renormalisation are ``topk_route_shed``'s (an exact
+    order, a sequential sum, a correctly rounded division), so the resident
+    and the arena layer route alike on every backend.
 
     Args:
         x: ``[T, D]`` hidden states; router_w: ``[D, E]``.
@@ -52,9 +51,8 @@ def route(x, router_w, *, top_k: int):
     Returns:
         ``(indices int32 [T, k], scores float32 [T, k])``.
     """
-    probs = jax.nn.softmax((x @ router_w).astype(jnp.float32), axis=-1)
-    scores, indices = jax.lax.top_k(probs, top_k)
-    return indices.astype(jnp.int32), scores / scores.sum(-1, keepdims=True)
+    indices, raw = topk_ref(router_probs(x, router_w), top_k=top_k)
+    return indices, normalize_topk_ref(raw)
 
 
 def _experts_apply(x, experts: Experts, rows):  # x [T, D], rows [T, k] -> [T, k, D]
@@ -75,13 +73,12 @@ def moe_ffn_arena(x, router_w, arena: Experts, slot_table, *, top_k: int, impl: 
 
     Args:
         x: ``[T, D]``; router_w: ``[D, E]``; arena: :class:`Experts` with ``N = S``;
-        slot_table: int32 ``[E]`` (-1 = not resident); impl: ``route_shed``'s.
+        slot_table: int32 ``[E]`` (-1 = not resident); impl: ``topk_route_shed``'s.
 
     Returns:
-        ``(y [T, D], ArenaRouting)``: the output, and the routing and
+        ``(y [T, D], TopkRouteShed)``: the output, and the routing and
         ``route_shed`` outputs the host reads after the step.
     """
-    indices, scores = route(x, router_w, top_k=top_k)
-    shed = route_shed(indices, scores, slot_table, impl=impl)
-    y = _experts_apply(x, arena, shed.slots)
-    return jnp.einsum("tkd,tk->td", y, shed.mix.astype(y.dtype)), ArenaRouting(indices, scores, shed)
+    routing: TopkRouteShed = topk_route_shed(router_probs(x, router_w), slot_table, top_k=top_k, impl=impl)
+    y = _experts_apply(x, arena, routing.shed.slots)
+    return jnp.einsum("tkd,tk->td", y, routing.shed.mix.astype(y.dtype)), routing

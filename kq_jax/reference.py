@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kq.validate import check_route_shed_args
+from kq.validate import check_route_shed_args, check_topk_route_shed_args
 from kq_jax.exact_f32 import canonicalize_nan, div_flush, flush, mul_flush
 
 # Sort keys for the miss list: descending score maps to ascending key; these
@@ -60,10 +60,17 @@ def lookup_slots(ids, slot_table):
 
 
 def score_order_key(s):
-    """int32 key whose ascending order is descending ``s`` with NaN last."""
+    """int32 key whose ascending order is descending ``s``, +0.0 before -0.0, NaN last."""
     bits = lax.bitcast_convert_type(s, jnp.int32)
     monotone = jnp.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
     return jnp.where(jnp.isnan(s), _NAN_KEY, -monotone)
+
+
+def score_from_order_key(key):
+    """The f32 whose :func:`score_order_key` is ``key`` (the canonical NaN for NaN's key)."""
+    monotone = -key
+    bits = jnp.where(monotone >= 0, monotone, monotone ^ 0x7FFFFFFF)
+    return canonicalize_nan(jnp.where(key == _NAN_KEY, jnp.nan, lax.bitcast_convert_type(bits, jnp.float32)))
 
 
 def route_shed_reference(indices, scores, slot_table) -> RouteShed:
@@ -118,3 +125,68 @@ def route_shed_reference(indices, scores, slot_table) -> RouteShed:
         miss_ids=miss_ids.reshape(out_shape),
         miss_scores=canonicalize_nan(miss_scores).reshape(out_shape),
     )
+
+
+class TopkRouteShed(NamedTuple):
+    """Outputs of ``topk_route_shed``: the routing, and ``route_shed`` of it.
+
+    Attributes:
+        indices: int32 ``[..., k]`` each row's top-k expert ids, best first.
+        scores: float32 ``[..., k]`` their probabilities renormalised over the k.
+        shed: ``route_shed(indices, scores, slot_table)``.
+    """
+
+    indices: jax.Array
+    scores: jax.Array
+    shed: RouteShed
+
+
+def topk_ref(probs, *, top_k: int):
+    """Each row's ``top_k`` largest values, in the contract's total order (kq.oracle).
+
+    The order is taken on integer keys, so it is exact on every backend (XLA's
+    CPU float compares treat subnormals as zero). On rows without NaN and
+    without both signs of zero it is ``lax.top_k``'s: descending, ties by lower index.
+
+    Args:
+        probs: float ``[..., E]``.
+
+    Returns:
+        ``(indices int32 [..., k], values float32 [..., k])``.
+    """
+    values = jnp.asarray(probs).astype(jnp.float32)
+    _, indices = lax.top_k(-score_order_key(lax.stop_gradient(values)), top_k)
+    return indices, jnp.take_along_axis(values, indices, axis=-1)
+
+
+def normalize_topk_ref(raw):
+    """``flush(r_j / total)`` with ``total`` the flushed sequential sum of the flushed ``r_j``.
+
+    Args:
+        raw: float32 ``[..., k]`` top-k values.
+
+    Returns:
+        float32 ``[..., k]``, every NaN canonical. Differentiable.
+    """
+    raw = flush(raw)
+    total = jnp.zeros(raw.shape[:-1], jnp.float32)
+    for j in range(raw.shape[-1]):
+        total = flush(total + raw[..., j])
+    return canonicalize_nan(div_flush(raw, total[..., None]))
+
+
+def topk_route_shed_reference(probs, slot_table, *, top_k: int) -> TopkRouteShed:
+    """Routes each row to its top-k experts, renormalises, and sheds the non-resident ones.
+
+    Args:
+        probs: float32, bfloat16 or float16 ``[..., E]`` router probabilities.
+        slot_table: int32 ``[E]``; ``>= 0`` is the slot of a resident expert.
+        top_k: experts per row, ``1 <= top_k <= min(E, 64)``.
+
+    Returns:
+        ``TopkRouteShed(indices, scores, shed)``, each array ``[..., top_k]``.
+    """
+    check_topk_route_shed_args(probs, slot_table, top_k)
+    indices, raw = topk_ref(probs, top_k=top_k)
+    scores = normalize_topk_ref(raw)
+    return TopkRouteShed(indices, scores, route_shed_reference(indices, scores, slot_table))

@@ -58,9 +58,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kq.validate import check_route_shed_args
+from kq.validate import check_route_shed_args, check_topk_route_shed_args
 from kq_jax.exact_f32 import canonicalize_nan, div_flush_raw, flush, mul_flush_raw
-from kq_jax.reference import NOT_A_MISS_KEY, RouteShed, route_shed_reference, score_order_key
+from kq_jax.reference import (NOT_A_MISS_KEY, RouteShed, TopkRouteShed, normalize_topk_ref, route_shed_reference,
+                              score_from_order_key, score_order_key, topk_ref, topk_route_shed_reference)
 
 # Rows per program: one row per thread. The strided kernel wants at least ~2
 # programs per SM on an H100/H200 (132 SMs) before a block grows past one warp.
@@ -74,6 +75,10 @@ _UNROLLED_MAX_K = 16
 # and up to _LANES_MAX_ROWS the entry-lanes kernel.
 _STRIDED_MAX_ROWS = 4096
 _LANES_MAX_ROWS = 8
+# topk_route_shed's key for a lane that holds no value or was already picked.
+_RETIRED_KEY = 2**31 - 1
+# Rows per program of topk_route_shed's kernel.
+_TOPK_BLOCK_ROWS = 8
 
 
 def _next_power_of_two(n: int) -> int:
@@ -246,8 +251,7 @@ def _route_shed_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_
     # plain adds and nothing crosses lanes. Only the way entries reach those
     # registers and leave them depends on ``tiled_io``.
     live, base = _program_rows(block_rows, rows, k_width)
-    multiply, divide = _roundings(ptx_arith)
-
+    tile = None
     if tiled_io:
         padded_k = _next_power_of_two(k_width)
         col = lax.broadcasted_iota(jnp.int32, (block_rows, padded_k), 1)
@@ -255,6 +259,7 @@ def _route_shed_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_
         tile_at = base[:, None] + col
         id_tile, score_tile = _load_entries(ids_ref, scores_ref, tile_at, in_tile)
         score_bits = lax.bitcast_convert_type(score_tile, jnp.int32)
+        tile = col, tile_at, in_tile
 
         def read_entry(k):
             return _column(id_tile, col, k), lax.bitcast_convert_type(_column(score_bits, col, k), jnp.float32)
@@ -265,6 +270,19 @@ def _route_shed_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_
     def load_entry(k):
         return _classify(table_ref, *read_entry(k), live, num_experts=num_experts, unsigned_ids=unsigned_ids)
 
+    _shed_rows(load_entry, (slots_ref, mix_ref, miss_ids_ref, miss_scores_ref), live, base,
+               k_width=k_width, ptx_arith=ptx_arith, tile=tile)
+
+
+def _shed_rows(load_entry, out_refs, live, base, *, k_width: int, ptx_arith: bool, tile=None):
+    """The row kernel's arithmetic and stores, from entry k's ``_classify`` tuple ``load_entry(k)``.
+
+    ``live`` and ``base`` are the program's ``[block_rows]`` row vectors;
+    ``tile`` is ``(col, tile_at, in_tile)`` for tiled stores, None for strided.
+    """
+    slots_ref, mix_ref, miss_ids_ref, miss_scores_ref = out_refs
+    block_rows = live.shape[0]
+    multiply, divide = _roundings(ptx_arith)
     entries = [load_entry(k) for k in range(k_width)]
     total = jnp.zeros((block_rows,), jnp.float32)
     kept = jnp.zeros((block_rows,), jnp.float32)
@@ -288,13 +306,14 @@ def _route_shed_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_
             rank = rank + ((key_j < key_k) | ((key_j == key_k) & (j < k))).astype(jnp.int32)
         return slot_out, mix_out, rank
 
-    if tiled_io:
+    if tile is not None:
         # Each output tile starts as its padding; entry k fills column k, and
         # a miss fills the column of its rank, so the misses end up packed.
-        slots_tile = jnp.zeros((block_rows, padded_k), slots_ref.dtype)
-        mix_tile = jnp.zeros((block_rows, padded_k), jnp.float32)
-        miss_ids_tile = jnp.full((block_rows, padded_k), -1, jnp.int32)
-        miss_scores_tile = jnp.zeros((block_rows, padded_k), jnp.float32)
+        col, tile_at, in_tile = tile
+        slots_tile = jnp.zeros(col.shape, slots_ref.dtype)
+        mix_tile = jnp.zeros(col.shape, jnp.float32)
+        miss_ids_tile = jnp.full(col.shape, -1, jnp.int32)
+        miss_scores_tile = jnp.zeros(col.shape, jnp.float32)
         for k, (id_k, s_k, slot_k, miss_k, key_k) in enumerate(entries):
             slot_out, mix_out, rank = entry_outputs(k, s_k, slot_k, key_k)
             slots_tile = jnp.where(col == k, slot_out[:, None], slots_tile)
@@ -302,9 +321,9 @@ def _route_shed_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_
             lands = (col == rank[:, None]) & miss_k[:, None]
             miss_ids_tile = jnp.where(lands, id_k.astype(jnp.int32)[:, None], miss_ids_tile)
             miss_scores_tile = jnp.where(lands, canonicalize_nan(s_k)[:, None], miss_scores_tile)
-        for ref, tile in ((slots_ref, slots_tile), (mix_ref, mix_tile), (miss_ids_ref, miss_ids_tile),
-                          (miss_scores_ref, miss_scores_tile)):
-            plgpu.store(ref.at[tile_at], tile, mask=in_tile)
+        for ref, out_tile in ((slots_ref, slots_tile), (mix_ref, mix_tile), (miss_ids_ref, miss_ids_tile),
+                              (miss_scores_ref, miss_scores_tile)):
+            plgpu.store(ref.at[tile_at], out_tile, mask=in_tile)
         return
 
     def store_entry(k, id_k, s_k, slot_k, miss_k, key_k):
@@ -367,6 +386,40 @@ def _route_shed_lanes_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref,
     # Padding fills the positions past the row's last miss.
     _store_misses(miss_ids_ref, miss_scores_ref, ids, scores, miss, base[:, None] + rank,
                   in_tile & (lane >= miss_count[:, None]), at)
+
+
+def _topk_route_shed_kernel(probs_ref, table_ref, indices_ref, scores_ref, slots_ref, mix_ref, miss_ids_ref,
+                            miss_scores_ref, *, rows: int, num_experts: int, top_k: int, block_rows: int,
+                            ptx_arith: bool):
+    # A [block_rows, EP] tile holds the programs's rows of probabilities as
+    # order keys; each of the top_k steps takes the row's smallest key (the
+    # best value), lowest lane first, and retires it. The picks then feed the
+    # row kernel's arithmetic as its entries, already in registers.
+    live, probs_base = _program_rows(block_rows, rows, num_experts)
+    _, base = _program_rows(block_rows, rows, top_k)
+    padded_e = _next_power_of_two(num_experts)
+    lane = lax.broadcasted_iota(jnp.int32, (block_rows, padded_e), 1)
+    in_tile = live[:, None] & (lane < num_experts)
+    probs = plgpu.load(probs_ref.at[probs_base[:, None] + lane], mask=in_tile, other=0).astype(jnp.float32)
+    key = jnp.where(in_tile, score_order_key(probs), _RETIRED_KEY)
+    picks = []
+    for _ in range(top_k):
+        best = jnp.min(key, axis=1)
+        pick = jnp.min(jnp.where(key == best[:, None], lane, padded_e), axis=1)
+        key = jnp.where(lane == pick[:, None], _RETIRED_KEY, key)
+        picks.append((pick, flush(score_from_order_key(best))))
+    total = jnp.zeros((block_rows,), jnp.float32)
+    for _, raw in picks:
+        total = flush(total + raw)
+    _, divide = _roundings(ptx_arith)
+    entries = []
+    for j, (pick, raw) in enumerate(picks):
+        score = divide(raw, total)
+        plgpu.store(indices_ref.at[base + j], pick, mask=live)
+        plgpu.store(scores_ref.at[base + j], canonicalize_nan(score), mask=live)
+        entries.append(_classify(table_ref, pick, score, live, num_experts=num_experts, unsigned_ids=False))
+    _shed_rows(entries.__getitem__, (slots_ref, mix_ref, miss_ids_ref, miss_scores_ref), live, base,
+               k_width=top_k, ptx_arith=ptx_arith)
 
 
 # Jitted so that a program calling the op many times (one call per MoE layer)
@@ -449,3 +502,107 @@ def route_shed_pallas(indices, scores, slot_table, *, interpret: bool = False,
     """
     check_route_shed_args(indices, scores, slot_table)
     return _route_shed_diff(indices, scores, slot_table, interpret, config)
+
+
+def topk_block_config(rows: int, num_experts: int, config: KernelConfig | None = None, *,
+                      interpret: bool = False) -> KernelConfig:
+    """Launch parameters of ``topk_route_shed``'s kernel for ``[rows, num_experts]`` probabilities.
+
+    Only ``block_rows``, ``num_warps`` and ``ptx_arith`` apply; the kernel has
+    one layout. ``config`` overrides any choice.
+    """
+    config = config or KernelConfig()
+    if config.tiled_io or config.entry_lanes:
+        raise ValueError("topk_route_shed_pallas: tiled_io and entry_lanes are route_shed's kernels, not this one's")
+    ptx_arith = (not interpret and _on_cuda()) if config.ptx_arith is None else config.ptx_arith
+    if ptx_arith and interpret:
+        raise ValueError("topk_route_shed_pallas: ptx_arith is inline PTX, which the interpreter cannot run")
+    block_rows = config.block_rows or _TOPK_BLOCK_ROWS
+    if block_rows & (block_rows - 1):
+        raise ValueError(f"topk_route_shed_pallas: block_rows must be a power of two, got {block_rows}")
+    block_rows = min(block_rows, _next_power_of_two(max(rows, 1)))
+    num_warps = config.num_warps or max(1, min(4, block_rows * _next_power_of_two(num_experts) // 1024))
+    return KernelConfig(block_rows, num_warps, False, ptx_arith, False)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "interpret", "config"))
+def _topk_forward(probs, slot_table, *, top_k: int, interpret: bool, config: KernelConfig | None) -> TopkRouteShed:
+    num_experts = probs.shape[-1]
+    rows = probs.size // num_experts
+    out_shape = probs.shape[:-1] + (top_k,)
+    dtypes = (jnp.int32, jnp.float32, jnp.int32, jnp.float32, jnp.int32, jnp.float32)
+    if rows == 0:
+        outputs = [jnp.zeros(out_shape, d) for d in dtypes]
+    else:
+        block_rows, num_warps, _, ptx_arith, _ = topk_block_config(rows, num_experts, config, interpret=interpret)
+        kernel = functools.partial(_topk_route_shed_kernel, rows=rows, num_experts=num_experts, top_k=top_k,
+                                   block_rows=block_rows, ptx_arith=ptx_arith)
+        call = pl.pallas_call(
+            kernel,
+            out_shape=[jax.ShapeDtypeStruct((rows * top_k,), d) for d in dtypes],
+            grid=(pl.cdiv(rows, block_rows),),
+            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+            interpret=interpret,
+            name=f"topk_route_shed_k{top_k}",
+        )
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*[Tt]riton.*", category=DeprecationWarning)
+            outputs = [o.reshape(out_shape) for o in call(probs.reshape(-1), slot_table)]
+    indices, scores, *shed = outputs
+    return TopkRouteShed(indices, scores, RouteShed(*shed))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _topk_route_shed_diff(probs, slot_table, top_k, interpret, config):
+    return _topk_forward(probs, slot_table, top_k=top_k, interpret=interpret, config=config)
+
+
+def _topk_route_shed_fwd(probs, slot_table, top_k, interpret, config):
+    outputs = _topk_forward(probs, slot_table, top_k=top_k, interpret=interpret, config=config)
+    return outputs, (probs, slot_table)
+
+
+def _topk_route_shed_bwd(top_k, interpret, config, residuals, cotangents):
+    # As for route_shed: the reference's autodiff, bit for bit, and no kernel.
+    del interpret, config
+    probs, slot_table = residuals
+
+    def differentiable(p):
+        routed = topk_route_shed_reference(p, slot_table, top_k=top_k)
+        return routed.scores, routed.shed.mix
+
+    _, pullback = jax.vjp(differentiable, probs)
+    (d_probs,) = pullback((cotangents.scores, cotangents.shed.mix))
+    return d_probs, None
+
+
+_topk_route_shed_diff.defvjp(_topk_route_shed_fwd, _topk_route_shed_bwd)
+
+
+def topk_route_shed_pallas(probs, slot_table, *, top_k: int, interpret: bool = False,
+                           config: KernelConfig | None = None) -> TopkRouteShed:
+    """``topk_route_shed`` in one fused Pallas kernel launch (``top_k <= 16``).
+
+    Past 16 the per-row selection would unroll too far; the top-k and its
+    normalisation then run in XLA (:func:`~kq_jax.reference.topk_ref`) and the
+    shedding in :func:`route_shed_pallas`: two launches, the same bits.
+
+    Args:
+        probs: float32, bfloat16 or float16 ``[..., E]`` router probabilities.
+        slot_table: int32 ``[E]``; negative = not resident.
+        top_k: experts per row, ``1 <= top_k <= min(E, 64)``.
+        interpret: run the kernel in Pallas' interpreter (any backend, slow).
+        config: ``block_rows`` / ``num_warps`` / ``ptx_arith`` overriding
+            :func:`topk_block_config`'s choice.
+
+    Returns:
+        ``TopkRouteShed(indices, scores, shed)``, each array ``[..., top_k]``;
+        ``scores`` and ``shed.mix`` are differentiable with respect to ``probs``.
+    """
+    check_topk_route_shed_args(probs, slot_table, top_k)
+    if top_k > _UNROLLED_MAX_K:
+        indices, raw = topk_ref(probs, top_k=top_k)
+        scores = normalize_topk_ref(raw)
+        shed = route_shed_pallas(indices, scores, slot_table, interpret=interpret, config=config)
+        return TopkRouteShed(indices, scores, shed)
+    return _topk_route_shed_diff(probs, slot_table, int(top_k), interpret, config)
