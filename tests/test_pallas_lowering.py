@@ -33,18 +33,47 @@ def test_triton_ir_has_no_float_multiply_or_divide(monkeypatch, capfd, rows, top
                                                    score_dtype, path, ptx_arith):
     import kq_jax.route_shed_pallas as module
 
-    monkeypatch.setattr(module.pl, "pallas_call", functools.partial(pl.pallas_call, debug=True))
     inputs = router_inputs(np.random.default_rng(0), rows, top_k, experts, index_dtype=index_dtype,
                            score_dtype=score_dtype)
     config = module.KernelConfig(tiled_io=path == "tiled", ptx_arith=ptx_arith, entry_lanes=path == "lanes")
-    fn = jax.jit(lambda i, s, t: module.route_shed_pallas(i, s, t, config=config))
+    ir = _triton_ir(monkeypatch, capfd, lambda i, s, t: module.route_shed_pallas(i, s, t, config=config), inputs)
+    assert_only_exact_float_ops(ir, ptx_arith)
+
+
+@pytest.mark.parametrize("rows, experts, top_k, dtype, ptx_arith", [
+    (1, 64, 8, "float32", False), (8, 256, 8, "bfloat16", True), (5, 40, 16, "float16", True),
+])
+def test_topk_kernel_triton_ir_has_no_float_multiply_or_divide(monkeypatch, capfd, rows, experts, top_k, dtype,
+                                                               ptx_arith):
+    import jax.numpy as jnp
+
+    import kq_jax.route_shed_pallas as module
+
+    rng = np.random.default_rng(0)
+    probs = jnp.asarray(rng.random((rows, experts)), dtype)
+    table = np.where(rng.random(experts) < 0.5, np.arange(experts), -1).astype(np.int32)
+    config = module.KernelConfig(ptx_arith=ptx_arith)
+    ir = _triton_ir(monkeypatch, capfd,
+                    lambda p, t: module.topk_route_shed_pallas(p, t, top_k=top_k, config=config), (probs, table))
+    assert_only_exact_float_ops(ir, ptx_arith)
+
+
+def _triton_ir(monkeypatch, capfd, fn, inputs) -> str:
+    """The Triton IR the kernels in ``fn`` lower to for CUDA (skips where this jaxlib cannot lower it)."""
+    import kq_jax.route_shed_pallas as module
+
+    monkeypatch.setattr(module.pl, "pallas_call", functools.partial(pl.pallas_call, debug=True))
     try:
-        export.export(fn, platforms=["cuda"],
+        export.export(jax.jit(fn), platforms=["cuda"],
                       disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*inputs)
     except (ImportError, NotImplementedError) as why:  # a jaxlib without the Triton dialect
         pytest.skip(f"cannot lower to Triton here: {why}")
     ir = capfd.readouterr().out
     assert "tt.func" in ir and "tt.load" in ir, "the Triton IR was not printed"
+    return ir
+
+
+def assert_only_exact_float_ops(ir: str, ptx_arith: bool):
     assert "arith.addf" in ir
     assert not FORBIDDEN.findall(ir), sorted(set(FORBIDDEN.findall(ir)))
     # With ptx_arith the one multiply and the one divide are the IEEE PTX instructions, written out.
