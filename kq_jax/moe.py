@@ -5,7 +5,8 @@ are SwiGLU (``down(silu(gate(x)) * up(x))``). :func:`moe_ffn_resident` is the
 same layer with every expert in memory; with every expert resident in the
 arena the two give identical bits: both take the top-k and renormalise it as
 :mod:`kq.oracle` defines (the arena layer in ``topk_route_shed``'s one
-launch, the resident one with ``lax.top_k`` and an XLA fusion), and
+launch, the resident one with ``lax.top_k`` and the renormalisation fused by
+XLA into its combine), and
 ``route_shed`` keeps an all-kept row's weights exactly (``scale`` is exactly 1).
 """
 
@@ -15,9 +16,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from kq_jax.api import topk_route_shed
-from kq_jax.reference import TopkRouteShed, normalize_topk_ref, topk_ref
+from kq_jax.reference import TopkRouteShed, normalize_topk_ref
 
 
 class Experts(NamedTuple):
@@ -41,9 +43,11 @@ def router_probs(x, router_w):
 def route(x, router_w, *, top_k: int):
     """Softmax top-k routing, renormalised over the chosen k (Qwen3-MoE with norm_topk_prob).
 
-    The top-k and the renormalisation are ``topk_route_shed``'s (an exact
-    order, a sequential sum, a correctly rounded division), so the resident
-    and the arena layer route alike on every backend.
+    ``lax.top_k``, then ``topk_route_shed``'s renormalisation (a sequential
+    sum, a correctly rounded division) instead of XLA's approximate GPU
+    division, so the resident and the arena layer route alike on every
+    backend: softmax probabilities hold no NaN and no -0.0, where alone the
+    two top-k orders differ.
 
     Args:
         x: ``[T, D]`` hidden states; router_w: ``[D, E]``.
@@ -51,7 +55,7 @@ def route(x, router_w, *, top_k: int):
     Returns:
         ``(indices int32 [T, k], scores float32 [T, k])``.
     """
-    indices, raw = topk_ref(router_probs(x, router_w), top_k=top_k)
+    raw, indices = lax.top_k(router_probs(x, router_w), top_k)
     return indices, normalize_topk_ref(raw)
 
 

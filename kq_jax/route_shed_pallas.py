@@ -77,8 +77,9 @@ _STRIDED_MAX_ROWS = 4096
 _LANES_MAX_ROWS = 8
 # topk_route_shed's key for a lane that holds no value or was already picked.
 _RETIRED_KEY = 2**31 - 1
-# Rows per program of topk_route_shed's kernel.
-_TOPK_BLOCK_ROWS = 8
+# topk_route_shed's kernel: rows per program, and experts per warp (see topk_block_config).
+_TOPK_BLOCK_ROWS = 1
+_TOPK_EXPERTS_PER_WARP = 1024
 
 
 def _next_power_of_two(n: int) -> int:
@@ -508,6 +509,13 @@ def topk_block_config(rows: int, num_experts: int, config: KernelConfig | None =
                       interpret: bool = False) -> KernelConfig:
     """Launch parameters of ``topk_route_shed``'s kernel for ``[rows, num_experts]`` probabilities.
 
+    One row per program, one warp: on an H200 (``tools/gpu_topk_tune.py``,
+    docs/benchmarks.md) the fastest of ten (block_rows, num_warps) at every
+    shape measured, E = 64 to 256, 1 to 65536 rows (8 x 8 x 256: 3.9 us, 8 rows
+    per program 25 us; 65536 x 8 x 256: 117 us against 262-1065), since each of
+    the top_k steps is two reductions across the row, which stay inside a warp.
+    Past 1024 experts a row gets a warp per 1024 (up to 4; not measured).
+
     Only ``block_rows``, ``num_warps`` and ``ptx_arith`` apply; the kernel has
     one layout. ``config`` overrides any choice.
     """
@@ -521,7 +529,7 @@ def topk_block_config(rows: int, num_experts: int, config: KernelConfig | None =
     if block_rows & (block_rows - 1):
         raise ValueError(f"topk_route_shed_pallas: block_rows must be a power of two, got {block_rows}")
     block_rows = min(block_rows, _next_power_of_two(max(rows, 1)))
-    num_warps = config.num_warps or max(1, min(4, block_rows * _next_power_of_two(num_experts) // 1024))
+    num_warps = config.num_warps or max(1, min(4, block_rows * _next_power_of_two(num_experts) // _TOPK_EXPERTS_PER_WARP))
     return KernelConfig(block_rows, num_warps, False, ptx_arith, False)
 
 

@@ -7,7 +7,7 @@
 source "$(dirname "$0")/gpu_env.sh" gpu_moe.txt
 overhead() {  # label, XLA_FLAGS, residency, extra args
   echo "== moe_overhead $1" | tee -a "$LOG"
-  XLA_FLAGS="$2" timeout 300 python3 tools/moe_overhead.py --tokens ${MOE_TOKENS:-1 2 4 8} --residency "$3" $4 \
+  XLA_FLAGS="$2" timeout 300 python3 tools/moe_overhead.py --tokens ${MOE_TOKENS:-1 2 4 8} --residency "$3" ${4:-} \
     --json "$OUT/moe_$1.json" 2>&1 | grep -v Warning | tee -a "$LOG"
 }
 status=0
