@@ -2,7 +2,8 @@
 # One device call for issue 7's arena overhead: the GPU tests of topk_route_shed and the MoE layers,
 # the fused kernel's launch sweep (tools/gpu_topk_tune.py), then tools/moe_overhead.py at residency 1.0
 # (the bar; with --profile) and 0.25. Logs and JSON under $OUT. MOE_TOKENS (default "1 2 4 8") picks
-# the token counts; PARTS (default "pytest tune moe") the parts; XLA_VARIANTS=1 also runs the overhead
+# the token counts; PARTS (default "pytest tune moe") the parts; PYTEST_FILES / PYTEST_TIMEOUT the tests;
+# QUARTER=0 skips residency 0.25; XLA_VARIANTS=1 also runs the overhead
 # with XLA's command buffers off and with custom calls in them (session 5's first call: no change).
 source "$(dirname "$0")/gpu_env.sh" gpu_moe.txt
 overhead() {  # label, XLA_FLAGS, residency, extra args
@@ -13,7 +14,7 @@ overhead() {  # label, XLA_FLAGS, residency, extra args
 status=0
 parts=" ${PARTS:-pytest tune moe} "
 if [[ $parts == *" pytest "* ]]; then
-  timeout 240 python3 -m pytest -q -k "not pallas_interpret" tests/test_topk_route_shed.py tests/test_moe_jax.py \
+  timeout ${PYTEST_TIMEOUT:-240} python3 -m pytest -q -x -k "not interpret" ${PYTEST_FILES:-tests/test_topk_route_shed.py tests/test_moe_jax.py} \
     2>&1 | tail -15 | tee -a "$LOG"; status=$(( status || PIPESTATUS[0] ))
 fi
 if [[ $parts == *" tune "* ]]; then
@@ -22,7 +23,7 @@ if [[ $parts == *" tune "* ]]; then
 fi
 if [[ $parts == *" moe "* ]]; then
   overhead default "" 1.0 --profile
-  overhead residency_quarter "" 0.25
+  [ "${QUARTER:-1}" = 0 ] || overhead residency_quarter "" 0.25
 fi
 if [ "${XLA_VARIANTS:-0}" = 1 ]; then
   overhead no_command_buffers "--xla_gpu_enable_command_buffer=" 1.0 --profile
