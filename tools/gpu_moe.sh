@@ -3,7 +3,7 @@
 # the fused kernel's launch sweep (tools/gpu_topk_tune.py), then tools/moe_overhead.py at residency 1.0
 # (the bar; with --profile) and 0.25. Logs and JSON under $OUT. MOE_TOKENS (default "1 2 4 8") picks
 # the token counts; PARTS (default "pytest tune moe") the parts; PYTEST_FILES / PYTEST_K / PYTEST_TIMEOUT the tests;
-# QUARTER=0 skips residency 0.25; XLA_VARIANTS=1 also runs the overhead
+# MOE_ARGS (default --profile) extra overhead arguments; QUARTER=0 skips residency 0.25; XLA_VARIANTS=1 also runs the overhead
 # with XLA's command buffers off and with custom calls in them (session 5's first call: no change).
 source "$(dirname "$0")/gpu_env.sh" gpu_moe.txt
 overhead() {  # label, XLA_FLAGS, residency, extra args
@@ -22,7 +22,7 @@ if [[ $parts == *" tune "* ]]; then
   rc=("${PIPESTATUS[@]}"); status=$(( status || rc[0] ))
 fi
 if [[ $parts == *" moe "* ]]; then
-  overhead default "" 1.0 --profile
+  overhead default "" 1.0 "${MOE_ARGS---profile}"
   [ "${QUARTER:-1}" = 0 ] || overhead residency_quarter "" 0.25
 fi
 if [ "${XLA_VARIANTS:-0}" = 1 ]; then
