@@ -23,6 +23,13 @@ def default_impl() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "reference"
 
 
+def _resolve(op: str, impl: str) -> str:
+    """``impl`` checked, with ``"auto"`` replaced by :func:`default_impl`'s choice."""
+    if impl not in IMPLS:
+        raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
+    return default_impl() if impl == "auto" else impl
+
+
 def route_shed(indices, scores, slot_table, *, impl: Impl = "auto") -> RouteShed:
     """Remaps routed experts to arena slots and sheds the non-resident ones.
 
@@ -52,10 +59,7 @@ def route_shed(indices, scores, slot_table, *, impl: Impl = "auto") -> RouteShed
     # Checked before anything converts: jnp.asarray would silently turn an
     # int64 NumPy array into int32 when x64 is off.
     check_route_shed_args(indices, scores, slot_table)
-    if impl not in IMPLS:
-        raise ValueError(f"route_shed: impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "auto":
-        impl = default_impl()
+    impl = _resolve("route_shed", impl)
     if impl == "reference":
         return route_shed_reference(indices, scores, slot_table)
     from kq_jax.route_shed_pallas import route_shed_pallas
@@ -88,10 +92,7 @@ def topk_route_shed(probs, slot_table, *, top_k: int, impl: Impl = "auto") -> To
         ``scores`` and ``shed.mix`` are differentiable with respect to ``probs``.
     """
     check_topk_route_shed_args(probs, slot_table, top_k)
-    if impl not in IMPLS:
-        raise ValueError(f"topk_route_shed: impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "auto":
-        impl = default_impl()
+    impl = _resolve("topk_route_shed", impl)
     if impl == "reference":
         return topk_route_shed_reference(probs, slot_table, top_k=top_k)
     from kq_jax.route_shed_pallas import topk_route_shed_pallas

@@ -447,20 +447,27 @@ def _pallas_forward(indices, scores, slot_table, *, interpret: bool, config: Ker
         kernel = functools.partial(_route_shed_lanes_kernel, **params)
     else:
         kernel = functools.partial(_route_shed_kernel, tiled_io=tiled_io, **params)
+    outputs = _launch(kernel, shapes, (indices.reshape(-1), scores.reshape(-1), slot_table),
+                      name=f"route_shed_k{k_width}", programs=pl.cdiv(rows, block_rows), num_warps=num_warps,
+                      interpret=interpret)
+    return RouteShed(*(o.reshape(out_shape) for o in outputs))
+
+
+def _launch(kernel, out_shapes, args, *, name: str, programs: int, num_warps: int, interpret: bool):
+    """One ``pallas_call`` of ``kernel`` over a 1-D grid of ``programs``, through the Triton lowering."""
     call = pl.pallas_call(
         kernel,
-        out_shape=shapes,
-        grid=(pl.cdiv(rows, block_rows),),
+        out_shape=out_shapes,
+        grid=(programs,),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-        name=f"route_shed_k{k_width}",
+        name=name,
     )
     with warnings.catch_warnings():
         # JAX 0.11 deprecates the Triton lowering in favour of Mosaic GPU; see
-        # the module docstring for why this kernel still needs it.
+        # the module docstring for why these kernels still need it.
         warnings.filterwarnings("ignore", message=".*[Tt]riton.*", category=DeprecationWarning)
-        outputs = call(indices.reshape(-1), scores.reshape(-1), slot_table)
-    return RouteShed(*(o.reshape(out_shape) for o in outputs))
+        return call(*args)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -529,7 +536,8 @@ def topk_block_config(rows: int, num_experts: int, config: KernelConfig | None =
     if block_rows & (block_rows - 1):
         raise ValueError(f"topk_route_shed_pallas: block_rows must be a power of two, got {block_rows}")
     block_rows = min(block_rows, _next_power_of_two(max(rows, 1)))
-    num_warps = config.num_warps or max(1, min(4, block_rows * _next_power_of_two(num_experts) // _TOPK_EXPERTS_PER_WARP))
+    row_warps = block_rows * _next_power_of_two(num_experts) // _TOPK_EXPERTS_PER_WARP
+    num_warps = config.num_warps or max(1, min(4, row_warps))
     return KernelConfig(block_rows, num_warps, False, ptx_arith, False)
 
 
@@ -545,17 +553,10 @@ def _topk_forward(probs, slot_table, *, top_k: int, interpret: bool, config: Ker
         block_rows, num_warps, _, ptx_arith, _ = topk_block_config(rows, num_experts, config, interpret=interpret)
         kernel = functools.partial(_topk_route_shed_kernel, rows=rows, num_experts=num_experts, top_k=top_k,
                                    block_rows=block_rows, ptx_arith=ptx_arith)
-        call = pl.pallas_call(
-            kernel,
-            out_shape=[jax.ShapeDtypeStruct((rows * top_k,), d) for d in dtypes],
-            grid=(pl.cdiv(rows, block_rows),),
-            compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-            interpret=interpret,
-            name=f"topk_route_shed_k{top_k}",
-        )
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*[Tt]riton.*", category=DeprecationWarning)
-            outputs = [o.reshape(out_shape) for o in call(probs.reshape(-1), slot_table)]
+        outputs = _launch(kernel, [jax.ShapeDtypeStruct((rows * top_k,), d) for d in dtypes],
+                          (probs.reshape(-1), slot_table), name=f"topk_route_shed_k{top_k}",
+                          programs=pl.cdiv(rows, block_rows), num_warps=num_warps, interpret=interpret)
+        outputs = [o.reshape(out_shape) for o in outputs]
     indices, scores, *shed = outputs
     return TopkRouteShed(indices, scores, RouteShed(*shed))
 

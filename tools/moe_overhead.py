@@ -118,7 +118,8 @@ def main() -> int:
                         print(f"    {name}: {profile['kernels']:.1f} kernels, {profile['kernel_us']:.1f} us of "
                               f"kernels, {profile['span_us']:.1f} us busy span per layer")
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(device=str(device), jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""), args=vars(args),
+        Path(args.json).write_text(json.dumps(dict(device=str(device), jax=jax.__version__,
+                                                   xla_flags=os.environ.get("XLA_FLAGS", ""), args=vars(args),
                                                    results=rows), indent=1))
     return 0
 
