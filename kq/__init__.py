@@ -7,16 +7,18 @@ imported only when an array of theirs arrives.
 
 from __future__ import annotations
 
-from kq.oracle import RouteShedResult, route_shed_oracle
+from kq.oracle import RouteShedResult, TopkRouteShedResult, route_shed_oracle, topk_route_shed_oracle
 from kq.validate import RouteShedInputError, check_route_shed_args, validate
 
 __version__ = "0.1.0"
 __all__ = [
     "RouteShedInputError",
     "RouteShedResult",
+    "TopkRouteShedResult",
     "check_route_shed_args",
     "route_shed",
     "route_shed_oracle",
+    "topk_route_shed_oracle",
     "validate",
 ]
 

@@ -1,6 +1,6 @@
 """``route_shed`` as one fused Pallas kernel (Triton lowering), and its wrapper.
 
-Two kernels; :func:`block_config` picks one by shape:
+Two kernels for ``route_shed``; :func:`block_config` picks one by shape:
 
 * The row kernel, one thread per row like the Metal kernel: a program handles
   ``block_rows`` rows, and every value in the arithmetic is a ``[block_rows]``
@@ -13,6 +13,12 @@ Two kernels; :func:`block_config` picks one by shape:
 * The entry-lanes kernel (``entry_lanes``; the default up to 8 rows and for
   K > 16): one lane per entry, each lane counting its own rank in one loop
   over the row, the row's sums carried in the same loop.
+
+A third kernel serves ``topk_route_shed`` (:func:`topk_route_shed_pallas`):
+one row per program takes the router's softmax row, picks its top-k in k
+steps of two warp reductions over the row's order keys, renormalises, and
+runs the row kernel's arithmetic on the picks (``_shed_rows``, shared), so a
+MoE layer on an arena launches one kernel between its softmax and its gathers.
 
 Misses go straight to their rank's position and padding to the positions past
 the row's last miss, so every output element is written once. All four
