@@ -5,9 +5,9 @@ are SwiGLU (``down(silu(gate(x)) * up(x))``). :func:`moe_ffn_resident` is the
 same layer with every expert in memory; with every expert resident in the
 arena the two give identical bits: both take the top-k and renormalise it as
 :mod:`kq.oracle` defines (the arena layer in ``topk_route_shed``'s one
-launch, the resident one with ``lax.top_k`` and the renormalisation fused by
-XLA into its combine), and
-``route_shed`` keeps an all-kept row's weights exactly (``scale`` is exactly 1).
+launch, the resident one with ``lax.top_k`` and the same arithmetic in XLA),
+and ``route_shed`` keeps an all-kept row's weights exactly (``scale`` is
+exactly 1).
 """
 
 from __future__ import annotations

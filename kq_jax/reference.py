@@ -144,9 +144,11 @@ class TopkRouteShed(NamedTuple):
 def topk_ref(probs, *, top_k: int):
     """Each row's ``top_k`` largest values, in the contract's total order (kq.oracle).
 
-    The order is taken on integer keys, so it is exact on every backend (XLA's
-    CPU float compares treat subnormals as zero). On rows without NaN and
-    without both signs of zero it is ``lax.top_k``'s: descending, ties by lower index.
+    The order is taken on integer keys, so NaN and the two zeros land where
+    the contract puts them on every backend. On rows without NaN and without
+    both signs of zero it is ``lax.top_k``'s: descending, ties by lower index
+    (``tests/test_topk_route_shed.py`` checks that on softmax rows with ties,
+    zeros and subnormals).
 
     Args:
         probs: float ``[..., E]``.
