@@ -398,7 +398,7 @@ def _route_shed_lanes_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref,
 def _topk_route_shed_kernel(probs_ref, table_ref, indices_ref, scores_ref, slots_ref, mix_ref, miss_ids_ref,
                             miss_scores_ref, *, rows: int, num_experts: int, top_k: int, block_rows: int,
                             ptx_arith: bool):
-    # A [block_rows, EP] tile holds the programs's rows of probabilities as
+    # A [block_rows, EP] tile holds the program's rows of probabilities as
     # order keys; each of the top_k steps takes the row's smallest key (the
     # best value), lowest lane first, and retires it. The picks then feed the
     # row kernel's arithmetic as its entries, already in registers.
@@ -523,10 +523,11 @@ def topk_block_config(rows: int, num_experts: int, config: KernelConfig | None =
     """Launch parameters of ``topk_route_shed``'s kernel for ``[rows, num_experts]`` probabilities.
 
     One row per program, one warp: on an H200 (``tools/gpu_topk_tune.py``,
-    docs/benchmarks.md) the fastest of ten (block_rows, num_warps) at every
-    shape measured, E = 64 to 256, 1 to 65536 rows (8 x 8 x 256: 3.9 us, 8 rows
-    per program 25 us; 65536 x 8 x 256: 117 us against 262-1065), since each of
-    the top_k steps is two reductions across the row, which stay inside a warp.
+    docs/benchmarks.md) the fastest (block_rows, num_warps) tried at every
+    shape of more than one row, E = 64 to 256, 8 to 65536 rows (8 x 8 x 256:
+    3.9 us, 8 rows per program 25 us; 65536 x 8 x 256: 117 us, the other nine
+    142-1065 us): each of the top_k steps is two reductions across the row,
+    which stay inside the warp.
     Past 1024 experts a row gets a warp per 1024 (up to 4; not measured).
 
     Only ``block_rows``, ``num_warps`` and ``ptx_arith`` apply; the kernel has
