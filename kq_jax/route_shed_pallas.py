@@ -74,9 +74,10 @@ from kq_jax.reference import (NOT_A_MISS_KEY, RouteShed, TopkRouteShed, normaliz
 _MIN_BLOCK_ROWS = 32
 _MAX_BLOCK_ROWS = 256
 _TARGET_PROGRAMS = 264
-# Up to this K the kernel is unrolled over the row's entries; above it, the
-# per-entry second pass is a loop (see the kernel).
-_UNROLLED_MAX_K = 16
+# The largest K the kernels unroll over a row's entries: the row kernel's
+# second pass (a loop above it), tiled I/O (refused above it) and the topk
+# kernel (XLA's top-k above it). Public for tests and tools.
+MAX_UNROLLED_K = 16
 # Up to this many rows the strided kernel is the default (see block_config),
 # and up to _LANES_MAX_ROWS the entry-lanes kernel.
 _STRIDED_MAX_ROWS = 4096
@@ -151,19 +152,19 @@ def block_config(rows: int, k_width: int, config: KernelConfig | None = None, *,
     config = config or KernelConfig()
     entry_lanes = config.entry_lanes
     if entry_lanes is None:
-        entry_lanes = (rows <= _LANES_MAX_ROWS or k_width > _UNROLLED_MAX_K) and not config.tiled_io
+        entry_lanes = (rows <= _LANES_MAX_ROWS or k_width > MAX_UNROLLED_K) and not config.tiled_io
     if entry_lanes and config.tiled_io:
         raise ValueError("route_shed_pallas: entry_lanes and tiled_io are two different kernels; pick one")
     tiled_io = config.tiled_io
     if tiled_io is None:
-        tiled_io = k_width <= _UNROLLED_MAX_K and rows > _STRIDED_MAX_ROWS and not entry_lanes
-    if tiled_io and k_width > _UNROLLED_MAX_K:
-        raise ValueError(f"route_shed_pallas: tiled_io needs K <= {_UNROLLED_MAX_K}, got K = {k_width}")
+        tiled_io = k_width <= MAX_UNROLLED_K and rows > _STRIDED_MAX_ROWS and not entry_lanes
+    if tiled_io and k_width > MAX_UNROLLED_K:
+        raise ValueError(f"route_shed_pallas: tiled_io needs K <= {MAX_UNROLLED_K}, got K = {k_width}")
     ptx_arith = (not interpret and _on_cuda()) if config.ptx_arith is None else config.ptx_arith
     if ptx_arith and interpret:
         raise ValueError("route_shed_pallas: ptx_arith is inline PTX, which the interpreter cannot run")
     if entry_lanes:
-        wanted = 32 if k_width <= _UNROLLED_MAX_K else 8
+        wanted = 32 if k_width <= MAX_UNROLLED_K else 8
     elif tiled_io:
         wanted = 128 if k_width <= 4 else 32
     else:
@@ -173,7 +174,7 @@ def block_config(rows: int, k_width: int, config: KernelConfig | None = None, *,
         raise ValueError(f"route_shed_pallas: block_rows must be a power of two, got {block_rows}")
     block_rows = min(block_rows, _next_power_of_two(max(rows, 1)))
     if entry_lanes:
-        num_warps = 1 if k_width <= _UNROLLED_MAX_K else 2
+        num_warps = 1 if k_width <= MAX_UNROLLED_K else 2
     else:
         num_warps = max(1, min(8, block_rows // 32))
     num_warps = config.num_warps or num_warps
@@ -341,7 +342,7 @@ def _shed_rows(load_entry, out_refs, live, base, *, k_width: int, ptx_arith: boo
         # Padding fills the positions past the row's last miss.
         _store_misses(miss_ids_ref, miss_scores_ref, id_k, s_k, miss_k, base + rank, live & (miss_count <= k), at)
 
-    if k_width <= _UNROLLED_MAX_K:
+    if k_width <= MAX_UNROLLED_K:
         for k, entry in enumerate(entries):
             store_entry(k, *entry)
     else:
@@ -616,7 +617,7 @@ def topk_route_shed_pallas(probs, slot_table, *, top_k: int, interpret: bool = F
         ``scores`` and ``shed.mix`` are differentiable with respect to ``probs``.
     """
     check_topk_route_shed_args(probs, slot_table, top_k)
-    if top_k > _UNROLLED_MAX_K:
+    if top_k > MAX_UNROLLED_K:
         indices, raw = topk_ref(probs, top_k=top_k)
         scores = normalize_topk_ref(raw)
         shed = route_shed_pallas(indices, scores, slot_table, interpret=interpret, config=config)

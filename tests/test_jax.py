@@ -155,7 +155,9 @@ VARIANTS = [
 
 
 def variant_takes(variant, top_k):
-    return not variant.get("tiled_io") or top_k <= 16  # tiled I/O is for K <= 16
+    from kq_jax.route_shed_pallas import MAX_UNROLLED_K
+
+    return not variant.get("tiled_io") or top_k <= MAX_UNROLLED_K
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -179,7 +181,7 @@ def test_pallas_variant_keeps_the_bits_on_adversarial_rows(rng, variant, rows, t
     from kq_jax.route_shed_pallas import KernelConfig, route_shed_pallas
 
     if not variant_takes(variant, top_k):
-        pytest.skip("tiled I/O is for K <= 16")
+        pytest.skip("tiled I/O is for K <= MAX_UNROLLED_K")
     inputs = adversarial_inputs(rng, rows, top_k, experts, index_dtype=index_dtype, score_dtype=score_dtype)
     config = KernelConfig(block_rows=32, **variant)
     got = route_shed_pallas(*inputs, interpret=not ON_GPU, config=config)

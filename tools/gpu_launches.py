@@ -23,7 +23,7 @@ import numpy as np  # noqa: E402
 from kq.compare import first_mismatch  # noqa: E402
 from kq.inputs import adversarial_inputs, router_inputs  # noqa: E402
 from kq.oracle import route_shed_oracle  # noqa: E402
-from kq_jax.route_shed_pallas import KernelConfig, route_shed_pallas  # noqa: E402
+from kq_jax.route_shed_pallas import MAX_UNROLLED_K, KernelConfig, route_shed_pallas  # noqa: E402
 
 # --variants words, joined by "+": the kernel path and the rounding, each forced.
 VARIANT_WORDS = {"strided": dict(tiled_io=False, entry_lanes=False), "tiled": dict(tiled_io=True),
@@ -47,8 +47,8 @@ def main() -> int:
             fields = {}
             for word in [] if variant == "default" else variant.split("+"):
                 fields.update(VARIANT_WORDS[word])
-            if fields.get("tiled_io") and top_k > 16:
-                continue  # tiled I/O is for K <= 16
+            if fields.get("tiled_io") and top_k > MAX_UNROLLED_K:
+                continue  # tiled I/O is refused past it
             fn = jax.jit(lambda i, s, t, config=KernelConfig(**fields): route_shed_pallas(
                 i, s, t, interpret=interpret, config=config))
             mismatch = first_mismatch(expected, fn(*inputs))

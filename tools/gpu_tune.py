@@ -30,7 +30,7 @@ from kq.bench import SHAPE_SETS, _jax_kernel_us, parse_shape  # noqa: E402
 from kq.compare import first_mismatch  # noqa: E402
 from kq.inputs import router_inputs  # noqa: E402
 from kq.oracle import route_shed_oracle  # noqa: E402
-from kq_jax.route_shed_pallas import KernelConfig, block_config, route_shed_pallas  # noqa: E402
+from kq_jax.route_shed_pallas import MAX_UNROLLED_K, KernelConfig, block_config, route_shed_pallas  # noqa: E402
 
 # (block_rows, num_warps): one row per thread, and fewer warps than rows / 32 (rows per thread > 1);
 # for entry_lanes (a row per K lanes) also blocks of a few rows.
@@ -68,7 +68,7 @@ def main() -> int:
 
         default = block_config(rows, top_k)
         paths = [dict(tiled_io=False, entry_lanes=False), dict(entry_lanes=True)] + (
-            [dict(tiled_io=True)] if top_k <= 16 else [])
+            [dict(tiled_io=True)] if top_k <= MAX_UNROLLED_K else [])
         for path in paths:
             for ptx_arith in (False, True):
                 measure(block_config(rows, top_k, KernelConfig(ptx_arith=ptx_arith, **path)))
