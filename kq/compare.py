@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kq.oracle import RouteShedResult
+from kq.oracle import RouteShedResult, TopkRouteShedResult
 
 
 @dataclass(frozen=True)
@@ -30,15 +30,24 @@ def _show(array: np.ndarray, index) -> str:
     return repr(int(value))
 
 
-def first_mismatch(expected: RouteShedResult, got) -> Mismatch | None:
-    """Compares dtype, shape and every bit of each output; None when identical."""
-    for name, want, have in zip(RouteShedResult._fields, expected, got):
+def first_mismatch(expected: RouteShedResult | TopkRouteShedResult, got, prefix: str = "") -> Mismatch | None:
+    """Compares dtype, shape and every bit of each output; None when identical.
+
+    ``expected`` is an oracle result; a nested result (``TopkRouteShedResult.shed``)
+    is compared field by field, its outputs named ``shed.mix`` and so on.
+    """
+    for name, want, have in zip(expected._fields, expected, got):
+        if isinstance(want, tuple):
+            mismatch = first_mismatch(want, have, f"{prefix}{name}.")
+            if mismatch is not None:
+                return mismatch
+            continue
         have = np.asarray(have)
         if have.dtype != want.dtype or have.shape != want.shape:
-            return Mismatch(name, None, f"{want.dtype}{list(want.shape)}", f"{have.dtype}{list(have.shape)}")
+            return Mismatch(prefix + name, None, f"{want.dtype}{list(want.shape)}", f"{have.dtype}{list(have.shape)}")
         width = {4: np.uint32, 2: np.uint16, 1: np.uint8}[want.dtype.itemsize]
         differs = want.view(width) != have.view(width)
         if differs.any():
             index = tuple(int(i) for i in np.argwhere(differs)[0])
-            return Mismatch(name, index, _show(want, index), _show(have, index))
+            return Mismatch(prefix + name, index, _show(want, index), _show(have, index))
     return None

@@ -18,14 +18,6 @@ NAN = np.float32(np.nan)
 TINY = np.float32(1e-40)  # subnormal
 
 
-def assert_routed_bits(expected, got):
-    for name in ("indices", "scores"):
-        want, have = getattr(expected, name), np.asarray(getattr(got, name))
-        assert have.dtype == want.dtype and have.shape == want.shape, name
-        assert np.array_equal(want.view(np.uint32), have.view(np.uint32)), name
-    assert_same_bits(expected.shed, got.shed)
-
-
 def router_probs(rng, rows, experts, *, spread=40.0):
     """Softmax of wide logits, as a random router gives (zero and subnormal probabilities
     among the top-k at large E), the first rows replaced by edge rows where there is room:
@@ -65,7 +57,7 @@ def test_matches_the_oracle(impl, rows, experts, top_k, resident_fraction, rng):
     probs = router_probs(rng, rows, experts)
     table = slot_table(rng, experts, resident_fraction)
     got = jax.jit(lambda p, t: kq_jax.topk_route_shed(p, t, top_k=top_k, impl=impl))(probs, table)
-    assert_routed_bits(topk_route_shed_oracle(probs, table, top_k), got)
+    assert_same_bits(topk_route_shed_oracle(probs, table, top_k), got)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -74,7 +66,7 @@ def test_bfloat16_probs_with_leading_dims(impl, rng):
     table = slot_table(rng, 32, 0.5)
     got = jax.jit(lambda p, t: kq_jax.topk_route_shed(p, t, top_k=6, impl=impl))(probs, table)
     assert got.indices.shape == (2, 6, 6)
-    assert_routed_bits(topk_route_shed_oracle(probs, table, 6), got)
+    assert_same_bits(topk_route_shed_oracle(probs, table, 6), got)
 
 
 def test_the_contract_by_hand():
@@ -131,7 +123,7 @@ def test_vmap_over_layers(impl, rng):
     tables = np.stack([slot_table(rng, 32, 0.5) for _ in range(3)])  # [L, E]
     got = jax.jit(jax.vmap(lambda p, t: kq_jax.topk_route_shed(p, t, top_k=4, impl=impl)))(probs, tables)
     for layer in range(3):
-        assert_routed_bits(topk_route_shed_oracle(probs[layer], tables[layer], 4),
+        assert_same_bits(topk_route_shed_oracle(probs[layer], tables[layer], 4),
                            jax.tree.map(lambda a: a[layer], got))
 
 
