@@ -75,9 +75,10 @@ def topk_route_shed(probs, slot_table, *, top_k: int, impl: Impl = "auto") -> To
     normalisation kernel between them): the op for a MoE layer on an arena at
     decode sizes. The order and normalisation are defined bit for bit in
     :mod:`kq.oracle`; on rows without NaN and without both signs of zero the
-    order is ``lax.top_k``'s. :func:`kq_jax.reference.topk_ref` and
-    :func:`kq_jax.reference.normalize_topk_ref` are the same two steps for a
-    layer that keeps every expert (``kq_jax.moe.route``).
+    order is ``lax.top_k``'s. :func:`kq_jax.reference.topk_normalized_ref`
+    is the same two steps in jnp; a layer that keeps every expert can take
+    ``lax.top_k`` and :func:`kq_jax.reference.normalize_topk_ref`, as
+    ``kq_jax.moe.route`` does.
 
     Args:
         probs: float32, bfloat16 or float16 ``[..., E]`` router probabilities.

@@ -177,6 +177,12 @@ def normalize_topk_ref(raw):
     return canonicalize_nan(div_flush(raw, total[..., None]))
 
 
+def topk_normalized_ref(probs, *, top_k: int):
+    """:func:`topk_ref` then :func:`normalize_topk_ref`: ``(indices int32 [..., k], scores float32 [..., k])``."""
+    indices, raw = topk_ref(probs, top_k=top_k)
+    return indices, normalize_topk_ref(raw)
+
+
 def topk_route_shed_reference(probs, slot_table, *, top_k: int) -> TopkRouteShed:
     """Routes each row to its top-k experts, renormalises, and sheds the non-resident ones.
 
@@ -189,6 +195,5 @@ def topk_route_shed_reference(probs, slot_table, *, top_k: int) -> TopkRouteShed
         ``TopkRouteShed(indices, scores, shed)``, each array ``[..., top_k]``.
     """
     check_topk_route_shed_args(probs, slot_table, top_k)
-    indices, raw = topk_ref(probs, top_k=top_k)
-    scores = normalize_topk_ref(raw)
+    indices, scores = topk_normalized_ref(probs, top_k=top_k)
     return TopkRouteShed(indices, scores, route_shed_reference(indices, scores, slot_table))

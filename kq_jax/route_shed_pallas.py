@@ -66,8 +66,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from kq.validate import check_route_shed_args, check_topk_route_shed_args
 from kq_jax.exact_f32 import canonicalize_nan, div_flush_raw, flush, mul_flush_raw
-from kq_jax.reference import (NOT_A_MISS_KEY, RouteShed, TopkRouteShed, normalize_topk_ref, route_shed_reference,
-                              score_from_order_key, score_order_key, topk_ref, topk_route_shed_reference)
+from kq_jax.reference import (NOT_A_MISS_KEY, RouteShed, TopkRouteShed, route_shed_reference, score_from_order_key,
+                              score_order_key, topk_normalized_ref, topk_route_shed_reference)
 
 # Rows per program: one row per thread. The strided kernel wants at least ~2
 # programs per SM on an H100/H200 (132 SMs) before a block grows past one warp.
@@ -160,25 +160,35 @@ def block_config(rows: int, k_width: int, config: KernelConfig | None = None, *,
         tiled_io = k_width <= MAX_UNROLLED_K and rows > _STRIDED_MAX_ROWS and not entry_lanes
     if tiled_io and k_width > MAX_UNROLLED_K:
         raise ValueError(f"route_shed_pallas: tiled_io needs K <= {MAX_UNROLLED_K}, got K = {k_width}")
-    ptx_arith = (not interpret and _on_cuda()) if config.ptx_arith is None else config.ptx_arith
-    if ptx_arith and interpret:
-        raise ValueError("route_shed_pallas: ptx_arith is inline PTX, which the interpreter cannot run")
+    ptx_arith = _resolve_ptx_arith("route_shed_pallas", config, interpret)
     if entry_lanes:
         wanted = 32 if k_width <= MAX_UNROLLED_K else 8
     elif tiled_io:
         wanted = 128 if k_width <= 4 else 32
     else:
         wanted = min(_MAX_BLOCK_ROWS, max(_MIN_BLOCK_ROWS, _next_power_of_two(-(-max(rows, 1) // _TARGET_PROGRAMS))))
-    block_rows = config.block_rows or wanted
-    if block_rows & (block_rows - 1):
-        raise ValueError(f"route_shed_pallas: block_rows must be a power of two, got {block_rows}")
-    block_rows = min(block_rows, _next_power_of_two(max(rows, 1)))
+    block_rows = _block_rows("route_shed_pallas", config.block_rows or wanted, rows)
     if entry_lanes:
         num_warps = 1 if k_width <= MAX_UNROLLED_K else 2
     else:
         num_warps = max(1, min(8, block_rows // 32))
     num_warps = config.num_warps or num_warps
     return KernelConfig(block_rows, num_warps, tiled_io, ptx_arith, entry_lanes)
+
+
+def _resolve_ptx_arith(op: str, config: KernelConfig, interpret: bool) -> bool:
+    """``config.ptx_arith``, by default on a CUDA GPU; refused by the interpreter, which has no PTX."""
+    ptx_arith = (not interpret and _on_cuda()) if config.ptx_arith is None else config.ptx_arith
+    if ptx_arith and interpret:
+        raise ValueError(f"{op}: ptx_arith is inline PTX, which the interpreter cannot run")
+    return ptx_arith
+
+
+def _block_rows(op: str, block_rows: int, rows: int) -> int:
+    """A power-of-two block, clamped to the rows there are."""
+    if block_rows & (block_rows - 1):
+        raise ValueError(f"{op}: block_rows must be a power of two, got {block_rows}")
+    return min(block_rows, _next_power_of_two(max(rows, 1)))
 
 
 def _ptx_rn(opcode: str, a, b):
@@ -537,13 +547,8 @@ def topk_block_config(rows: int, num_experts: int, config: KernelConfig | None =
     config = config or KernelConfig()
     if config.tiled_io or config.entry_lanes:
         raise ValueError("topk_route_shed_pallas: tiled_io and entry_lanes are route_shed's kernels, not this one's")
-    ptx_arith = (not interpret and _on_cuda()) if config.ptx_arith is None else config.ptx_arith
-    if ptx_arith and interpret:
-        raise ValueError("topk_route_shed_pallas: ptx_arith is inline PTX, which the interpreter cannot run")
-    block_rows = config.block_rows or _TOPK_BLOCK_ROWS
-    if block_rows & (block_rows - 1):
-        raise ValueError(f"topk_route_shed_pallas: block_rows must be a power of two, got {block_rows}")
-    block_rows = min(block_rows, _next_power_of_two(max(rows, 1)))
+    ptx_arith = _resolve_ptx_arith("topk_route_shed_pallas", config, interpret)
+    block_rows = _block_rows("topk_route_shed_pallas", config.block_rows or _TOPK_BLOCK_ROWS, rows)
     row_warps = block_rows * _next_power_of_two(num_experts) // _TOPK_EXPERTS_PER_WARP
     num_warps = config.num_warps or max(1, min(4, row_warps))
     return KernelConfig(block_rows, num_warps, False, ptx_arith, False)
@@ -601,7 +606,7 @@ def topk_route_shed_pallas(probs, slot_table, *, top_k: int, interpret: bool = F
     """``topk_route_shed`` in one fused Pallas kernel launch (``top_k <= 16``).
 
     Past 16 the per-row selection would unroll too far; the top-k and its
-    normalisation then run in XLA (:func:`~kq_jax.reference.topk_ref`) and the
+    normalisation then run in XLA (:func:`~kq_jax.reference.topk_normalized_ref`) and the
     shedding in :func:`route_shed_pallas`: two launches, the same bits.
 
     Args:
@@ -618,8 +623,7 @@ def topk_route_shed_pallas(probs, slot_table, *, top_k: int, interpret: bool = F
     """
     check_topk_route_shed_args(probs, slot_table, top_k)
     if top_k > MAX_UNROLLED_K:
-        indices, raw = topk_ref(probs, top_k=top_k)
-        scores = normalize_topk_ref(raw)
+        indices, scores = topk_normalized_ref(probs, top_k=top_k)
         shed = route_shed_pallas(indices, scores, slot_table, interpret=interpret, config=config)
         return TopkRouteShed(indices, scores, shed)
     return _topk_route_shed_diff(probs, slot_table, int(top_k), interpret, config)
