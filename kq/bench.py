@@ -44,6 +44,7 @@ from typing import Callable
 import numpy as np
 
 from kq.inputs import router_inputs
+from kq.validate import MAX_TOP_K
 
 SHAPE_SETS = {  # (rows T, top-k K, experts E)
     "tiny": [(4, 8, 64)],
@@ -72,13 +73,13 @@ class Result:
 
 
 def parse_shape(text: str) -> tuple[int, int, int]:
-    """``"TxKxE"`` (rows, top-k, experts; the x in either case) as three positive integers, K <= 64."""
+    """``"TxKxE"`` (rows, top-k, experts; the x in either case) as three positive integers, K <= MAX_TOP_K."""
     parts = text.lower().split("x")
     if len(parts) != 3 or not all(part.isdigit() and int(part) > 0 for part in parts):
         raise ValueError(f"a shape is ROWSxKxE with three positive integers, e.g. 1x8x128; got {text!r}")
     rows, top_k, experts = (int(part) for part in parts)
-    if top_k > 64:
-        raise ValueError(f"route_shed takes K <= 64; got K = {top_k}")
+    if top_k > MAX_TOP_K:
+        raise ValueError(f"route_shed takes K <= {MAX_TOP_K}; got K = {top_k}")
     return rows, top_k, experts
 
 
@@ -189,12 +190,6 @@ def kernel_events_in_trace(events: list[dict]) -> list[dict]:
         lines = sorted({e["args"].get("name") for e in events if e.get("name") == "thread_name" and e["pid"] in gpus})
         sys.stderr.write(f"kq bench: no kernel events on the GPU's stream lines; its lines: {lines}\n")
     return spans
-
-
-def kernel_time_in_trace(events: list[dict]) -> float | None:
-    """Summed durations (us) of the events on a GPU's stream lines of a perfetto trace; None if there are none."""
-    spans = kernel_events_in_trace(events)
-    return sum(e["dur"] for e in spans) if spans else None
 
 
 def _jax_floor_fn():

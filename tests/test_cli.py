@@ -81,8 +81,8 @@ def test_bench_bit_check_reports_a_wrong_bit(rng):
     assert not _bits_exact("jax-reference", inputs, expected)
 
 
-def test_kernel_time_sums_the_gpu_stream_lines_only():
-    from kq.bench import kernel_time_in_trace
+def test_kernel_events_are_the_gpu_stream_lines_only():
+    from kq.bench import kernel_events_in_trace
 
     def meta(pid, tid, kind, name):
         return {"ph": "M", "pid": pid, "tid": tid, "name": kind, "args": {"name": name}}
@@ -96,8 +96,10 @@ def test_kernel_time_sums_the_gpu_stream_lines_only():
         {"ph": "X", "pid": 2, "tid": 8, "dur": 4.75, "name": "custom-call"},  # the same time, annotated
         {"ph": "X", "pid": 1, "tid": 5, "dur": 100.0, "name": "PjitFunction"},
     ]
-    assert kernel_time_in_trace(events) == 4.75
-    assert kernel_time_in_trace(events[:2] + events[-1:]) is None
+    kernels = kernel_events_in_trace(events)
+    assert [k["name"] for k in kernels] == ["route_shed_k8", "fusion"]
+    assert sum(k["dur"] for k in kernels) == 4.75
+    assert kernel_events_in_trace(events[:2] + events[-1:]) == []
 
 
 def test_readme_example_row():
