@@ -18,6 +18,7 @@ and host-bound dispatch from kernel work. The kernels of one call of each layer 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -35,6 +36,7 @@ from kq.bench import trace_kernels  # noqa: E402
 from kq_jax.moe import Experts, moe_ffn_arena, moe_ffn_resident  # noqa: E402
 
 
+@functools.cache  # one jitted chain per (layer, n): the profile reuses the timer's compiled chain
 def chained(layer, n):
     def run(x, *params):
         for _ in range(n):
