@@ -33,11 +33,12 @@ def _show(array: np.ndarray, index) -> str:
 def first_mismatch(expected: RouteShedResult | TopkRouteShedResult, got, prefix: str = "") -> Mismatch | None:
     """Compares dtype, shape and every bit of each output; None when identical.
 
-    ``expected`` is an oracle result; a nested result (``TopkRouteShedResult.shed``)
-    is compared field by field, its outputs named ``shed.mix`` and so on.
+    ``expected`` is an oracle result (a plain 4-tuple is read as a
+    ``RouteShedResult``); a nested result (``TopkRouteShedResult.shed``) is
+    compared field by field, its outputs named ``shed.mix`` and so on.
     """
-    for name, want, have in zip(expected._fields, expected, got):
-        if isinstance(want, tuple):
+    for name, want, have in zip(getattr(expected, "_fields", RouteShedResult._fields), expected, got):
+        if hasattr(want, "_fields"):
             mismatch = first_mismatch(want, have, f"{prefix}{name}.")
             if mismatch is not None:
                 return mismatch
