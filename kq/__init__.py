@@ -1,14 +1,25 @@
 """kq: ``route_shed`` for MoE engines that keep a bounded arena of experts resident.
 
-``kq.route_shed`` dispatches on the array type: NumPy arrays go to the oracle,
-JAX arrays to :mod:`kq_jax`, MLX arrays to :mod:`kq_mlx`. Frameworks are
-imported only when an array of theirs arrives.
+The top of the house. ``kq.route_shed`` dispatches on the array type: NumPy
+arrays go to the oracle, JAX arrays to :mod:`kq_jax`, MLX arrays to
+:mod:`kq_mlx`; frameworks are imported only when an array of theirs arrives.
+The contract lives in :mod:`kq_core`, the host side of an arena in
+:mod:`kq_host` (also reachable as ``kq.residency``, ``kq.expert_store`` and
+``kq.prestage``), and the applications here: the backend registry
+(:mod:`kq.backends`), ``kq check``, ``kq bench`` and ``kq demo``.
 """
 
 from __future__ import annotations
 
-from kq.oracle import RouteShedResult, TopkRouteShedResult, route_shed_oracle, topk_route_shed_oracle
-from kq.validate import RouteShedInputError, check_route_shed_args, validate
+from kq_core import (
+    RouteShedInputError,
+    RouteShedResult,
+    TopkRouteShedResult,
+    check_route_shed_args,
+    route_shed_oracle,
+    topk_route_shed_oracle,
+    validate,
+)
 
 __version__ = "0.1.0"
 __all__ = [

@@ -14,8 +14,9 @@ from typing import Callable
 
 import numpy as np
 
-from kq.oracle import RouteShedResult, route_shed_oracle
-from kq.validate import check_route_shed_args
+from kq_core.contract import RouteShedResult
+from kq_core.oracle import route_shed_oracle
+from kq_core.validate import check_route_shed_args
 
 Runner = Callable[[np.ndarray, np.ndarray, np.ndarray], RouteShedResult]
 
@@ -74,7 +75,8 @@ def _jax_probe(impl: str, *, needs_gpu: bool):
         fn = jax.jit(functools.partial(kq_jax.route_shed, impl=impl))
 
         def run(indices, scores, slot_table):
-            check_route_shed_args(indices, scores, slot_table)  # before jit canonicalises dtypes
+            # NumPy inputs are checked before jit canonicalises their dtypes (int64 to int32).
+            check_route_shed_args(indices, scores, slot_table)
             return _as_numpy(fn(indices, scores, slot_table))
 
         return run, _jax_device()
@@ -87,14 +89,11 @@ def _mlx_probe(*, compiled: bool):
         _require("mlx")
         import mlx.core as mx
 
-        from kq_mlx.route_shed_mlx import from_numpy, route_shed_ops
+        from kq_mlx.route_shed_mlx import route_shed_ops
 
         def run(indices, scores, slot_table):
-            check_route_shed_args(indices, scores, slot_table)  # before MLX narrows float64 to float32
             with mx.stream(mx.cpu):
-                out = route_shed_ops(*(from_numpy(np.asarray(a)) for a in (indices, scores, slot_table)),
-                                     compiled=compiled)
-                return RouteShedResult(*(np.array(o) for o in out))
+                return _as_numpy(route_shed_ops(indices, scores, slot_table, compiled=compiled))
 
         return run, f"cpu, mlx {mx.__version__}"
 
@@ -106,15 +105,13 @@ def _mlx_gpu_probe(kind: str):
         _require("mlx")
         import mlx.core as mx
 
-        from kq_mlx.route_shed_mlx import from_numpy, implementation_for, route_shed
+        from kq_mlx.route_shed_mlx import implementation_for, route_shed
 
         if implementation_for(mx.gpu) != kind:
             raise Unavailable(f"needs MLX with a {kind} GPU")
 
         def run(indices, scores, slot_table):
-            check_route_shed_args(indices, scores, slot_table)
-            out = route_shed(*(from_numpy(np.asarray(a)) for a in (indices, scores, slot_table)), stream=mx.gpu)
-            return RouteShedResult(*(np.array(o) for o in out))
+            return _as_numpy(route_shed(indices, scores, slot_table, stream=mx.gpu))
 
         return run, f"gpu ({kind}), mlx {mx.__version__}"
 
@@ -132,9 +129,9 @@ def _metal_cpu_probe():
 
 def _cuda_source_probe():
     _require("cupy")
-    from kq_mlx.cuda_cupy import route_shed_cuda_cupy
-
     import cupy
+
+    from kq_mlx.cuda_cupy import route_shed_cuda_cupy
 
     try:
         name = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()

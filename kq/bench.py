@@ -34,6 +34,7 @@ output written once, over the copy bandwidth measured on the device).
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import sys
@@ -43,8 +44,8 @@ from typing import Callable
 
 import numpy as np
 
-from kq.inputs import router_inputs
-from kq.validate import MAX_TOP_K
+from kq_core.contract import MAX_TOP_K
+from kq_core.inputs import router_inputs
 
 SHAPE_SETS = {  # (rows T, top-k K, experts E)
     "tiny": [(4, 8, 64)],
@@ -251,7 +252,7 @@ def _jax_backends():
 
     out = {"jax-reference": kq_jax.route_shed_reference, "jax-naive": route_shed_naive}
     if jax.default_backend() == "gpu":
-        out["jax-pallas"] = kq_jax.route_shed_pallas
+        out["jax-pallas"] = functools.partial(kq_jax.route_shed, impl="pallas")
     return out
 
 
@@ -311,7 +312,7 @@ def run(sets=("decode",), backends=None, *, shapes=(), repeats: int = 7, residen
 
     ``shapes`` are ``(rows, top_k, experts)`` tuples of the caller's own, reported as set ``"custom"``.
     """
-    from kq.oracle import route_shed_oracle
+    from kq_core.oracle import route_shed_oracle
 
     timers: dict[str, tuple[Callable, Callable, str]] = {"numpy-oracle": (route_shed_oracle, _numpy_timer,
                                                                            "cpu (numpy)")}
@@ -381,7 +382,7 @@ def _bits_exact(name: str, inputs, expected) -> bool | None:
     also a check at sizes the tests do not reach); None for the oracle itself and for the naive
     baseline, which is not exact."""
     from kq.backends import Unavailable, backend
-    from kq.compare import first_mismatch
+    from kq_core.compare import first_mismatch
 
     if name == "numpy-oracle":
         return None

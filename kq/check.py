@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kq.backends import Backend, Unavailable, all_backends
-from kq.compare import Mismatch, first_mismatch
-from kq.inputs import adversarial_inputs, router_inputs
-from kq.oracle import route_shed_oracle
-from kq.spec import load_spec
+from kq_core.compare import Mismatch, first_mismatch
+from kq_core.inputs import adversarial_inputs, router_inputs
+from kq_core.oracle import route_shed_oracle
+from kq_core.spec import load_spec
 
 # (rows weight, K, E): single-row decode cases stay one row; the others share the row budget by weight.
 RANDOM_SHAPES = ((1, 8, 256), (8, 6, 40), (4, 10, 64), (1, 64, 512), (16, 2, 8), (2, 1, 4))

@@ -47,9 +47,9 @@ def _bench(args) -> int:
 
 
 def _demo(args) -> int:
-    from kq import demo
-
     import importlib.util
+
+    from kq import demo
 
     frameworks = tuple(args.frameworks) if args.frameworks else demo.available_frameworks()
     missing = [m for m in ("safetensors", "matplotlib") if importlib.util.find_spec(m) is None]

@@ -5,7 +5,7 @@ router, renormalised; SwiGLU experts), saves them as safetensors (one tensor per
 expert, HF names) in a temporary directory, and decodes ``steps`` tokens twice
 per framework: with every expert in memory, and streamed, with ``residency`` of
 each layer's experts in an arena fed by the residency manager and real file
-reads through :class:`kq.expert_store.ExpertStore`. The hidden states drift
+reads through :class:`kq_host.expert_store.ExpertStore`. The hidden states drift
 slowly from step to step, so routing has the temporal locality real decode has.
 
 Random weights are not a trained router: the numbers show the mechanism and its
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kq.expert_store import ExpertStore
-from kq.residency import LayerReport, ResidencyManager
+from kq_host.expert_store import ExpertStore
+from kq_host.residency import LayerReport, ResidencyManager
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 

@@ -1,13 +1,22 @@
-"""``kq_jax.route_shed``: one entry point over the Pallas kernel and the jnp reference."""
+"""The public entry points of kq_jax: arguments checked here, once, then one implementation runs.
+
+``route_shed`` and ``topk_route_shed`` dispatch over the Pallas kernels
+(:mod:`kq_jax.pallas`, imported on first use) and the jnp reference
+(:mod:`kq_jax.reference`); neither checks again.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import jax
 
-from kq.validate import check_route_shed_args, check_topk_route_shed_args
-from kq_jax.reference import RouteShed, TopkRouteShed, route_shed_reference, topk_route_shed_reference
+from kq_core.contract import RouteShedResult, TopkRouteShedResult
+from kq_core.validate import check_route_shed_args, check_topk_route_shed_args
+from kq_jax.reference import route_shed_ref, topk_route_shed_ref
+
+if TYPE_CHECKING:
+    from kq_jax.pallas.config import KernelConfig
 
 Impl = Literal["auto", "pallas", "pallas_interpret", "reference"]
 IMPLS = ("auto", "pallas", "pallas_interpret", "reference")
@@ -23,14 +32,18 @@ def default_impl() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "reference"
 
 
-def _resolve(op: str, impl: str) -> str:
+def _resolve(op: str, impl: str, config) -> str:
     """``impl`` checked, with ``"auto"`` replaced by :func:`default_impl`'s choice."""
     if impl not in IMPLS:
         raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
-    return default_impl() if impl == "auto" else impl
+    impl = default_impl() if impl == "auto" else impl
+    if config is not None and impl == "reference":
+        raise ValueError(f"{op}: config sets the Pallas kernel's launch; impl {impl!r} runs no kernel")
+    return impl
 
 
-def route_shed(indices, scores, slot_table, *, impl: Impl = "auto") -> RouteShed:
+def route_shed(indices, scores, slot_table, *, impl: Impl = "auto",
+               config: KernelConfig | None = None) -> RouteShedResult:
     """Remaps routed experts to arena slots and sheds the non-resident ones.
 
     Bit-exact with ``shared/spec.json`` on every backend. Traceable under
@@ -46,9 +59,11 @@ def route_shed(indices, scores, slot_table, *, impl: Impl = "auto") -> RouteShed
             (the same kernel in Pallas' interpreter: any backend, slow),
             ``"reference"`` (pure jnp), or ``"auto"`` (:func:`default_impl`:
             the kernel on a GPU, else the reference).
+        config: the kernel's launch parameters (:class:`kq_jax.pallas.KernelConfig`),
+            for the Pallas impls only; ``None`` fields are chosen by shape.
 
     Returns:
-        ``RouteShed(slots, mix, miss_ids, miss_scores)``, each shaped like
+        ``RouteShedResult(slots, mix, miss_ids, miss_scores)``, each shaped like
         ``indices``: ``slots`` in the dtype of ``indices``, ``mix`` float32,
         ``miss_ids`` int32 (front-packed, -1 padded), ``miss_scores`` float32.
 
@@ -59,22 +74,23 @@ def route_shed(indices, scores, slot_table, *, impl: Impl = "auto") -> RouteShed
     # Checked before anything converts: jnp.asarray would silently turn an
     # int64 NumPy array into int32 when x64 is off.
     check_route_shed_args(indices, scores, slot_table)
-    impl = _resolve("route_shed", impl)
+    impl = _resolve("route_shed", impl, config)
     if impl == "reference":
-        return route_shed_reference(indices, scores, slot_table)
-    from kq_jax.route_shed_pallas import route_shed_pallas
+        return route_shed_ref(indices, scores, slot_table)
+    from kq_jax.pallas.ops import route_shed_pallas
 
-    return route_shed_pallas(indices, scores, slot_table, interpret=impl == "pallas_interpret")
+    return route_shed_pallas(indices, scores, slot_table, interpret=impl == "pallas_interpret", config=config)
 
 
-def topk_route_shed(probs, slot_table, *, top_k: int, impl: Impl = "auto") -> TopkRouteShed:
+def topk_route_shed(probs, slot_table, *, top_k: int, impl: Impl = "auto",
+                    config: KernelConfig | None = None) -> TopkRouteShedResult:
     """Routes each row to its top-k experts, renormalises, and sheds the non-resident ones.
 
     ``route_shed(*topk(probs), slot_table)`` in one launch after the router's
     softmax (one fewer than ``lax.top_k`` then ``route_shed``, and no
     normalisation kernel between them): the op for a MoE layer on an arena at
     decode sizes. The order and normalisation are defined bit for bit in
-    :mod:`kq.oracle`; on rows without NaN and without both signs of zero the
+    :mod:`kq_core.oracle`; on rows without NaN and without both signs of zero the
     order is ``lax.top_k``'s. :func:`kq_jax.reference.topk_normalized_ref`
     is the same two steps in jnp; a layer that keeps every expert can take
     ``lax.top_k`` and :func:`kq_jax.reference.normalize_topk_ref`, as
@@ -86,16 +102,29 @@ def topk_route_shed(probs, slot_table, *, top_k: int, impl: Impl = "auto") -> To
         top_k: experts per row, ``1 <= top_k <= min(E, 64)``; the fused kernel
             takes up to 16, past that the top-k runs in XLA before it.
         impl: as for :func:`route_shed`.
+        config: the kernel's ``block_rows`` / ``num_warps`` / ``ptx_arith``, for
+            the Pallas impls only.
 
     Returns:
-        ``TopkRouteShed(indices, scores, shed)``: int32 ids and float32
+        ``TopkRouteShedResult(indices, scores, shed)``: int32 ids and float32
         renormalised scores ``[..., top_k]``, and ``route_shed`` of them.
         ``scores`` and ``shed.mix`` are differentiable with respect to ``probs``.
     """
     check_topk_route_shed_args(probs, slot_table, top_k)
-    impl = _resolve("topk_route_shed", impl)
+    impl = _resolve("topk_route_shed", impl, config)
     if impl == "reference":
-        return topk_route_shed_reference(probs, slot_table, top_k=top_k)
-    from kq_jax.route_shed_pallas import topk_route_shed_pallas
+        return topk_route_shed_ref(probs, slot_table, top_k=top_k)
+    from kq_jax.pallas.ops import topk_route_shed_pallas
 
-    return topk_route_shed_pallas(probs, slot_table, top_k=top_k, interpret=impl == "pallas_interpret")
+    return topk_route_shed_pallas(probs, slot_table, top_k=int(top_k), interpret=impl == "pallas_interpret",
+                                  config=config)
+
+
+def route_shed_reference(indices, scores, slot_table) -> RouteShedResult:
+    """:func:`route_shed` with ``impl="reference"``: the pure-jnp version, on any backend."""
+    return route_shed(indices, scores, slot_table, impl="reference")
+
+
+def topk_route_shed_reference(probs, slot_table, *, top_k: int) -> TopkRouteShedResult:
+    """:func:`topk_route_shed` with ``impl="reference"``: the pure-jnp version, on any backend."""
+    return topk_route_shed(probs, slot_table, top_k=top_k, impl="reference")

@@ -13,7 +13,7 @@ Integer arithmetic has no such latitude on any backend, so the two operations
 the contract rounds (``s * scale`` and ``total / kept``) are computed here on
 the mantissas as uint32, rounded to nearest even, and flushed exactly like
 ``flush(x)`` in the contract. (The Pallas kernel on a CUDA GPU uses PTX's IEEE
-``mul.rn.f32`` / ``div.rn.f32`` instead; see :mod:`kq_jax.route_shed_pallas`.)
+``mul.rn.f32`` / ``div.rn.f32`` instead; see :mod:`kq_jax.pallas.route_shed_kernel`.)
 Addition needs no such care: a sum of two normal floats that lands below
 2**-126 is exact, so hardware FTZ and the contract's flush agree on it.
 
@@ -27,12 +27,12 @@ derivatives so that autodiff through the reference works.
 from __future__ import annotations
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-F32_MIN_NORMAL = 2.0**-126
-CANONICAL_NAN_BITS = 0x7FC00000
+from kq_core.contract import CANONICAL_NAN_BITS, F32_MIN_NORMAL
+
 _CANONICAL_NAN = np.uint32(CANONICAL_NAN_BITS).view(np.float32)
 _U32 = jnp.uint32
 _I32 = jnp.int32

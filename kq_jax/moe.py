@@ -4,7 +4,7 @@ Routing follows Qwen3-MoE (softmax over experts, top-k, renormalised); experts
 are SwiGLU (``down(silu(gate(x)) * up(x))``). :func:`moe_ffn_resident` is the
 same layer with every expert in memory; with every expert resident in the
 arena the two give identical bits: both take the top-k and renormalise it as
-:mod:`kq.oracle` defines (the arena layer in ``topk_route_shed``'s one
+:mod:`kq_core.oracle` defines (the arena layer in ``topk_route_shed``'s one
 launch, the resident one with ``lax.top_k`` and the same arithmetic in XLA),
 and ``route_shed`` keeps an all-kept row's weights exactly (``scale`` is
 exactly 1).
@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kq_core.contract import TopkRouteShedResult
 from kq_jax.api import topk_route_shed
-from kq_jax.reference import TopkRouteShed, normalize_topk_ref
+from kq_jax.reference import normalize_topk_ref
 
 
 class Experts(NamedTuple):
@@ -80,9 +81,9 @@ def moe_ffn_arena(x, router_w, arena: Experts, slot_table, *, top_k: int, impl: 
         slot_table: int32 ``[E]`` (-1 = not resident); impl: ``topk_route_shed``'s.
 
     Returns:
-        ``(y [T, D], TopkRouteShed)``: the output, and the routing and
+        ``(y [T, D], TopkRouteShedResult)``: the output, and the routing and
         ``route_shed`` outputs the host reads after the step.
     """
-    routing: TopkRouteShed = topk_route_shed(router_probs(x, router_w), slot_table, top_k=top_k, impl=impl)
+    routing: TopkRouteShedResult = topk_route_shed(router_probs(x, router_w), slot_table, top_k=top_k, impl=impl)
     y = _experts_apply(x, arena, routing.shed.slots)
     return jnp.einsum("tkd,tk->td", y, routing.shed.mix.astype(y.dtype)), routing

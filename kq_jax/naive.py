@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from kq_jax.reference import RouteShed
+from kq_core.contract import RouteShedResult
 
 
-def route_shed_naive(indices, scores, slot_table) -> RouteShed:  # [rows, k] each
+def route_shed_naive(indices, scores, slot_table) -> RouteShedResult:  # [rows, k] each
     """Gather, reductions and ``argsort``: the obvious jnp version of route_shed."""
     num_experts = slot_table.shape[0]
     ids = indices.astype(jnp.int32)
@@ -25,4 +25,4 @@ def route_shed_naive(indices, scores, slot_table) -> RouteShed:  # [rows, k] eac
     filled = jnp.arange(ids.shape[-1]) < miss.sum(-1, keepdims=True)
     miss_ids = jnp.where(filled, jnp.take_along_axis(ids, order, -1), -1)
     miss_scores = jnp.where(filled, jnp.take_along_axis(s, order, -1), 0.0)
-    return RouteShed(slots.astype(indices.dtype), mix, miss_ids, miss_scores)
+    return RouteShedResult(slots.astype(indices.dtype), mix, miss_ids, miss_scores)

@@ -4,40 +4,22 @@ Traceable under ``jax.jit``, ``jax.vmap`` and ``lax.scan``; bit-exact with
 ``shared/spec.json`` on every XLA backend because the two rounded operations
 go through :mod:`kq_jax.exact_f32` and every other step is an exact select,
 compare or a sequential add followed by the contract's flush. ``mix`` is
-differentiable with respect to ``scores``.
+differentiable with respect to ``scores``. The functions here trust their
+arguments: :mod:`kq_jax.api` checks them once, at the public entry point.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kq.validate import check_route_shed_args, check_topk_route_shed_args
+from kq_core.contract import (
+    NAN_ORDER_KEY,
+    NOT_A_MISS_KEY,
+    RouteShedResult,
+    TopkRouteShedResult,
+)
 from kq_jax.exact_f32 import canonicalize_nan, div_flush, flush, mul_flush
-
-# Sort keys for the miss list: descending score maps to ascending key; these
-# two sit above every key a number can have.
-_NAN_KEY = 0x7F800002
-NOT_A_MISS_KEY = 0x7F800003
-
-
-class RouteShed(NamedTuple):
-    """Outputs of ``route_shed``, each shaped like ``indices``.
-
-    Attributes:
-        slots: arena slot per routed entry, dtype of ``indices``.
-        mix: float32 renormalised gate weight (0.0 for shed entries).
-        miss_ids: int32 front-packed ids of shed, loadable experts; -1 padded.
-        miss_scores: float32 scores of those misses; +0.0 padded.
-    """
-
-    slots: jax.Array
-    mix: jax.Array
-    miss_ids: jax.Array
-    miss_scores: jax.Array
 
 
 def lookup_slots(ids, slot_table):
@@ -63,17 +45,17 @@ def score_order_key(s):
     """int32 key whose ascending order is descending ``s``, +0.0 before -0.0, NaN last."""
     bits = lax.bitcast_convert_type(s, jnp.int32)
     monotone = jnp.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    return jnp.where(jnp.isnan(s), _NAN_KEY, -monotone)
+    return jnp.where(jnp.isnan(s), NAN_ORDER_KEY, -monotone)
 
 
 def score_from_order_key(key):
     """The f32 whose :func:`score_order_key` is ``key`` (the canonical NaN for NaN's key)."""
     monotone = -key
     bits = jnp.where(monotone >= 0, monotone, monotone ^ 0x7FFFFFFF)
-    return canonicalize_nan(jnp.where(key == _NAN_KEY, jnp.nan, lax.bitcast_convert_type(bits, jnp.float32)))
+    return canonicalize_nan(jnp.where(key == NAN_ORDER_KEY, jnp.nan, lax.bitcast_convert_type(bits, jnp.float32)))
 
 
-def route_shed_reference(indices, scores, slot_table) -> RouteShed:
+def route_shed_ref(indices, scores, slot_table) -> RouteShedResult:
     """Remaps routed experts to arena slots and sheds the non-resident ones.
 
     Args:
@@ -82,24 +64,20 @@ def route_shed_reference(indices, scores, slot_table) -> RouteShed:
         slot_table: int32 ``[E]``; ``>= 0`` is the slot of a resident expert.
 
     Returns:
-        ``RouteShed(slots, mix, miss_ids, miss_scores)`` shaped like ``indices``.
-
-    Raises:
-        TypeError / ValueError at trace time on a wrong dtype or shape.
+        ``RouteShedResult(slots, mix, miss_ids, miss_scores)`` shaped like ``indices``.
     """
-    check_route_shed_args(indices, scores, slot_table)
     indices, scores, slot_table = (jnp.asarray(a) for a in (indices, scores, slot_table))
     out_shape = indices.shape
-    k_width = out_shape[-1]
-    ids = indices.reshape(-1, k_width)  # [rows, k]
-    s = flush(scores.reshape(-1, k_width).astype(jnp.float32))  # [rows, k]
+    top_k = out_shape[-1]
+    ids = indices.reshape(-1, top_k)  # [rows, k]
+    s = flush(scores.reshape(-1, top_k).astype(jnp.float32))  # [rows, k]
 
     slot, valid = lookup_slots(ids, slot_table)
     keep = slot >= 0
 
     total = jnp.zeros(ids.shape[:1], jnp.float32)
     kept = jnp.zeros(ids.shape[:1], jnp.float32)
-    for k in range(k_width):
+    for k in range(top_k):
         total = flush(total + s[:, k])
         kept = jnp.where(keep[:, k], flush(kept + s[:, k]), kept)
     has_mass = kept > 0.0
@@ -119,7 +97,7 @@ def route_shed_reference(indices, scores, slot_table) -> RouteShed:
     miss_ids = jnp.where(filled, packed_ids, -1)
     miss_scores = jnp.where(filled, packed_scores, 0.0)
 
-    return RouteShed(
+    return RouteShedResult(
         slots=slots.astype(indices.dtype).reshape(out_shape),
         mix=canonicalize_nan(mix).reshape(out_shape),
         miss_ids=miss_ids.reshape(out_shape),
@@ -127,22 +105,9 @@ def route_shed_reference(indices, scores, slot_table) -> RouteShed:
     )
 
 
-class TopkRouteShed(NamedTuple):
-    """Outputs of ``topk_route_shed``: the routing, and ``route_shed`` of it.
-
-    Attributes:
-        indices: int32 ``[..., k]`` each row's top-k expert ids, best first.
-        scores: float32 ``[..., k]`` their probabilities renormalised over the k.
-        shed: ``route_shed(indices, scores, slot_table)``.
-    """
-
-    indices: jax.Array
-    scores: jax.Array
-    shed: RouteShed
-
 
 def topk_ref(probs, *, top_k: int):
-    """Each row's ``top_k`` largest values, in the contract's total order (kq.oracle).
+    """Each row's ``top_k`` largest values, in the contract's total order (kq_core.oracle).
 
     The order is taken on integer keys, so NaN and the two zeros land where
     the contract puts them on every backend. On rows without NaN and without
@@ -183,7 +148,7 @@ def topk_normalized_ref(probs, *, top_k: int):
     return indices, normalize_topk_ref(raw)
 
 
-def topk_route_shed_reference(probs, slot_table, *, top_k: int) -> TopkRouteShed:
+def topk_route_shed_ref(probs, slot_table, *, top_k: int) -> TopkRouteShedResult:
     """Routes each row to its top-k experts, renormalises, and sheds the non-resident ones.
 
     Args:
@@ -192,8 +157,7 @@ def topk_route_shed_reference(probs, slot_table, *, top_k: int) -> TopkRouteShed
         top_k: experts per row, ``1 <= top_k <= min(E, 64)``.
 
     Returns:
-        ``TopkRouteShed(indices, scores, shed)``, each array ``[..., top_k]``.
+        ``TopkRouteShedResult(indices, scores, shed)``, each array ``[..., top_k]``.
     """
-    check_topk_route_shed_args(probs, slot_table, top_k)
     indices, scores = topk_normalized_ref(probs, top_k=top_k)
-    return TopkRouteShed(indices, scores, route_shed_reference(indices, scores, slot_table))
+    return TopkRouteShedResult(indices, scores, route_shed_ref(indices, scores, slot_table))

@@ -6,10 +6,14 @@ on first use, so the kernel sources and their CPU/CuPy harnesses
 (``kq_mlx.metal_cpu``, ``kq_mlx.cuda_cupy``) work without MLX installed.
 """
 
-__all__ = ["RouteShed", "from_numpy", "implementation_for", "route_shed", "route_shed_ops"]
+__all__ = ["RouteShedResult", "from_numpy", "implementation_for", "route_shed", "route_shed_ops"]
 
 
 def __getattr__(name):
+    if name == "RouteShedResult":
+        from kq_core.contract import RouteShedResult
+
+        return RouteShedResult
     if name in __all__:
         from kq_mlx import route_shed_mlx as module
 

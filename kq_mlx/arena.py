@@ -7,10 +7,8 @@ from typing import Any, Mapping
 import mlx.core as mx
 import numpy as np
 
-from kq_mlx.route_shed_mlx import from_numpy
-
-_MX = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16, "int8": mx.int8,
-       "uint8": mx.uint8, "int32": mx.int32, "uint32": mx.uint32}
+from kq_core.validate import dtype_name
+from kq_mlx.route_shed_mlx import MX_DTYPES, from_numpy
 
 
 class MlxArena:
@@ -22,7 +20,7 @@ class MlxArena:
     """
 
     def __init__(self, num_layers: int, num_slots: int, shapes: Mapping[str, tuple[tuple[int, ...], Any]]):
-        self.arrays = {name: mx.zeros((num_layers, num_slots, *shape), dtype=_MX[np.dtype(dtype).name])
+        self.arrays = {name: mx.zeros((num_layers, num_slots, *shape), dtype=MX_DTYPES[dtype_name(np.empty(0, dtype))])
                        for name, (shape, dtype) in shapes.items()}
 
     def write_slot(self, layer: int, slot: int, payload: Mapping[str, np.ndarray]) -> None:

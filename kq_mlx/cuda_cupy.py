@@ -1,7 +1,7 @@
 """Executes ``route_shed.cu`` (the MLX CUDA twin) on an NVIDIA GPU through CuPy/NVRTC.
 
-MLX's CUDA backend is not on the lent GPU machine, so this harness compiles
-the same header and body strings with NVRTC's default options (which contract
+For NVIDIA machines without MLX's CUDA backend, this harness compiles the
+same header and body strings with NVRTC's default options (which contract
 multiply-adds: the source's explicit ``__f*_rn`` intrinsics are what keep it
 exact), launches one thread per row on a grid rounded up to whole blocks, and
 checks guard bands around every output for writes past the last row.
@@ -13,7 +13,7 @@ import functools
 
 import numpy as np
 
-from kq.oracle import RouteShedResult
+from kq_core.contract import RouteShedResult
 from kq_mlx import sources
 
 BLOCK = 256

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kq.oracle import RouteShedResult
+from kq_core.contract import RouteShedResult
 from kq_mlx import sources
 
 COMPILE_FLAGS = ("-std=c++17", "-O2", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-Wno-attributes")

@@ -20,7 +20,7 @@ import mlx.nn as nn
 import numpy as np
 
 import kq_mlx
-from kq.residency import LayerReport
+from kq_host.residency import LayerReport
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 

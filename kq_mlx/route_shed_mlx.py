@@ -15,52 +15,39 @@ the caller evaluates the outputs.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
-from kq.validate import check_route_shed_args, dtype_name
+from kq_core.contract import (
+    CANONICAL_NAN_BITS,
+    F32_MIN_NORMAL,
+    NAN_ORDER_KEY,
+    NOT_A_MISS_KEY,
+    RouteShedResult,
+)
+from kq_core.validate import check_route_shed_args, dtype_name
 from kq_mlx import sources
 
 THREADS_PER_GROUP = 256
-_MIN_NORMAL = 2.0**-126
-_NAN_KEY = 0x7F800002
-_NOT_A_MISS_KEY = 0x7F800003
-_MX_DTYPES = {"int32": mx.int32, "uint32": mx.uint32, "float32": mx.float32, "bfloat16": mx.bfloat16,
-              "float16": mx.float16}
+MX_DTYPES = {"int32": mx.int32, "uint32": mx.uint32, "float32": mx.float32, "bfloat16": mx.bfloat16,
+             "float16": mx.float16, "int8": mx.int8, "uint8": mx.uint8}
 
-
-class RouteShed(NamedTuple):
-    """Outputs of ``route_shed``, each shaped like ``indices``.
-
-    Attributes:
-        slots: arena slot per entry, dtype of ``indices`` (uint32 from an mlx-lm
-            router, ready for ``mx.gather_mm(..., rhs_indices=slots)``).
-        mix: float32 renormalised gate weights, 0 for shed entries.
-        miss_ids: int32 front-packed ids of shed experts to prestage, -1 padded.
-        miss_scores: float32 scores of those misses, +0.0 padded.
-    """
-
-    slots: mx.array
-    mix: mx.array
-    miss_ids: mx.array
-    miss_scores: mx.array
 
 
 def _flush(x):
-    return mx.where(mx.abs(x) < _MIN_NORMAL, 0.0, x)
+    return mx.where(mx.abs(x) < F32_MIN_NORMAL, 0.0, x)
 
 
 def _canonical_nan(x):
-    nan = mx.array(np.uint32(0x7FC00000)).view(mx.float32)
+    nan = mx.array(np.uint32(CANONICAL_NAN_BITS)).view(mx.float32)
     return mx.where(mx.isnan(x), nan, x)
 
 
 def _order_key(s):
     bits = s.view(mx.int32)
     monotone = mx.where(bits >= 0, bits, mx.bitwise_xor(bits, 0x7FFFFFFF))
-    return mx.where(mx.isnan(s), _NAN_KEY, -monotone)
+    return mx.where(mx.isnan(s), NAN_ORDER_KEY, -monotone)
 
 
 def _route_shed_ops_impl(indices, scores, slot_table):
@@ -94,7 +81,7 @@ def _route_shed_ops_impl(indices, scores, slot_table):
     # Misses by rank: a unique int64 key (score key, then k) makes the order
     # independent of whether argsort is stable.
     miss = valid & ~keep
-    key = mx.where(miss, _order_key(s), _NOT_A_MISS_KEY).astype(mx.int64) * 64 + position
+    key = mx.where(miss, _order_key(s), NOT_A_MISS_KEY).astype(mx.int64) * 64 + position
     order = mx.argsort(key, axis=1)
     filled = position < mx.sum(miss, axis=1, keepdims=True)
     miss_ids = mx.where(filled, mx.take_along_axis(ids.astype(mx.int32), order, axis=1), -1)
@@ -108,7 +95,7 @@ def _route_shed_ops_impl(indices, scores, slot_table):
 _route_shed_ops_compiled = mx.compile(_route_shed_ops_impl)
 
 
-def route_shed_ops(indices, scores, slot_table, *, compiled: bool = True) -> RouteShed:
+def route_shed_ops(indices, scores, slot_table, *, compiled: bool = True) -> RouteShedResult:
     """The pure ``mlx.core`` implementation (any device; the CPU path).
 
     Args:
@@ -117,8 +104,12 @@ def route_shed_ops(indices, scores, slot_table, *, compiled: bool = True) -> Rou
             the CPU, see docs/benchmarks.md) or op by op.
     """
     check_route_shed_args(indices, scores, slot_table)
+    return _ops(*_as_mx(indices, scores, slot_table), compiled=compiled)
+
+
+def _ops(indices, scores, slot_table, *, compiled: bool = True) -> RouteShedResult:
     fn = _route_shed_ops_compiled if compiled else _route_shed_ops_impl
-    return RouteShed(*fn(indices, scores, slot_table))
+    return RouteShedResult(*fn(indices, scores, slot_table))
 
 
 def _kernel_spec(filename: str, index_dtype: str, score_dtype: str, top_k: int) -> dict:
@@ -157,23 +148,28 @@ def from_numpy(array: np.ndarray) -> mx.array:
     return mx.array(array)
 
 
-def _launch(kernel, indices, scores, slot_table, *, template, stream) -> RouteShed:
+def _as_mx(*arrays):
+    """MLX arrays as they are, anything else (checked already) through :func:`from_numpy`."""
+    return tuple(a if isinstance(a, mx.array) else from_numpy(np.asarray(a)) for a in arrays)
+
+
+def _launch(kernel, indices, scores, slot_table, *, template, stream) -> RouteShedResult:
     top_k = indices.shape[-1]
     rows = indices.size // top_k
     out_shape = indices.shape
     index_dtype = dtype_name(indices)
     if rows == 0:
-        return RouteShed(*(mx.zeros(out_shape, _MX_DTYPES[d]) for d in sources.output_dtypes(index_dtype)))
+        return RouteShedResult(*(mx.zeros(out_shape, MX_DTYPES[d]) for d in sources.output_dtypes(index_dtype)))
     outputs = kernel(
         inputs=[indices.reshape(rows, top_k), scores.reshape(rows, top_k), slot_table],
         template=template,
         grid=(rows, 1, 1),
         threadgroup=(min(THREADS_PER_GROUP, rows), 1, 1),
         output_shapes=[(rows, top_k)] * 4,
-        output_dtypes=[_MX_DTYPES[d] for d in sources.output_dtypes(index_dtype)],
+        output_dtypes=[MX_DTYPES[d] for d in sources.output_dtypes(index_dtype)],
         stream=stream,
     )
-    return RouteShed(*(o.reshape(out_shape) for o in outputs))
+    return RouteShedResult(*(o.reshape(out_shape) for o in outputs))
 
 
 def implementation_for(stream=None) -> str:
@@ -191,7 +187,7 @@ def implementation_for(stream=None) -> str:
     return "ops"
 
 
-def route_shed(indices, scores, slot_table, *, stream=None) -> RouteShed:
+def route_shed(indices, scores, slot_table, *, stream=None) -> RouteShedResult:
     """Remaps routed experts to arena slots and sheds the non-resident ones (lazily).
 
     A drop-in for mlx_kquant's ``route_shed``: builds into the caller's graph
@@ -199,25 +195,26 @@ def route_shed(indices, scores, slot_table, *, stream=None) -> RouteShed:
 
     Args:
         indices: uint32 (mlx-lm routers) or int32 ``[..., K]`` top-k expert ids,
-            ``1 <= K <= 64``.
+            ``1 <= K <= 64``. Each input may be an ``mx.array`` or a NumPy array.
         scores: float32, bfloat16 or float16 ``[..., K]`` gate scores.
         slot_table: int32 ``[E]``; ``slot_table[e] >= 0`` is the arena slot of
             resident expert ``e``, negative means not resident.
         stream: MLX stream or device to run on (default: the default stream).
 
     Returns:
-        ``RouteShed(slots, mix, miss_ids, miss_scores)`` shaped like ``indices``;
+        ``RouteShedResult(slots, mix, miss_ids, miss_scores)`` shaped like ``indices``;
         ``slots`` has the dtype of ``indices``.
 
     Raises:
         TypeError / ValueError: a wrong dtype or shape, naming the argument.
     """
     check_route_shed_args(indices, scores, slot_table)
+    indices, scores, slot_table = _as_mx(indices, scores, slot_table)
     impl = implementation_for(stream)
     if impl == "ops":
         with mx.stream(stream if stream is not None else mx.default_stream(mx.default_device())):
-            return route_shed_ops(indices, scores, slot_table)
+            return _ops(indices, scores, slot_table)
     variant = (dtype_name(indices), dtype_name(scores), indices.shape[-1])
     build = metal_kernel if impl == "metal" else cuda_kernel
-    template = [(name, _MX_DTYPES.get(value, value)) for name, value in sources.template_args(*variant)]
+    template = [(name, MX_DTYPES.get(value, value)) for name, value in sources.template_args(*variant)]
     return _launch(build(*variant), indices, scores, slot_table, template=template, stream=stream)

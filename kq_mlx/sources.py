@@ -1,9 +1,12 @@
 """The kernel sources of kq_mlx and the signatures MLX wraps around them.
 
-``route_shed.metal`` and ``route_shed.cu`` each hold a header and a body,
-split at ``// ==== header ====`` and ``// ==== body ====``. The header gets ``exact_f32.inc`` appended (the integer multiply both
-kernels share). The same strings go
-to ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel`` and to the harnesses that
+Both kernels run one row loop, ``route_shed_row.inc``, split at
+``// ==== helpers ====`` and ``// ==== body ====``. A kernel's header is the
+contract's constants (from :mod:`kq_core.contract`), the language's own
+header (``route_shed.metal`` or ``route_shed.cu``: the macros and index types
+the loop uses), the integer multiply both share (``exact_f32.inc``) and the
+loop's helpers; its body is the loop. The same strings go to
+``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel`` and to the harnesses that
 execute them where the hardware is missing, together with a signature written
 the way MLX writes it, so what is tested is what MLX compiles.
 """
@@ -17,7 +20,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kq.validate import check_route_shed_args, dtype_name
+from kq_core.contract import CANONICAL_NAN_BITS, F32_MIN_NORMAL, NAN_ORDER_KEY
+from kq_core.validate import check_route_shed_args, dtype_name
 
 INPUT_NAMES = ("indices", "scores", "slot_table")
 OUTPUT_NAMES = ("slots", "mix", "miss_ids", "miss_scores")
@@ -64,15 +68,21 @@ class KernelSource:
     body: str
 
 
+def constants_header() -> str:
+    """The contract's constants as the kernels' preprocessor definitions."""
+    return (f"#define KQ_MIN_NORMAL {F32_MIN_NORMAL!r}f  // 2^-126\n"
+            f"#define KQ_CANONICAL_NAN 0x{CANONICAL_NAN_BITS:08X}u\n"
+            f"#define KQ_NAN_ORDER_KEY 0x{NAN_ORDER_KEY:08X}\n")
+
+
 @functools.lru_cache(maxsize=None)
 def load(filename: str) -> KernelSource:
-    """Splits ``route_shed.metal`` / ``route_shed.cu`` into header and body."""
+    """Header and body of the kernel for ``route_shed.metal`` or ``route_shed.cu``."""
     package = resources.files("kq_mlx")
-    text = (package / filename).read_text()
-    _, rest = text.split("// ==== header ====\n", 1)
-    header, body = rest.split("// ==== body ====\n", 1)
-    # The integer multiply both kernels share, written once for both languages.
-    header += "\n" + (package / "exact_f32.inc").read_text()
+    _, rest = (package / "route_shed_row.inc").read_text().split("// ==== helpers ====\n", 1)
+    helpers, body = rest.split("// ==== body ====\n", 1)
+    header = "\n".join((constants_header(), (package / filename).read_text(),
+                        (package / "exact_f32.inc").read_text(), helpers))
     return KernelSource(header=header, body=body)
 
 

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from kq.backends import Unavailable, all_backends, backend
-from kq.spec import load_spec
+from kq_core.spec import load_spec
 
 SPEC = load_spec()
 BACKEND_NAMES = [b.name for b in all_backends()]
@@ -19,7 +19,7 @@ def runner(request):
 
 
 def assert_same_bits(expected, got):
-    from kq.compare import first_mismatch
+    from kq_core.compare import first_mismatch
 
     mismatch = first_mismatch(expected, got)
     assert mismatch is None, str(mismatch)

@@ -16,7 +16,7 @@ def flush(x):
 
 
 def route_shed_row(ids, scores, table):
-    k_width = len(ids)
+    top_k = len(ids)
     s = [flush(np.float32(v)) for v in scores]
     slot = []
     for e in ids:
@@ -26,26 +26,26 @@ def route_shed_row(ids, scores, table):
     total = np.float32(0.0)
     kept = np.float32(0.0)
     with np.errstate(all="ignore"):
-        for k in range(k_width):
+        for k in range(top_k):
             total = flush(total + s[k])
             if keep[k]:
                 kept = flush(kept + s[k])
         scale = flush(total / kept) if kept > np.float32(0.0) else np.float32(0.0)
-        first = next((slot[k] for k in range(k_width) if keep[k]), 0)
-        slots = [slot[k] if keep[k] else first for k in range(k_width)]
-        mix = [flush(s[k] * scale) if keep[k] else np.float32(0.0) for k in range(k_width)]
-    misses = [k for k in range(k_width) if not keep[k] and 0 <= int(ids[k]) < len(table)]
+        first = next((slot[k] for k in range(top_k) if keep[k]), 0)
+        slots = [slot[k] if keep[k] else first for k in range(top_k)]
+        mix = [flush(s[k] * scale) if keep[k] else np.float32(0.0) for k in range(top_k)]
+    misses = [k for k in range(top_k) if not keep[k] and 0 <= int(ids[k]) < len(table)]
     misses.sort(key=lambda k: (bool(np.isnan(s[k])), 0.0 if np.isnan(s[k]) else -float(s[k]), k))
-    miss_ids = [int(ids[k]) for k in misses] + [-1] * (k_width - len(misses))
-    miss_scores = [s[k] for k in misses] + [np.float32(0.0)] * (k_width - len(misses))
+    miss_ids = [int(ids[k]) for k in misses] + [-1] * (top_k - len(misses))
+    miss_scores = [s[k] for k in misses] + [np.float32(0.0)] * (top_k - len(misses))
     canon = lambda v: NAN if np.isnan(v) else v  # noqa: E731
     return slots, [canon(v) for v in mix], miss_ids, [canon(v) for v in miss_scores]
 
 
 def route_shed_scalar(indices, scores, table):
-    k_width = indices.shape[-1]
-    ids = indices.reshape(-1, k_width)
-    sc = scores.reshape(-1, k_width).astype(np.float32)
+    top_k = indices.shape[-1]
+    ids = indices.reshape(-1, top_k)
+    sc = scores.reshape(-1, top_k).astype(np.float32)
     rows = [route_shed_row(ids[r], sc[r], table) for r in range(ids.shape[0])]
     shape = indices.shape
     cols = list(zip(*rows)) if rows else [[], [], [], []]

@@ -14,7 +14,7 @@ EDGE_F32_BITS = [0x00000000, 0x80000000, 0x00000001, 0x807FFFFF, 0x00800000, 0x7
 def route_shed_inputs(draw, max_rows=24, max_k=64, max_experts=300):
     """(indices, scores, slot_table) with skewed residency, duplicate and stray ids, all dtypes."""
     rows = draw(st.integers(0, max_rows))
-    k_width = draw(st.integers(1, max_k))
+    top_k = draw(st.integers(1, max_k))
     experts = draw(st.integers(1, max_experts))
     index_dtype = draw(st.sampled_from([np.int32, np.uint32]))
     score_name = draw(st.sampled_from(list(SCORE_DTYPES)))
@@ -23,7 +23,7 @@ def route_shed_inputs(draw, max_rows=24, max_k=64, max_experts=300):
     rng = np.random.default_rng(seed)
 
     table = np.where(rng.random(experts) < resident, rng.permutation(experts), -1 - rng.integers(0, 5, experts))
-    ids = rng.integers(0, experts, (rows, k_width))
+    ids = rng.integers(0, experts, (rows, top_k))
     stray = rng.random(ids.shape) < draw(st.sampled_from([0.0, 0.05, 0.3]))
     strays = [experts, 2**31 - 1] + ([-1, -(2**31)] if index_dtype == np.int32 else [2**31, 2**32 - 1])
     ids = np.where(stray, rng.choice(strays, ids.shape), ids)

@@ -10,9 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kq import route_shed
-from kq.expert_store import ExpertStore, ExpertStoreError
-from kq.prestage import prestage_order
-from kq.residency import LayerReport, NumpyArena, ResidencyManager
+from kq_host.arena import NumpyArena
+from kq_host.expert_store import ExpertStore, ExpertStoreError
+from kq_host.prestage import prestage_order
+from kq_host.residency import LayerReport, ResidencyManager
 
 # ---- prestage_order ---------------------------------------------------------------------
 

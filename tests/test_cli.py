@@ -7,8 +7,8 @@ import pytest
 
 import kq
 from kq.cli import main
-from kq.inputs import router_inputs
-from kq.oracle import route_shed_oracle
+from kq_core.inputs import router_inputs
+from kq_core.oracle import route_shed_oracle
 
 
 def test_check_passes_and_prints_a_table(capsys):

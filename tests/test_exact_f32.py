@@ -9,7 +9,7 @@ import pytest
 
 jax = pytest.importorskip("jax")
 
-from kq.oracle import flush  # noqa: E402
+from kq_core.oracle import flush  # noqa: E402
 from kq_jax.exact_f32 import div_flush_raw, mul_flush_raw  # noqa: E402
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -39,7 +39,7 @@ def in_pallas_kernel(op):
 
 
 def implementations():
-    from kq_jax.route_shed_pallas import ptx_div_flush, ptx_mul_flush
+    from kq_jax.pallas.route_shed_kernel import ptx_div_flush, ptx_mul_flush
 
     gpu_only = pytest.mark.skipif(not ON_GPU, reason="inline PTX runs on a CUDA GPU only")
     return [

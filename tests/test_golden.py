@@ -1,7 +1,6 @@
 """Every golden case through every backend that can run here (one id per case x backend)."""
 
 import pytest
-
 from conftest import SPEC, assert_same_bits
 
 

@@ -5,10 +5,10 @@ import shutil
 import subprocess
 
 import pytest
-
 from conftest import assert_same_bits
-from kq.inputs import adversarial_inputs
-from kq.oracle import route_shed_oracle
+
+from kq_core.inputs import adversarial_inputs
+from kq_core.oracle import route_shed_oracle
 from kq_mlx import cuda_cupy, metal_cpu, sources
 
 

@@ -5,10 +5,11 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 
-import kq_mlx  # noqa: E402
 from conftest import assert_same_bits  # noqa: E402
-from kq.inputs import adversarial_inputs, router_inputs  # noqa: E402
-from kq.oracle import route_shed_oracle  # noqa: E402
+
+import kq_mlx  # noqa: E402
+from kq_core.inputs import adversarial_inputs, router_inputs  # noqa: E402
+from kq_core.oracle import route_shed_oracle  # noqa: E402
 from kq_mlx.route_shed_mlx import cuda_kernel, from_numpy, metal_kernel  # noqa: E402
 
 

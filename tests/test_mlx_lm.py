@@ -8,7 +8,7 @@ pytest.importorskip("mlx_lm")
 from mlx_lm.models import mixtral, qwen3_moe  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from kq.residency import ResidencyManager  # noqa: E402
+from kq_host.residency import ResidencyManager  # noqa: E402
 from kq_mlx.mlx_lm_adapter import SwitchGLUArena, attach_arena, set_tables  # noqa: E402
 
 EXPERTS, LAYERS = 16, 2

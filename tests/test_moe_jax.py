@@ -5,9 +5,9 @@ import pytest
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
-
 from conftest import assert_same_bits  # noqa: E402
-from kq.oracle import route_shed_oracle  # noqa: E402
+
+from kq_core.oracle import route_shed_oracle  # noqa: E402
 from kq_jax.moe import Experts, _experts_apply, moe_ffn_arena, moe_ffn_resident, route  # noqa: E402
 
 E, D, F, T, K = 16, 32, 24, 5, 4

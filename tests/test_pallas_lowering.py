@@ -16,7 +16,7 @@ jax = pytest.importorskip("jax")
 from jax import export  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 
-from kq.inputs import router_inputs  # noqa: E402
+from kq_core.inputs import router_inputs  # noqa: E402
 
 FORBIDDEN = re.compile(r"arith\.(mulf|divf|remf)|math\.fma|tt\.precise_divf|fdiv")
 
@@ -31,12 +31,12 @@ FORBIDDEN = re.compile(r"arith\.(mulf|divf|remf)|math\.fma|tt\.precise_divf|fdiv
 ])
 def test_triton_ir_has_no_float_multiply_or_divide(monkeypatch, capfd, rows, top_k, experts, index_dtype,
                                                    score_dtype, path, ptx_arith):
-    import kq_jax.route_shed_pallas as module
+    from kq_jax.pallas import KernelConfig, route_shed_pallas
 
     inputs = router_inputs(np.random.default_rng(0), rows, top_k, experts, index_dtype=index_dtype,
                            score_dtype=score_dtype)
-    config = module.KernelConfig(tiled_io=path == "tiled", ptx_arith=ptx_arith, entry_lanes=path == "lanes")
-    ir = _triton_ir(monkeypatch, capfd, lambda i, s, t: module.route_shed_pallas(i, s, t, config=config), inputs)
+    config = KernelConfig(tiled_io=path == "tiled", ptx_arith=ptx_arith, entry_lanes=path == "lanes")
+    ir = _triton_ir(monkeypatch, capfd, lambda i, s, t: route_shed_pallas(i, s, t, config=config), inputs)
     assert_only_exact_float_ops(ir, ptx_arith)
 
 
@@ -47,20 +47,20 @@ def test_topk_kernel_triton_ir_has_no_float_multiply_or_divide(monkeypatch, capf
                                                                ptx_arith):
     import jax.numpy as jnp
 
-    import kq_jax.route_shed_pallas as module
+    from kq_jax.pallas import KernelConfig, topk_route_shed_pallas
 
     rng = np.random.default_rng(0)
     probs = jnp.asarray(rng.random((rows, experts)), dtype)
     table = np.where(rng.random(experts) < 0.5, np.arange(experts), -1).astype(np.int32)
-    config = module.KernelConfig(ptx_arith=ptx_arith)
+    config = KernelConfig(ptx_arith=ptx_arith)
     ir = _triton_ir(monkeypatch, capfd,
-                    lambda p, t: module.topk_route_shed_pallas(p, t, top_k=top_k, config=config), (probs, table))
+                    lambda p, t: topk_route_shed_pallas(p, t, top_k=top_k, config=config), (probs, table))
     assert_only_exact_float_ops(ir, ptx_arith)
 
 
 def _triton_ir(monkeypatch, capfd, fn, inputs) -> str:
     """The Triton IR the kernels in ``fn`` lower to for CUDA (skips where this jaxlib cannot lower it)."""
-    import kq_jax.route_shed_pallas as module
+    from kq_jax.pallas import ops as module
 
     monkeypatch.setattr(module.pl, "pallas_call", functools.partial(pl.pallas_call, debug=True))
     try:
@@ -84,13 +84,13 @@ def assert_only_exact_float_ops(ir: str, ptx_arith: bool):
 def test_repeated_calls_lower_the_kernel_once():
     """A model calls route_shed once per MoE layer; each call must not trace and lower the kernel again
     (on the H200 that cost ~1 s per call site and dominated compile time)."""
-    import kq_jax.route_shed_pallas as module
+    from kq_jax.pallas import route_shed_pallas
 
     inputs = router_inputs(np.random.default_rng(0), 64, 8, 256)
 
     def layers(indices, scores, table):
         for _ in range(4):
-            scores = scores + 0 * module.route_shed_pallas(indices, scores, table).mix
+            scores = scores + 0 * route_shed_pallas(indices, scores, table).mix
         return scores
 
     try:

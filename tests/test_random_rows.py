@@ -1,11 +1,11 @@
 """Hypothesis-driven random rows: every backend against the oracle, the oracle against the contract."""
 
-from hypothesis import HealthCheck, given, settings
-
 from conftest import assert_same_bits
-from kq.oracle import route_shed_oracle
+from hypothesis import HealthCheck, given, settings
 from scalar_contract import route_shed_scalar
 from strategies import route_shed_inputs
+
+from kq_core.oracle import route_shed_oracle
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -5,11 +5,11 @@ import pytest
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
+from conftest import assert_same_bits  # noqa: E402
 from jax import lax  # noqa: E402
 
 import kq_jax  # noqa: E402
-from conftest import assert_same_bits  # noqa: E402
-from kq.oracle import route_shed_oracle, topk_route_shed_oracle  # noqa: E402
+from kq_core.oracle import route_shed_oracle, topk_route_shed_oracle  # noqa: E402
 from kq_jax.reference import topk_ref  # noqa: E402
 
 ON_GPU = jax.default_backend() == "gpu"

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kq.oracle import RouteShedResult, TopkRouteShedResult
+from kq_core.contract import RouteShedResult, TopkRouteShedResult
 
 
 @dataclass(frozen=True)

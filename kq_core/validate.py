@@ -1,4 +1,4 @@
-"""Argument checks shared by every ``route_shed`` entry point.
+"""Argument checks, run once at each public entry point of ``route_shed`` and ``topk_route_shed``.
 
 Two layers:
 
@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-MAX_TOP_K = 64
-INDEX_DTYPES = ("int32", "uint32")
-SCORE_DTYPES = ("float32", "bfloat16", "float16")
-SLOT_TABLE_DTYPES = ("int32",)
+from kq_core.contract import INDEX_DTYPES, MAX_TOP_K, SCORE_DTYPES, SLOT_TABLE_DTYPES
 
 
 class RouteShedInputError(ValueError):

@@ -37,36 +37,22 @@ on an arena needs one launch after its softmax. Per row of ``E`` values:
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import numpy as np
 
-from kq.validate import check_route_shed_args, check_topk_route_shed_args
-
-F32_MIN_NORMAL = np.float32(2.0**-126)
-CANONICAL_NAN_BITS = 0x7FC00000
-
-
-class RouteShedResult(NamedTuple):
-    """The four outputs of ``route_shed``, each shaped like ``indices``.
-
-    Attributes:
-        slots: arena slot per entry, dtype of ``indices``.
-        mix: float32 gate weight per entry (0.0 for shed entries).
-        miss_ids: int32 ids of shed resident-able experts, front-packed, -1 padded.
-        miss_scores: float32 scores of those misses, +0.0 padded.
-    """
-
-    slots: np.ndarray
-    mix: np.ndarray
-    miss_ids: np.ndarray
-    miss_scores: np.ndarray
+from kq_core.contract import (
+    CANONICAL_NAN_BITS,
+    F32_MIN_NORMAL,
+    NAN_ORDER_KEY,
+    RouteShedResult,
+    TopkRouteShedResult,
+)
+from kq_core.validate import check_route_shed_args, check_topk_route_shed_args
 
 
 def flush(x: np.ndarray) -> np.ndarray:
     """Maps every float32 with magnitude below 2**-126 (and -0.0) to +0.0."""
     x = np.asarray(x, np.float32)
-    return np.where(np.abs(x) < F32_MIN_NORMAL, np.float32(0.0), x).astype(np.float32)
+    return np.where(np.abs(x) < np.float32(F32_MIN_NORMAL), np.float32(0.0), x).astype(np.float32)
 
 
 def canonicalize_nan(x: np.ndarray) -> np.ndarray:
@@ -95,14 +81,16 @@ def route_shed_oracle(indices, scores, slot_table) -> RouteShedResult:
     Raises:
         TypeError / ValueError: a wrong dtype or shape, naming the argument.
     """
-    indices = np.asarray(indices)
-    scores = np.asarray(scores)
-    slot_table = np.asarray(slot_table)
+    indices, scores, slot_table = np.asarray(indices), np.asarray(scores), np.asarray(slot_table)
     check_route_shed_args(indices, scores, slot_table)
+    return _route_shed(indices, scores, slot_table)
+
+
+def _route_shed(indices: np.ndarray, scores: np.ndarray, slot_table: np.ndarray) -> RouteShedResult:
     out_shape = indices.shape
-    k_width = out_shape[-1]
-    ids = indices.reshape(-1, k_width).astype(np.int64)  # [rows, k]
-    s = flush(scores.reshape(-1, k_width).astype(np.float32))  # [rows, k]
+    top_k = out_shape[-1]
+    ids = indices.reshape(-1, top_k).astype(np.int64)  # [rows, k]
+    s = flush(scores.reshape(-1, top_k).astype(np.float32))  # [rows, k]
     num_experts = slot_table.shape[0]
 
     valid = (ids >= 0) & (ids < num_experts)
@@ -114,7 +102,7 @@ def route_shed_oracle(indices, scores, slot_table) -> RouteShedResult:
     kept = np.zeros(rows, np.float32)
     # Overflow to inf and inf - inf are part of the contract, not accidents.
     with np.errstate(all="ignore"):
-        for k in range(k_width):
+        for k in range(top_k):
             total = flush(total + s[:, k])
             kept = np.where(keep[:, k], flush(kept + s[:, k]), kept)
         has_mass = kept > np.float32(0.0)
@@ -130,7 +118,7 @@ def route_shed_oracle(indices, scores, slot_table) -> RouteShedResult:
     miss = valid & ~keep
     is_nan = np.isnan(s)
     neg_score = np.where(is_nan, np.float32(0.0), -s)
-    position = np.broadcast_to(np.arange(k_width), ids.shape)
+    position = np.broadcast_to(np.arange(top_k), ids.shape)
     # lexsort's last key is the primary one: misses first, numbers before NaN,
     # descending score, then ascending k.
     order = np.lexsort((position, neg_score, is_nan, ~miss), axis=-1)
@@ -148,25 +136,11 @@ def route_shed_oracle(indices, scores, slot_table) -> RouteShedResult:
     )
 
 
-class TopkRouteShedResult(NamedTuple):
-    """Outputs of ``topk_route_shed``: the routing, and ``route_shed`` of it.
-
-    Attributes:
-        indices: int32 ``[..., k]`` the row's top-k expert ids, best first.
-        scores: float32 ``[..., k]`` their values renormalised to the row's top-k mass.
-        shed: ``route_shed(indices, scores, slot_table)``.
-    """
-
-    indices: np.ndarray
-    scores: np.ndarray
-    shed: RouteShedResult
-
-
 def score_order_key(values: np.ndarray) -> np.ndarray:
-    """int64 key whose ascending order is descending f32 ``values``, +0.0 before -0.0, NaN last."""
-    bits = np.asarray(values, np.float32).view(np.int32).astype(np.int64)
+    """int32 key whose ascending order is descending f32 ``values``, +0.0 before -0.0, NaN last."""
+    bits = np.asarray(values, np.float32).view(np.int32)
     monotone = np.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    return np.where(np.isnan(values), np.int64(2**31), -monotone)
+    return np.where(np.isnan(values), np.int32(NAN_ORDER_KEY), -monotone).astype(np.int32)
 
 
 def topk_normalized_oracle(probs, top_k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -198,4 +172,4 @@ def topk_route_shed_oracle(probs, slot_table, top_k: int) -> TopkRouteShedResult
     probs, slot_table = np.asarray(probs), np.asarray(slot_table)
     check_topk_route_shed_args(probs, slot_table, top_k)
     indices, scores = topk_normalized_oracle(probs, top_k)
-    return TopkRouteShedResult(indices, scores, route_shed_oracle(indices, scores, slot_table))
+    return TopkRouteShedResult(indices, scores, _route_shed(indices, scores, slot_table))

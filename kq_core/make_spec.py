@@ -1,22 +1,19 @@
 """Regenerates shared/spec.json from the oracle.
 
-Run ``python tools/make_spec.py`` after a deliberate change to the contract;
+Run ``python -m kq_core.make_spec`` after a deliberate change to the contract;
 tests/test_spec.py fails whenever the file and the oracle disagree.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from kq.inputs import adversarial_inputs, router_inputs  # noqa: E402
-from kq.oracle import route_shed_oracle  # noqa: E402
-from kq.spec import encode_array  # noqa: E402
+from kq_core.inputs import adversarial_inputs, router_inputs
+from kq_core.oracle import route_shed_oracle
+from kq_core.spec import encode_array
 
 VERSION = "1.0.0"
 CONTRACT = [

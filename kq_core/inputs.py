@@ -12,11 +12,9 @@ Two flavours:
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
-SCORE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
-INDEX_DTYPES = {"int32": np.int32, "uint32": np.uint32}
+from kq_core.contract import NUMPY_DTYPES
 
 _SPECIAL_SCORE_BITS = np.array(
     [
@@ -87,8 +85,8 @@ def router_inputs(
         scores = scores / scores.sum(axis=1, keepdims=True)
     scores = np.sort(scores, axis=1)[:, ::-1]
     return (
-        ids.astype(INDEX_DTYPES[index_dtype]),
-        scores.astype(np.float32).astype(SCORE_DTYPES[score_dtype]),
+        ids.astype(NUMPY_DTYPES[index_dtype]),
+        scores.astype(np.float32).astype(NUMPY_DTYPES[score_dtype]),
         slot_table(rng, num_experts, resident_fraction),
     )
 
@@ -127,5 +125,5 @@ def adversarial_inputs(
     duplicate = rng.random(shape) < edge_fraction / 2
     ids = np.where(duplicate, np.roll(ids, 1, axis=-1), ids)
     with np.errstate(over="ignore", invalid="ignore"):  # huge scores becoming f16 inf, NaN to f16: intended
-        scores = scores.astype(SCORE_DTYPES[score_dtype])
-    return ids.astype(INDEX_DTYPES[index_dtype]), scores, table
+        scores = scores.astype(NUMPY_DTYPES[score_dtype])
+    return ids.astype(NUMPY_DTYPES[index_dtype]), scores, table

@@ -13,19 +13,11 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 
-from kq.oracle import RouteShedResult
+from kq_core.contract import NUMPY_DTYPES, RouteShedResult
 
 _FLOAT_BITS = {"float32": np.uint32, "float16": np.uint16, "bfloat16": np.uint16}
-_NUMPY_DTYPES = {
-    "int32": np.dtype(np.int32),
-    "uint32": np.dtype(np.uint32),
-    "float32": np.dtype(np.float32),
-    "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-}
 INPUT_NAMES = ("indices", "scores", "slot_table")
 OUTPUT_NAMES = RouteShedResult._fields
 
@@ -75,13 +67,13 @@ def decode_array(obj: dict) -> np.ndarray:
     shape = tuple(obj["shape"])
     if name in _FLOAT_BITS:
         bits = np.array([int(b, 16) for b in obj["bits"]], dtype=_FLOAT_BITS[name])
-        return bits.view(_NUMPY_DTYPES[name]).reshape(shape)
-    return np.array(obj["values"], dtype=_NUMPY_DTYPES[name]).reshape(shape)
+        return bits.view(NUMPY_DTYPES[name]).reshape(shape)
+    return np.array(obj["values"], dtype=NUMPY_DTYPES[name]).reshape(shape)
 
 
 def default_spec_path() -> Path:
     """The spec shipped with the package (a link to the repo's shared/spec.json)."""
-    return Path(str(resources.files("kq") / "spec.json"))
+    return Path(str(resources.files("kq_core") / "spec.json"))
 
 
 @functools.lru_cache(maxsize=4)

@@ -1,0 +1,17 @@
+"""The host side of an expert arena, in NumPy: what is resident, what to read next, and the reads.
+
+:class:`~kq_host.residency.ResidencyManager` keeps the per-layer slot tables
+and runs the token-boundary step; :func:`~kq_host.prestage.prestage_order`
+ranks a token's misses; :class:`~kq_host.expert_store.ExpertStore` reads one
+expert at a time from safetensors files; :class:`~kq_host.arena.NumpyArena`
+holds experts in host memory (the JAX and MLX arenas are in ``kq_jax`` and
+``kq_mlx``).
+"""
+
+from kq_host.arena import Arena, NumpyArena
+from kq_host.expert_store import ExpertStore, ExpertStoreError
+from kq_host.prestage import PrestageOrder, prestage_order
+from kq_host.residency import FailedRead, LayerReport, LayerStats, ResidencyManager
+
+__all__ = ["Arena", "ExpertStore", "ExpertStoreError", "FailedRead", "LayerReport", "LayerStats", "NumpyArena",
+           "PrestageOrder", "ResidencyManager", "prestage_order"]

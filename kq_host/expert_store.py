@@ -1,0 +1,217 @@
+"""Reads single experts out of safetensors checkpoints, without reading the rest.
+
+Two layouts are in the wild and both are supported:
+
+* one tensor per expert and projection, e.g.
+  ``model.layers.{layer}.mlp.experts.{expert}.gate_proj.weight`` (Qwen3-MoE,
+  Mixtral, DeepSeek checkpoints on the Hub);
+* stacked tensors ``[E, ...]`` per layer and projection, e.g.
+  ``model.layers.{layer}.mlp.experts.gate_proj`` (converted / MLX checkpoints),
+  from which one expert is a contiguous byte range.
+
+The safetensors header is parsed here (8-byte little-endian length, JSON, then
+the data) and each projection is read with one ``os.pread`` of exactly its
+bytes, so a thread pool of ``queue_depth`` readers keeps an SSD's queue full.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Mapping, Sequence
+
+import ml_dtypes
+import numpy as np
+
+SAFETENSORS_DTYPES = {
+    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "I64": np.dtype(np.int64), "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16), "I8": np.dtype(np.int8), "U64": np.dtype(np.uint64),
+    "U32": np.dtype(np.uint32), "U16": np.dtype(np.uint16), "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+}
+PER_EXPERT_TEMPLATE = "model.layers.{layer}.mlp.experts.{expert}.{projection}.weight"
+STACKED_TEMPLATE = "model.layers.{layer}.mlp.experts.{projection}"
+
+
+class ExpertStoreError(ValueError):
+    """A tensor is missing, mis-shaped or unreadable; the message names file, tensor and expert."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    path: Path
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the tensor's data in the file
+    nbytes: int
+
+
+def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorEntry]:
+    """Parses one file's header into ``{tensor name: TensorEntry}``."""
+    path = Path(path)
+    with open(path, "rb") as handle:
+        raw = handle.read(8)
+        if len(raw) != 8:
+            raise ExpertStoreError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+        (length,) = struct.unpack("<Q", raw)
+        try:
+            header = json.loads(handle.read(length))
+        except ValueError as error:
+            raise ExpertStoreError(f"{path}: unreadable safetensors header ({error})") from error
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in SAFETENSORS_DTYPES:
+            raise ExpertStoreError(f"{path}: tensor {name} has dtype {info['dtype']}, which kq cannot read")
+        begin, end = info["data_offsets"]
+        entries[name] = TensorEntry(path, SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]),
+                                    8 + length + begin, end - begin)
+    return entries
+
+
+class ExpertStore:
+    """Reads one expert of one layer (all its projections) from safetensors files.
+
+    Args:
+        paths: a ``.safetensors`` file, a directory of them, or a list of files.
+        layout: ``"per_expert"`` or ``"stacked"``.
+        projections: projection names, e.g. ``("gate_proj", "up_proj", "down_proj")``.
+        template: tensor-name template with ``{layer}``, ``{projection}`` and,
+            for per-expert files, ``{expert}``. Defaults to the usual HF names.
+        queue_depth: concurrent reads (worker threads) for :meth:`submit`.
+
+    Raises:
+        ExpertStoreError: no safetensors file found.
+    """
+
+    def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike], *,
+                 layout: Literal["per_expert", "stacked"] = "per_expert",
+                 projections: Sequence[str] = ("gate_proj", "up_proj", "down_proj"),
+                 template: str | None = None, queue_depth: int = 8):
+        if layout not in ("per_expert", "stacked"):
+            raise ValueError(f"ExpertStore: layout must be 'per_expert' or 'stacked', got {layout!r}")
+        self.layout = layout
+        self.projections = tuple(projections)
+        self.template = template or (PER_EXPERT_TEMPLATE if layout == "per_expert" else STACKED_TEMPLATE)
+        files = self._files(paths)
+        self.tensors: dict[str, TensorEntry] = {}
+        for path in files:
+            self.tensors.update(read_safetensors_header(path))
+        self._pool = ThreadPoolExecutor(max_workers=queue_depth, thread_name_prefix="kq-expert-read")
+        self._descriptors: dict[Path, int] = {}
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+
+    @staticmethod
+    def _files(paths) -> list[Path]:
+        if isinstance(paths, (str, os.PathLike)):
+            root = Path(paths)
+            files = sorted(root.glob("*.safetensors")) if root.is_dir() else [root]
+        else:
+            files = [Path(p) for p in paths]
+        if not files:
+            raise ExpertStoreError(f"ExpertStore: no .safetensors files in {paths}")
+        return files
+
+    def _descriptor(self, path: Path) -> int:
+        with self._lock:
+            if path not in self._descriptors:
+                self._descriptors[path] = os.open(path, os.O_RDONLY)
+            return self._descriptors[path]
+
+    def _locate(self, layer: int, expert: int, projection: str) -> tuple[TensorEntry, int, int, tuple[int, ...]]:
+        """(entry, byte offset, byte count, shape) of one projection of one expert."""
+        name = self.template.format(layer=layer, expert=expert, projection=projection)
+        entry = self.tensors.get(name)
+        if entry is None:
+            files = sorted({e.path.name for e in self.tensors.values()})
+            shown = ", ".join(files[:4]) + (f" and {len(files) - 4} more" if len(files) > 4 else "")
+            raise ExpertStoreError(f"expert {expert} of layer {layer}: tensor {name} is in none of the store's "
+                                   f"files ({shown})")
+        if self.layout == "per_expert":
+            return entry, entry.offset, entry.nbytes, entry.shape
+        if len(entry.shape) < 1 or not 0 <= expert < entry.shape[0]:
+            raise ExpertStoreError(f"{entry.path}: tensor {name} has shape {list(entry.shape)}, "
+                                   f"which holds no expert {expert}")
+        stride = entry.nbytes // entry.shape[0]
+        return entry, entry.offset + expert * stride, stride, entry.shape[1:]
+
+    def expert_shapes(self, layer: int, expert: int = 0) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """``{projection: (shape, dtype)}`` of one expert, from the headers alone."""
+        out = {}
+        for projection in self.projections:
+            entry, _, _, shape = self._locate(layer, expert, projection)
+            out[projection] = (shape, entry.dtype)
+        return out
+
+    def _layer_shapes(self, layer: int) -> dict:
+        """Expert 0's shapes, the default every expert of the layer must match ({} if it is absent)."""
+        try:
+            return self.expert_shapes(layer, 0)
+        except ExpertStoreError:
+            return {}
+
+    def expert_nbytes(self, layer: int, expert: int = 0) -> int:
+        return sum(self._locate(layer, expert, p)[2] for p in self.projections)
+
+    def read_expert(self, layer: int, expert: int, *,
+                    expected: Mapping[str, tuple[tuple[int, ...], np.dtype]] | None = None) -> dict[str, np.ndarray]:
+        """Reads all projections of one expert (blocking).
+
+        Args:
+            layer, expert: which expert.
+            expected: ``{projection: (shape, dtype)}`` each read must match (the
+                arena's slot layout). Default: the layer's expert 0, so one
+                mis-shaped expert in a per-expert checkpoint is caught.
+
+        Returns:
+            ``{projection: array}`` in the file's dtype and shape.
+
+        Raises:
+            ExpertStoreError: a missing tensor, a short read, or a shape/dtype that
+                differs from ``expected``; the message names file, tensor and expert.
+        """
+        out = {}
+        for projection in self.projections:
+            entry, offset, nbytes, shape = self._locate(layer, expert, projection)
+            name = self.template.format(layer=layer, expert=expert, projection=projection)
+            if expected is None:
+                expected = self._layer_shapes(layer)
+            if projection in expected:
+                want_shape, want_dtype = expected[projection]
+                if tuple(want_shape) != tuple(shape) or np.dtype(want_dtype) != entry.dtype:
+                    raise ExpertStoreError(
+                        f"{entry.path}: tensor {name} (expert {expert} of layer {layer}) is "
+                        f"{entry.dtype.name}{list(shape)}, the arena expects {np.dtype(want_dtype).name}{list(want_shape)}")
+            data = os.pread(self._descriptor(entry.path), nbytes, offset)
+            if len(data) != nbytes:
+                raise ExpertStoreError(f"{entry.path}: tensor {name} (expert {expert} of layer {layer}): "
+                                       f"read {len(data)} of {nbytes} bytes; the file is truncated")
+            out[projection] = np.frombuffer(data, dtype=entry.dtype).reshape(shape)
+            with self._lock:
+                self.bytes_read += nbytes
+        return out
+
+    def submit(self, layer: int, expert: int, **kwargs) -> Future:
+        """Queues :meth:`read_expert` on the reader pool; the future holds the arrays or the error."""
+        return self._pool.submit(self.read_expert, layer, expert, **kwargs)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            for descriptor in self._descriptors.values():
+                os.close(descriptor)
+            self._descriptors.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

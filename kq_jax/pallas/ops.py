@@ -1,0 +1,193 @@
+"""The Pallas ops: launches of the kernels, their gradients, and the K > 16 top-k fallback.
+
+``route_shed_pallas`` and ``topk_route_shed_pallas`` trust their arguments:
+``kq_jax.route_shed`` and ``kq_jax.topk_route_shed`` check them first. The
+kernels are in :mod:`kq_jax.pallas.route_shed_kernel` and
+:mod:`kq_jax.pallas.topk_kernel`, their launch configuration in
+:mod:`kq_jax.pallas.config`.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kq_core.contract import RouteShedResult, TopkRouteShedResult
+from kq_jax.pallas.config import (
+    MAX_UNROLLED_K,
+    KernelConfig,
+    block_config,
+    topk_block_config,
+)
+from kq_jax.pallas.route_shed_kernel import route_shed_kernel, route_shed_lanes_kernel
+from kq_jax.pallas.topk_kernel import topk_route_shed_kernel
+from kq_jax.reference import route_shed_ref, topk_normalized_ref, topk_route_shed_ref
+
+
+# Jitted so that a program calling the op many times (one call per MoE layer)
+# traces and lowers the kernel once per distinct shape, not once per call.
+@functools.partial(jax.jit, static_argnames=("interpret", "config"))
+def _pallas_forward(indices, scores, slot_table, *, interpret: bool, config: KernelConfig | None) -> RouteShedResult:
+    out_shape = indices.shape
+    top_k = out_shape[-1]
+    rows = indices.size // top_k
+    num_experts = slot_table.shape[0]
+    shapes = (
+        jax.ShapeDtypeStruct((rows * top_k,), indices.dtype),
+        jax.ShapeDtypeStruct((rows * top_k,), jnp.float32),
+        jax.ShapeDtypeStruct((rows * top_k,), jnp.int32),
+        jax.ShapeDtypeStruct((rows * top_k,), jnp.float32),
+    )
+    if rows == 0:
+        return RouteShedResult(*(jnp.zeros(out_shape, s.dtype) for s in shapes))
+    block_rows, num_warps, tiled_io, ptx_arith, entry_lanes = block_config(rows, top_k, config,
+                                                                          interpret=interpret)
+    params = dict(rows=rows, top_k=top_k, num_experts=num_experts, block_rows=block_rows,
+                  unsigned_ids=indices.dtype == jnp.uint32, ptx_arith=ptx_arith)
+    if entry_lanes:
+        kernel = functools.partial(route_shed_lanes_kernel, **params)
+    else:
+        kernel = functools.partial(route_shed_kernel, tiled_io=tiled_io, **params)
+    outputs = _launch(kernel, shapes, (indices.reshape(-1), scores.reshape(-1), slot_table),
+                      name=f"route_shed_k{top_k}", programs=pl.cdiv(rows, block_rows), num_warps=num_warps,
+                      interpret=interpret)
+    return RouteShedResult(*(o.reshape(out_shape) for o in outputs))
+
+
+def _launch(kernel, out_shapes, args, *, name: str, programs: int, num_warps: int, interpret: bool):
+    """One ``pallas_call`` of ``kernel`` over a 1-D grid of ``programs``, through the Triton lowering."""
+    call = pl.pallas_call(
+        kernel,
+        out_shape=out_shapes,
+        grid=(programs,),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name=name,
+    )
+    with warnings.catch_warnings():
+        # JAX 0.11 deprecates the Triton lowering in favour of Mosaic GPU; see
+        # the module docstring for why these kernels still need it.
+        warnings.filterwarnings("ignore", message=".*[Tt]riton.*", category=DeprecationWarning)
+        return call(*args)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _route_shed_diff(indices, scores, slot_table, interpret, config):
+    return _pallas_forward(indices, scores, slot_table, interpret=interpret, config=config)
+
+
+def _route_shed_fwd(indices, scores, slot_table, interpret, config):
+    outputs = _pallas_forward(indices, scores, slot_table, interpret=interpret, config=config)
+    return outputs, (indices, scores, slot_table)
+
+
+def _route_shed_bwd(interpret, config, residuals, cotangents):
+    # The backward pass is autodiff of the pure-jnp reference, so the kernel's
+    # gradient is the reference's gradient bit for bit; it launches no kernel.
+    del interpret, config
+    indices, scores, slot_table = residuals
+    _, pullback = jax.vjp(lambda s: route_shed_ref(indices, s, slot_table).mix, scores)
+    (d_scores,) = pullback(cotangents.mix)
+    return None, d_scores, None
+
+
+_route_shed_diff.defvjp(_route_shed_fwd, _route_shed_bwd)
+
+
+def route_shed_pallas(indices, scores, slot_table, *, interpret: bool = False,
+                      config: KernelConfig | None = None) -> RouteShedResult:
+    """``route_shed`` in one fused Pallas kernel launch.
+
+    Args:
+        indices: int32 or uint32 ``[..., K]`` router top-k ids, ``1 <= K <= 64``.
+        scores: float32, bfloat16 or float16 ``[..., K]``.
+        slot_table: int32 ``[E]``; negative = not resident.
+        interpret: run the kernel in Pallas' interpreter (any backend, slow).
+        config: launch parameters overriding :func:`block_config`'s choice.
+
+    Returns:
+        ``RouteShedResult(slots, mix, miss_ids, miss_scores)`` shaped like ``indices``;
+        ``mix`` is differentiable with respect to ``scores``.
+    """
+    return _route_shed_diff(indices, scores, slot_table, interpret, config)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "interpret", "config"))
+def _topk_forward(probs, slot_table, *, top_k: int, interpret: bool,
+                  config: KernelConfig | None) -> TopkRouteShedResult:
+    num_experts = probs.shape[-1]
+    rows = probs.size // num_experts
+    out_shape = probs.shape[:-1] + (top_k,)
+    dtypes = (jnp.int32, jnp.float32, jnp.int32, jnp.float32, jnp.int32, jnp.float32)
+    if rows == 0:
+        outputs = [jnp.zeros(out_shape, d) for d in dtypes]
+    else:
+        block_rows, num_warps, _, ptx_arith, _ = topk_block_config(rows, num_experts, config, interpret=interpret)
+        kernel = functools.partial(topk_route_shed_kernel, rows=rows, num_experts=num_experts, top_k=top_k,
+                                   block_rows=block_rows, ptx_arith=ptx_arith)
+        outputs = _launch(kernel, [jax.ShapeDtypeStruct((rows * top_k,), d) for d in dtypes],
+                          (probs.reshape(-1), slot_table), name=f"topk_route_shed_k{top_k}",
+                          programs=pl.cdiv(rows, block_rows), num_warps=num_warps, interpret=interpret)
+        outputs = [o.reshape(out_shape) for o in outputs]
+    indices, scores, *shed = outputs
+    return TopkRouteShedResult(indices, scores, RouteShedResult(*shed))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _topk_route_shed_diff(probs, slot_table, top_k, interpret, config):
+    return _topk_forward(probs, slot_table, top_k=top_k, interpret=interpret, config=config)
+
+
+def _topk_route_shed_fwd(probs, slot_table, top_k, interpret, config):
+    outputs = _topk_forward(probs, slot_table, top_k=top_k, interpret=interpret, config=config)
+    return outputs, (probs, slot_table)
+
+
+def _topk_route_shed_bwd(top_k, interpret, config, residuals, cotangents):
+    # As for route_shed: the reference's autodiff, bit for bit, and no kernel.
+    del interpret, config
+    probs, slot_table = residuals
+
+    def differentiable(p):
+        routed = topk_route_shed_ref(p, slot_table, top_k=top_k)
+        return routed.scores, routed.shed.mix
+
+    _, pullback = jax.vjp(differentiable, probs)
+    (d_probs,) = pullback((cotangents.scores, cotangents.shed.mix))
+    return d_probs, None
+
+
+_topk_route_shed_diff.defvjp(_topk_route_shed_fwd, _topk_route_shed_bwd)
+
+
+def topk_route_shed_pallas(probs, slot_table, *, top_k: int, interpret: bool = False,
+                           config: KernelConfig | None = None) -> TopkRouteShedResult:
+    """``topk_route_shed`` in one fused Pallas kernel launch (``top_k <= 16``).
+
+    Past 16 the per-row selection would unroll too far; the top-k and its
+    normalisation then run in XLA (:func:`~kq_jax.reference.topk_normalized_ref`) and the
+    shedding in :func:`route_shed_pallas`: two launches, the same bits.
+
+    Args:
+        probs: float32, bfloat16 or float16 ``[..., E]`` router probabilities.
+        slot_table: int32 ``[E]``; negative = not resident.
+        top_k: experts per row, ``1 <= top_k <= min(E, 64)``.
+        interpret: run the kernel in Pallas' interpreter (any backend, slow).
+        config: ``block_rows`` / ``num_warps`` / ``ptx_arith`` overriding
+            :func:`topk_block_config`'s choice.
+
+    Returns:
+        ``TopkRouteShedResult(indices, scores, shed)``, each array ``[..., top_k]``;
+        ``scores`` and ``shed.mix`` are differentiable with respect to ``probs``.
+    """
+    if top_k > MAX_UNROLLED_K:
+        indices, scores = topk_normalized_ref(probs, top_k=top_k)
+        shed = route_shed_pallas(indices, scores, slot_table, interpret=interpret, config=config)
+        return TopkRouteShedResult(indices, scores, shed)
+    return _topk_route_shed_diff(probs, slot_table, int(top_k), interpret, config)
+

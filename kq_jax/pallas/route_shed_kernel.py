@@ -1,0 +1,263 @@
+"""The two ``route_shed`` kernels (Pallas, Triton lowering) and the row arithmetic they share.
+
+* The row kernel (:func:`route_shed_kernel`), one thread per row like the
+  Metal kernel: a program handles ``block_rows`` rows, and every value in the
+  arithmetic is a ``[block_rows]`` vector holding one entry of each row, so a
+  row's K entries sit in one thread's registers and the sequential sums are
+  plain adds. With ``tiled_io`` rows move between memory and registers as
+  coalesced ``[block_rows, KP]`` tiles; otherwise each entry is loaded and
+  stored with its own strided 4-byte access, and for K > 16 the second pass
+  over the entries is a loop.
+* The entry-lanes kernel (:func:`route_shed_lanes_kernel`): one lane per
+  entry, each lane counting its own rank in one loop over the row, the row's
+  sums carried in the same loop.
+
+:func:`shed_rows` is the row kernel's arithmetic and stores, which the
+``topk_route_shed`` kernel (:mod:`kq_jax.pallas.topk_kernel`) runs on its
+picks. Misses go straight to their rank's position and padding to the
+positions past the row's last miss, so every output element is written once;
+loads and stores are masked, so a ragged last block never touches memory
+outside the arrays.
+
+Exactness on the GPU: the two roundings the contract asks for, ``s * scale``
+and ``total / kept``, are the IEEE instructions ``mul.rn.f32`` and
+``div.rn.f32`` written out as inline PTX (``ptx_arith``, the default on a
+CUDA GPU), so neither Triton's approximate ``div.full.f32`` nor multiply-add
+contraction can occur. Elsewhere (the interpreter, or ``ptx_arith=False``)
+they go through the integer mantissa arithmetic of :mod:`kq_jax.exact_f32`.
+The remaining float ops are adds, compares and selects, each followed by the
+contract's flush. ``tests/test_pallas_lowering.py`` lowers the kernels to
+Triton IR for CUDA and checks that no other float multiply or divide is there.
+Why Triton rather than Mosaic GPU: docs/kernels.md.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from kq_core.contract import NOT_A_MISS_KEY
+from kq_jax.exact_f32 import canonicalize_nan, div_flush_raw, flush, mul_flush_raw
+from kq_jax.pallas.config import MAX_UNROLLED_K, next_power_of_two
+from kq_jax.reference import score_order_key
+
+
+def _ptx_rn(opcode: str, a, b):
+    """``flush(a <opcode> b)`` as one IEEE round-to-nearest PTX instruction.
+
+    Written with ``.rn`` and without ``.ftz``, the instruction is the correctly
+    rounded IEEE operation, subnormal results included, and PTX never fuses an
+    instruction with an explicit rounding mode into an FMA; the flush after it
+    is the contract's. Inside a Pallas Triton kernel on a CUDA GPU only.
+    """
+    [result] = plgpu.elementwise_inline_asm(
+        f"{opcode}.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
+    return flush(result)
+
+
+ptx_mul_flush = functools.partial(_ptx_rn, "mul")
+ptx_div_flush = functools.partial(_ptx_rn, "div")
+
+
+def _column(tile, col, k):
+    """``tile[:, k]`` of an integer tile, as a masked row sum (one non-zero term: exact)."""
+    return jnp.sum(jnp.where(col == k, tile, jnp.zeros((), tile.dtype)), axis=1)
+
+
+def classify(table_ref, ids, scores, live, *, num_experts: int, unsigned_ids: bool):
+    """Entries' ``(id, s, slot, miss, key)`` from their ids and f32 scores (arrays of any one shape)."""
+    scores = flush(scores)
+    if unsigned_ids:
+        valid = live & (ids < jnp.uint32(num_experts))
+    else:
+        valid = live & (ids >= 0) & (ids < num_experts)
+    slots = plgpu.load(table_ref.at[jnp.where(valid, ids, 0).astype(jnp.int32)], mask=valid, other=-1)
+    miss = valid & (slots < 0)
+    # Misses order by descending score, NaN last, ties by lower k; non-misses
+    # carry a key above every miss's, so they never push a miss back.
+    key = jnp.where(miss, score_order_key(scores), NOT_A_MISS_KEY)
+    return ids, scores, slots, miss, key
+
+
+def _load_entries(ids_ref, scores_ref, at, mask):
+    """The ids and f32 scores at flat positions ``at`` (any shape), masked."""
+    return (plgpu.load(ids_ref.at[at], mask=mask, other=0),
+            plgpu.load(scores_ref.at[at], mask=mask, other=0).astype(jnp.float32))
+
+
+def program_rows(block_rows: int, rows: int, top_k: int):
+    """This program's rows as ``[block_rows]`` vectors: which exist, and where each starts in the flat arrays."""
+    row = pl.program_id(0) * block_rows + lax.broadcasted_iota(jnp.int32, (block_rows,), 0)
+    return row < rows, row * top_k
+
+
+def roundings(ptx_arith: bool):
+    """The contract's rounded ``(multiply, divide)``, both flushed."""
+    return (ptx_mul_flush, ptx_div_flush) if ptx_arith else (mul_flush_raw, div_flush_raw)
+
+
+def _scale(total, kept, divide):
+    """``total / kept`` where the row kept some mass, else 0 (the contract's step 4)."""
+    has_mass = kept > 0.0
+    return jnp.where(has_mass, divide(total, jnp.where(has_mass, kept, 1.0)), 0.0)
+
+
+def _store_misses(miss_ids_ref, miss_scores_ref, ids, scores, miss, rank_at, padding, padding_at):
+    """Each miss at its rank's position; padding (-1, +0.0) where ``padding`` holds: each position once."""
+    plgpu.store(miss_ids_ref.at[rank_at], ids.astype(jnp.int32), mask=miss)
+    plgpu.store(miss_scores_ref.at[rank_at], canonicalize_nan(scores), mask=miss)
+    plgpu.store(miss_ids_ref.at[padding_at], jnp.full(padding.shape, -1, jnp.int32), mask=padding)
+    plgpu.store(miss_scores_ref.at[padding_at], jnp.zeros(padding.shape, jnp.float32), mask=padding)
+
+
+def route_shed_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_ids_ref, miss_scores_ref,
+                       *, rows: int, top_k: int, num_experts: int, block_rows: int, unsigned_ids: bool,
+                       tiled_io: bool, ptx_arith: bool):
+    # Every value in the arithmetic is a [block_rows] vector holding one entry
+    # k of each row: the K entries of a row sit in one thread's registers, as
+    # in the Metal kernel's one-thread-per-row loop, so the sequential sums are
+    # plain adds and nothing crosses lanes. Only the way entries reach those
+    # registers and leave them depends on ``tiled_io``.
+    live, base = program_rows(block_rows, rows, top_k)
+    tile = None
+    if tiled_io:
+        padded_k = next_power_of_two(top_k)
+        col = lax.broadcasted_iota(jnp.int32, (block_rows, padded_k), 1)
+        in_tile = live[:, None] & (col < top_k)
+        tile_at = base[:, None] + col
+        id_tile, score_tile = _load_entries(ids_ref, scores_ref, tile_at, in_tile)
+        score_bits = lax.bitcast_convert_type(score_tile, jnp.int32)
+        tile = col, tile_at, in_tile
+
+        def read_entry(k):
+            return _column(id_tile, col, k), lax.bitcast_convert_type(_column(score_bits, col, k), jnp.float32)
+    else:
+        def read_entry(k):
+            return _load_entries(ids_ref, scores_ref, base + k, live)
+
+    def load_entry(k):
+        return classify(table_ref, *read_entry(k), live, num_experts=num_experts, unsigned_ids=unsigned_ids)
+
+    shed_rows(load_entry, (slots_ref, mix_ref, miss_ids_ref, miss_scores_ref), live, base,
+               top_k=top_k, ptx_arith=ptx_arith, tile=tile)
+
+
+def shed_rows(load_entry, out_refs, live, base, *, top_k: int, ptx_arith: bool, tile=None):
+    """The row kernel's arithmetic and stores, from entry k's ``_classify`` tuple ``load_entry(k)``.
+
+    ``live`` and ``base`` are the program's ``[block_rows]`` row vectors;
+    ``tile`` is ``(col, tile_at, in_tile)`` for tiled stores, None for strided.
+    """
+    slots_ref, mix_ref, miss_ids_ref, miss_scores_ref = out_refs
+    block_rows = live.shape[0]
+    multiply, divide = roundings(ptx_arith)
+    entries = [load_entry(k) for k in range(top_k)]
+    total = jnp.zeros((block_rows,), jnp.float32)
+    kept = jnp.zeros((block_rows,), jnp.float32)
+    for _, s_k, slot_k, _, _ in entries:
+        total = flush(total + s_k)
+        kept = jnp.where(slot_k >= 0, flush(kept + s_k), kept)
+    scale = _scale(total, kept, divide)
+    fallback = jnp.zeros((block_rows,), jnp.int32)
+    for _, _, slot_k, _, _ in reversed(entries):
+        fallback = jnp.where(slot_k >= 0, slot_k, fallback)
+    keys = [key_k for *_, key_k in entries]
+    miss_count = sum(miss_k.astype(jnp.int32) for *_, miss_k, _ in entries)
+
+    def entry_outputs(k, s_k, slot_k, key_k):
+        """Entry k's slot and mix, and its rank among the row's misses."""
+        keep_k = slot_k >= 0
+        slot_out = jnp.where(keep_k, slot_k, fallback).astype(slots_ref.dtype)
+        mix_out = canonicalize_nan(jnp.where(keep_k, multiply(s_k, scale), 0.0))
+        rank = jnp.zeros((block_rows,), jnp.int32)
+        for j, key_j in enumerate(keys):
+            rank = rank + ((key_j < key_k) | ((key_j == key_k) & (j < k))).astype(jnp.int32)
+        return slot_out, mix_out, rank
+
+    if tile is not None:
+        # Each output tile starts as its padding; entry k fills column k, and
+        # a miss fills the column of its rank, so the misses end up packed.
+        col, tile_at, in_tile = tile
+        slots_tile = jnp.zeros(col.shape, slots_ref.dtype)
+        mix_tile = jnp.zeros(col.shape, jnp.float32)
+        miss_ids_tile = jnp.full(col.shape, -1, jnp.int32)
+        miss_scores_tile = jnp.zeros(col.shape, jnp.float32)
+        for k, (id_k, s_k, slot_k, miss_k, key_k) in enumerate(entries):
+            slot_out, mix_out, rank = entry_outputs(k, s_k, slot_k, key_k)
+            slots_tile = jnp.where(col == k, slot_out[:, None], slots_tile)
+            mix_tile = jnp.where(col == k, mix_out[:, None], mix_tile)
+            lands = (col == rank[:, None]) & miss_k[:, None]
+            miss_ids_tile = jnp.where(lands, id_k.astype(jnp.int32)[:, None], miss_ids_tile)
+            miss_scores_tile = jnp.where(lands, canonicalize_nan(s_k)[:, None], miss_scores_tile)
+        for ref, out_tile in ((slots_ref, slots_tile), (mix_ref, mix_tile), (miss_ids_ref, miss_ids_tile),
+                              (miss_scores_ref, miss_scores_tile)):
+            plgpu.store(ref.at[tile_at], out_tile, mask=in_tile)
+        return
+
+    def store_entry(k, id_k, s_k, slot_k, miss_k, key_k):
+        at = base + k
+        slot_out, mix_out, rank = entry_outputs(k, s_k, slot_k, key_k)
+        plgpu.store(slots_ref.at[at], slot_out, mask=live)
+        plgpu.store(mix_ref.at[at], mix_out, mask=live)
+        # Padding fills the positions past the row's last miss.
+        _store_misses(miss_ids_ref, miss_scores_ref, id_k, s_k, miss_k, base + rank, live & (miss_count <= k), at)
+
+    if top_k <= MAX_UNROLLED_K:
+        for k, entry in enumerate(entries):
+            store_entry(k, *entry)
+    else:
+        # Unrolling K entries of K compares each makes a huge kernel, slow to
+        # compile; loop instead, re-reading entry k (an L1 hit).
+        def store_one(k, carry):
+            store_entry(k, *load_entry(k))
+            return carry
+
+        lax.fori_loop(0, top_k, store_one, 0)
+
+
+def route_shed_lanes_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_ids_ref, miss_scores_ref,
+                             *, rows: int, top_k: int, num_experts: int, block_rows: int, unsigned_ids: bool,
+                             ptx_arith: bool):
+    # One lane per entry: a [block_rows, KP] tile holds a program's rows, and
+    # each lane counts its own entry's rank in one loop over the row's entries
+    # (K compares per lane instead of K^2 in sequence per thread). The same loop
+    # carries the row's sequential sums, first kept slot and miss count as
+    # [block_rows] vectors, entry j re-read from memory (an L1 hit) in k order.
+    live, base = program_rows(block_rows, rows, top_k)
+    lane = lax.broadcasted_iota(jnp.int32, (block_rows, next_power_of_two(top_k)), 1)
+    in_tile = live[:, None] & (lane < top_k)
+    at = base[:, None] + lane
+    multiply, divide = roundings(ptx_arith)
+    classify_entries = functools.partial(classify, table_ref, num_experts=num_experts, unsigned_ids=unsigned_ids)
+    ids, scores, slots, miss, key = classify_entries(*_load_entries(ids_ref, scores_ref, at, in_tile), in_tile)
+
+    def step(j, carry):
+        total, kept, fallback, found, miss_count, rank = carry
+        _, s_j, slot_j, miss_j, key_j = classify_entries(*_load_entries(ids_ref, scores_ref, base + j, live), live)
+        keep_j = slot_j >= 0
+        total = flush(total + s_j)
+        kept = jnp.where(keep_j, flush(kept + s_j), kept)
+        fallback = jnp.where(keep_j & ~found, slot_j, fallback)
+        before = (key_j[:, None] < key) | ((key_j[:, None] == key) & (j < lane))
+        return (total, kept, fallback, found | keep_j, miss_count + miss_j.astype(jnp.int32),
+                rank + before.astype(jnp.int32))
+
+    vector_zeros = jnp.zeros((block_rows,), jnp.float32)
+    start = (vector_zeros, vector_zeros, jnp.zeros((block_rows,), jnp.int32), jnp.zeros((block_rows,), jnp.bool_),
+             jnp.zeros((block_rows,), jnp.int32), jnp.zeros(lane.shape, jnp.int32))
+    total, kept, fallback, _, miss_count, rank = lax.fori_loop(0, top_k, step, start)
+    scale = _scale(total, kept, divide)
+    keep = slots >= 0
+    plgpu.store(slots_ref.at[at], jnp.where(keep, slots, fallback[:, None]).astype(slots_ref.dtype), mask=in_tile)
+    mix = multiply(scores, jnp.broadcast_to(scale[:, None], scores.shape))
+    plgpu.store(mix_ref.at[at], canonicalize_nan(jnp.where(keep, mix, 0.0)), mask=in_tile)
+    # Padding fills the positions past the row's last miss.
+    _store_misses(miss_ids_ref, miss_scores_ref, ids, scores, miss, base[:, None] + rank,
+                  in_tile & (lane >= miss_count[:, None]), at)
+
