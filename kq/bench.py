@@ -44,6 +44,7 @@ from typing import Callable
 
 import numpy as np
 
+from kq.terminal import progress_bar, render_table
 from kq_core.contract import MAX_TOP_K
 from kq_core.inputs import router_inputs
 
@@ -140,7 +141,7 @@ def _jax_timer(fn, inputs, repeats):
     return max(per_call, 0.0), eager
 
 
-def _jax_kernel_us(fn, inputs) -> float | None:
+def jax_kernel_us(fn, inputs) -> float | None:
     """One call's GPU kernel time (us) from JAX's profiler; None off the GPU or when the trace has none."""
     import jax
 
@@ -342,7 +343,13 @@ def run(sets=("decode",), backends=None, *, shapes=(), repeats: int = 7, residen
 
     named = [(set_name, shape) for set_name in sets for shape in SHAPE_SETS[set_name]]
     work = [(set_name, shape, name) for set_name, shape in named + [("custom", s) for s in shapes] for name in timers]
-    bar = _progress(len(work), progress)
+    with progress_bar(len(work), enabled=progress, description="kq bench") as advance:
+        return _run_work(work, timers, floor_ops, bandwidth, repeats, resident_fraction, seed, advance)
+
+
+def _run_work(work, timers, floor_ops, bandwidth, repeats, resident_fraction, seed, advance) -> list[Result]:
+    from kq_core.oracle import route_shed_oracle
+
     rng = np.random.default_rng(seed)
     results, floors = [], {}
     inputs_cache = {}
@@ -355,7 +362,7 @@ def run(sets=("decode",), backends=None, *, shapes=(), repeats: int = 7, residen
         inputs, expected = inputs_cache[key]
         fn, timer, device = timers[name]
         per_call, eager = timer(fn, inputs, repeats)
-        kernel = _jax_kernel_us(fn, inputs) if name.startswith("jax") else None
+        kernel = jax_kernel_us(fn, inputs) if name.startswith("jax") else None
         family = name.split("-")[0]
         launch = launch_kernel = None
         if family in floor_ops:
@@ -367,13 +374,12 @@ def run(sets=("decode",), backends=None, *, shapes=(), repeats: int = 7, residen
                 # The kernel time of one output: the floor's four are one array, which a jitted
                 # function returns as four buffers, three of them device copies in the trace.
                 floors[family] = (floor_timer(floor_fn, one_row, repeats)[0],
-                                  _jax_kernel_us(lambda *a: floor_fn(*a)[0], one_row) if family == "jax" else None)
+                                  jax_kernel_us(lambda *a: floor_fn(*a)[0], one_row) if family == "jax" else None)
             launch, launch_kernel = floors[family]
         band = op_bytes(*key) / bandwidth * 1e6 if bandwidth and name.startswith("jax") else None
         results.append(Result(name, device, set_name, rows, top_k, experts, per_call, eager, launch, band,
                               _bits_exact(name, inputs, expected), kernel, launch_kernel))
-        bar(f"{name} {rows}x{top_k} E={experts}")
-    bar(None)
+        advance(f"{name} {rows}x{top_k} E={experts}")
     return results
 
 
@@ -396,24 +402,6 @@ def _bits_exact(name: str, inputs, expected) -> bool | None:
     return mismatch is None
 
 
-def _progress(total: int, enabled: bool):
-    done = [0]
-
-    def tick(label):
-        if not enabled:
-            return
-        if label is None:
-            sys.stderr.write("\n")
-            return
-        done[0] += 1
-        width = 30
-        filled = width * done[0] // max(total, 1)
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done[0]}/{total} {label:<40}")
-        sys.stderr.flush()
-
-    return tick
-
-
 def format_table(results: list[Result]) -> str:
     header = ("backend", "T", "K", "E", "per call us", "kernel us", "eager us", "launch floor", "x floor",
               "floor kernel", "bw floor", "x bw", "bits")
@@ -428,11 +416,7 @@ def format_table(results: list[Result]) -> str:
                      "-" if r.launch_floor_kernel_us is None else f"{r.launch_floor_kernel_us:.2f}",
                      "-" if r.bandwidth_floor_us is None else f"{r.bandwidth_floor_us:.2f}", bw_ratio,
                      {None: "-", True: "exact", False: "DIFFER"}[r.bits_exact]))
-    widths = [max(len(str(x[i])) for x in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(row, widths)))
-             for row in [header, *rows]]
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)
+    return render_table(header, rows)
 
 
 def write_json(results: list[Result], path: str) -> None:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import sys
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from kq.backends import Backend, Unavailable, all_backends
+from kq.terminal import progress_bar, render_table
 from kq_core.compare import Mismatch, first_mismatch
 from kq_core.inputs import adversarial_inputs, router_inputs
 from kq_core.oracle import route_shed_oracle
@@ -33,26 +36,42 @@ class BackendReport:
         return not self.skipped and self.passed == self.run
 
 
+def split_rows(total: int, weights) -> list[int]:
+    """``total`` split in proportion to ``weights``, exactly (largest remainders get the leftover rows)."""
+    weights = np.asarray(weights, np.float64)
+    quotas = total * weights / weights.sum()
+    rows = np.floor(quotas).astype(int)
+    leftover = total - int(rows.sum())
+    rows[np.argsort(-(quotas - rows), kind="stable")[:leftover]] += 1
+    return rows.tolist()
+
+
 def random_cases(seed: int, rows_budget: int):
-    """Yields ``(name, inputs)``: about ``rows_budget`` random rows over shapes, dtypes and edge mixes.
+    """Yields ``(name, inputs)``: exactly ``rows_budget`` random rows over shapes, dtypes and edge mixes.
 
     Each (shape, index dtype, score dtype) gets a router-like and an adversarial case; the
-    row budget is split between them by the shapes' weights (at least one row each).
+    row budget is split between them by the shapes' weights, and a case given no row is left out.
     """
     rng = np.random.default_rng(seed)
-    combos = list(itertools.product(RANDOM_SHAPES, ("int32", "uint32"), ("float32", "bfloat16", "float16")))
-    unit = rows_budget / (2 * sum(weight for (weight, _, _), _, _ in combos))
-    for (weight, top_k, experts), index_dtype, score_dtype in combos:
-        rows = max(1, int(weight * unit))
-        kw = dict(index_dtype=index_dtype, score_dtype=score_dtype)
-        yield f"router-{rows}x{top_k}-E{experts}-{index_dtype}-{score_dtype}", router_inputs(
-            rng, rows, top_k, experts, **kw)
-        yield f"edges-{rows}x{top_k}-E{experts}-{index_dtype}-{score_dtype}", adversarial_inputs(
-            rng, rows, top_k, experts, **kw)
+    combos = [(shape, index_dtype, score_dtype, generator)
+              for shape, index_dtype, score_dtype in itertools.product(
+                  RANDOM_SHAPES, ("int32", "uint32"), ("float32", "bfloat16", "float16"))
+              for generator in (router_inputs, adversarial_inputs)]
+    for ((weight, top_k, experts), index_dtype, score_dtype, generator), rows in zip(
+            combos, split_rows(rows_budget, [shape[0] for shape, *_ in combos])):
+        if rows:
+            kind = "router" if generator is router_inputs else "edges"
+            yield f"{kind}-{rows}x{top_k}-E{experts}-{index_dtype}-{score_dtype}", generator(
+                rng, rows, top_k, experts, index_dtype=index_dtype, score_dtype=score_dtype)
 
 
-def run_checks(backends: tuple[Backend, ...] | None = None, *, random_rows: int = 4096, seed: int = 0):
-    """Runs the golden cases and random rows; returns one report per backend."""
+def run_checks(backends: tuple[Backend, ...] | None = None, *, random_rows: int = 4096, seed: int = 0,
+               progress: bool = False):
+    """Runs the golden cases and random rows; returns one report per backend.
+
+    With ``progress``, a bar per backend while it runs (on a terminal) and a line per backend when it
+    is done, on stderr.
+    """
     spec = load_spec()
     randoms = [(name, inputs, route_shed_oracle(*inputs)) for name, inputs in random_cases(seed, random_rows)]
     random_row_count = sum(inputs[0].shape[0] for _, inputs, _ in randoms)
@@ -61,35 +80,34 @@ def run_checks(backends: tuple[Backend, ...] | None = None, *, random_rows: int 
     for backend in backends or all_backends():
         report = BackendReport(backend.name, random_rows=random_row_count)
         reports.append(report)
+        start = time.perf_counter()
         try:
             runner, report.device = backend.probe()
         except Unavailable as why:
             report.skipped = str(why)
+            if progress:
+                sys.stderr.write(f"{backend.name}: skipped ({why})\n")
             continue
-        for name, inputs, expected in cases:
-            report.run += 1
-            try:
-                mismatch = first_mismatch(expected, runner(*inputs))
-            except Exception as error:  # a crash is a failure of that case, not of the check
-                mismatch = f"{type(error).__name__}: {error}"
-            if mismatch is None:
-                report.passed += 1
-            else:
-                report.failures.append((name, mismatch))
-                report.first_failure = report.first_failure or f"{name}: {mismatch}"
+        with progress_bar(len(cases), enabled=progress, description=backend.name) as advance:
+            for name, inputs, expected in cases:
+                report.run += 1
+                try:
+                    mismatch = first_mismatch(expected, runner(*inputs))
+                except Exception as error:  # a crash is a failure of that case, not of the check
+                    mismatch = f"{type(error).__name__}: {error}"
+                if mismatch is None:
+                    report.passed += 1
+                else:
+                    report.failures.append((name, mismatch))
+                    report.first_failure = report.first_failure or f"{name}: {mismatch}"
+                advance(name)
+        if progress:
+            sys.stderr.write(f"{backend.name}: {report.passed}/{report.run} bit-identical "
+                             f"({time.perf_counter() - start:.1f} s)\n")
     return reports
 
 
 def format_table(reports: list[BackendReport]) -> str:
-    header = ("backend", "device", "passed/run", "first mismatch")
-    rows = [
-        (r.name, r.device, f"{r.passed}/{r.run}" if not r.skipped else "skipped",
-         r.skipped or r.first_failure or "-")
-        for r in reports
-    ]
-    widths = [max(len(str(x[i])) for x in [header, *rows]) for i in range(3)]
-    lines = []
-    for row in [header, *rows]:
-        lines.append("  ".join(str(cell).ljust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3])
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)
+    rows = [(r.name, r.device, f"{r.passed}/{r.run}" if not r.skipped else "skipped",
+             r.skipped or r.first_failure or "-") for r in reports]
+    return render_table(("backend", "device", "passed/run", "first mismatch"), rows, left=(0, 1, 3))

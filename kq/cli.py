@@ -1,18 +1,36 @@
-"""The ``kq`` command line."""
+"""The ``kq`` command line: ``kq check``, ``kq bench`` and ``kq demo``."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 
 from kq.backends import all_backends, backend
+
+DEMO_COLUMNS = """\
+The demo decodes --steps steps twice per framework: once with every expert in memory (resident) and once
+streamed, each layer's experts served from an arena of --residency of its experts that the residency
+manager fills from safetensors files between steps. Columns, per framework:
+  hit first 10% / hit steady   fraction of routed experts found in the arena, over the first tenth of
+                               the steps and over the second half (steady state)
+  shed experts/step            routed entries shed per step and row, over all layers (not resident)
+  shed mass/step               fraction of the routed gate mass that was shed, per step
+  over-budget                  layer-steps whose shed mass exceeded 1 - --keep-mass of their routed mass
+  MiB read                     expert bytes read from the files over the run
+  resident / streamed steps/s  decode steps per second of each run, the first step's compile included
+  boundary ms/step             host time per step in ResidencyManager.step (credit, publish, evict, prestage)
+  divergence mean / max        ||y_streamed - y_resident|| / ||y_resident|| of the last layer's output per step:
+                               how far shedding moved the output (the weights are random, so this is not a
+                               quality measure of a trained model)
+Files: the random checkpoint is written to a temporary directory, deleted at the end; the plot goes to --plot."""
 
 
 def _check(args) -> int:
     from kq.check import format_table, run_checks
 
     chosen = tuple(backend(n) for n in args.backends) if args.backends else all_backends()
-    reports = run_checks(chosen, random_rows=args.random_rows, seed=args.seed)
+    reports = run_checks(chosen, random_rows=args.random_rows, seed=args.seed, progress=True)
     print(format_table(reports))
     failed = [r for r in reports if not r.skipped and not r.ok]
     ran = [r for r in reports if not r.skipped]
@@ -28,6 +46,19 @@ def _shape(text: str) -> tuple[int, int, int]:
         return parse_shape(text)
     except ValueError as error:  # argparse shows an ArgumentTypeError's own message
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _count(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    return parse
 
 
 def _bench(args) -> int:
@@ -46,21 +77,28 @@ def _bench(args) -> int:
     return 0
 
 
-def _demo(args) -> int:
-    import importlib.util
-
+def _demo_config(args, parser):
     from kq import demo
 
     frameworks = tuple(args.frameworks) if args.frameworks else demo.available_frameworks()
+    try:
+        return demo.DemoConfig(layers=args.layers, experts=args.experts, top_k=args.top_k, hidden=args.hidden,
+                               ffn=args.ffn, rows=args.rows, steps=args.steps, residency=args.residency,
+                               policy=args.policy, keep_mass=args.keep_mass, read_budget=args.read_budget,
+                               seed=args.seed, frameworks=frameworks)
+    except ValueError as error:
+        parser.error(str(error))
+
+
+def _demo(args, parser) -> int:
+    from kq import demo
+
+    cfg = _demo_config(args, parser)
     missing = [m for m in ("safetensors", "matplotlib") if importlib.util.find_spec(m) is None]
-    if not frameworks or missing:
+    if not cfg.frameworks or missing:
         print(f"kq demo needs JAX or mlx-lm, safetensors and matplotlib; missing: "
               f"{', '.join(missing) or 'JAX and mlx-lm'} (pip install -e '.[demo]')")
         return 1
-    cfg = demo.DemoConfig(layers=args.layers, experts=args.experts, top_k=args.top_k, hidden=args.hidden,
-                          ffn=args.ffn, rows=args.rows, steps=args.steps, residency=args.residency,
-                          policy=args.policy, keep_mass=args.keep_mass, read_budget=args.read_budget,
-                          seed=args.seed, frameworks=frameworks)
     traces = demo.run(cfg)
     print(demo.summarize(cfg, traces))
     if args.plot:
@@ -72,44 +110,56 @@ def _demo(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kq", description="route_shed kernels, checked against one spec.")
     sub = parser.add_subparsers(dest="command", required=True)
-    check = sub.add_parser("check", help="run every golden case and random rows through every backend")
-    check.add_argument("--backends", nargs="+", metavar="NAME",
-                       help=f"subset of: {', '.join(b.name for b in all_backends())}")
-    check.add_argument("--random-rows", type=int, default=4096, help="random rows per backend (default 4096)")
+    names = [b.name for b in all_backends()]
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+    check = sub.add_parser("check", help="run every golden case and random rows through every backend",
+                           formatter_class=defaults)
+    check.add_argument("--backends", nargs="+", metavar="NAME", choices=names,
+                       help=f"subset of: {', '.join(names)} (default: all)")
+    check.add_argument("--random-rows", type=_count(0), default=4096,
+                       help="random rows per backend, besides the golden cases")
     check.add_argument("--seed", type=int, default=0)
     check.set_defaults(func=_check)
 
     from kq.bench import SHAPE_SETS
 
-    bench = sub.add_parser("bench", help="time every backend here against its floors and the naive baseline")
+    bench = sub.add_parser("bench", help="time every backend here against its floors and the naive baseline",
+                           formatter_class=defaults)
     bench.add_argument("--sets", nargs="+", choices=sorted(SHAPE_SETS),
                        help="named shape sets (default: decode, unless --shapes is given)")
     bench.add_argument("--shapes", nargs="+", type=_shape, metavar="TxKxE",
                        help="shapes of your own model, e.g. 1x8x128 (rows x top-k x experts)")
     bench.add_argument("--backends", nargs="+", metavar="NAME", help="subset of the backends found here")
-    bench.add_argument("--repeats", type=int, default=7)
+    bench.add_argument("--repeats", type=_count(1), default=7)
     bench.add_argument("--resident-fraction", type=float, default=0.7)
     bench.add_argument("--json", metavar="PATH", help="write the results as JSON")
     bench.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")
     bench.add_argument("--no-progress", action="store_true")
     bench.set_defaults(func=_bench)
 
-    demo = sub.add_parser("demo", help="decode a random MoE stack with a fraction of its experts streamed from disk")
-    demo.add_argument("--frameworks", nargs="+", choices=["jax", "mlx"], help="default: every one installed")
-    demo.add_argument("--layers", type=int, default=8)
-    demo.add_argument("--experts", type=int, default=64)
-    demo.add_argument("--top-k", type=int, default=8)
-    demo.add_argument("--hidden", type=int, default=256)
-    demo.add_argument("--ffn", type=int, default=128)
-    demo.add_argument("--rows", type=int, default=1, help="tokens decoded per step")
-    demo.add_argument("--steps", type=int, default=200)
-    demo.add_argument("--residency", type=float, default=0.25, help="fraction of each layer's experts in the arena")
-    demo.add_argument("--policy", choices=["lfu", "lru"], default="lfu")
-    demo.add_argument("--keep-mass", type=float, default=0.9)
+    demo = sub.add_parser("demo", help="decode a random MoE stack with a fraction of its experts streamed from disk",
+                          formatter_class=argparse.RawDescriptionHelpFormatter, epilog=DEMO_COLUMNS)
+    demo.add_argument("--frameworks", nargs="+", choices=["jax", "mlx"],
+                      help="frameworks to run (default: every one installed)")
+    demo.add_argument("--layers", type=int, default=8, help="MoE layers (default 8)")
+    demo.add_argument("--experts", type=int, default=64, help="experts per layer (default 64)")
+    demo.add_argument("--top-k", type=int, default=8, help="experts routed per token, <= experts and 64 (default 8)")
+    demo.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
+    demo.add_argument("--ffn", type=int, default=128, help="expert width (default 128)")
+    demo.add_argument("--rows", type=int, default=1, help="tokens decoded per step (default 1)")
+    demo.add_argument("--steps", type=int, default=200, help="decode steps (default 200)")
+    demo.add_argument("--residency", type=float, default=0.25,
+                      help="fraction of each layer's experts in the arena, in (0, 1] (default 0.25)")
+    demo.add_argument("--policy", choices=["lfu", "lru"], default="lfu", help="eviction policy (default lfu)")
+    demo.add_argument("--keep-mass", type=float, default=0.9,
+                      help="shed-mass budget: a layer-step shedding more than 1 - this of its routed mass "
+                           "counts as over-budget (default 0.9)")
     demo.add_argument("--read-budget", type=int, default=None, help="expert reads per step (default: no limit)")
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--plot", metavar="PATH", default="kq_demo.png", help="PNG of hit rate and shed mass per step")
-    demo.set_defaults(func=_demo)
+    demo.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (default 0)")
+    demo.add_argument("--plot", metavar="PATH", default="kq_demo.png",
+                      help="where to write the PNG of hit rate and shed mass per step (default kq_demo.png; "
+                           "'' for none)")
+    demo.set_defaults(func=lambda args: _demo(args, demo))
     args = parser.parse_args(argv)
     return args.func(args)
 

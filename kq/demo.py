@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kq.terminal import render_table
+from kq_core.contract import MAX_TOP_K
 from kq_host.expert_store import ExpertStore
 from kq_host.residency import LayerReport, ResidencyManager
 
@@ -44,6 +46,25 @@ class DemoConfig:
     drift: float = 0.05
     seed: int = 0
     frameworks: tuple[str, ...] = ("jax", "mlx")
+
+    def __post_init__(self):
+        positive = {"layers": self.layers, "experts": self.experts, "hidden": self.hidden, "ffn": self.ffn,
+                    "rows": self.rows, "steps": self.steps}
+        for name, value in positive.items():
+            if value < 1:
+                raise ValueError(f"--{name} must be at least 1, got {value}")
+        if not 1 <= self.top_k <= min(self.experts, MAX_TOP_K):
+            raise ValueError(f"--top-k must be in [1, min(--experts, {MAX_TOP_K})] = [1, "
+                             f"{min(self.experts, MAX_TOP_K)}], got {self.top_k}")
+        if not 0.0 < self.residency <= 1.0:
+            raise ValueError(f"--residency is the fraction of each layer's experts in the arena, in (0, 1]; "
+                             f"got {self.residency}")
+        if not 0.0 <= self.keep_mass <= 1.0:
+            raise ValueError(f"--keep-mass must be in [0, 1], got {self.keep_mass}")
+        if self.read_budget is not None and self.read_budget < 0:
+            raise ValueError(f"--read-budget must be at least 0 reads per step, got {self.read_budget}")
+        if self.policy not in ("lfu", "lru"):
+            raise ValueError(f"--policy must be lfu or lru, got {self.policy!r}")
 
     @property
     def slots(self) -> int:
@@ -261,9 +282,7 @@ def summarize(cfg: DemoConfig, traces: list[RunTrace]) -> str:
                      f"{sum(t.bytes_read) / 2**20:.1f}", f"{t.resident_steps_per_s:.1f}",
                      f"{t.streamed_steps_per_s:.1f}", f"{np.mean(t.boundary_ms):.2f}", f"{np.mean(t.divergence):.4f}",
                      f"{np.max(t.divergence):.4f}"))
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    lines.append(render_table(header, rows))
     return "\n".join(lines)
 
 

@@ -11,11 +11,17 @@ EDGE_F32_BITS = [0x00000000, 0x80000000, 0x00000001, 0x807FFFFF, 0x00800000, 0x7
 
 
 @st.composite
-def route_shed_inputs(draw, max_rows=24, max_k=64, max_experts=300):
-    """(indices, scores, slot_table) with skewed residency, duplicate and stray ids, all dtypes."""
-    rows = draw(st.integers(0, max_rows))
-    top_k = draw(st.integers(1, max_k))
-    experts = draw(st.integers(1, max_experts))
+def route_shed_inputs(draw, max_rows=24, max_k=64, max_experts=300, shapes=None):
+    """(indices, scores, slot_table) with skewed residency, duplicate and stray ids, all dtypes.
+
+    ``shapes``: ``(rows, K, E)`` triples to draw the shape from instead of the ``max_*`` ranges.
+    """
+    if shapes:
+        rows, top_k, experts = draw(st.sampled_from(shapes))
+    else:
+        rows = draw(st.integers(0, max_rows))
+        top_k = draw(st.integers(1, max_k))
+        experts = draw(st.integers(1, max_experts))
     index_dtype = draw(st.sampled_from([np.int32, np.uint32]))
     score_name = draw(st.sampled_from(list(SCORE_DTYPES)))
     seed = draw(st.integers(0, 2**32 - 1))

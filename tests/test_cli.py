@@ -132,3 +132,35 @@ def test_demo_with_every_expert_resident_does_not_diverge():
     (trace,) = run(cfg)
     # Cold arena first; once every expert has landed, streamed == resident bit for bit.
     assert trace.hit_rate[-1] == 1.0 and trace.divergence[-1] == 0.0
+
+
+def test_check_refuses_an_unknown_backend_listing_the_names(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["check", "--backends", "foo"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "invalid choice: 'foo'" in err and "jax-reference" in err
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7, 4096])
+def test_check_runs_exactly_the_random_rows_asked_for(rows):
+    from kq.check import random_cases
+
+    assert sum(inputs[0].shape[0] for _, inputs in random_cases(0, rows)) == rows
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--residency", "2"], "--residency"), (["--residency", "-0.5"], "--residency"),
+    (["--top-k", "100"], "--top-k"), (["--experts", "4"], "--top-k"), (["--steps", "0"], "--steps"),
+    (["--keep-mass", "1.5"], "--keep-mass"), (["--read-budget", "-1"], "--read-budget"),
+])
+def test_demo_refuses_bad_options_naming_them(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", *argv])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_demo_help_explains_its_columns_and_files(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    out = capsys.readouterr().out
+    assert "divergence" in out and "over-budget" in out and "boundary ms/step" in out and "temporary directory" in out

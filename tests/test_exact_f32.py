@@ -9,10 +9,11 @@ import pytest
 
 jax = pytest.importorskip("jax")
 
+from jax_impls import ON_GPU  # noqa: E402
+
 from kq_core.oracle import flush  # noqa: E402
 from kq_jax.exact_f32 import div_flush_raw, mul_flush_raw  # noqa: E402
 
-ON_GPU = jax.default_backend() == "gpu"
 _BLOCK = 1024
 
 

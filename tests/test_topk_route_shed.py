@@ -6,14 +6,13 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 from conftest import assert_same_bits  # noqa: E402
+from jax_impls import IMPLS, KERNEL_IMPL  # noqa: E402
 from jax import lax  # noqa: E402
 
 import kq_jax  # noqa: E402
 from kq_core.oracle import route_shed_oracle, topk_route_shed_oracle  # noqa: E402
 from kq_jax.reference import topk_ref  # noqa: E402
 
-ON_GPU = jax.default_backend() == "gpu"
-IMPLS = ["reference", "pallas_interpret"] + (["pallas"] if ON_GPU else [])
 NAN = np.float32(np.nan)
 TINY = np.float32(1e-40)  # subnormal
 
@@ -105,7 +104,7 @@ def _loss(impl, table, top_k, weights):
     return loss
 
 
-@pytest.mark.parametrize("impl", [i for i in IMPLS if i != "reference"])
+@pytest.mark.parametrize("impl", [KERNEL_IMPL])
 def test_kernel_gradient_matches_reference_within_one_ulp(impl, rng):
     probs = router_probs(rng, 16, 32, spread=2.0)[6:]  # the finite rows
     table = slot_table(rng, 32, 0.5)

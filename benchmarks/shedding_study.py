@@ -1,6 +1,6 @@
 """Sweeps kq demo over residency and policy; writes docs/shedding_study.md and docs/shedding_study.png.
 
-Usage: python tools/shedding_study.py [--framework mlx] [--steps 200]
+Usage: python -m benchmarks shedding_study [--framework mlx] [--steps 200]
 """
 
 from __future__ import annotations
@@ -10,11 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from kq.demo import DemoConfig, run  # noqa: E402
+from kq.demo import DemoConfig, run
 
 RESIDENCY = (1.0, 0.75, 0.5, 0.25, 0.125)
 POLICIES = ("lfu", "lru")
@@ -65,7 +64,7 @@ def main() -> int:
     lines = [
         "# Shedding study: what a bounded arena costs",
         "",
-        f"`python tools/shedding_study.py --framework {args.framework} --steps {args.steps}`, run on "
+        f"`python -m benchmarks shedding_study --framework {args.framework} --steps {args.steps}`, run on "
         f"{time.strftime('%Y-%m-%d')} on this project's CPU machine (2 cores; {versions}), `kq demo`'s default stack: "
         f"{cfg.layers} Qwen3-MoE-style layers, {cfg.experts} experts, top-{cfg.top_k}, hidden {cfg.hidden}, "
         f"expert width {cfg.ffn}, one token per step, hidden states drifting by {cfg.drift} per step, "

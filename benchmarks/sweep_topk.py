@@ -1,7 +1,7 @@
 """topk_route_shed's kernel on a GPU: bits checked, kernel time per launch configuration and against the
 two-launch path it replaces.
 
-Usage: PYTHONPATH=. python tools/gpu_topk_tune.py [--json PATH] [--shapes ROWSxKxE ...]
+Usage: python -m benchmarks sweep_topk [--json PATH] [--shapes ROWSxKxE ...]
 
 For each shape: ``lax.top_k`` alone, then ``lax.top_k`` + XLA's renormalisation + ``route_shed_pallas``
 (what a MoE layer on an arena ran before), then the fused kernel at topk_block_config's default and
@@ -18,16 +18,15 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from kq.bench import _jax_kernel_us, parse_shape  # noqa: E402
-from kq.compare import first_mismatch  # noqa: E402
-from kq.oracle import topk_route_shed_oracle  # noqa: E402
-from kq_jax.route_shed_pallas import (KernelConfig, route_shed_pallas, topk_block_config,  # noqa: E402
+from kq.bench import jax_kernel_us, parse_shape
+from kq_core.compare import first_mismatch
+from kq_core.oracle import topk_route_shed_oracle
+from kq_jax.pallas import (KernelConfig, route_shed_pallas, topk_block_config,
                                       topk_route_shed_pallas)
 
 BLOCKS = ((1, 1), (2, 1), (4, 1), (8, 1), (8, 2), (8, 4), (16, 2), (16, 4), (32, 4), (32, 8))
@@ -67,7 +66,7 @@ def main() -> int:
                 fn = functools.partial(topk_route_shed_pallas, top_k=top_k, config=config)
                 exact = first_mismatch(expected, jax.jit(fn)(*inputs)) is None
                 bad += not exact
-            kernel_us = _jax_kernel_us(fn, inputs)
+            kernel_us = jax_kernel_us(fn, inputs)
             results.append(dict(shape=shape, what=what, kernel_us=kernel_us, bits_exact=exact))
             print(f"{shape:>14} {what:>22} {kernel_us if kernel_us is not None else float('nan'):>10.2f}  "
                   f"{'' if exact is None else 'ok' if exact else 'MISMATCH'}", flush=True)

@@ -1,6 +1,6 @@
 """Sweeps the Pallas kernel's launch parameters on a GPU: bits checked, device time per call.
 
-Usage: PYTHONPATH=. python tools/gpu_tune.py [--json PATH] [--shapes ROWSxKxE ...]
+Usage: python -m benchmarks sweep_route_shed [--json PATH] [--shapes ROWSxKxE ...]
 
 For each benchmark shape, prefill shapes first: stage 1 times the code paths
 (strided, ``tiled_io`` for K <= 16, ``entry_lanes``; each with and without
@@ -21,16 +21,15 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-from kq.bench import SHAPE_SETS, _jax_kernel_us, parse_shape  # noqa: E402
-from kq.compare import first_mismatch  # noqa: E402
-from kq.inputs import router_inputs  # noqa: E402
-from kq.oracle import route_shed_oracle  # noqa: E402
-from kq_jax.route_shed_pallas import MAX_UNROLLED_K, KernelConfig, block_config, route_shed_pallas  # noqa: E402
+from kq.bench import SHAPE_SETS, jax_kernel_us, parse_shape
+from kq_core.compare import first_mismatch
+from kq_core.inputs import router_inputs
+from kq_core.oracle import route_shed_oracle
+from kq_jax.pallas import MAX_UNROLLED_K, KernelConfig, block_config, route_shed_pallas
 
 # (block_rows, num_warps): one row per thread, and fewer warps than rows / 32 (rows per thread > 1);
 # for entry_lanes (a row per K lanes) also blocks of a few rows.
@@ -59,7 +58,7 @@ def main() -> int:
             op = functools.partial(route_shed_pallas, config=config)
             mismatch = first_mismatch(expected, jax.jit(op)(*inputs))
             bad += mismatch is not None
-            kernel = _jax_kernel_us(op, inputs)
+            kernel = jax_kernel_us(op, inputs)
             timed[config] = kernel if mismatch is None and kernel is not None else float("inf")
             print(f"  {rows} x {top_k} E={experts} {tuple(config)}: kernel {kernel} us"
                   f"{'' if mismatch is None else f'  MISMATCH {mismatch}'}", flush=True)

@@ -1,9 +1,9 @@
 """route_shed launches for the GPU tools: ``compute-sanitizer`` and Nsight Compute (``ncu``).
 
 Usage (on a GPU, from the repo root):
-    PYTHONPATH=. python tools/gpu_launches.py                      # the memcheck cases
-    PYTHONPATH=. python tools/gpu_launches.py --shape 1048576 8 256  # one shape, for a profile
-    PYTHONPATH=. python tools/gpu_launches.py --shape 65536 8 256 --variants strided+ptx tiled+ptx
+    python -m benchmarks launches                      # the memcheck cases
+    python -m benchmarks launches --shape 1048576 8 256  # one shape, for a profile
+    python -m benchmarks launches --shape 65536 8 256 --variants strided+ptx tiled+ptx
 
 The memcheck cases: ragged tails (rows not a multiple of the block), K not a
 power of two, E = 1, zero rows. Every result is also compared with the oracle.
@@ -13,17 +13,15 @@ power of two, E = 1, zero rows. Every result is also compared with the oracle.
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import numpy as np
 
-from kq.compare import first_mismatch  # noqa: E402
-from kq.inputs import adversarial_inputs, router_inputs  # noqa: E402
-from kq.oracle import route_shed_oracle  # noqa: E402
-from kq_jax.route_shed_pallas import MAX_UNROLLED_K, KernelConfig, route_shed_pallas  # noqa: E402
+from kq_core.compare import first_mismatch
+from kq_core.inputs import adversarial_inputs, router_inputs
+from kq_core.oracle import route_shed_oracle
+from kq_jax.pallas import MAX_UNROLLED_K, KernelConfig, route_shed_pallas
 
 # --variants words, joined by "+": the kernel path and the rounding, each forced.
 VARIANT_WORDS = {"strided": dict(tiled_io=False, entry_lanes=False), "tiled": dict(tiled_io=True),

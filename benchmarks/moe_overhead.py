@@ -1,6 +1,6 @@
 """Overhead of the JAX MoE layer on an arena over the fully resident layer (issue 7's bar: <= 5%).
 
-Usage: PYTHONPATH=. python tools/moe_overhead.py [--hidden 2048 --ffn 768] [--json PATH]
+Usage: python -m benchmarks moe_overhead [--hidden 2048 --ffn 768] [--json PATH]
 Decode sizes: T in 1, 2, 4, 8; E in 64, 256; K = 8; bf16 weights. For each, the resident layer
 (E experts in memory, gathered by router ids) and the arena layer (S slots fed by route_shed) are
 timed as N calls unrolled in one jitted function, each call's input tied to the previous call's
@@ -26,14 +26,13 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from kq.bench import trace_kernels  # noqa: E402
-from kq_jax.moe import Experts, moe_ffn_arena, moe_ffn_resident  # noqa: E402
+from kq.bench import trace_kernels
+from kq_jax.moe import Experts, moe_ffn_arena, moe_ffn_resident
 
 
 @functools.cache  # one jitted chain per (layer, n): the profile reuses the timer's compiled chain

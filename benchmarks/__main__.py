@@ -1,0 +1,19 @@
+"""``python -m benchmarks JOB [ARGS]``: runs one job of :mod:`benchmarks` (``--help`` after JOB for its arguments)."""
+
+import importlib
+import sys
+
+JOBS = ("sweep_route_shed", "sweep_topk", "launches", "moe_overhead", "shedding_study")
+
+
+def main() -> int:
+    if len(sys.argv) < 2 or sys.argv[1] not in JOBS:
+        print(f"usage: python -m benchmarks {{{','.join(JOBS)}}} [ARGS]", file=sys.stderr)
+        return 2
+    job = sys.argv.pop(1)
+    sys.argv[0] = f"python -m benchmarks {job}"
+    return importlib.import_module(f"benchmarks.{job}").main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

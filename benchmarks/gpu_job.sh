@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Everything kq runs on a CUDA machine, in one call from the repository root:
+#   PARTS="tests check memcheck" OUT=out bash benchmarks/gpu_job.sh
+# Parts: tests (the suite's GPU part, `pytest -m gpu`), check (`kq check` on the GPU backends with
+# ROWS random rows), memcheck (compute-sanitizer over the kernel's launch cases), bench (`kq bench`,
+# BENCH_SETS), sweep (the Pallas launch sweeps), moe (the MoE arena overhead). Each part's log and
+# JSON go under $OUT, with the device and versions in device.txt and one line per part in
+# summary.txt; a part is cut at PART_TIMEOUT seconds (default 500). Exits non-zero if a part failed.
+set -uo pipefail
+export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false KQ_HYPOTHESIS_PROFILE=gpu
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+{
+  date -u +%Y-%m-%dT%H:%MZ
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+  python3 -c "import sys, jax, numpy; print('python', sys.version.split()[0], 'jax', jax.__version__, 'numpy', numpy.__version__)"
+} 2>&1 | tee "$OUT/device.txt"
+status=0
+part() {  # name, command...
+  local name=$1 start rc
+  shift
+  start=$(date +%s)
+  timeout "${PART_TIMEOUT:-500}" "$@" > "$OUT/$name.log" 2>&1
+  rc=$?
+  echo "$name: exit $rc in $(( $(date +%s) - start )) s: $*" | tee -a "$OUT/summary.txt"
+  tail -n 4 "$OUT/$name.log"
+  status=$(( status || rc ))
+}
+for name in ${PARTS:-tests check memcheck}; do
+  case $name in
+    tests) part tests python3 -m pytest -q -m gpu -p no:cacheprovider --durations=20 ;;
+    check) part check python3 -m kq check --backends jax-pallas jax-reference cuda-source-cupy \
+             --random-rows "${ROWS:-50000}" ;;
+    memcheck) part memcheck compute-sanitizer --tool memcheck --leak-check no \
+                python3 -m benchmarks launches --variants default tiled lanes ;;
+    bench) for set in ${BENCH_SETS:-decode prefill}; do
+             part "bench_$set" python3 -m kq bench --sets "$set" --backends jax-pallas jax-reference jax-naive \
+               --repeats 9 --no-progress --json "$OUT/bench_$set.json"
+           done ;;
+    sweep) part sweep_route_shed python3 -m benchmarks sweep_route_shed --json "$OUT/sweep_route_shed.json"
+           part sweep_topk python3 -m benchmarks sweep_topk --json "$OUT/sweep_topk.json" ;;
+    moe) part moe_overhead python3 -m benchmarks moe_overhead --profile --json "$OUT/moe_overhead.json" ;;
+    *) echo "unknown part: $name (tests check memcheck bench sweep moe)"; status=2 ;;
+  esac
+done
+exit $status

@@ -1,0 +1,62 @@
+"""Tables and progress bars for the ``kq`` commands, drawn by rich.
+
+Tables go to stdout and never wrap: on a terminal they take its width, piped
+or captured they are laid out on a wide page. Progress goes to stderr: a live
+bar on a terminal, nothing elsewhere (the commands print their own
+per-step lines where a log should show them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Iterator, Sequence
+
+from rich import box
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
+
+_PAGE_WIDTH = 400
+
+
+def _console(stream) -> Console:
+    return Console(file=stream, width=None if stream.isatty() else _PAGE_WIDTH, highlight=False,
+                   soft_wrap=False)
+
+
+def render_table(header: Sequence[str], rows: Sequence[Sequence[object]], *, title: str | None = None,
+                 left: Sequence[int] = (0,)) -> str:
+    """The rows under the header as a plain-text table: the columns in ``left`` left-aligned, the rest right."""
+    table = Table(*header, title=title, box=box.SIMPLE_HEAD, title_justify="left", show_edge=False,
+                  pad_edge=False)
+    for i, column in enumerate(table.columns):
+        column.justify = "left" if i in left else "right"
+        column.no_wrap = True
+    for row in rows:
+        table.add_row(*(str(cell) for cell in row))
+    console = Console(width=_PAGE_WIDTH, color_system=None, highlight=False)
+    with console.capture() as captured:
+        console.print(table)
+    return "\n".join(line.rstrip() for line in captured.get().splitlines())
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, *, enabled: bool = True, description: str = "") -> Iterator:
+    """Yields ``advance(label)``: one step done, ``label`` shown beside the bar (stderr, terminals only)."""
+    live = enabled and sys.stderr.isatty()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[label]}"), console=_console(sys.stderr), transient=True,
+                  disable=not live) as progress:
+        task = progress.add_task(description, total=total, label="")
+
+        def advance(label: str = "") -> None:
+            progress.update(task, advance=1, label=label)
+
+        yield advance
