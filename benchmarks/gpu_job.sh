@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything kq runs on a CUDA machine, in one call from the repository root:
 #   PARTS="tests check memcheck" OUT=out bash benchmarks/gpu_job.sh
-# Parts: tests (the suite's GPU part, `pytest -m gpu`), check (`kq check` on the GPU backends with
+# Parts: tests (the suite's GPU part, `pytest -m gpu`, PYTEST_WORKERS processes), check (`kq check` on the GPU backends with
 # ROWS random rows), memcheck (compute-sanitizer over the kernel's launch cases), bench (`kq bench`,
 # BENCH_SETS), sweep (the Pallas launch sweeps), moe (the MoE arena overhead). Each part's log and
 # JSON go under $OUT, with the device and versions in device.txt and one line per part in
@@ -28,7 +28,9 @@ part() {  # name, command...
 }
 for name in ${PARTS:-tests check memcheck}; do
   case $name in
-    tests) part tests python3 -m pytest -q -m gpu -p no:cacheprovider --durations=20 ;;
+    tests) # pytest-xdist, where installed, spreads the kernels' compiles (CPU-bound) over PYTEST_WORKERS processes.
+           workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${PYTEST_WORKERS:-4}")
+           part tests python3 -m pytest -q -m gpu -p no:cacheprovider --durations=20 $workers ;;
     check) part check python3 -m kq check --backends jax-pallas jax-reference cuda-source-cupy \
              --random-rows "${ROWS:-50000}" ;;
     memcheck) part memcheck compute-sanitizer --tool memcheck --leak-check no \
