@@ -1,0 +1,263 @@
+"""Qwen3-MoE in JAX, on the checkpoint files mlx-lm and Hugging Face load as ``qwen3_moe``.
+
+Attention with per-head RMS norms on queries and keys, rotary embeddings (the
+half-split form), grouped-query heads; an MoE feed-forward in every layer:
+softmax router over E experts, top-k, SwiGLU experts, the top-k scores used as
+they are unless ``norm_topk_prob``. Weights in the Hugging Face layout (one
+tensor per expert and projection, ``[out, in]``). :func:`forward` runs whole
+sequences (training, evaluation); :func:`decode_step` one token per sequence
+with a key-value cache, its MoE feed-forward given by the caller, so an arena
+layer can stand in for the resident one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from kq_jax.moe import Experts
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class Qwen3MoeConfig:
+    """The ``config.json`` fields this implementation reads (Hugging Face names)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool = False
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 2048
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "Qwen3MoeConfig":
+        raw = json.loads((Path(directory) / "config.json").read_text())
+        if raw.get("model_type") != "qwen3_moe":
+            raise ValueError(f"{directory}/config.json: model_type {raw.get('model_type')!r}, expected 'qwen3_moe'")
+        return cls(**{name: raw[name] for name in cls.__dataclass_fields__ if name in raw})
+
+    def hf_config(self) -> dict:
+        """The whole ``config.json`` mlx-lm and transformers expect for this model."""
+        return {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], **asdict(self),
+                "intermediate_size": self.moe_intermediate_size, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                "hidden_act": "silu", "torch_dtype": "bfloat16"}
+
+
+def init_params(cfg: Qwen3MoeConfig, key) -> dict:
+    """Random parameters (float32), scaled as usual for pre-norm transformers."""
+    d, e, f, hd = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.head_dim
+    keys = iter(jax.random.split(key, 2 + 8 * cfg.num_hidden_layers))
+
+    def normal(shape, fan_in):
+        return jax.random.normal(next(keys), shape, jnp.float32) / np.sqrt(fan_in)
+
+    layers = []
+    for _ in range(cfg.num_hidden_layers):
+        layers.append({
+            "input_layernorm": jnp.ones(d), "post_attention_layernorm": jnp.ones(d),
+            "q_proj": normal((cfg.num_attention_heads * hd, d), d), "k_proj": normal((cfg.num_key_value_heads * hd, d), d),
+            "v_proj": normal((cfg.num_key_value_heads * hd, d), d),
+            "o_proj": normal((d, cfg.num_attention_heads * hd), cfg.num_attention_heads * hd * cfg.num_hidden_layers),
+            "q_norm": jnp.ones(hd), "k_norm": jnp.ones(hd), "router": normal((e, d), d) * 0.1,
+            "gate_proj": normal((e, f, d), d), "up_proj": normal((e, f, d), d),
+            "down_proj": normal((e, d, f), f * cfg.num_hidden_layers),
+        })
+    return {"embed": normal((cfg.vocab_size, d), 1.0) * 0.02, "norm": jnp.ones(d), "layers": layers}
+
+
+# ---- the checkpoint layout ---------------------------------------------------------------------
+
+
+def _hf_names(layer: int) -> dict[str, str]:
+    prefix = f"model.layers.{layer}."
+    names = {"input_layernorm": "input_layernorm.weight", "post_attention_layernorm": "post_attention_layernorm.weight",
+             "q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight", "router": "mlp.gate.weight"}
+    names.update({p: f"self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")})
+    return {key: prefix + name for key, name in names.items()}
+
+
+def to_hf_tensors(params: dict, dtype=jnp.bfloat16) -> dict[str, np.ndarray]:
+    """``{tensor name: array}`` in the Hugging Face layout, one tensor per expert and projection."""
+    import ml_dtypes
+
+    def host(x):
+        return np.asarray(jnp.asarray(x, dtype)).astype(ml_dtypes.bfloat16 if dtype == jnp.bfloat16 else dtype)
+
+    out = {"model.embed_tokens.weight": host(params["embed"]), "model.norm.weight": host(params["norm"])}
+    for layer, p in enumerate(params["layers"]):
+        out.update({name: host(p[key]) for key, name in _hf_names(layer).items()})
+        for projection in PROJECTIONS:
+            for expert in range(p[projection].shape[0]):
+                out[f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight"] = host(p[projection][expert])
+    return out
+
+
+def load_params(directory: str | Path, cfg: Qwen3MoeConfig, *, experts: bool = True) -> dict:
+    """Parameters from the checkpoint's safetensors files, as float32 JAX arrays.
+
+    With ``experts=False`` the expert weights are not read (an arena serves them).
+    """
+    from safetensors.numpy import load_file
+
+    tensors = {}
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        tensors.update(load_file(str(path)))
+
+    def get(name):
+        return jnp.asarray(tensors[name].astype(np.float32))
+
+    layers = []
+    for layer in range(cfg.num_hidden_layers):
+        p = {key: get(name) for key, name in _hf_names(layer).items()}
+        if experts:
+            for projection in PROJECTIONS:
+                p[projection] = jnp.stack([get(f"model.layers.{layer}.mlp.experts.{e}.{projection}.weight")
+                                           for e in range(cfg.num_experts)])
+        layers.append(p)
+    return {"embed": get("model.embed_tokens.weight"), "norm": get("model.norm.weight"), "layers": layers}
+
+
+# ---- the model ---------------------------------------------------------------------------------
+
+
+def rms_norm(x, weight, eps: float):
+    x = x.astype(jnp.float32)
+    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def rope(x, positions, theta: float):
+    """Rotary embedding, half-split form. x ``[..., T, H, hd]``, positions ``[..., T]``."""
+    half = x.shape[-1] // 2
+    freqs = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions[..., None, None].astype(jnp.float32) * freqs  # [..., T, 1, half]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _qkv(p, x, positions, cfg: Qwen3MoeConfig):
+    *lead, _ = x.shape
+    q = (x @ p["q_proj"].T).reshape(*lead, cfg.num_attention_heads, cfg.head_dim)
+    k = (x @ p["k_proj"].T).reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
+    v = (x @ p["v_proj"].T).reshape(*lead, cfg.num_key_value_heads, cfg.head_dim)
+    q = rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps), positions, cfg.rope_theta)
+    k = rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps), positions, cfg.rope_theta)
+    return q, k, v
+
+
+def _attend(q, k, v, mask, cfg: Qwen3MoeConfig):
+    """q ``[B, Tq, H, hd]``, k/v ``[B, Tk, Hkv, hd]``, mask ``[B or 1, Tq, Tk]`` -> ``[B, Tq, H*hd]``."""
+    groups = cfg.num_attention_heads // cfg.num_key_value_heads
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * cfg.head_dim**-0.5
+    logits = jnp.where(mask[:, None], logits, -jnp.inf)
+    out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+    return out.reshape(*out.shape[:2], -1)
+
+
+def router_probs(p, x):
+    """Softmax over experts in float32. x ``[..., D]`` -> ``[..., E]``."""
+    return jax.nn.softmax((x @ p["router"].T).astype(jnp.float32), axis=-1)
+
+
+def route(p, x, cfg: Qwen3MoeConfig):
+    """``(indices int32 [..., k], scores float32 [..., k], probs [..., E])``: the router's top-k."""
+    probs = router_probs(p, x)
+    scores, indices = lax.top_k(probs, cfg.num_experts_per_tok)
+    if cfg.norm_topk_prob:
+        scores = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    return indices, scores, probs
+
+
+def experts_apply(x, experts: Experts, rows):
+    """SwiGLU experts ``rows`` ``[T, k]`` (expert or slot ids) on x ``[T, D]`` -> ``[T, k, D]``."""
+    gate = jnp.einsum("td,tkfd->tkf", x, experts.gate[rows])
+    up = jnp.einsum("td,tkfd->tkf", x, experts.up[rows])
+    return jnp.einsum("tkf,tkdf->tkd", jax.nn.silu(gate) * up, experts.down[rows])
+
+
+def moe_resident(p, x, cfg: Qwen3MoeConfig):
+    """The MoE feed-forward with every expert in memory. x ``[T, D]`` -> ``[T, D]``."""
+    indices, scores, _ = route(p, x, cfg)
+    y = experts_apply(x, Experts(p["gate_proj"], p["up_proj"], p["down_proj"]), indices)
+    return jnp.einsum("tkd,tk->td", y, scores)
+
+
+def moe_dense(p, x, cfg: Qwen3MoeConfig):
+    """Training form of :func:`moe_resident`: every expert computed, weighted by the top-k scores
+    (zero elsewhere). Returns ``(y [N, D], load-balancing loss)`` (Switch Transformer's: E times
+    the dot product of each expert's share of the routed entries and its mean probability)."""
+    indices, scores, probs = route(p, x, cfg)
+    weights = jnp.zeros_like(probs).at[jnp.arange(x.shape[0])[:, None], indices].set(scores)
+    gate = jnp.einsum("nd,efd->nef", x, p["gate_proj"])
+    up = jnp.einsum("nd,efd->nef", x, p["up_proj"])
+    y = jnp.einsum("nef,edf,ne->nd", jax.nn.silu(gate) * up, p["down_proj"], weights)
+    share = jnp.mean(jax.nn.one_hot(indices, cfg.num_experts).sum(axis=1), axis=0) / cfg.num_experts_per_tok
+    balance = cfg.num_experts * jnp.sum(share * jnp.mean(probs, axis=0))
+    return y, balance
+
+
+def forward(params, tokens, cfg: Qwen3MoeConfig, *, moe=moe_dense):
+    """Logits for whole sequences. tokens int ``[B, T]`` -> ``(logits float32 [B, T, V], mean balance loss)``."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    mask = jnp.tril(jnp.ones((t, t), bool))[None]
+    h = params["embed"][tokens]
+    balance = 0.0
+    for p in params["layers"]:
+        q, k, v = _qkv(p, rms_norm(h, p["input_layernorm"], cfg.rms_norm_eps), positions, cfg)
+        h = h + _attend(q, k, v, mask, cfg) @ p["o_proj"].T
+        x = rms_norm(h, p["post_attention_layernorm"], cfg.rms_norm_eps).reshape(b * t, -1)
+        y, layer_balance = moe(p, x, cfg)
+        h = h + y.reshape(b, t, -1)
+        balance = balance + layer_balance
+    logits = rms_norm(h, params["norm"], cfg.rms_norm_eps) @ params["embed"].T
+    return logits, balance / cfg.num_hidden_layers
+
+
+def empty_cache(cfg: Qwen3MoeConfig, batch: int, length: int):
+    """Key-value cache ``[L, B, length, Hkv, hd]`` twice, zeros."""
+    shape = (cfg.num_hidden_layers, batch, length, cfg.num_key_value_heads, cfg.head_dim)
+    return jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32)
+
+
+MoeFn = Callable[[int, dict, jax.Array], tuple[jax.Array, object]]
+
+
+def decode_step(params, token, position, cache, cfg: Qwen3MoeConfig, moe: MoeFn):
+    """One token per sequence. token int ``[B]``, position int scalar; ``moe(layer, p, x [B, D])``
+    returns ``(y [B, D], report)``. Returns ``(logits [B, V], cache, reports)``."""
+    keys, values = cache
+    length = keys.shape[2]
+    h = params["embed"][token][:, None]  # [B, 1, D]
+    positions = jnp.full(h.shape[:2], position)
+    mask = (jnp.arange(length) <= position)[None, None, :]
+    reports = []
+    for layer, p in enumerate(params["layers"]):
+        q, k, v = _qkv(p, rms_norm(h, p["input_layernorm"], cfg.rms_norm_eps), positions, cfg)
+        keys = keys.at[layer, :, position].set(k[:, 0])
+        values = values.at[layer, :, position].set(v[:, 0])
+        h = h + _attend(q, keys[layer], values[layer], mask, cfg) @ p["o_proj"].T
+        x = rms_norm(h, p["post_attention_layernorm"], cfg.rms_norm_eps)[:, 0]
+        y, report = moe(layer, p, x)
+        h = h + y[:, None]
+        reports.append(report)
+    logits = rms_norm(h[:, 0], params["norm"], cfg.rms_norm_eps) @ params["embed"].T
+    return logits, (keys, values), reports
