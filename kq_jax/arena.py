@@ -35,5 +35,6 @@ class JaxArena:
 
     def write_slot(self, layer: int, slot: int, payload: Mapping[str, np.ndarray]) -> None:
         """Writes one expert into ``[layer, slot]``; the previous arrays are donated (invalid after)."""
-        self.arrays = _write_slot(self.arrays, jnp.int32(layer), jnp.int32(slot),
-                                  {name: jnp.asarray(payload[name]) for name in self.arrays})
+        # Host arrays and indices go to the jitted write as they are: one transfer each, no eager ops.
+        self.arrays = _write_slot(self.arrays, np.int32(layer), np.int32(slot),
+                                  {name: np.asarray(payload[name]) for name in self.arrays})

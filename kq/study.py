@@ -1,0 +1,356 @@
+"""``kq study``: what shedding costs a trained model, measured by decoding a text through a bounded arena.
+
+A checkpoint (``qwen3_moe``; the shipped ``models/stdlib-moe`` by default) runs over a text as a
+decode engine would: one token per step, teacher-forced, every layer's experts served from an
+arena of ``residency`` of its experts, the slot tables updated between tokens by the residency
+manager reading experts from the checkpoint's safetensors files. Each run starts with the arena
+holding each layer's lowest-numbered experts and decodes ``warmup`` tokens before any is scored.
+
+Rules for a routed expert that is not resident (``RULES``):
+
+* ``route_shed``: shed it and scale the kept weights so they keep the row's routed mass (kq's op);
+* ``shed``: shed it, the kept weights as they are (their sum falls);
+* ``renormalize``: shed it and scale the kept weights to sum to 1;
+* ``substitute``: serve it with the most probable resident expert the row has not chosen, at the
+  missed expert's weight (misses in k order take substitutes in descending probability; a miss
+  left without one is shed);
+* ``stall``: wait for it: the exact output, every miss a read on the token's critical path.
+
+Per run: perplexity and bits per byte of the scored tokens, hit rate, shed mass per token (the
+routed mass the rule did not serve with the routed expert), reads and MiB read per token, and for
+``stall`` the reads on the critical path per token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from kq.terminal import progress_bar, render_table
+
+RULES = ("route_shed", "shed", "renormalize", "substitute", "stall")
+POLICIES = ("lfu", "lru")
+RESIDENCIES = (1.0, 0.75, 0.5, 0.25, 0.125)
+SHIPPED_MODEL = Path(__file__).resolve().parents[1] / "models" / "stdlib-moe"
+
+
+@dataclass(frozen=True)
+class StudyConfig:
+    checkpoint: Path = SHIPPED_MODEL
+    text: Path | None = None  # default: the checkpoint's heldout.txt
+    tokens: int = 256  # scored tokens per run
+    warmup: int = 64
+    residencies: tuple[float, ...] = RESIDENCIES
+    policies: tuple[str, ...] = POLICIES
+    rules: tuple[str, ...] = RULES
+
+    def __post_init__(self):
+        if not (Path(self.checkpoint) / "config.json").is_file():
+            raise ValueError(f"--checkpoint: {self.checkpoint} holds no config.json (a qwen3_moe checkpoint "
+                             f"directory, as mlx_lm.convert or models/train.py writes)")
+        if self.tokens < 1 or self.warmup < 0:
+            raise ValueError(f"--tokens must be at least 1 and --warmup at least 0, got {self.tokens}, {self.warmup}")
+        if not all(0.0 < r <= 1.0 for r in self.residencies):
+            raise ValueError(f"--residency values must be in (0, 1], got {self.residencies}")
+        for name, values, known in (("--policies", self.policies, POLICIES), ("--rules", self.rules, RULES)):
+            if not set(values) <= set(known):
+                raise ValueError(f"{name} must be among {known}, got {values}")
+
+
+@dataclass
+class RunResult:
+    residency: float
+    slots: int
+    policy: str
+    rule: str
+    tokens: int
+    bits: float  # total over the scored tokens
+    bytes: int
+    hits: int = 0
+    lookups: int = 0
+    shed_mass: float = 0.0  # summed over layers and scored tokens
+    routed_mass: float = 0.0
+    reads: int = 0
+    bytes_read: int = 0
+    critical_reads: int = 0
+    seconds: float = 0.0
+    trace: dict = field(default_factory=dict)
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.bits * math.log(2) / self.tokens)
+
+    @property
+    def bits_per_byte(self) -> float:
+        return self.bits / self.bytes
+
+    def summary(self) -> dict:
+        out = {k: v for k, v in asdict(self).items() if k != "trace"}
+        out.update(perplexity=self.perplexity, bits_per_byte=self.bits_per_byte,
+                   hit_rate=self.hits / self.lookups if self.lookups else 1.0,
+                   shed_mass_per_token=self.shed_mass / self.tokens, reads_per_token=self.reads / self.tokens,
+                   mib_per_token=self.bytes_read / self.tokens / 2**20,
+                   critical_reads_per_token=self.critical_reads / self.tokens)
+        return out
+
+
+# ---- the decode step ---------------------------------------------------------------------------
+
+
+def serve(rule: str, indices, scores, probs, slot_table, shed):
+    """``(slots, mix)`` a layer on an arena gathers and weights with, under ``rule``.
+
+    Args:
+        indices, scores: the router's top-k ``[T, k]`` (int32, float32); probs: ``[T, E]``;
+        slot_table: int32 ``[E]``; shed: ``route_shed(indices, scores, slot_table)``.
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    kept = slot_table[indices] >= 0
+    if rule == "route_shed":
+        return shed.slots, shed.mix
+    if rule == "shed":
+        return shed.slots, jnp.where(kept, scores, 0.0)
+    if rule == "renormalize":
+        kept_mass = jnp.sum(jnp.where(kept, scores, 0.0), axis=-1, keepdims=True)
+        return shed.slots, jnp.where(kept, scores / jnp.where(kept_mass > 0, kept_mass, 1.0), 0.0)
+    if rule == "substitute":
+        top_k = indices.shape[-1]
+        routed = jax.nn.one_hot(indices, probs.shape[-1], dtype=bool).any(axis=-2)
+        candidates = jnp.where((slot_table >= 0)[None] & ~routed, probs, -1.0)
+        best_probs, best_experts = lax.top_k(candidates, top_k)
+        rank = jnp.clip(jnp.cumsum(~kept, axis=-1) - 1, 0, top_k - 1)  # the j-th miss in k order
+        substitute = jnp.take_along_axis(best_experts, rank, axis=-1)
+        found = ~kept & (jnp.take_along_axis(best_probs, rank, axis=-1) >= 0.0)
+        slots = jnp.where(found, slot_table[substitute].astype(shed.slots.dtype), shed.slots)
+        return slots, jnp.where(kept | found, scores, 0.0)
+    raise ValueError(f"unknown rule {rule!r}; known: {RULES}")
+
+
+def make_step(cfg, rule: str):
+    """A jitted decode step under ``rule``: ``(params, arena, tables, token, position, cache) ->
+    (logits [1, V], cache, reports)``, a report per layer ``(indices, scores, miss_ids, miss_scores,
+    served)`` with ``served`` the scores of the entries served by their routed expert (or a substitute)."""
+    import jax
+    import jax.numpy as jnp
+
+    import kq_jax
+    from kq_jax import qwen3_moe
+    from kq_jax.moe import Experts
+
+    def step(params, arena, tables, token, position, cache):
+        def moe(layer, p, x):
+            indices, scores, probs = qwen3_moe.route(p, x, cfg)
+            shed = kq_jax.route_shed(indices, scores, tables[layer])
+            if rule == "stall" or arena is None:  # every routed expert served: the resident layer
+                weights = Experts(p["gate_proj"], p["up_proj"], p["down_proj"])
+                slots, mix = indices, scores
+            else:
+                weights = Experts(*(arena[name][layer] for name in qwen3_moe.PROJECTIONS))
+                slots, mix = serve(rule, indices, scores, probs, tables[layer], shed)
+            out = jnp.einsum("tkd,tk->td", qwen3_moe.experts_apply(x, weights, slots), mix)
+            served = jnp.where(mix > 0, scores, 0.0) if rule != "stall" else scores
+            return out, (indices, scores, shed.miss_ids, shed.miss_scores, served)
+
+        return qwen3_moe.decode_step(params, token, position, cache, cfg, moe)
+
+    return jax.jit(step)
+
+
+# ---- runs --------------------------------------------------------------------------------------
+
+
+class Study:
+    """The checkpoint, the text's tokens and one compiled step per rule, shared by every run."""
+
+    def __init__(self, config: StudyConfig):
+        from tokenizers import Tokenizer
+
+        from kq_jax import qwen3_moe
+
+        self.config = config
+        checkpoint = Path(config.checkpoint)
+        self.cfg = qwen3_moe.Qwen3MoeConfig.load(checkpoint)
+        tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+        text = Path(config.text or checkpoint / "heldout.txt").read_text()
+        needed = config.warmup + config.tokens + 1
+        tokens = np.array(tokenizer.encode(text).ids, np.int32)
+        if tokens.size < needed:
+            raise ValueError(f"the text has {tokens.size} tokens; --warmup + --tokens + 1 = {needed}")
+        self.tokens = tokens[:needed]
+        self.scored_bytes = len(tokenizer.decode(self.tokens[config.warmup + 1:].tolist()).encode())
+        self.params = qwen3_moe.load_params(checkpoint, self.cfg, experts=False)
+        self._full_params = None
+        self._steps = {}
+
+    def full_params(self):
+        from kq_jax import qwen3_moe
+
+        if self._full_params is None:
+            self._full_params = qwen3_moe.load_params(self.config.checkpoint, self.cfg)
+        return self._full_params
+
+    def step(self, rule: str):
+        if rule not in self._steps:
+            self._steps[rule] = make_step(self.cfg, rule)
+        return self._steps[rule]
+
+    def resident(self) -> RunResult:
+        """Every expert in memory, no arena: the model as trained."""
+        import jax.numpy as jnp
+
+        from kq_jax import qwen3_moe
+
+        cfg, params = self.cfg, self.full_params()
+        tables = jnp.tile(jnp.arange(cfg.num_experts, dtype=jnp.int32), (cfg.num_hidden_layers, 1))
+        cache = qwen3_moe.empty_cache(cfg, 1, self.tokens.size)
+        result = RunResult(1.0, cfg.num_experts, "-", "resident", self.config.tokens, 0.0, self.scored_bytes)
+        step = self.step("stall")
+        start = time.perf_counter()
+        for position in range(self.tokens.size - 1):
+            logits, cache, _ = step(params, None, tables, jnp.asarray(self.tokens[position:position + 1]), position,
+                                    cache)
+            if position >= self.config.warmup:
+                result.bits += _bits(logits, self.tokens[position + 1])
+        result.seconds = time.perf_counter() - start
+        return result
+
+    def run(self, residency: float, policy: str, rule: str) -> RunResult:
+        """One decode of the text through an arena of ``residency`` of each layer's experts."""
+        import jax.numpy as jnp
+
+        from kq_host.expert_store import ExpertStore
+        from kq_host.residency import LayerReport, ResidencyManager
+        from kq_jax import qwen3_moe
+        from kq_jax.arena import JaxArena
+
+        cfg, config = self.cfg, self.config
+        layers, experts, top_k = cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok
+        slots = max(top_k, round(residency * experts))
+        params = self.full_params() if rule == "stall" else self.params
+        result = RunResult(residency, slots, policy, rule, config.tokens, 0.0, self.scored_bytes)
+        with ExpertStore(config.checkpoint, layout="per_expert", projections=qwen3_moe.PROJECTIONS) as store:
+            shapes = {name: (shape, np.float32) for name, (shape, _) in store.expert_shapes(0).items()}
+            arena = JaxArena(layers, slots, shapes)
+            manager = ResidencyManager(layers, experts, slots, loader=lambda l, e, s: store.read_expert(l, e),
+                                       arena=arena, policy=policy, queue_depth=0,
+                                       bytes_per_expert=store.expert_nbytes(0))
+            for layer in range(layers):
+                manager.preload(layer, range(slots))
+            tables = manager.snapshot()
+            cache = qwen3_moe.empty_cache(cfg, 1, self.tokens.size)
+            step = self.step(rule)
+            start = time.perf_counter()
+            for position in range(self.tokens.size - 1):
+                scored = position >= config.warmup
+                if scored and position == config.warmup:
+                    _, before = manager.stats()
+                logits, cache, reports = step(params, arena.arrays, jnp.asarray(tables),
+                                              jnp.asarray(self.tokens[position:position + 1]), position, cache)
+                reports = [tuple(np.asarray(a) for a in r) for r in reports]
+                if scored:
+                    result.bits += _bits(logits, self.tokens[position + 1])
+                    for layer, (indices, scores, _, _, served) in enumerate(reports):
+                        result.routed_mass += float(scores.sum())
+                        result.shed_mass += float(scores.sum() - served.sum())
+                        if rule == "stall":  # each missing expert read before the token goes on
+                            result.critical_reads += int((tables[layer][indices] < 0).sum())
+                tables = manager.step([LayerReport(*r[:4]) for r in reports])
+            _, after = manager.stats()
+            manager.close()
+        since = after.since(before)
+        result.hits, result.lookups = since.hits, since.lookups
+        result.reads, result.bytes_read = since.reads_landed, since.bytes_read
+        result.seconds = time.perf_counter() - start
+        return result
+
+
+def _bits(logits, target: int) -> float:
+    logits = np.asarray(logits[0], np.float64)
+    top = logits.max()
+    return float((top + math.log(np.exp(logits - top).sum()) - logits[target]) / math.log(2))
+
+
+def grid(config: StudyConfig) -> list[tuple[float, str, str]]:
+    """The runs: at 100% residency one per rule that can differ (none can: one route_shed run)."""
+    runs = []
+    for residency in config.residencies:
+        for policy in config.policies:
+            for rule in config.rules:
+                if residency == 1.0 and (policy != config.policies[0] or rule != config.rules[0]):
+                    continue  # every expert resident: no miss, every policy and rule the same
+                runs.append((residency, policy, rule))
+    return runs
+
+
+def run_study(config: StudyConfig, *, progress: bool = True) -> tuple[RunResult, list[RunResult]]:
+    study = Study(config)
+    runs = grid(config)
+    results = []
+    with progress_bar(len(runs) + 1, enabled=progress, description="kq study") as advance:
+        resident = study.resident()
+        advance("resident")
+        for residency, policy, rule in runs:
+            results.append(study.run(residency, policy, rule))
+            advance(f"{residency:.3g} {policy} {rule}")
+    return resident, results
+
+
+def format_table(resident: RunResult, results: list[RunResult]) -> str:
+    header = ("residency", "slots", "policy", "rule", "perplexity", "vs resident", "bits/byte", "hit rate",
+              "shed mass/token", "reads/token", "MiB/token", "critical reads/token")
+    rows = [("100%", resident.slots, "-", "resident", f"{resident.perplexity:.3f}", "-",
+             f"{resident.bits_per_byte:.4f}", "-", "-", "-", "-", "-")]
+    for r in results:
+        s = r.summary()
+        rows.append((f"{r.residency:.1%}", r.slots, r.policy, r.rule, f"{r.perplexity:.3f}",
+                     f"{r.perplexity / resident.perplexity - 1:+.1%}", f"{r.bits_per_byte:.4f}",
+                     f"{s['hit_rate']:.3f}", f"{s['shed_mass_per_token']:.3f}", f"{s['reads_per_token']:.2f}",
+                     f"{s['mib_per_token']:.3f}", f"{s['critical_reads_per_token']:.2f}" if r.rule == "stall" else "-"))
+    return render_table(header, rows, left=(2, 3))
+
+
+def write_json(config: StudyConfig, resident: RunResult, results: list[RunResult], path) -> None:
+    import platform
+
+    import jax
+
+    payload = {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(), "jax": jax.__version__,
+               "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
+               "resident": resident.summary(), "runs": [r.summary() for r in results]}
+    Path(path).write_text(json.dumps(payload, indent=1) + "\n")
+
+
+def write_plot(resident: RunResult, results: list[RunResult], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for policy in sorted({r.policy for r in results}):
+        for rule in RULES:
+            line = sorted((r.residency, r.perplexity, r.hits / max(r.lookups, 1)) for r in results
+                          if (r.policy == policy and r.rule == rule) or (r.residency == 1.0 and r.rule == RULES[0]))
+            if len(line) < 2 or not any(r.rule == rule and r.policy == policy for r in results):
+                continue
+            style = "-" if policy == "lfu" else "--"
+            left.plot([x for x, _, _ in line], [y for _, y, _ in line], style, marker="o", label=f"{rule} ({policy})")
+            if rule == RULES[0]:
+                right.plot([x for x, _, _ in line], [h for _, _, h in line], style, marker="o", label=policy)
+    left.axhline(resident.perplexity, color="gray", linewidth=0.8, label="resident")
+    left.set(xlabel="residency (fraction of each layer's experts)", ylabel="perplexity", yscale="log",
+             title="held-out perplexity")
+    right.set(xlabel="residency", ylabel="hit rate", title="hit rate (route_shed)", ylim=(0, 1.02))
+    left.legend(fontsize=7)
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

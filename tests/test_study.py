@@ -1,0 +1,94 @@
+"""kq study on the shipped model: through a full arena it is the resident model, bit for bit; shedding costs."""
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("jax")
+pytest.importorskip("tokenizers")
+pytest.importorskip("safetensors")
+
+from kq.study import SHIPPED_MODEL, Study, StudyConfig  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def study():
+    return Study(StudyConfig(tokens=12, warmup=4))
+
+
+def test_full_residency_through_the_arena_is_the_resident_model_to_the_bit(study):
+    resident = study.resident()
+    streamed = study.run(1.0, "lfu", "route_shed")
+    assert streamed.bits == resident.bits and streamed.perplexity == resident.perplexity
+    assert streamed.hits == streamed.lookups == 12 * study.cfg.num_hidden_layers * study.cfg.num_experts_per_tok
+    assert np.isfinite(resident.perplexity) and resident.perplexity > 1
+
+
+def test_stall_is_exact_and_pays_its_misses_on_the_critical_path(study):
+    stall = study.run(0.125, "lru", "stall")
+    assert stall.bits == study.resident().bits
+    assert stall.critical_reads == stall.lookups - stall.hits > 0
+
+
+@pytest.mark.parametrize("rule", ["route_shed", "shed", "renormalize", "substitute"])
+def test_a_small_arena_sheds_and_reads(study, rule):
+    run = study.run(0.125, "lfu", rule)
+    assert run.hits < run.lookups and run.reads > 0 and run.bytes_read > 0
+    assert run.bits != study.resident().bits
+    if rule == "substitute":
+        assert run.shed_mass < 0.5 * run.routed_mass  # most misses find a resident stand-in
+    else:
+        assert run.shed_mass > 0
+
+
+def test_the_shipped_model_is_a_qwen3_moe_that_learned():
+    config = json.loads((SHIPPED_MODEL / "config.json").read_text())
+    record = json.loads((SHIPPED_MODEL / "training.json").read_text())
+    assert config["model_type"] == "qwen3_moe" and config["norm_topk_prob"] is False
+    assert config["num_experts"] >= 64 and config["num_experts_per_tok"] == 8 and config["num_hidden_layers"] >= 4
+    assert (SHIPPED_MODEL / "model.safetensors").stat().st_size <= 16 * 2**20
+    bpb = record["heldout_bits_per_byte"]
+    assert bpb["model"] < bpb["bigram"] < bpb["unigram"]
+    for layer in record["routing"]["layers"]:
+        assert layer["load_entropy_bits"] > 4.5  # not collapsed (6 is even over 64 experts)
+        assert layer["reuse"] > record["routing"]["independent_reuse"]
+
+
+def test_mlx_lm_loads_and_generates_the_shipped_model():
+    pytest.importorskip("mlx_lm")
+    import mlx.core as mx
+    from mlx_lm import generate, load
+
+    model, tokenizer = load(str(SHIPPED_MODEL))
+    if not mx.metal.is_available():
+        model.set_dtype(mx.float32)  # MLX's CPU gather_mm takes float32 only
+    text = generate(model, tokenizer, prompt="def main():\n    ", max_tokens=12)
+    assert isinstance(text, str) and len(text) > 0
+
+
+def test_study_refuses_a_directory_without_a_checkpoint(tmp_path):
+    with pytest.raises(ValueError, match="--checkpoint"):
+        StudyConfig(checkpoint=tmp_path)
+
+
+def test_the_jax_model_reads_the_files_as_mlx_lm_does():
+    pytest.importorskip("mlx_lm")
+    import jax.numpy as jnp
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from kq_jax import qwen3_moe
+
+    model, tokenizer = load(str(SHIPPED_MODEL))
+    model.set_dtype(mx.float32)
+    ids = tokenizer.encode("import os\n\ndef walk(top):\n    for name in os.listdir(top):")
+    want = np.array(model(mx.array([ids])))
+    cfg = qwen3_moe.Qwen3MoeConfig.load(SHIPPED_MODEL)
+
+    def resident(p, x, c):
+        return qwen3_moe.moe_resident(p, x, c), 0.0
+
+    got, _ = qwen3_moe.forward(qwen3_moe.load_params(SHIPPED_MODEL, cfg), jnp.asarray([ids]), cfg, moe=resident)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-4, rtol=2e-4)
+    assert (np.asarray(got).argmax(-1) == want.argmax(-1)).all()
