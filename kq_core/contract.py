@@ -17,6 +17,8 @@ MAX_TOP_K = 64
 INDEX_DTYPES = ("int32", "uint32")
 SCORE_DTYPES = ("float32", "bfloat16", "float16")
 SLOT_TABLE_DTYPES = ("int32",)
+# What topk_route_shed does with a routed expert that is not resident.
+ON_MISS = ("shed", "substitute")
 # The NumPy dtype of each name above (bfloat16 from ml_dtypes).
 NUMPY_DTYPES = {name: np.dtype(ml_dtypes.bfloat16 if name == "bfloat16" else name)
                 for name in (*INDEX_DTYPES, *SCORE_DTYPES)}

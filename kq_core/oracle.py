@@ -22,17 +22,29 @@ binary32, round to nearest even, in exactly this order):
    lower k; the remaining positions hold -1 and +0.0.
 7. Every NaN written to ``mix`` or ``miss_scores`` is 0x7FC00000.
 
-``topk_route_shed(probs, slot_table, top_k)`` routes as well, so a MoE layer
-on an arena needs one launch after its softmax. Per row of ``E`` values:
+``topk_route_shed(probs, slot_table, top_k, normalize=True, on_miss="shed")``
+routes as well, so a MoE layer on an arena needs one launch after its
+softmax. Per row of ``E`` values:
 
 1. ``v_e = f32(probs_e)``. The entries are ranked by descending ``v_e`` in a
    total order: +0.0 above -0.0, NaN (any payload) below every number, ties
    by lower ``e``; ``indices`` holds the first ``top_k`` (int32). On rows
    without NaN and without both signs of zero this is ``lax.top_k``'s order.
-2. ``r_j = flush(v[indices_j])``; ``total = 0.0``; for j = 0..top_k-1:
+2. ``r_j = flush(v[indices_j])``. With ``normalize`` (a router with
+   ``norm_topk_prob``): ``total = 0.0``; for j = 0..top_k-1:
    ``total = flush(total + r_j)``; ``scores_j = flush(r_j / total)``,
-   correctly rounded (IEEE for 0/0 and x/0), every NaN 0x7FC00000.
+   correctly rounded (IEEE for 0/0 and x/0). Without: ``scores_j = r_j``.
+   Every NaN 0x7FC00000.
 3. ``shed = route_shed(indices, scores, slot_table)``.
+4. With ``on_miss="substitute"``, each miss is served by a resident stand-in
+   instead of being shed: the row's candidates are the experts with
+   ``slot_table[e] >= 0`` that are not among its ``indices``, in step 1's
+   order; the j-th miss in k order takes the j-th candidate, if there is one.
+   Then every entry served (kept, or given a candidate) has ``mix_j =
+   scores_j`` (not rescaled: the routed mass is served in full), a
+   substituted entry's ``slots_j`` is its candidate's slot, and an entry left
+   without a candidate keeps ``shed``'s slot with ``mix_j = +0.0``.
+   ``miss_ids`` / ``miss_scores`` still list the misses, for prestaging.
 """
 
 from __future__ import annotations
@@ -143,33 +155,68 @@ def score_order_key(values: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(values), np.int32(NAN_ORDER_KEY), -monotone).astype(np.int32)
 
 
-def topk_normalized_oracle(probs, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+def topk_normalized_oracle(probs, top_k: int, normalize: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Steps 1 and 2 of ``topk_route_shed``: ``(indices int32 [..., k], scores float32 [..., k])``."""
     values = np.asarray(probs).astype(np.float32)
     out_shape = values.shape[:-1] + (top_k,)
     values = values.reshape(-1, values.shape[-1])  # [rows, E]
     order = np.argsort(score_order_key(values), axis=1, kind="stable")[:, :top_k]
-    raw = flush(np.take_along_axis(values, order, axis=1))
-    total = np.zeros(raw.shape[0], np.float32)
-    with np.errstate(all="ignore"):
-        for j in range(top_k):
-            total = flush(total + raw[:, j])
-        scores = flush(raw / total[:, None])
+    scores = flush(np.take_along_axis(values, order, axis=1))
+    if normalize:
+        total = np.zeros(scores.shape[0], np.float32)
+        with np.errstate(all="ignore"):
+            for j in range(top_k):
+                total = flush(total + scores[:, j])
+            scores = flush(scores / total[:, None])
     return order.astype(np.int32).reshape(out_shape), canonicalize_nan(scores).reshape(out_shape)
 
 
-def topk_route_shed_oracle(probs, slot_table, top_k: int) -> TopkRouteShedResult:
+def _substitute(probs: np.ndarray, indices: np.ndarray, scores: np.ndarray, slot_table: np.ndarray,
+                shed: RouteShedResult) -> RouteShedResult:
+    """Step 4: misses served by the best resident experts the row did not choose."""
+    num_experts, top_k = slot_table.shape[0], indices.shape[-1]
+    values = np.asarray(probs).astype(np.float32).reshape(-1, num_experts)
+    ids = indices.reshape(-1, top_k)
+    rows = ids.shape[0]
+    order = np.argsort(score_order_key(values), axis=1, kind="stable")  # [rows, E], best first
+    chosen = np.zeros((rows, num_experts), bool)
+    np.put_along_axis(chosen, ids, True, axis=1)
+    eligible = np.take_along_axis((slot_table >= 0)[None, :] & ~chosen, order, axis=1)
+    # The first top_k eligible experts in order: a stable sort puts eligible positions first.
+    firsts = np.argsort(~eligible, axis=1, kind="stable")[:, :top_k]
+    candidates = np.where(np.take_along_axis(eligible, firsts, axis=1),
+                          np.take_along_axis(order, firsts, axis=1), -1)  # [rows, top_k], -1: none
+    slots, mix = shed.slots.reshape(-1, top_k), np.zeros((rows, top_k), np.float32)
+    kept = slot_table[ids] >= 0
+    rank = np.cumsum(~kept, axis=1) - 1
+    candidate = np.take_along_axis(candidates, np.clip(rank, 0, top_k - 1), axis=1)
+    found = ~kept & (candidate >= 0)
+    s = scores.reshape(-1, top_k)
+    slots = np.where(found, slot_table[np.maximum(candidate, 0)].astype(slots.dtype), slots)
+    mix = np.where(kept | found, s, np.float32(0.0))
+    return shed._replace(slots=slots.reshape(indices.shape), mix=mix.reshape(indices.shape))
+
+
+def topk_route_shed_oracle(probs, slot_table, top_k: int, *, normalize: bool = True,
+                           on_miss: str = "shed") -> TopkRouteShedResult:
     """Routes each row to its top-k experts and sheds the non-resident ones (module docstring).
 
     Args:
         probs: float32, bfloat16 or float16 ``[..., E]`` router probabilities.
         slot_table: int32 ``[E]``; ``>= 0`` is the slot of a resident expert.
         top_k: experts per row, ``1 <= top_k <= min(E, 64)``.
+        normalize: renormalise the top-k values to sum to 1 (routers with
+            ``norm_topk_prob``); otherwise they are the scores as they are.
+        on_miss: ``"shed"`` (``route_shed``), or ``"substitute"``: each miss
+            served by the best resident expert the row did not choose (step 4).
 
     Returns:
         ``TopkRouteShedResult(indices, scores, shed)``, shaped ``[..., top_k]``.
     """
     probs, slot_table = np.asarray(probs), np.asarray(slot_table)
-    check_topk_route_shed_args(probs, slot_table, top_k)
-    indices, scores = topk_normalized_oracle(probs, top_k)
-    return TopkRouteShedResult(indices, scores, _route_shed(indices, scores, slot_table))
+    check_topk_route_shed_args(probs, slot_table, top_k, normalize=normalize, on_miss=on_miss)
+    indices, scores = topk_normalized_oracle(probs, top_k, normalize)
+    shed = _route_shed(indices, scores, slot_table)
+    if on_miss == "substitute":
+        shed = _substitute(probs, indices, scores, slot_table, shed)
+    return TopkRouteShedResult(indices, scores, shed)

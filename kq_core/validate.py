@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kq_core.contract import INDEX_DTYPES, MAX_TOP_K, SCORE_DTYPES, SLOT_TABLE_DTYPES
+from kq_core.contract import INDEX_DTYPES, MAX_TOP_K, ON_MISS, SCORE_DTYPES, SLOT_TABLE_DTYPES
 
 
 class RouteShedInputError(ValueError):
@@ -73,14 +73,21 @@ def check_route_shed_args(indices, scores, slot_table) -> None:
         raise ValueError("route_shed: slot_table must hold at least one expert (E >= 1), got E = 0")
 
 
-def check_topk_route_shed_args(probs, slot_table, top_k: int) -> None:
+def check_topk_route_shed_args(probs, slot_table, top_k: int, *, normalize: bool = True,
+                               on_miss: str = "shed") -> None:
     """:func:`check_route_shed_args` for ``topk_route_shed``, which routes as well.
 
     Args:
         probs: ``[..., E]`` float32/bfloat16/float16 router probabilities.
         slot_table: ``[E]`` int32.
         top_k: ``1 <= top_k <= min(E, 64)``.
+        normalize: a bool.
+        on_miss: one of :data:`~kq_core.contract.ON_MISS`.
     """
+    if not isinstance(normalize, (bool, np.bool_)):
+        raise TypeError(f"topk_route_shed: normalize must be a bool, got {normalize!r}")
+    if on_miss not in ON_MISS:
+        raise ValueError(f"topk_route_shed: on_miss must be one of {ON_MISS}, got {on_miss!r}")
     _check_dtype("probs", probs, SCORE_DTYPES)
     _check_dtype("slot_table", slot_table, SLOT_TABLE_DTYPES)
     pshape, tshape = tuple(probs.shape), tuple(slot_table.shape)

@@ -82,8 +82,8 @@ def route_shed(indices, scores, slot_table, *, impl: Impl = "auto",
     return route_shed_pallas(indices, scores, slot_table, interpret=impl == "pallas_interpret", config=config)
 
 
-def topk_route_shed(probs, slot_table, *, top_k: int, impl: Impl = "auto",
-                    config: KernelConfig | None = None) -> TopkRouteShedResult:
+def topk_route_shed(probs, slot_table, *, top_k: int, normalize: bool = True, on_miss: str = "shed",
+                    impl: Impl = "auto", config: KernelConfig | None = None) -> TopkRouteShedResult:
     """Routes each row to its top-k experts, renormalises, and sheds the non-resident ones.
 
     ``route_shed(*topk(probs), slot_table)`` in one launch after the router's
@@ -101,7 +101,14 @@ def topk_route_shed(probs, slot_table, *, top_k: int, impl: Impl = "auto",
         slot_table: int32 ``[E]``; ``>= 0`` is the arena slot of a resident expert.
         top_k: experts per row, ``1 <= top_k <= min(E, 64)``; the fused kernel
             takes up to 16, past that the top-k runs in XLA before it.
-        impl: as for :func:`route_shed`.
+        normalize: renormalise the top-k values to sum to 1, as routers with
+            ``norm_topk_prob`` do; ``False`` keeps them as they are.
+        on_miss: ``"shed"`` (``route_shed``), or ``"substitute"``: each miss
+            served by the best resident expert the row did not choose, at the
+            miss's weight (kq_core.oracle, step 4).
+        impl: as for :func:`route_shed`. The Pallas kernel implements
+            ``normalize=True, on_miss="shed"``; other options run the
+            reference (``"auto"``) or are refused (``"pallas"``).
         config: the kernel's ``block_rows`` / ``num_warps`` / ``ptx_arith``, for
             the Pallas impls only.
 
@@ -110,10 +117,16 @@ def topk_route_shed(probs, slot_table, *, top_k: int, impl: Impl = "auto",
         renormalised scores ``[..., top_k]``, and ``route_shed`` of them.
         ``scores`` and ``shed.mix`` are differentiable with respect to ``probs``.
     """
-    check_topk_route_shed_args(probs, slot_table, top_k)
+    check_topk_route_shed_args(probs, slot_table, top_k, normalize=normalize, on_miss=on_miss)
+    kernel_options = normalize and on_miss == "shed"
+    if impl == "auto" and not kernel_options:
+        impl = "reference"
     impl = _resolve("topk_route_shed", impl, config)
     if impl == "reference":
-        return topk_route_shed_ref(probs, slot_table, top_k=top_k)
+        return topk_route_shed_ref(probs, slot_table, top_k=top_k, normalize=bool(normalize), on_miss=on_miss)
+    if not kernel_options:
+        raise ValueError(f"topk_route_shed: the Pallas kernel implements normalize=True, on_miss='shed'; "
+                         f"got normalize={normalize}, on_miss={on_miss!r} (use impl='reference' or 'auto')")
     from kq_jax.pallas.ops import topk_route_shed_pallas
 
     return topk_route_shed_pallas(probs, slot_table, top_k=int(top_k), interpret=impl == "pallas_interpret",
@@ -125,6 +138,7 @@ def route_shed_reference(indices, scores, slot_table) -> RouteShedResult:
     return route_shed(indices, scores, slot_table, impl="reference")
 
 
-def topk_route_shed_reference(probs, slot_table, *, top_k: int) -> TopkRouteShedResult:
+def topk_route_shed_reference(probs, slot_table, *, top_k: int, normalize: bool = True,
+                              on_miss: str = "shed") -> TopkRouteShedResult:
     """:func:`topk_route_shed` with ``impl="reference"``: the pure-jnp version, on any backend."""
-    return topk_route_shed(probs, slot_table, top_k=top_k, impl="reference")
+    return topk_route_shed(probs, slot_table, top_k=top_k, normalize=normalize, on_miss=on_miss, impl="reference")

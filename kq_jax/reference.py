@@ -142,22 +142,50 @@ def normalize_topk_ref(raw):
     return canonicalize_nan(div_flush(raw, total[..., None]))
 
 
-def topk_normalized_ref(probs, *, top_k: int):
-    """:func:`topk_ref` then :func:`normalize_topk_ref`: ``(indices int32 [..., k], scores float32 [..., k])``."""
+def topk_normalized_ref(probs, *, top_k: int, normalize: bool = True):
+    """:func:`topk_ref` then :func:`normalize_topk_ref` (or only the flush, without ``normalize``):
+    ``(indices int32 [..., k], scores float32 [..., k])``."""
     indices, raw = topk_ref(probs, top_k=top_k)
-    return indices, normalize_topk_ref(raw)
+    return indices, normalize_topk_ref(raw) if normalize else canonicalize_nan(flush(raw))
 
 
-def topk_route_shed_ref(probs, slot_table, *, top_k: int) -> TopkRouteShedResult:
-    """Routes each row to its top-k experts, renormalises, and sheds the non-resident ones.
+def substitute_ref(probs, indices, scores, slot_table, shed: RouteShedResult) -> RouteShedResult:
+    """``topk_route_shed``'s ``on_miss="substitute"`` (kq_core.oracle, step 4) applied to ``shed``.
+
+    Args:
+        probs: float ``[..., E]``; indices, scores: ``[..., k]`` from :func:`topk_normalized_ref`;
+        slot_table: int32 ``[E]``; shed: ``route_shed_ref(indices, scores, slot_table)``.
+    """
+    values = jnp.asarray(probs).astype(jnp.float32)
+    top_k = indices.shape[-1]
+    chosen = jnp.any(indices[..., :, None] == jnp.arange(values.shape[-1]), axis=-2)
+    eligible = (slot_table >= 0) & ~chosen
+    # lax.top_k of the negated order keys: best first, ties by lower expert id; the ineligible sink.
+    never = jnp.iinfo(jnp.int32).min
+    best, candidates = lax.top_k(jnp.where(eligible, -score_order_key(lax.stop_gradient(values)), never), top_k)
+    kept = slot_table[indices] >= 0
+    rank = jnp.clip(jnp.cumsum(~kept, axis=-1) - 1, 0, top_k - 1)
+    candidate = jnp.take_along_axis(candidates, rank, axis=-1)
+    found = ~kept & (jnp.take_along_axis(best, rank, axis=-1) != never)
+    slots = jnp.where(found, slot_table[candidate].astype(shed.slots.dtype), shed.slots)
+    return shed._replace(slots=slots, mix=jnp.where(kept | found, scores, 0.0))
+
+
+def topk_route_shed_ref(probs, slot_table, *, top_k: int, normalize: bool = True,
+                        on_miss: str = "shed") -> TopkRouteShedResult:
+    """Routes each row to its top-k experts, renormalises, and sheds (or substitutes) the non-resident ones.
 
     Args:
         probs: float32, bfloat16 or float16 ``[..., E]`` router probabilities.
         slot_table: int32 ``[E]``; ``>= 0`` is the slot of a resident expert.
         top_k: experts per row, ``1 <= top_k <= min(E, 64)``.
+        normalize, on_miss: as for ``kq_jax.topk_route_shed``.
 
     Returns:
         ``TopkRouteShedResult(indices, scores, shed)``, each array ``[..., top_k]``.
     """
-    indices, scores = topk_normalized_ref(probs, top_k=top_k)
-    return TopkRouteShedResult(indices, scores, route_shed_ref(indices, scores, slot_table))
+    indices, scores = topk_normalized_ref(probs, top_k=top_k, normalize=normalize)
+    shed = route_shed_ref(indices, scores, slot_table)
+    if on_miss == "substitute":
+        shed = substitute_ref(probs, indices, scores, jnp.asarray(slot_table), shed)
+    return TopkRouteShedResult(indices, scores, shed)

@@ -6,14 +6,15 @@ on first use, so the kernel sources and their CPU/CuPy harnesses
 (``kq_mlx.metal_cpu``, ``kq_mlx.cuda_cupy``) work without MLX installed.
 """
 
-__all__ = ["RouteShedResult", "from_numpy", "implementation_for", "route_shed", "route_shed_ops"]
+__all__ = ["RouteShedResult", "TopkRouteShedResult", "from_numpy", "implementation_for", "route_shed", "route_shed_ops",
+           "topk_route_shed"]
 
 
 def __getattr__(name):
-    if name == "RouteShedResult":
-        from kq_core.contract import RouteShedResult
+    if name in ("RouteShedResult", "TopkRouteShedResult"):
+        from kq_core import contract
 
-        return RouteShedResult
+        return getattr(contract, name)
     if name in __all__:
         from kq_mlx import route_shed_mlx as module
 

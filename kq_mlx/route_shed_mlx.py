@@ -19,14 +19,9 @@ import functools
 import mlx.core as mx
 import numpy as np
 
-from kq_core.contract import (
-    CANONICAL_NAN_BITS,
-    F32_MIN_NORMAL,
-    NAN_ORDER_KEY,
-    NOT_A_MISS_KEY,
-    RouteShedResult,
-)
-from kq_core.validate import check_route_shed_args, dtype_name
+from kq_core.contract import (CANONICAL_NAN_BITS, F32_MIN_NORMAL, NAN_ORDER_KEY, NOT_A_MISS_KEY, RouteShedResult,
+                              TopkRouteShedResult)
+from kq_core.validate import check_route_shed_args, check_topk_route_shed_args, dtype_name
 from kq_mlx import sources
 
 THREADS_PER_GROUP = 256
@@ -218,3 +213,71 @@ def route_shed(indices, scores, slot_table, *, stream=None) -> RouteShedResult:
     build = metal_kernel if impl == "metal" else cuda_kernel
     template = [(name, MX_DTYPES.get(value, value)) for name, value in sources.template_args(*variant)]
     return _launch(build(*variant), indices, scores, slot_table, template=template, stream=stream)
+
+
+def _topk_route_shed_ops_impl(probs, slot_table, *, top_k: int, normalize: bool, on_miss: str):
+    num_experts = probs.shape[-1]
+    out_shape = probs.shape[:-1] + (top_k,)
+    values = probs.reshape(-1, num_experts).astype(mx.float32)  # [rows, E]
+    expert = mx.arange(num_experts, dtype=mx.int64)
+    # The contract's total order, made unique by the expert id so argsort's stability does not matter.
+    order = mx.argsort(_order_key(values).astype(mx.int64) * num_experts + expert, axis=1).astype(mx.int32)
+    indices = order[:, :top_k]
+    scores = _flush(mx.take_along_axis(values, indices, axis=1))
+    if normalize:
+        total = mx.zeros(scores.shape[:1], mx.float32)
+        for j in range(top_k):
+            total = _flush(total + scores[:, j])
+        scores = _flush(scores / total[:, None])
+    scores = _canonical_nan(scores)
+    shed = _route_shed_ops_impl(indices, scores, slot_table)
+    if on_miss == "substitute":
+        shed = _substitute_ops(order, indices, scores, slot_table, shed)
+    return (indices.reshape(out_shape), scores.reshape(out_shape), *(a.reshape(out_shape) for a in shed))
+
+
+def _substitute_ops(order, indices, scores, slot_table, shed):
+    """kq_core.oracle's step 4: the j-th miss in k order served by the j-th best resident expert not chosen."""
+    rows, num_experts = order.shape
+    top_k = indices.shape[-1]
+    chosen = mx.any(indices[:, :, None] == mx.arange(num_experts)[None, None, :], axis=1)  # [rows, E]
+    eligible = mx.take_along_axis((slot_table >= 0)[None, :] & ~chosen, order, axis=1)  # in order
+    # Eligible positions first, in order: a unique key (ineligible pushed back by E).
+    firsts = mx.argsort(mx.where(eligible, 0, num_experts) + mx.arange(num_experts)[None, :], axis=1)[:, :top_k]
+    found_any = mx.take_along_axis(eligible, firsts, axis=1)
+    candidates = mx.where(found_any, mx.take_along_axis(order, firsts, axis=1), -1)
+    kept = slot_table[indices] >= 0
+    rank = mx.clip(mx.cumsum((~kept).astype(mx.int32), axis=1) - 1, 0, top_k - 1)
+    candidate = mx.take_along_axis(candidates, rank, axis=1)
+    found = ~kept & (candidate >= 0)
+    slots = mx.where(found, slot_table[mx.maximum(candidate, 0)].astype(shed[0].dtype), shed[0])
+    mix = mx.where(kept | found, scores, 0.0)
+    return (slots, mix, shed[2], shed[3])
+
+
+def topk_route_shed(probs, slot_table, *, top_k: int, normalize: bool = True, on_miss: str = "shed",
+                    stream=None) -> TopkRouteShedResult:
+    """Routes each row to its top-k experts, renormalises, and sheds (or substitutes) the non-resident ones.
+
+    The pure-``mx`` path on every stream (the Metal and CUDA kernels implement ``route_shed`` alone);
+    bit-exact with ``kq_core.oracle.topk_route_shed_oracle``.
+
+    Args:
+        probs: float32, bfloat16 or float16 ``[..., E]`` router probabilities (``mx.array`` or NumPy).
+        slot_table: int32 ``[E]``; ``>= 0`` is the arena slot of a resident expert.
+        top_k: experts per row, ``1 <= top_k <= min(E, 64)``.
+        normalize: renormalise the top-k values to sum to 1 (``norm_topk_prob``); otherwise keep them.
+        on_miss: ``"shed"``, or ``"substitute"`` (each miss served by the best resident expert the
+            row did not choose, at the miss's weight).
+        stream: MLX stream or device to run on.
+
+    Returns:
+        ``TopkRouteShedResult(indices int32, scores float32, shed)``, each ``[..., top_k]``; ``shed.slots``
+        is int32.
+    """
+    check_topk_route_shed_args(probs, slot_table, top_k, normalize=normalize, on_miss=on_miss)
+    probs, slot_table = _as_mx(probs, slot_table)
+    with mx.stream(stream if stream is not None else mx.default_stream(mx.default_device())):
+        indices, scores, *shed = _topk_route_shed_ops_impl(probs, slot_table, top_k=int(top_k),
+                                                           normalize=bool(normalize), on_miss=on_miss)
+    return TopkRouteShedResult(indices, scores, RouteShedResult(*shed))
