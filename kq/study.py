@@ -102,16 +102,17 @@ class RunResult:
 # ---- the decode step ---------------------------------------------------------------------------
 
 
-def serve(rule: str, indices, scores, probs, slot_table, shed):
+def serve(rule: str, indices, scores, probs, slot_table, shed, *, normalize: bool = False):
     """``(slots, mix)`` a layer on an arena gathers and weights with, under ``rule``.
 
     Args:
         indices, scores: the router's top-k ``[T, k]`` (int32, float32); probs: ``[T, E]``;
-        slot_table: int32 ``[E]``; shed: ``route_shed(indices, scores, slot_table)``.
+        slot_table: int32 ``[E]``; shed: ``route_shed(indices, scores, slot_table)``;
+        normalize: whether the router renormalises its top-k (``norm_topk_prob``).
     """
-    import jax
     import jax.numpy as jnp
-    from jax import lax
+
+    import kq_jax
 
     kept = slot_table[indices] >= 0
     if rule == "route_shed":
@@ -122,15 +123,9 @@ def serve(rule: str, indices, scores, probs, slot_table, shed):
         kept_mass = jnp.sum(jnp.where(kept, scores, 0.0), axis=-1, keepdims=True)
         return shed.slots, jnp.where(kept, scores / jnp.where(kept_mass > 0, kept_mass, 1.0), 0.0)
     if rule == "substitute":
-        top_k = indices.shape[-1]
-        routed = jax.nn.one_hot(indices, probs.shape[-1], dtype=bool).any(axis=-2)
-        candidates = jnp.where((slot_table >= 0)[None] & ~routed, probs, -1.0)
-        best_probs, best_experts = lax.top_k(candidates, top_k)
-        rank = jnp.clip(jnp.cumsum(~kept, axis=-1) - 1, 0, top_k - 1)  # the j-th miss in k order
-        substitute = jnp.take_along_axis(best_experts, rank, axis=-1)
-        found = ~kept & (jnp.take_along_axis(best_probs, rank, axis=-1) >= 0.0)
-        slots = jnp.where(found, slot_table[substitute].astype(shed.slots.dtype), shed.slots)
-        return slots, jnp.where(kept | found, scores, 0.0)
+        routed = kq_jax.topk_route_shed(probs, slot_table, top_k=indices.shape[-1], normalize=normalize,
+                                        on_miss="substitute")
+        return routed.shed.slots, routed.shed.mix
     raise ValueError(f"unknown rule {rule!r}; known: {RULES}")
 
 
@@ -154,7 +149,7 @@ def make_step(cfg, rule: str):
                 slots, mix = indices, scores
             else:
                 weights = Experts(*(arena[name][layer] for name in qwen3_moe.PROJECTIONS))
-                slots, mix = serve(rule, indices, scores, probs, tables[layer], shed)
+                slots, mix = serve(rule, indices, scores, probs, tables[layer], shed, normalize=cfg.norm_topk_prob)
             out = jnp.einsum("tkd,tk->td", qwen3_moe.experts_apply(x, weights, slots), mix)
             served = jnp.where(mix > 0, scores, 0.0) if rule != "stall" else scores
             return out, (indices, scores, shed.miss_ids, shed.miss_scores, served)
