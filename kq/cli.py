@@ -114,7 +114,7 @@ def _study(args, parser) -> int:
     try:
         config = study.StudyConfig(checkpoint=args.checkpoint, text=args.text, tokens=args.tokens, warmup=args.warmup,
                                    residencies=tuple(args.residency), policies=tuple(args.policies),
-                                   rules=tuple(args.rules))
+                                   rules=tuple(args.rules), framework=args.framework)
     except ValueError as error:
         parser.error(str(error))
     resident, results = study.run_study(config, progress=not args.no_progress)
@@ -191,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         epilog="The rules, the columns and the method: docs/shedding_study.md and the module kq/study.py. The default "
                "grid (41 runs of 256 scored tokens) takes about 4 minutes on a 2-core CPU; --tokens, --residency, "
                "--policies and --rules shorten it.")
+    study_parser.add_argument("--framework", choices=["jax", "mlx"], default="jax",
+                              help="decode with kq_jax's Qwen3-MoE or with mlx-lm's unmodified model (default jax)")
     study_parser.add_argument("--checkpoint", type=Path, default=study.SHIPPED_MODEL,
                               help="a qwen3_moe checkpoint directory (default: the shipped models/stdlib-moe)")
     study_parser.add_argument("--text", type=Path, help="text to decode (default: the checkpoint's heldout.txt)")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -48,8 +48,11 @@ class StudyConfig:
     residencies: tuple[float, ...] = RESIDENCIES
     policies: tuple[str, ...] = POLICIES
     rules: tuple[str, ...] = RULES
+    framework: str = "jax"
 
     def __post_init__(self):
+        if self.framework not in ("jax", "mlx"):
+            raise ValueError(f"--framework must be jax or mlx, got {self.framework!r}")
         if not (Path(self.checkpoint) / "config.json").is_file():
             raise ValueError(f"--checkpoint: {self.checkpoint} holds no config.json (a qwen3_moe checkpoint "
                              f"directory, as mlx_lm.convert or models/train.py writes)")
@@ -162,8 +165,8 @@ def make_step(cfg, rule: str):
 # ---- runs --------------------------------------------------------------------------------------
 
 
-class Study:
-    """The checkpoint, the text's tokens and one compiled step per rule, shared by every run."""
+class JaxStudy:
+    """The checkpoint in JAX (:mod:`kq_jax.qwen3_moe`), the text's tokens and one compiled step per rule."""
 
     def __init__(self, config: StudyConfig):
         from tokenizers import Tokenizer
@@ -174,13 +177,7 @@ class Study:
         checkpoint = Path(config.checkpoint)
         self.cfg = qwen3_moe.Qwen3MoeConfig.load(checkpoint)
         tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
-        text = Path(config.text or checkpoint / "heldout.txt").read_text()
-        needed = config.warmup + config.tokens + 1
-        tokens = np.array(tokenizer.encode(text).ids, np.int32)
-        if tokens.size < needed:
-            raise ValueError(f"the text has {tokens.size} tokens; --warmup + --tokens + 1 = {needed}")
-        self.tokens = tokens[:needed]
-        self.scored_bytes = len(tokenizer.decode(self.tokens[config.warmup + 1:].tolist()).encode())
+        self.tokens, self.scored_bytes = _text_tokens(config, tokenizer)
         self.params = qwen3_moe.load_params(checkpoint, self.cfg, experts=False)
         self._full_params = None
         self._steps = {}
@@ -222,7 +219,7 @@ class Study:
         import jax.numpy as jnp
 
         from kq_host.expert_store import ExpertStore
-        from kq_host.residency import LayerReport, ResidencyManager
+        from kq_host.residency import ResidencyManager
         from kq_jax import qwen3_moe
         from kq_jax.arena import JaxArena
 
@@ -237,34 +234,137 @@ class Study:
             manager = ResidencyManager(layers, experts, slots, loader=lambda l, e, s: store.read_expert(l, e),
                                        arena=arena, policy=policy, queue_depth=0,
                                        bytes_per_expert=store.expert_nbytes(0))
-            for layer in range(layers):
-                manager.preload(layer, range(slots))
-            tables = manager.snapshot()
-            cache = qwen3_moe.empty_cache(cfg, 1, self.tokens.size)
+            state = {"cache": qwen3_moe.empty_cache(cfg, 1, self.tokens.size)}
             step = self.step(rule)
-            start = time.perf_counter()
-            for position in range(self.tokens.size - 1):
-                scored = position >= config.warmup
-                if scored and position == config.warmup:
-                    _, before = manager.stats()
-                logits, cache, reports = step(params, arena.arrays, jnp.asarray(tables),
-                                              jnp.asarray(self.tokens[position:position + 1]), position, cache)
-                reports = [tuple(np.asarray(a) for a in r) for r in reports]
-                if scored:
-                    result.bits += _bits(logits, self.tokens[position + 1])
-                    for layer, (indices, scores, _, _, served) in enumerate(reports):
-                        result.routed_mass += float(scores.sum())
-                        result.shed_mass += float(scores.sum() - served.sum())
-                        if rule == "stall":  # each missing expert read before the token goes on
-                            result.critical_reads += int((tables[layer][indices] < 0).sum())
-                tables = manager.step([LayerReport(*r[:4]) for r in reports])
-            _, after = manager.stats()
-            manager.close()
-        since = after.since(before)
-        result.hits, result.lookups = since.hits, since.lookups
-        result.reads, result.bytes_read = since.reads_landed, since.bytes_read
+
+            def token(position, tables):
+                logits, state["cache"], reports = step(params, arena.arrays, jnp.asarray(tables),
+                                                       jnp.asarray(self.tokens[position:position + 1]), position,
+                                                       state["cache"])
+                return logits, [tuple(np.asarray(a) for a in r) for r in reports]
+
+            return decode_through_arena(self.tokens, config.warmup, result, manager, token)
+
+
+class MlxStudy:
+    """The same runs through mlx-lm: the unmodified model, its MoE blocks wrapped by ``attach_arena``."""
+
+    def __init__(self, config: StudyConfig):
+        from tokenizers import Tokenizer
+
+        self.config = config
+        checkpoint = Path(config.checkpoint)
+        self.cfg_json = json.loads((checkpoint / "config.json").read_text())
+        tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+        self.tokens, self.scored_bytes = _text_tokens(config, tokenizer)
+
+    def _model(self):
+        import mlx.core as mx
+        from mlx_lm import load
+
+        model, _ = load(str(self.config.checkpoint))
+        if not mx.metal.is_available():
+            model.set_dtype(mx.float32)  # MLX's CPU gather_mm takes float32 only
+        return model
+
+    def _logits(self, model, cache, position):
+        import mlx.core as mx
+
+        logits = model(mx.array(self.tokens[None, position:position + 1]), cache=cache)[0, -1]
+        mx.eval(logits)
+        return np.array(logits.astype(mx.float32))
+
+    def resident(self) -> RunResult:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        model = self._model()
+        cache = make_prompt_cache(model)
+        result = RunResult(1.0, self.cfg_json["num_experts"], "-", "resident", self.config.tokens, 0.0,
+                           self.scored_bytes)
+        start = time.perf_counter()
+        for position in range(self.tokens.size - 1):
+            logits = self._logits(model, cache, position)
+            if position >= self.config.warmup:
+                result.bits += _bits(logits[None], self.tokens[position + 1])
         result.seconds = time.perf_counter() - start
         return result
+
+    def run(self, residency: float, policy: str, rule: str) -> RunResult:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from kq_host.expert_store import ExpertStore
+        from kq_host.residency import ResidencyManager
+        from kq_mlx.mlx_lm_adapter import PROJECTIONS, SwitchGLUArena, attach_arena, set_tables
+
+        layers, experts = self.cfg_json["num_hidden_layers"], self.cfg_json["num_experts"]
+        slots = max(self.cfg_json["num_experts_per_tok"], round(residency * experts))
+        model = self._model()
+        blocks = attach_arena(model, slots)
+        for block in blocks:
+            block.rule = rule
+        cache = make_prompt_cache(model)
+        result = RunResult(residency, slots, policy, rule, self.config.tokens, 0.0, self.scored_bytes)
+        with ExpertStore(self.config.checkpoint, layout="per_expert", projections=PROJECTIONS) as store:
+            manager = ResidencyManager(layers, experts, slots, loader=lambda l, e, s: store.read_expert(l, e),
+                                       arena=SwitchGLUArena(blocks), policy=policy, queue_depth=0,
+                                       bytes_per_expert=store.expert_nbytes(0))
+
+            def token(position, tables):
+                set_tables(blocks, tables)
+                logits = self._logits(model, cache, position)
+                reports = []
+                for block in blocks:
+                    indices, scores, miss_ids, miss_scores = astuple(block.report())
+                    served = scores if rule == "stall" else np.where(np.array(block.last_mix) > 0, scores, 0.0)
+                    reports.append((indices, scores, miss_ids, miss_scores, served.reshape(scores.shape)))
+                return logits[None], reports
+
+            return decode_through_arena(self.tokens, self.config.warmup, result, manager, token)
+
+
+def _text_tokens(config: StudyConfig, tokenizer) -> tuple[np.ndarray, int]:
+    """The text's first ``warmup + tokens + 1`` tokens, and the bytes of the scored ones."""
+    text = Path(config.text or Path(config.checkpoint) / "heldout.txt").read_text()
+    needed = config.warmup + config.tokens + 1
+    tokens = np.array(tokenizer.encode(text).ids, np.int32)
+    if tokens.size < needed:
+        raise ValueError(f"the text has {tokens.size} tokens; --warmup + --tokens + 1 = {needed}")
+    tokens = tokens[:needed]
+    return tokens, len(tokenizer.decode(tokens[config.warmup + 1:].tolist()).encode())
+
+
+def decode_through_arena(tokens, warmup: int, result: RunResult, manager, token) -> RunResult:
+    """Teacher-forced decode of ``tokens``, the residency manager's step between tokens.
+
+    ``token(position, tables)`` runs one token against the slot tables and returns ``(logits [1, V],
+    reports)``, a report per layer ``(indices, scores, miss_ids, miss_scores, served)`` as host arrays.
+    The arena starts with each layer's lowest-numbered experts; tokens from ``warmup`` on are scored.
+    """
+    from kq_host.residency import LayerReport
+
+    for layer in range(manager.num_layers):
+        manager.preload(layer, range(manager.num_slots))
+    tables = manager.snapshot()
+    start = time.perf_counter()
+    for position in range(tokens.size - 1):
+        if position == warmup:
+            _, before = manager.stats()
+        logits, reports = token(position, tables)
+        if position >= warmup:
+            result.bits += _bits(logits, tokens[position + 1])
+            for layer, (indices, scores, _, _, served) in enumerate(reports):
+                result.routed_mass += float(scores.sum())
+                result.shed_mass += float(scores.sum() - served.sum())
+                if result.rule == "stall":  # each missing expert read before the token goes on
+                    result.critical_reads += int((tables[layer][indices.astype(np.int64)] < 0).sum())
+        tables = manager.step([LayerReport(*r[:4]) for r in reports])
+    _, after = manager.stats()
+    manager.close()
+    since = after.since(before)
+    result.hits, result.lookups = since.hits, since.lookups
+    result.reads, result.bytes_read = since.reads_landed, since.bytes_read
+    result.seconds = time.perf_counter() - start
+    return result
 
 
 def _bits(logits, target: int) -> float:
@@ -285,8 +385,12 @@ def grid(config: StudyConfig) -> list[tuple[float, str, str]]:
     return runs
 
 
+def make_study(config: StudyConfig):
+    return JaxStudy(config) if config.framework == "jax" else MlxStudy(config)
+
+
 def run_study(config: StudyConfig, *, progress: bool = True) -> tuple[RunResult, list[RunResult]]:
-    study = Study(config)
+    study = make_study(config)
     runs = grid(config)
     results = []
     with progress_bar(len(runs) + 1, enabled=progress, description="kq study") as advance:

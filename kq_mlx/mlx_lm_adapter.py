@@ -49,12 +49,21 @@ ROUTERS: dict[str, Callable] = {
 }
 
 
+# What a block does with a routed expert that is not resident (kq study compares them):
+# route_shed (shed, the kept weights keep the routed mass), shed (kept weights as they are),
+# renormalize (kept weights to sum 1), substitute (the best resident expert the row did not
+# choose, at the miss's weight; Qwen3-MoE only), stall (the wrapped block's own experts: exact).
+MISS_RULES = ("route_shed", "shed", "renormalize", "substitute", "stall")
+
+
 class ArenaMoeBlock(nn.Module):
     """An mlx-lm MoE block whose experts live in an arena of ``num_slots`` slots.
 
     Attributes:
         slot_table: ``mx.array int32 [E]`` for the next forward pass (set by the engine).
-        last: ``(inds, scores, RouteShed)`` of the last forward pass, for the host.
+        rule: one of :data:`MISS_RULES` (default ``"route_shed"``).
+        last: ``(inds, scores, RouteShedResult)`` of the last forward pass, for the host.
+        last_mix: the weights the last pass combined the experts' outputs with.
     """
 
     def __init__(self, block: nn.Module, num_slots: int):
@@ -72,7 +81,9 @@ class ArenaMoeBlock(nn.Module):
             weight = getattr(source, projection).weight
             getattr(self.arena, projection).weight = mx.zeros((num_slots, *weight.shape[1:]), weight.dtype)
         self.slot_table = mx.full((self.num_experts,), -1, mx.int32)
+        self.rule = "route_shed"
         self.last = None
+        self.last_mix = None
 
     def expert_weights(self, expert: int) -> dict[str, np.ndarray]:
         """One expert's weights from the wrapped block (the in-memory 'disk' for tests)."""
@@ -80,11 +91,40 @@ class ArenaMoeBlock(nn.Module):
         return {p: np.array(getattr(source, p).weight[expert].astype(mx.float32)) for p in PROJECTIONS}
 
     def __call__(self, x: mx.array) -> mx.array:
-        inds, scores = self._route(self.block, x)
-        shed = kq_mlx.route_shed(inds.astype(mx.uint32), scores, self.slot_table)
-        y = self.arena(x, shed.slots)
+        if self.rule == "substitute":
+            inds, scores, shed = self._substitute(x)
+        else:
+            inds, scores = self._route(self.block, x)
+            shed = kq_mlx.route_shed(inds.astype(mx.uint32), scores, self.slot_table)
         self.last = (inds, scores, shed)
-        return (y * shed.mix.astype(scores.dtype)[..., None]).sum(axis=-2).astype(y.dtype)
+        if self.rule == "stall":
+            self.last_mix = scores
+            return self.block(x)
+        mix = self._mix(inds, scores, shed)
+        self.last_mix = mix
+        y = self.arena(x, shed.slots)
+        return (y * mix.astype(scores.dtype)[..., None]).sum(axis=-2).astype(y.dtype)
+
+    def _substitute(self, x):
+        """The routing and its substitutes in one op (kq_mlx.topk_route_shed; Qwen3-MoE routers)."""
+        if type(self.block).__name__ != "Qwen3MoeSparseMoeBlock":
+            raise ValueError("ArenaMoeBlock: rule 'substitute' needs a Qwen3-MoE router (softmax, then top-k)")
+        probs = mx.softmax(self.block.gate(x), axis=-1, precise=True)
+        routed = kq_mlx.topk_route_shed(probs, self.slot_table, top_k=self.block.top_k,
+                                        normalize=bool(self.block.norm_topk_prob), on_miss="substitute")
+        return routed.indices, routed.scores, routed.shed
+
+    def _mix(self, inds, scores, shed):
+        """The weights under :attr:`rule` (route_shed, shed, renormalize or substitute)."""
+        if self.rule in ("route_shed", "substitute"):
+            return shed.mix
+        kept = self.slot_table[inds] >= 0
+        if self.rule == "shed":
+            return mx.where(kept, scores, 0.0)
+        if self.rule == "renormalize":
+            kept_mass = mx.sum(mx.where(kept, scores, 0.0), axis=-1, keepdims=True)
+            return mx.where(kept, scores / mx.where(kept_mass > 0, kept_mass, 1.0), 0.0)
+        raise ValueError(f"ArenaMoeBlock: rule must be one of {MISS_RULES}, got {self.rule!r}")
 
     def report(self) -> LayerReport:
         """The last pass's routing and misses as host arrays (call after evaluating the step)."""

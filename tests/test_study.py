@@ -9,19 +9,26 @@ pytest.importorskip("jax")
 pytest.importorskip("tokenizers")
 pytest.importorskip("safetensors")
 
-from kq.study import SHIPPED_MODEL, Study, StudyConfig  # noqa: E402
+from kq.study import SHIPPED_MODEL, StudyConfig, make_study  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def study():
-    return Study(StudyConfig(tokens=12, warmup=4))
+def _framework(name):
+    if name == "mlx":
+        pytest.importorskip("mlx_lm")
+    return name
+
+
+@pytest.fixture(scope="module", params=["jax", "mlx"])
+def study(request):
+    return make_study(StudyConfig(tokens=12, warmup=4, framework=_framework(request.param)))
 
 
 def test_full_residency_through_the_arena_is_the_resident_model_to_the_bit(study):
     resident = study.resident()
     streamed = study.run(1.0, "lfu", "route_shed")
     assert streamed.bits == resident.bits and streamed.perplexity == resident.perplexity
-    assert streamed.hits == streamed.lookups == 12 * study.cfg.num_hidden_layers * study.cfg.num_experts_per_tok
+    config = json.loads((SHIPPED_MODEL / "config.json").read_text())
+    assert streamed.hits == streamed.lookups == 12 * config["num_hidden_layers"] * config["num_experts_per_tok"]
     assert np.isfinite(resident.perplexity) and resident.perplexity > 1
 
 
