@@ -10,7 +10,12 @@ from pathlib import Path
 from kq.backends import all_backends, backend
 
 DEMO_COLUMNS = """\
-The demo decodes --steps steps twice per framework: once with every expert in memory (resident) and once
+By default the demo continues --prompt with the shipped model (a Qwen3-MoE trained on the Python standard
+library's source), greedily, once through an arena of --residency of each layer's experts, filled between
+tokens by the residency manager from the checkpoint's safetensors files, and once with every expert in memory;
+it prints both texts and the arena's hit rate, shed mass, reads and speed.
+
+With --random it decodes --steps steps twice per framework: once with every expert in memory (resident) and once
 streamed, each layer's experts served from an arena of --residency of its experts that the residency
 manager fills from safetensors files between steps. Columns, per framework:
   hit first 10% / hit steady   fraction of routed experts found in the arena, over the first tenth of
@@ -24,7 +29,8 @@ manager fills from safetensors files between steps. Columns, per framework:
   divergence mean / max        ||y_streamed - y_resident|| / ||y_resident|| of the last layer's output per step:
                                how far shedding moved the output (the weights are random, so this is not a
                                quality measure of a trained model)
-Files: the random checkpoint is written to a temporary directory, deleted at the end; the plot goes to --plot."""
+Files: the shipped model is read where it is; with --random the random checkpoint is written to a temporary
+directory, deleted at the end, and the plot goes to --plot."""
 
 
 def _check(args) -> int:
@@ -91,9 +97,36 @@ def _demo_config(args, parser):
         parser.error(str(error))
 
 
+def _demo_model(args, parser) -> int:
+    from kq import study
+
+    frameworks = args.frameworks or [f for f, module in (("mlx", "mlx_lm"), ("jax", "jax"))
+                                     if importlib.util.find_spec(module) is not None]
+    if not frameworks or importlib.util.find_spec("tokenizers") is None:
+        print("kq demo needs mlx-lm or JAX, and tokenizers (pip install -e '.[demo]')")
+        return 1
+    if not 0.0 < args.residency <= 1.0:
+        parser.error(f"--residency is the fraction of each layer's experts in the arena, in (0, 1]; got {args.residency}")
+    print(f"{args.checkpoint}: greedy text after {args.prompt!r}, {args.tokens} tokens, experts served from an arena "
+          f"of {args.residency:.0%} of each layer's experts (route_shed, {args.policy}), beside the model with every "
+          f"expert in memory")
+    for framework in frameworks:
+        streamed, result, resident = study.generate(framework, args.checkpoint, args.prompt, args.tokens,
+                                                    args.residency, args.policy)
+        s = result.summary()
+        print(f"\n== {framework}: through the arena ({result.slots} slots per layer)\n{args.prompt}{streamed}")
+        print(f"== {framework}: every expert resident\n{args.prompt}{resident}")
+        print(f"== {framework}: hit rate {s['hit_rate']:.3f}, shed mass {s['shed_mass_per_token']:.3f} per token "
+              f"(of {result.routed_mass / result.tokens:.3f} routed), {s['reads_per_token']:.1f} expert reads and "
+              f"{s['mib_per_token']:.2f} MiB per token, {result.tokens / result.seconds:.1f} tokens/s")
+    return 0
+
+
 def _demo(args, parser) -> int:
     from kq import demo
 
+    if not args.random:
+        return _demo_model(args, parser)
     cfg = _demo_config(args, parser)
     missing = [m for m in ("safetensors", "matplotlib") if importlib.util.find_spec(m) is None]
     if not cfg.frameworks or missing:
@@ -159,10 +192,20 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--no-progress", action="store_true")
     bench.set_defaults(func=_bench)
 
-    demo = sub.add_parser("demo", help="decode a random MoE stack with a fraction of its experts streamed from disk",
+    from kq import study
+
+    demo = sub.add_parser("demo", help="generate text with the shipped model through an arena of a quarter of its "
+                                       "experts (--random: a random MoE stack)",
                           formatter_class=argparse.RawDescriptionHelpFormatter, epilog=DEMO_COLUMNS)
     demo.add_argument("--frameworks", nargs="+", choices=["jax", "mlx"],
                       help="frameworks to run (default: every one installed)")
+    demo.add_argument("--checkpoint", type=Path, default=study.SHIPPED_MODEL,
+                      help="a qwen3_moe checkpoint directory (default: the shipped models/stdlib-moe)")
+    demo.add_argument("--prompt", default="def read_config(path):\n", help="text to continue")
+    demo.add_argument("--tokens", type=_count(1), default=48, help="tokens to generate (default 48)")
+    demo.add_argument("--random", action="store_true",
+                      help="instead: a random MoE stack of the sizes below, decoded resident and streamed (the "
+                           "columns are explained below)")
     demo.add_argument("--layers", type=int, default=8, help="MoE layers (default 8)")
     demo.add_argument("--experts", type=int, default=64, help="experts per layer (default 64)")
     demo.add_argument("--top-k", type=int, default=8, help="experts routed per token, <= experts and 64 (default 8)")
@@ -182,8 +225,6 @@ def main(argv: list[str] | None = None) -> int:
                       help="where to write the PNG of hit rate and shed mass per step (default kq_demo.png; "
                            "'' for none)")
     demo.set_defaults(func=lambda args: _demo(args, demo))
-
-    from kq import study
 
     study_parser = sub.add_parser(
         "study", help="what shedding costs a trained model: perplexity through a bounded arena, per rule and policy",

@@ -214,8 +214,9 @@ class JaxStudy:
         result.seconds = time.perf_counter() - start
         return result
 
-    def run(self, residency: float, policy: str, rule: str) -> RunResult:
-        """One decode of the text through an arena of ``residency`` of each layer's experts."""
+    def run(self, residency: float, policy: str, rule: str, *, prompt=None, generate: int = 0) -> RunResult:
+        """One decode of the text (or, with ``prompt``, greedy generation of ``generate`` tokens after it)
+        through an arena of ``residency`` of each layer's experts; the tokens are in ``result.trace``."""
         import jax.numpy as jnp
 
         from kq_host.expert_store import ExpertStore
@@ -234,16 +235,16 @@ class JaxStudy:
             manager = ResidencyManager(layers, experts, slots, loader=lambda l, e, s: store.read_expert(l, e),
                                        arena=arena, policy=policy, queue_depth=0,
                                        bytes_per_expert=store.expert_nbytes(0))
-            state = {"cache": qwen3_moe.empty_cache(cfg, 1, self.tokens.size)}
+            tokens, warmup = _tokens(self.tokens, config.warmup, prompt)
+            state = {"cache": qwen3_moe.empty_cache(cfg, 1, len(tokens) + generate)}
             step = self.step(rule)
 
-            def token(position, tables):
+            def token(position, token_id, tables):
                 logits, state["cache"], reports = step(params, arena.arrays, jnp.asarray(tables),
-                                                       jnp.asarray(self.tokens[position:position + 1]), position,
-                                                       state["cache"])
+                                                       jnp.asarray([token_id], jnp.int32), position, state["cache"])
                 return logits, [tuple(np.asarray(a) for a in r) for r in reports]
 
-            return decode_through_arena(self.tokens, config.warmup, result, manager, token)
+            return decode_through_arena(tokens, warmup, result, manager, token, generate=generate)
 
 
 class MlxStudy:
@@ -267,10 +268,10 @@ class MlxStudy:
             model.set_dtype(mx.float32)  # MLX's CPU gather_mm takes float32 only
         return model
 
-    def _logits(self, model, cache, position):
+    def _logits(self, model, cache, token_id: int):
         import mlx.core as mx
 
-        logits = model(mx.array(self.tokens[None, position:position + 1]), cache=cache)[0, -1]
+        logits = model(mx.array([[token_id]]), cache=cache)[0, -1]
         mx.eval(logits)
         return np.array(logits.astype(mx.float32))
 
@@ -283,13 +284,14 @@ class MlxStudy:
                            self.scored_bytes)
         start = time.perf_counter()
         for position in range(self.tokens.size - 1):
-            logits = self._logits(model, cache, position)
+            logits = self._logits(model, cache, int(self.tokens[position]))
             if position >= self.config.warmup:
                 result.bits += _bits(logits[None], self.tokens[position + 1])
         result.seconds = time.perf_counter() - start
         return result
 
-    def run(self, residency: float, policy: str, rule: str) -> RunResult:
+    def run(self, residency: float, policy: str, rule: str, *, prompt=None, generate: int = 0) -> RunResult:
+        """As :meth:`JaxStudy.run`, through mlx-lm."""
         from mlx_lm.models.cache import make_prompt_cache
 
         from kq_host.expert_store import ExpertStore
@@ -309,9 +311,9 @@ class MlxStudy:
                                        arena=SwitchGLUArena(blocks), policy=policy, queue_depth=0,
                                        bytes_per_expert=store.expert_nbytes(0))
 
-            def token(position, tables):
+            def token(position, token_id, tables):
                 set_tables(blocks, tables)
-                logits = self._logits(model, cache, position)
+                logits = self._logits(model, cache, token_id)
                 reports = []
                 for block in blocks:
                     indices, scores, miss_ids, miss_scores = astuple(block.report())
@@ -319,7 +321,15 @@ class MlxStudy:
                     reports.append((indices, scores, miss_ids, miss_scores, served.reshape(scores.shape)))
                 return logits[None], reports
 
-            return decode_through_arena(self.tokens, self.config.warmup, result, manager, token)
+            tokens, warmup = _tokens(self.tokens, self.config.warmup, prompt)
+            return decode_through_arena(tokens, warmup, result, manager, token, generate=generate)
+
+
+def _tokens(text_tokens, warmup: int, prompt) -> tuple[list[int], int]:
+    """The tokens to feed and the warm-up: the text's, or a prompt's (all of it warm-up)."""
+    if prompt is None:
+        return [int(t) for t in text_tokens], warmup
+    return [int(t) for t in prompt], len(prompt) - 1
 
 
 def _text_tokens(config: StudyConfig, tokenizer) -> tuple[np.ndarray, int]:
@@ -333,25 +343,32 @@ def _text_tokens(config: StudyConfig, tokenizer) -> tuple[np.ndarray, int]:
     return tokens, len(tokenizer.decode(tokens[config.warmup + 1:].tolist()).encode())
 
 
-def decode_through_arena(tokens, warmup: int, result: RunResult, manager, token) -> RunResult:
-    """Teacher-forced decode of ``tokens``, the residency manager's step between tokens.
+def decode_through_arena(tokens: list[int], warmup: int, result: RunResult, manager, token, *,
+                         generate: int = 0) -> RunResult:
+    """Teacher-forced decode of ``tokens``, the residency manager's step between tokens; then, with
+    ``generate``, that many greedy tokens more (appended to ``tokens``, kept in ``result.trace``).
 
-    ``token(position, tables)`` runs one token against the slot tables and returns ``(logits [1, V],
-    reports)``, a report per layer ``(indices, scores, miss_ids, miss_scores, served)`` as host arrays.
-    The arena starts with each layer's lowest-numbered experts; tokens from ``warmup`` on are scored.
+    ``token(position, token_id, tables)`` runs one token against the slot tables and returns
+    ``(logits [1, V], reports)``, a report per layer ``(indices, scores, miss_ids, miss_scores, served)``
+    as host arrays. The arena starts with each layer's lowest-numbered experts; the predictions of the
+    given tokens from ``warmup`` on are scored, and the statistics count from ``warmup`` on.
     """
     from kq_host.residency import LayerReport
 
     for layer in range(manager.num_layers):
         manager.preload(layer, range(manager.num_slots))
     tables = manager.snapshot()
+    given = len(tokens)
     start = time.perf_counter()
-    for position in range(tokens.size - 1):
+    for position in range(given - 1 + generate):
         if position == warmup:
             _, before = manager.stats()
-        logits, reports = token(position, tables)
-        if position >= warmup:
+        logits, reports = token(position, tokens[position], tables)
+        if position + 1 >= given:
+            tokens.append(int(np.argmax(np.asarray(logits)[0])))
+        elif position >= warmup:
             result.bits += _bits(logits, tokens[position + 1])
+        if position >= warmup:
             for layer, (indices, scores, _, _, served) in enumerate(reports):
                 result.routed_mass += float(scores.sum())
                 result.shed_mass += float(scores.sum() - served.sum())
@@ -364,6 +381,7 @@ def decode_through_arena(tokens, warmup: int, result: RunResult, manager, token)
     result.hits, result.lookups = since.hits, since.lookups
     result.reads, result.bytes_read = since.reads_landed, since.bytes_read
     result.seconds = time.perf_counter() - start
+    result.trace["tokens"] = tokens
     return result
 
 
@@ -453,3 +471,24 @@ def write_plot(resident: RunResult, results: list[RunResult], path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def generate(framework: str, checkpoint: Path, prompt: str, tokens: int, residency: float,
+             policy: str = "lfu") -> tuple[str, RunResult, str]:
+    """Greedy text after ``prompt`` through an arena of ``residency`` (route_shed), and with every expert.
+
+    Returns:
+        ``(text through the arena, its RunResult, text of the resident model)``.
+    """
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(Path(checkpoint) / "tokenizer.json"))
+    ids = tokenizer.encode(prompt).ids
+    study = make_study(StudyConfig(checkpoint=checkpoint, tokens=1, warmup=0, framework=framework))
+    texts = []
+    for run_residency in (residency, 1.0):
+        result = study.run(run_residency, policy, "route_shed", prompt=ids, generate=tokens)
+        result.tokens = tokens
+        texts.append((tokenizer.decode(result.trace["tokens"][len(ids):]), result))
+    (streamed, result), (resident, _) = texts
+    return streamed, result, resident

@@ -118,7 +118,7 @@ def test_demo_runs_both_frameworks_small(tmp_path, capsys):
     pytest.importorskip("mlx_lm")
     pytest.importorskip("jax")
     plot = tmp_path / "demo.png"
-    assert main(["demo", "--layers", "2", "--experts", "16", "--top-k", "4", "--hidden", "32", "--ffn", "16",
+    assert main(["demo", "--random", "--layers", "2", "--experts", "16", "--top-k", "4", "--hidden", "32", "--ffn", "16",
                  "--steps", "12", "--residency", "0.5", "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
     assert "jax " in out and "mlx " in out and "hit steady" in out
@@ -155,7 +155,7 @@ def test_check_runs_exactly_the_random_rows_asked_for(rows):
 ])
 def test_demo_refuses_bad_options_naming_them(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["demo", *argv])
+        main(["demo", "--random", *argv])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
@@ -163,4 +163,13 @@ def test_demo_help_explains_its_columns_and_files(capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--help"])
     out = capsys.readouterr().out
-    assert "divergence" in out and "over-budget" in out and "boundary ms/step" in out and "temporary directory" in out
+    assert "divergence" in out and "over-budget" in out and "boundary ms/step" in out and "temporary" in out
+    assert "shipped model" in out and "--random" in out
+
+
+def test_demo_generates_with_the_shipped_model_through_a_quarter_arena(capsys):
+    pytest.importorskip("jax")
+    pytest.importorskip("tokenizers")
+    assert main(["demo", "--frameworks", "jax", "--tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "through the arena (16 slots per layer)" in out and "every expert resident" in out and "hit rate" in out
