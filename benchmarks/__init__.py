@@ -3,8 +3,7 @@
 Jobs: ``sweep_route_shed`` and ``sweep_topk`` (the Pallas kernels' launch
 parameters, bits checked, kernel time), ``launches`` (kernel launches for
 compute-sanitizer and Nsight Compute), ``moe_overhead`` (the JAX MoE layer on
-an arena against the resident layer), ``shedding_study`` (``kq demo`` over
-residency and policy). ``benchmarks/gpu_job.sh`` runs the GPU test suite,
+an arena against the resident layer). ``benchmarks/gpu_job.sh`` runs the GPU test suite,
 ``kq check``, memcheck and these on a CUDA machine in one call. ``kq bench``
 is the user-facing benchmark; these are the maintainers'.
 """
