@@ -235,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     study_parser.add_argument("--framework", choices=["jax", "mlx"], default="jax",
                               help="decode with kq_jax's Qwen3-MoE or with mlx-lm's unmodified model (default jax)")
     study_parser.add_argument("--checkpoint", type=Path, default=study.SHIPPED_MODEL,
-                              help="a qwen3_moe checkpoint directory (default: the shipped models/stdlib-moe)")
+                              help="a checkpoint directory in the Hugging Face layout: qwen3_moe, or mixtral with "
+                                   "--framework mlx (default: the shipped models/stdlib-moe)")
     study_parser.add_argument("--text", type=Path, help="text to decode (default: the checkpoint's heldout.txt)")
     study_parser.add_argument("--tokens", type=int, default=256, help="scored tokens per run (default 256)")
     study_parser.add_argument("--warmup", type=int, default=64, help="tokens decoded before scoring (default 64)")

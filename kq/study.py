@@ -176,6 +176,7 @@ class JaxStudy:
         self.config = config
         checkpoint = Path(config.checkpoint)
         self.cfg = qwen3_moe.Qwen3MoeConfig.load(checkpoint)
+        self.rules = RULES
         tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
         self.tokens, self.scored_bytes = _text_tokens(config, tokenizer)
         self.params = qwen3_moe.load_params(checkpoint, self.cfg, experts=False)
@@ -247,8 +248,21 @@ class JaxStudy:
             return decode_through_arena(tokens, warmup, result, manager, token, generate=generate)
 
 
+# Where each family keeps one expert's projections (Hugging Face names), in the arena's projection order
+# (gate, up, down), and the config key of its expert count.
+CHECKPOINT_LAYOUTS = {
+    "qwen3_moe": ("model.layers.{layer}.mlp.experts.{expert}.{projection}.weight",
+                  ("gate_proj", "up_proj", "down_proj"), "num_experts"),
+    "mixtral": ("model.layers.{layer}.block_sparse_moe.experts.{expert}.{projection}.weight",
+                ("w1", "w3", "w2"), "num_local_experts"),
+}
+
+
 class MlxStudy:
-    """The same runs through mlx-lm: the unmodified model, its MoE blocks wrapped by ``attach_arena``."""
+    """The same runs through mlx-lm: the unmodified model, its MoE blocks wrapped by ``attach_arena``.
+
+    Takes ``qwen3_moe`` and ``mixtral`` checkpoints (the ``substitute`` rule: Qwen3-MoE only).
+    """
 
     def __init__(self, config: StudyConfig):
         from tokenizers import Tokenizer
@@ -256,6 +270,12 @@ class MlxStudy:
         self.config = config
         checkpoint = Path(config.checkpoint)
         self.cfg_json = json.loads((checkpoint / "config.json").read_text())
+        model_type = self.cfg_json.get("model_type")
+        if model_type not in CHECKPOINT_LAYOUTS:
+            raise ValueError(f"--checkpoint: model_type {model_type!r}; kq study runs {sorted(CHECKPOINT_LAYOUTS)}")
+        self.template, self.projections, experts_key = CHECKPOINT_LAYOUTS[model_type]
+        self.num_experts = self.cfg_json[experts_key]
+        self.rules = RULES if model_type == "qwen3_moe" else tuple(r for r in RULES if r != "substitute")
         tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
         self.tokens, self.scored_bytes = _text_tokens(config, tokenizer)
 
@@ -280,8 +300,7 @@ class MlxStudy:
 
         model = self._model()
         cache = make_prompt_cache(model)
-        result = RunResult(1.0, self.cfg_json["num_experts"], "-", "resident", self.config.tokens, 0.0,
-                           self.scored_bytes)
+        result = RunResult(1.0, self.num_experts, "-", "resident", self.config.tokens, 0.0, self.scored_bytes)
         start = time.perf_counter()
         for position in range(self.tokens.size - 1):
             logits = self._logits(model, cache, int(self.tokens[position]))
@@ -298,7 +317,7 @@ class MlxStudy:
         from kq_host.residency import ResidencyManager
         from kq_mlx.mlx_lm_adapter import PROJECTIONS, SwitchGLUArena, attach_arena, set_tables
 
-        layers, experts = self.cfg_json["num_hidden_layers"], self.cfg_json["num_experts"]
+        layers, experts = self.cfg_json["num_hidden_layers"], self.num_experts
         slots = max(self.cfg_json["num_experts_per_tok"], round(residency * experts))
         model = self._model()
         blocks = attach_arena(model, slots)
@@ -306,10 +325,14 @@ class MlxStudy:
             block.rule = rule
         cache = make_prompt_cache(model)
         result = RunResult(residency, slots, policy, rule, self.config.tokens, 0.0, self.scored_bytes)
-        with ExpertStore(self.config.checkpoint, layout="per_expert", projections=PROJECTIONS) as store:
-            manager = ResidencyManager(layers, experts, slots, loader=lambda l, e, s: store.read_expert(l, e),
-                                       arena=SwitchGLUArena(blocks), policy=policy, queue_depth=0,
-                                       bytes_per_expert=store.expert_nbytes(0))
+        with ExpertStore(self.config.checkpoint, layout="per_expert", projections=self.projections,
+                         template=self.template) as store:
+            def load(layer, expert, slot):  # the checkpoint's names to the arena's (gate, up, down)
+                read = store.read_expert(layer, expert)
+                return {arena_name: read[name] for arena_name, name in zip(PROJECTIONS, self.projections)}
+
+            manager = ResidencyManager(layers, experts, slots, loader=load, arena=SwitchGLUArena(blocks),
+                                       policy=policy, queue_depth=0, bytes_per_expert=store.expert_nbytes(0))
 
             def token(position, token_id, tables):
                 set_tables(blocks, tables)
@@ -391,12 +414,13 @@ def _bits(logits, target: int) -> float:
     return float((top + math.log(np.exp(logits - top).sum()) - logits[target]) / math.log(2))
 
 
-def grid(config: StudyConfig) -> list[tuple[float, str, str]]:
-    """The runs: at 100% residency one per rule that can differ (none can: one route_shed run)."""
+def grid(config: StudyConfig, rules=RULES) -> list[tuple[float, str, str]]:
+    """The runs, for the configured rules among ``rules``; at 100% residency a single one (no miss: every
+    policy and rule the same)."""
     runs = []
     for residency in config.residencies:
         for policy in config.policies:
-            for rule in config.rules:
+            for rule in (r for r in config.rules if r in rules):
                 if residency == 1.0 and (policy != config.policies[0] or rule != config.rules[0]):
                     continue  # every expert resident: no miss, every policy and rule the same
                 runs.append((residency, policy, rule))
@@ -409,7 +433,7 @@ def make_study(config: StudyConfig):
 
 def run_study(config: StudyConfig, *, progress: bool = True) -> tuple[RunResult, list[RunResult]]:
     study = make_study(config)
-    runs = grid(config)
+    runs = grid(config, study.rules)
     results = []
     with progress_bar(len(runs) + 1, enabled=progress, description="kq study") as advance:
         resident = study.resident()

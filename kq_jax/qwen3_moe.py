@@ -50,7 +50,8 @@ class Qwen3MoeConfig:
     def load(cls, directory: str | Path) -> "Qwen3MoeConfig":
         raw = json.loads((Path(directory) / "config.json").read_text())
         if raw.get("model_type") != "qwen3_moe":
-            raise ValueError(f"{directory}/config.json: model_type {raw.get('model_type')!r}, expected 'qwen3_moe'")
+            raise ValueError(f"{directory}/config.json: model_type {raw.get('model_type')!r}; this JAX model is "
+                             f"qwen3_moe (kq study --framework mlx also runs mixtral)")
         return cls(**{name: raw[name] for name in cls.__dataclass_fields__ if name in raw})
 
     def hf_config(self) -> dict:

@@ -99,3 +99,50 @@ def test_the_jax_model_reads_the_files_as_mlx_lm_does():
     got, _ = qwen3_moe.forward(qwen3_moe.load_params(SHIPPED_MODEL, cfg), jnp.asarray([ids]), cfg, moe=resident)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-4, rtol=2e-4)
     assert (np.asarray(got).argmax(-1) == want.argmax(-1)).all()
+
+
+@pytest.fixture(scope="module")
+def mixtral_checkpoint(tmp_path_factory):
+    """A tiny random Mixtral in the Hugging Face layout (one tensor per expert: w1, w2, w3), the shipped tokenizer."""
+    pytest.importorskip("mlx_lm")
+    import shutil
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import mixtral
+    from safetensors.numpy import save_file
+
+    args = dict(model_type="mixtral", vocab_size=4096, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)
+    mx.random.seed(3)
+    model = mixtral.Model(mixtral.ModelArgs(**args))
+    tensors = {}
+    for name, value in tree_flatten(model.parameters()):
+        value = np.array(value)
+        if ".switch_mlp." in name:  # stacked [E, ...] in mlx-lm, one tensor per expert on the Hub
+            prefix, projection = name.split(".switch_mlp.")
+            hf = {"gate_proj.weight": "w1", "down_proj.weight": "w2", "up_proj.weight": "w3"}[projection]
+            for expert in range(value.shape[0]):
+                tensors[f"{prefix}.experts.{expert}.{hf}.weight"] = np.ascontiguousarray(value[expert])
+        else:
+            tensors[name] = value
+    directory = tmp_path_factory.mktemp("mixtral")
+    save_file(tensors, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(args))
+    for name in ("tokenizer.json", "tokenizer_config.json", "heldout.txt"):
+        shutil.copy(SHIPPED_MODEL / name, directory / name)
+    return directory
+
+
+def test_mixtral_checkpoints_run_through_mlx_lm(mixtral_checkpoint):
+    study = make_study(StudyConfig(checkpoint=mixtral_checkpoint, tokens=10, warmup=3, framework="mlx"))
+    assert "substitute" not in study.rules
+    resident = study.resident()
+    assert study.run(1.0, "lfu", "route_shed").bits == resident.bits
+    small = study.run(0.25, "lru", "route_shed")
+    assert small.hits < small.lookups and small.reads > 0 and small.bits != resident.bits
+
+
+def test_the_jax_model_refuses_a_mixtral_checkpoint(mixtral_checkpoint):
+    with pytest.raises(ValueError, match="--framework mlx"):
+        make_study(StudyConfig(checkpoint=mixtral_checkpoint, tokens=10, warmup=3, framework="jax"))
