@@ -17,6 +17,37 @@ class Arena(Protocol):
     def write_slot(self, layer: int, slot: int, payload: Any) -> None: ...
 
 
+class ExpertPayloadError(ValueError):
+    """A payload is not one expert of the arena's layout; the message says which projection and why."""
+
+
+def check_payload(payload, slot_layout: Mapping[str, tuple[tuple[int, ...], Any]]) -> None:
+    """Raises :class:`ExpertPayloadError` unless ``payload`` is exactly one expert of ``slot_layout``.
+
+    Every projection of the layout and no other, each an array of the slot's shape whose dtype casts
+    to the slot's without loss (bf16 or f16 into an f32 arena; never f32 into bf16). Arrays are not
+    broadcast: a scalar or a ``[1, n]`` row is refused.
+
+    Args:
+        payload: ``{projection: array}`` as a loader returns it.
+        slot_layout: ``{projection: (shape, dtype)}`` of one slot.
+    """
+    if not isinstance(payload, Mapping):
+        raise ExpertPayloadError(f"payload must be a mapping of projection to array, got {type(payload).__name__}")
+    missing, extra = set(slot_layout) - set(payload), set(payload) - set(slot_layout)
+    if missing or extra:
+        raise ExpertPayloadError(f"payload projections differ from the arena's: missing {sorted(missing)}, "
+                                 f"unexpected {sorted(extra)}")
+    for name, (shape, dtype) in slot_layout.items():
+        value = payload[name]
+        got_shape, got_dtype = tuple(np.shape(value)), np.dtype(getattr(value, "dtype", type(value)))
+        if got_shape != tuple(shape):
+            raise ExpertPayloadError(f"payload {name} has shape {list(got_shape)}, the slot {list(shape)}")
+        if not np.can_cast(got_dtype, np.dtype(dtype), casting="safe"):
+            raise ExpertPayloadError(f"payload {name} has dtype {got_dtype.name}, which does not cast to the "
+                                     f"slot's {np.dtype(dtype).name} without loss")
+
+
 class NumpyArena:
     """A host-memory arena: ``{projection: array [L, S, ...]}``; writes copy into the slot.
 
@@ -29,5 +60,11 @@ class NumpyArena:
                        for name, (shape, dtype) in shapes.items()}
 
     def write_slot(self, layer: int, slot: int, payload: Mapping[str, np.ndarray]) -> None:
+        """Copies one expert into ``[layer, slot]``; :class:`ExpertPayloadError` (slot untouched) if it is not one."""
+        check_payload(payload, self.slot_layout)
         for name, value in payload.items():
             self.arrays[name][layer, slot] = value
+
+    @property
+    def slot_layout(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        return {name: (array.shape[2:], array.dtype) for name, array in self.arrays.items()}

@@ -17,12 +17,20 @@ safety fence for slots that a running gather may still read:
 A slot being written is never mapped in any snapshot: its old expert was
 cleared in (4) before the read was submitted, and its new expert is published
 in (3) only after the read (and the write, if the loader writes) completed.
+
+A read that fails (the loader raises, or the arena refuses its payload) leaves its
+slot free and its expert unpublished; :attr:`ResidencyManager.failures` keeps one
+record per expert (a count and the last error's text), and the expert is not read
+again for 2, 4, 8, ... tokens (up to 1024) after each failure in a row.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
@@ -72,12 +80,31 @@ class LayerStats:
         return LayerStats(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
 
 
-@dataclass(frozen=True)
+@dataclass
 class FailedRead:
+    """The failures of one expert's reads: how many, and the last one (as text: no exception object,
+    so no traceback keeps a loader's frames and buffers alive)."""
+
+    layer: int
+    expert: int
+    slot: int  # the slot the last failed read targeted
+    count: int
+    error_type: str
+    message: str
+    token: int  # the token at whose boundary the last failure was seen
+
+
+@dataclass(frozen=True)
+class PendingRead:
+    """A read submitted and not yet published."""
+
     layer: int
     expert: int
     slot: int
-    error: BaseException
+
+
+# A read that failed n times in a row is not submitted again for 2**min(n, MAX_BACKOFF_DOUBLINGS) tokens.
+MAX_BACKOFF_DOUBLINGS = 10
 
 
 @dataclass
@@ -141,10 +168,21 @@ class ResidencyManager:
                  pinned: Mapping[int, Iterable[int]] | None = None, keep_mass: float = 0.9,
                  read_budget: int | None = None, decay_interval: int = 64, queue_depth: int = 8,
                  bytes_per_expert: int = 0):
+        for name, value, minimum in (("num_layers", num_layers, 1), ("num_experts", num_experts, 1),
+                                     ("num_slots", num_slots, 1), ("queue_depth", queue_depth, 0),
+                                     ("decay_interval", decay_interval, 0), ("bytes_per_expert", bytes_per_expert, 0),
+                                     ("read_budget", 0 if read_budget is None else read_budget, 0)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
+                raise ValueError(f"ResidencyManager: {name} must be an int >= {minimum}, got {value!r}")
         if policy not in ("lfu", "lru"):
             raise ValueError(f"ResidencyManager: policy must be 'lfu' or 'lru', got {policy!r}")
         if not 0.0 <= keep_mass <= 1.0:
             raise ValueError(f"ResidencyManager: keep_mass must be in [0, 1], got {keep_mass}")
+        for layer, experts in (pinned or {}).items():
+            experts = [int(e) for e in experts]
+            if not 0 <= layer < num_layers or any(not 0 <= e < num_experts for e in experts):
+                raise ValueError(f"ResidencyManager: pinned maps layers in [0, {num_layers}) to expert ids in "
+                                 f"[0, {num_experts}), got layer {layer}: {experts}")
         self.num_layers, self.num_experts, self.num_slots = num_layers, num_experts, num_slots
         self.loader, self.arena, self.policy = loader, arena, policy
         self.keep_mass, self.read_budget, self.decay_interval = keep_mass, read_budget, decay_interval
@@ -162,7 +200,9 @@ class ResidencyManager:
             self.layers[layer].pinned = experts
         self._pool = ThreadPoolExecutor(max_workers=queue_depth, thread_name_prefix="kq-prestage") if queue_depth else None
         self._pending: list[_Pending] = []
-        self.failures: list[FailedRead] = []
+        self.failures: dict[tuple[int, int], FailedRead] = {}
+        self._retry_after: dict[tuple[int, int], int] = {}  # (layer, expert) -> first token to read it again
+        self._busy = threading.Lock()
         self.token = 0
         self._snapshot = self.snapshot()
 
@@ -191,17 +231,20 @@ class ResidencyManager:
             future: Future = Future()
             try:
                 future.set_result(self.loader(layer, expert, slot))
-            except Exception as error:  # noqa: BLE001 - reported through FailedRead
+            except BaseException as error:  # noqa: BLE001 - a failed read; published as one in (3)
                 future.set_exception(error)
         else:
             future = self._pool.submit(self.loader, layer, expert, slot)
         self._pending.append(_Pending(layer, expert, slot, future))
         state.stats.reads_submitted += 1
 
-    def _publish_landed(self, *, wait: bool = False) -> None:
-        still = []
+    def _publish_landed(self, *, timeout: float | None = 0.0) -> None:
+        """Publishes the reads done within ``timeout`` seconds (0: those done now; None: all)."""
+        if self._pending and timeout != 0.0:
+            wait_for_futures([read.future for read in self._pending], timeout=timeout)
+        still, interrupt = [], None
         for read in self._pending:
-            if not (wait or read.future.done()):
+            if not read.future.done():
                 still.append(read)
                 continue
             state = self.layers[read.layer]
@@ -209,30 +252,55 @@ class ResidencyManager:
                 payload = read.future.result()
                 if self.arena is not None:
                     self.arena.write_slot(read.layer, read.slot, payload)
-            except Exception as error:  # noqa: BLE001 - reported, slot stays unpublished
+            except BaseException as error:  # noqa: BLE001 - reported; the slot stays unpublished and free
                 state.owner[read.slot] = -1
                 state.state[read.slot] = SlotState.FREE
                 state.stats.reads_failed += 1
-                self.failures.append(FailedRead(read.layer, read.expert, read.slot, error))
+                self._record_failure(read, error)
+                if isinstance(error, (KeyboardInterrupt, SystemExit)) and interrupt is None:
+                    interrupt = error
                 continue
             state.table[read.expert] = read.slot
             state.state[read.slot] = SlotState.RESIDENT
             state.stats.reads_landed += 1
             state.stats.bytes_read += payload if isinstance(payload, int) else self.bytes_per_expert
+            self.failures.pop((read.layer, read.expert), None)
+            self._retry_after.pop((read.layer, read.expert), None)
         self._pending = still
+        if interrupt is not None:  # after the bookkeeping, so no later step sees this read again
+            raise interrupt
+
+    def _record_failure(self, read: _Pending, error: BaseException) -> None:
+        key = (read.layer, read.expert)
+        record = self.failures.get(key)
+        count = 1 if record is None else record.count + 1
+        self.failures[key] = FailedRead(read.layer, read.expert, read.slot, count, type(error).__name__, str(error),
+                                        self.token)
+        self._retry_after[key] = self.token + 2 ** min(count, MAX_BACKOFF_DOUBLINGS)
 
     def preload(self, layer: int, experts: Iterable[int]) -> None:
-        """Loads experts into free slots now and publishes them (start-up, pinned sets)."""
-        for expert in experts:
-            state = self.layers[layer]
-            if state.table[expert] >= 0 or expert in state.owner:
-                continue
-            free = np.flatnonzero(state.state == SlotState.FREE)
-            if free.size == 0:
-                raise ValueError(f"preload: layer {layer} has no free slot for expert {expert}")
-            self._submit(layer, int(expert), int(free[0]))
-        self._publish_landed(wait=True)
-        self._snapshot = self.snapshot()
+        """Loads experts into free slots now and publishes them (start-up, pinned sets).
+
+        Raises:
+            ValueError: ``layer`` or an id of ``experts`` is out of range, or no slot is free.
+        """
+        experts = [int(e) for e in experts]
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"preload: layer must be in [0, {self.num_layers}), got {layer}")
+        bad = [e for e in experts if not 0 <= e < self.num_experts]
+        if bad:
+            raise ValueError(f"preload: experts must be ids in [0, {self.num_experts}), got {bad}")
+        with self._exclusive("preload"):
+            for expert in experts:
+                state = self.layers[layer]
+                if state.table[expert] >= 0 or expert in state.owner:
+                    continue
+                free = np.flatnonzero(state.state == SlotState.FREE)
+                if free.size == 0:
+                    raise ValueError(f"preload: layer {layer} has no free slot for expert {expert}")
+                self._submit(layer, expert, int(free[0]))
+            self._publish_landed(timeout=None)
+            self._snapshot = self.snapshot()
 
     def _victim(self, layer: int, shielded: set[int]) -> int | None:
         """The slot to evict: resident, not pinned, not routed this token, lowest priority."""
@@ -258,24 +326,43 @@ class ResidencyManager:
 
         Returns:
             ``int32 [L, E]`` slot tables for the next token.
+
+        Raises:
+            ValueError: the reports are malformed (nothing is credited then, so a retry counts once).
+            RuntimeError: another thread is inside ``step``, ``preload`` or ``drain`` of this
+                manager. A manager serves one decode thread: concurrent calls are refused, never
+                interleaved.
         """
         if len(reports) != self.num_layers:
             raise ValueError(f"step: expected {self.num_layers} layer reports, got {len(reports)}")
-        if fence is not None:
-            fence()  # (1)
-        routed_sets = [self._credit(layer, report) for layer, report in enumerate(reports)]  # (2)
-        self._publish_landed()  # (3)
-        self._schedule(reports, routed_sets)  # (4) and (5)
-        if self.decay_interval and self.token % self.decay_interval == self.decay_interval - 1:
+        # Every report is checked before anything is credited.
+        orders = [prestage_order(report.miss_ids, report.miss_scores, self.num_experts) for report in reports]
+        with self._exclusive("step"):
+            if fence is not None:
+                fence()  # (1)
+            routed_sets = [self._credit(layer, report) for layer, report in enumerate(reports)]  # (2)
+            self._publish_landed()  # (3)
+            self._schedule(orders, routed_sets)  # (4) and (5)
+            if self.decay_interval and self.token % self.decay_interval == self.decay_interval - 1:
+                for state in self.layers:
+                    state.popularity *= 0.5
+            self.token += 1
             for state in self.layers:
-                state.popularity *= 0.5
-        self.token += 1
-        for state in self.layers:
-            state.stats.reads_in_flight = 0
-        for read in self._pending:
-            self.layers[read.layer].stats.reads_in_flight += 1
-        self._snapshot = self.snapshot()  # (6)
-        return self._snapshot
+                state.stats.reads_in_flight = 0
+            for read in self._pending:
+                self.layers[read.layer].stats.reads_in_flight += 1
+            self._snapshot = self.snapshot()  # (6)
+            return self._snapshot
+
+    @contextlib.contextmanager
+    def _exclusive(self, method: str):
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(f"ResidencyManager.{method}: called from two threads at once; a manager serves one "
+                               f"decode thread (call it from that thread, or give each thread its own manager)")
+        try:
+            yield
+        finally:
+            self._busy.release()
 
     def _credit(self, layer: int, report: LayerReport) -> set[int]:
         state = self.layers[layer]
@@ -300,12 +387,13 @@ class ResidencyManager:
             stats.over_budget += 1
         return {int(e) for e in routed}
 
-    def _schedule(self, reports: Sequence[LayerReport], routed_sets: Sequence[set[int]]) -> None:
+    def _schedule(self, orders, routed_sets: Sequence[set[int]]) -> None:
         candidates = []
-        for layer, report in enumerate(reports):
+        for layer, order in enumerate(orders):
             state = self.layers[layer]
-            order = prestage_order(report.miss_ids, report.miss_scores, self.num_experts)
             for expert, score in zip(order.expert_ids.tolist(), order.best_scores.tolist()):
+                if self._retry_after.get((layer, expert), 0) > self.token:
+                    continue  # failed lately: backing off
                 if state.table[expert] < 0 and expert not in state.owner:
                     candidates.append((-score if score == score else np.inf, layer, expert))
         candidates.sort()
@@ -337,14 +425,34 @@ class ResidencyManager:
             total.add(layer_stats)
         return per_layer, total
 
-    def drain(self) -> None:
-        """Waits for every read in flight and publishes it (end of decode, tests)."""
-        self._publish_landed(wait=True)
-        self._snapshot = self.snapshot()
+    def pending(self) -> list[PendingRead]:
+        """The reads submitted and not yet published."""
+        return [PendingRead(read.layer, read.expert, read.slot) for read in self._pending]
 
-    def close(self) -> None:
+    def drain(self, timeout: float | None = None) -> list[PendingRead]:
+        """Waits up to ``timeout`` seconds (None: no limit) for the reads in flight and publishes those done.
+
+        Returns:
+            The reads still out (they stay pending and publish at a later step or drain).
+        """
+        with self._exclusive("drain"):
+            self._publish_landed(timeout=timeout)
+            self._snapshot = self.snapshot()
+            return self.pending()
+
+    def close(self, timeout: float | None = 30.0) -> list[PendingRead]:
+        """Publishes what lands within ``timeout`` seconds, then stops the loader threads.
+
+        Reads not started are cancelled; a loader still running is left to finish on its own thread
+        (Python cannot stop it), and its result is dropped.
+
+        Returns:
+            The reads that were still out.
+        """
+        out = self.drain(timeout)
         if self._pool is not None:
-            self._pool.shutdown(wait=True)
+            self._pool.shutdown(wait=not out, cancel_futures=True)
+        return out
 
     def __enter__(self):
         return self

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kq_host.arena import check_payload
+
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _write_slot(arrays, layer, slot, payload):
@@ -33,8 +35,17 @@ class JaxArena:
         self.arrays = {name: jnp.zeros((num_layers, num_slots, *shape), dtype=dtype)
                        for name, (shape, dtype) in shapes.items()}
 
+    @property
+    def slot_layout(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        return {name: (array.shape[2:], np.dtype(array.dtype)) for name, array in self.arrays.items()}
+
     def write_slot(self, layer: int, slot: int, payload: Mapping[str, np.ndarray]) -> None:
-        """Writes one expert into ``[layer, slot]``; the previous arrays are donated (invalid after)."""
+        """Writes one expert into ``[layer, slot]``; the previous arrays are donated (invalid after).
+
+        Raises:
+            ExpertPayloadError: the payload is not one expert of the arena's layout (nothing written).
+        """
+        check_payload(payload, self.slot_layout)
         # Host arrays and indices go to the jitted write as they are: one transfer each, no eager ops.
         self.arrays = _write_slot(self.arrays, np.int32(layer), np.int32(slot),
                                   {name: np.asarray(payload[name]) for name in self.arrays})

@@ -7,8 +7,12 @@ from typing import Any, Mapping
 import mlx.core as mx
 import numpy as np
 
+from kq_core.contract import NUMPY_DTYPES
 from kq_core.validate import dtype_name
+from kq_host.arena import check_payload
 from kq_mlx.route_shed_mlx import MX_DTYPES, from_numpy
+
+NUMPY_DTYPES_OF_MX = {mx_dtype: NUMPY_DTYPES.get(name, np.dtype(name)) for name, mx_dtype in MX_DTYPES.items()}
 
 
 class MlxArena:
@@ -23,7 +27,17 @@ class MlxArena:
         self.arrays = {name: mx.zeros((num_layers, num_slots, *shape), dtype=MX_DTYPES[dtype_name(np.empty(0, dtype))])
                        for name, (shape, dtype) in shapes.items()}
 
+    @property
+    def slot_layout(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        return {name: (tuple(array.shape[2:]), NUMPY_DTYPES_OF_MX[array.dtype]) for name, array in self.arrays.items()}
+
     def write_slot(self, layer: int, slot: int, payload: Mapping[str, np.ndarray]) -> None:
+        """Writes one expert into ``[layer, slot]`` in place.
+
+        Raises:
+            ExpertPayloadError: the payload is not one expert of the arena's layout (nothing written).
+        """
+        check_payload(payload, self.slot_layout)
         for name, value in payload.items():
             self.arrays[name][layer, slot] = from_numpy(np.asarray(value))
         # The slot must hold the expert before its table entry is published.

@@ -20,6 +20,7 @@ import mlx.nn as nn
 import numpy as np
 
 import kq_mlx
+from kq_host.arena import check_payload
 from kq_host.residency import LayerReport
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -141,7 +142,13 @@ class SwitchGLUArena:
         self.blocks = blocks
 
     def write_slot(self, layer: int, slot: int, payload: dict[str, np.ndarray]) -> None:
+        """One expert into ``[layer, slot]``, each projection cast to the arena's dtype through float32.
+
+        Raises:
+            ExpertPayloadError: the payload is not one expert of the layer's shapes (nothing written).
+        """
         arena = self.blocks[layer].arena
+        check_payload(payload, {p: (tuple(getattr(arena, p).weight.shape[1:]), np.float32) for p in PROJECTIONS})
         for projection in PROJECTIONS:
             weight = getattr(arena, projection).weight
             weight[slot] = mx.array(np.asarray(payload[projection], np.float32)).astype(weight.dtype)
