@@ -43,6 +43,10 @@ class ExpertStoreError(ValueError):
     """A tensor is missing, mis-shaped or unreadable; the message names file, tensor and expert."""
 
 
+# The safetensors format caps the header at 100 MB.
+MAX_HEADER_BYTES = 100_000_000
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     path: Path
@@ -50,30 +54,84 @@ class TensorEntry:
     shape: tuple[int, ...]
     offset: int  # absolute byte offset of the tensor's data in the file
     nbytes: int
+    identity: tuple[int, int, int]  # (inode, size, mtime_ns) of the file when its header was read
+
+
+def _file_identity(stat: os.stat_result) -> tuple[int, int, int]:
+    return stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
+def _unique_keys(pairs):
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} appears twice")
+        out[key] = value
+    return out
 
 
 def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorEntry]:
-    """Parses one file's header into ``{tensor name: TensorEntry}``."""
+    """Parses and checks one file's header as the safetensors format defines it: ``{name: TensorEntry}``.
+
+    Checked: the header length fits the file (and the format's 100 MB cap); the header is a JSON
+    object with unique keys; every tensor has a known dtype, a shape of non-negative ints and
+    ``data_offsets [begin, end]`` with ``0 <= begin <= end <=`` the data's size and ``end - begin`` the
+    bytes its dtype and shape take; no two tensors' bytes overlap.
+
+    Raises:
+        ExpertStoreError: naming the file, and the tensor where there is one.
+    """
     path = Path(path)
     with open(path, "rb") as handle:
+        identity = _file_identity(os.fstat(handle.fileno()))
+        size = identity[1]
         raw = handle.read(8)
         if len(raw) != 8:
             raise ExpertStoreError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
         (length,) = struct.unpack("<Q", raw)
+        if length > min(size - 8, MAX_HEADER_BYTES):
+            raise ExpertStoreError(f"{path}: header length {length} does not fit the file's {size} bytes "
+                                   f"(or the format's {MAX_HEADER_BYTES}-byte cap)")
         try:
-            header = json.loads(handle.read(length))
+            header = json.loads(handle.read(length), object_pairs_hook=_unique_keys)
         except ValueError as error:
             raise ExpertStoreError(f"{path}: unreadable safetensors header ({error})") from error
+    if not isinstance(header, dict):
+        raise ExpertStoreError(f"{path}: the header must be a JSON object, got {type(header).__name__}")
+    data_size = size - 8 - length
     entries = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in SAFETENSORS_DTYPES:
-            raise ExpertStoreError(f"{path}: tensor {name} has dtype {info['dtype']}, which kq cannot read")
-        begin, end = info["data_offsets"]
-        entries[name] = TensorEntry(path, SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]),
-                                    8 + length + begin, end - begin)
+        entries[name] = _entry(path, name, info, 8 + length, data_size, identity)
+    spans = sorted((e.offset, e.offset + e.nbytes, name) for name, e in entries.items() if e.nbytes)
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise ExpertStoreError(f"{path}: tensors {first} and {second} overlap in the file's data")
     return entries
+
+
+def _entry(path: Path, name: str, info, data_start: int, data_size: int, identity) -> TensorEntry:
+    where = f"{path}: tensor {name}"
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+        raise ExpertStoreError(f"{where}: needs dtype, shape and data_offsets, got {info!r}")
+    if info["dtype"] not in SAFETENSORS_DTYPES:
+        raise ExpertStoreError(f"{where} has dtype {info['dtype']!r}, which kq cannot read")
+    shape, offsets = info["shape"], info["data_offsets"]
+    if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+        raise ExpertStoreError(f"{where}: shape must be a list of non-negative ints, got {shape!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        raise ExpertStoreError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, got {offsets!r}")
+    begin, end = offsets
+    if end > data_size:
+        raise ExpertStoreError(f"{where}: data_offsets {offsets} run past the end of the file's {data_size} data bytes")
+    dtype = SAFETENSORS_DTYPES[info["dtype"]]
+    want = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if end - begin != want:
+        raise ExpertStoreError(f"{where}: {info['dtype']}{shape} takes {want} bytes, its data_offsets span "
+                               f"{end - begin}")
+    return TensorEntry(path, dtype, tuple(shape), data_start + begin, end - begin, identity)
 
 
 class ExpertStore:
@@ -103,7 +161,11 @@ class ExpertStore:
         files = self._files(paths)
         self.tensors: dict[str, TensorEntry] = {}
         for path in files:
-            self.tensors.update(read_safetensors_header(path))
+            for name, entry in read_safetensors_header(path).items():
+                if name in self.tensors:
+                    raise ExpertStoreError(f"ExpertStore: tensor {name} is in {self.tensors[name].path} and in "
+                                           f"{path}; a checkpoint holds each tensor once")
+                self.tensors[name] = entry
         self._pool = ThreadPoolExecutor(max_workers=queue_depth, thread_name_prefix="kq-expert-read")
         self._descriptors: dict[Path, int] = {}
         self._lock = threading.Lock()
@@ -120,11 +182,16 @@ class ExpertStore:
             raise ExpertStoreError(f"ExpertStore: no .safetensors files in {paths}")
         return files
 
-    def _descriptor(self, path: Path) -> int:
+    def _descriptor(self, entry: TensorEntry) -> int:
+        """An open descriptor of the entry's file, checked to be the file whose header was read."""
         with self._lock:
-            if path not in self._descriptors:
-                self._descriptors[path] = os.open(path, os.O_RDONLY)
-            return self._descriptors[path]
+            if entry.path not in self._descriptors:
+                self._descriptors[entry.path] = os.open(entry.path, os.O_RDONLY)
+            descriptor = self._descriptors[entry.path]
+        if _file_identity(os.fstat(descriptor)) != entry.identity:
+            raise ExpertStoreError(f"{entry.path} changed after its header was read (inode, size or modification "
+                                   f"time differ); open a new ExpertStore on the new file")
+        return descriptor
 
     def _locate(self, layer: int, expert: int, projection: str) -> tuple[TensorEntry, int, int, tuple[int, ...]]:
         """(entry, byte offset, byte count, shape) of one projection of one expert."""
@@ -190,7 +257,7 @@ class ExpertStore:
                     raise ExpertStoreError(
                         f"{entry.path}: tensor {name} (expert {expert} of layer {layer}) is "
                         f"{entry.dtype.name}{list(shape)}, the arena expects {np.dtype(want_dtype).name}{list(want_shape)}")
-            data = os.pread(self._descriptor(entry.path), nbytes, offset)
+            data = os.pread(self._descriptor(entry), nbytes, offset)
             if len(data) != nbytes:
                 raise ExpertStoreError(f"{entry.path}: tensor {name} (expert {expert} of layer {layer}): "
                                        f"read {len(data)} of {nbytes} bytes; the file is truncated")

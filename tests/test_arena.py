@@ -286,19 +286,27 @@ def test_store_catches_a_mis_shaped_expert_by_default(tmp_path):
             store.read_expert(0, 3)
 
 
-def test_store_truncated_file_fails_the_read_not_the_slot(tmp_path):
+def test_store_refuses_a_truncated_file_at_its_header(tmp_path):
     write_stacked(tmp_path, 1, 4, np.float32)
     path = tmp_path / "experts.safetensors"
     path.write_bytes(path.read_bytes()[:-40])
+    with pytest.raises(ExpertStoreError, match="past the end"):
+        ExpertStore(tmp_path, layout="stacked")
+
+
+def test_store_truncated_after_opening_fails_the_read_not_the_slot(tmp_path):
+    write_stacked(tmp_path, 1, 4, np.float32)
+    path = tmp_path / "experts.safetensors"
     store = ExpertStore(tmp_path, layout="stacked")
+    path.write_bytes(path.read_bytes()[:-40])
     arena = NumpyArena(1, 2, {p: (SHAPES[p], np.float32) for p in PROJECTIONS})
     manager = ResidencyManager(1, 4, 2, loader=lambda l, e, s: store.read_expert(l, e), arena=arena, queue_depth=2)
     manager.step([report([0, 3], table=manager.snapshot()[0])])
     manager.drain()
-    assert manager.resident(0) == {0: 0}  # expert 3's down_proj runs past the truncated end
-    (failure,) = manager.failures.values()
-    assert "truncated" in failure.message
-    assert not arena.arrays["down_proj"][0, 1].any(), "the failed slot was written"
+    assert manager.resident(0) == {}  # the file changed under the store: no read is trusted
+    assert {f.expert for f in manager.failures.values()} == {0, 3}
+    assert all("changed after its header was read" in f.message for f in manager.failures.values())
+    assert not arena.arrays["down_proj"].any(), "a failed slot was written"
     manager.close()
     store.close()
 

@@ -215,3 +215,93 @@ def test_step_from_two_threads_at_once_is_refused():
         manager.step([report([2, 3], table)])
     release.set()
     worker.join()
+
+
+# ---- safetensors headers ----------------------------------------------------------------------
+
+
+def write_raw(path, header, data: bytes, length=None):
+    import json
+    import struct
+
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw) if length is None else length) + raw + data)
+    return path
+
+
+F32_4 = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
+
+
+@pytest.mark.parametrize("header, data, length, message", [
+    ({}, b"", 2**63, "header length"),
+    ({}, b"", 2**40, "header length"),
+    (b"[1, 2]", b"", None, "JSON object"),
+    ({"t": {"shape": [4], "data_offsets": [0, 16]}}, bytes(16), None, "tensor t"),
+    ({"t": {"dtype": "F32", "shape": [4], "data_offsets": [16, 0]}}, bytes(16), None, "data_offsets"),
+    ({"t": {"dtype": "F32", "shape": [4], "data_offsets": [-4, 12]}}, bytes(16), None, "data_offsets"),
+    ({"t": {"dtype": "F16", "shape": [4], "data_offsets": [0, 16]}}, bytes(16), None, "8 bytes"),
+    ({"t": {"dtype": "F32", "shape": [4], "data_offsets": [0, 32]}}, bytes(16), None, "past the end"),
+    ({"a": F32_4, "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}, bytes(16), None, "overlap"),
+    (b'{"t": ' + b'{"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, "t": '
+     b'{"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}', bytes(16), None, "twice"),
+    ({"t": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}}, bytes(16), None, "shape"),
+], ids=["length-2^63", "length-2^40", "json-list", "no-dtype", "begin-after-end", "negative-offset",
+        "f16-over-f32-bytes", "past-the-end", "overlap", "duplicate-key", "negative-shape"])
+def test_store_refuses_a_malformed_header_naming_the_file(tmp_path, header, data, length, message):
+    from kq_host.expert_store import ExpertStoreError, read_safetensors_header
+
+    path = write_raw(tmp_path / "bad.safetensors", header, data, length)
+    with pytest.raises(ExpertStoreError, match=message) as error:
+        read_safetensors_header(path)
+    assert "bad.safetensors" in str(error.value)
+
+
+def expert_file(path, experts=2, dtype="F32"):
+    header, offset = {}, 0
+    for expert in range(experts):
+        for projection in ("gate_proj", "up_proj", "down_proj"):
+            header[f"model.layers.0.mlp.experts.{expert}.{projection}.weight"] = {
+                "dtype": dtype, "shape": [2, 2], "data_offsets": [offset, offset + 16]}
+            offset += 16
+    return write_raw(path, header, np.arange(offset // 4, dtype=np.float32).tobytes())
+
+
+def test_store_refuses_the_same_tensor_in_two_files(tmp_path):
+    from kq_host.expert_store import ExpertStore, ExpertStoreError
+
+    expert_file(tmp_path / "a.safetensors")
+    expert_file(tmp_path / "b.safetensors")
+    with pytest.raises(ExpertStoreError, match="a.safetensors.*b.safetensors|b.safetensors.*a.safetensors"):
+        ExpertStore(tmp_path)
+
+
+def test_store_notices_a_file_changed_after_its_header_was_read(tmp_path):
+    import os
+
+    from kq_host.expert_store import ExpertStore, ExpertStoreError
+
+    path = expert_file(tmp_path / "experts.safetensors")
+    store = ExpertStore(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[-4:] = np.float32(99).tobytes()
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(1, 1))  # a different modification time, as any rewrite has
+    with pytest.raises(ExpertStoreError, match="changed"):
+        store.read_expert(0, 1)
+    store.close()
+
+
+def test_store_catches_a_tensor_declared_with_another_dtype(tmp_path):
+    from kq_host.expert_store import ExpertStore, ExpertStoreError
+
+    path = expert_file(tmp_path / "experts.safetensors")
+    import json
+    import struct
+
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + length])
+    header["model.layers.0.mlp.experts.1.up_proj.weight"]["dtype"] = "I32"
+    write_raw(path, header, raw[8 + length:])
+    with ExpertStore(tmp_path) as store, pytest.raises(ExpertStoreError, match="int32"):
+        store.read_expert(0, 1)
