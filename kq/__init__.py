@@ -12,6 +12,8 @@ The contract lives in :mod:`kq_core`, the host side of an arena in
 from __future__ import annotations
 
 from kq_core import (
+    RouteShedArgumentError,
+    RouteShedDtypeError,
     RouteShedInputError,
     RouteShedResult,
     TopkRouteShedResult,
@@ -23,6 +25,8 @@ from kq_core import (
 
 __version__ = "0.1.0"
 __all__ = [
+    "RouteShedArgumentError",
+    "RouteShedDtypeError",
     "RouteShedInputError",
     "RouteShedResult",
     "TopkRouteShedResult",

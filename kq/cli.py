@@ -106,7 +106,8 @@ def _demo_model(args, parser) -> int:
         print("kq demo needs mlx-lm or JAX, and tokenizers (pip install -e '.[demo]')")
         return 1
     if not 0.0 < args.residency <= 1.0:
-        parser.error(f"--residency is the fraction of each layer's experts in the arena, in (0, 1]; got {args.residency}")
+        parser.error(f"--residency is the fraction of each layer's experts in the arena, in (0, 1]; "
+                     f"got {args.residency}")
     print(f"{args.checkpoint}: greedy text after {args.prompt!r}, {args.tokens} tokens, experts served from an arena "
           f"of {args.residency:.0%} of each layer's experts (route_shed, {args.policy}), beside the model with every "
           f"expert in memory")

@@ -9,12 +9,9 @@ of ``shared/spec.json`` (:mod:`kq_core.spec`), input generators
 
 from kq_core.contract import MAX_TOP_K, RouteShedResult, TopkRouteShedResult
 from kq_core.oracle import route_shed_oracle, topk_route_shed_oracle
-from kq_core.validate import (
-           RouteShedInputError,
-           check_route_shed_args,
-           check_topk_route_shed_args,
-           validate,
-)
+from kq_core.validate import (RouteShedArgumentError, RouteShedDtypeError, RouteShedInputError, check_route_shed_args,
+                              check_topk_route_shed_args, validate)
 
-__all__ = ["MAX_TOP_K", "RouteShedInputError", "RouteShedResult", "TopkRouteShedResult", "check_route_shed_args",
-           "check_topk_route_shed_args", "route_shed_oracle", "topk_route_shed_oracle", "validate"]
+__all__ = ["MAX_TOP_K", "RouteShedArgumentError", "RouteShedDtypeError", "RouteShedInputError", "RouteShedResult",
+           "TopkRouteShedResult", "check_route_shed_args", "check_topk_route_shed_args", "route_shed_oracle",
+           "topk_route_shed_oracle", "validate"]

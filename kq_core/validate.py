@@ -1,6 +1,7 @@
 """Argument checks, run once at each public entry point of ``route_shed`` and ``topk_route_shed``.
 
-Two layers:
+Every input error is a :class:`RouteShedArgumentError` (a ``ValueError``) naming the
+argument; a wrong dtype is a :class:`RouteShedDtypeError`, also a ``TypeError``. Two layers:
 
 * :func:`check_route_shed_args` checks dtypes and shapes only. It reads
   ``.shape`` and ``.dtype`` and nothing else, so it runs at trace time in JAX
@@ -17,7 +18,24 @@ import numpy as np
 from kq_core.contract import INDEX_DTYPES, MAX_TOP_K, ON_MISS, SCORE_DTYPES, SLOT_TABLE_DTYPES
 
 
-class RouteShedInputError(ValueError):
+class RouteShedArgumentError(ValueError):
+    """An argument of ``route_shed`` or ``topk_route_shed`` is not what the op takes: the one class of
+    every input error kq raises (a ``ValueError``, as mlx_kquant's ``route_shed`` raises).
+
+    Attributes:
+        argument: name of the offending argument.
+    """
+
+    def __init__(self, argument: str, message: str):
+        self.argument = argument
+        super().__init__(message)
+
+
+class RouteShedDtypeError(RouteShedArgumentError, TypeError):
+    """An argument has the wrong dtype: a ``ValueError`` and a ``TypeError`` both."""
+
+
+class RouteShedInputError(RouteShedArgumentError):
     """A value rule of :func:`validate` is broken.
 
     Attributes:
@@ -27,10 +45,9 @@ class RouteShedInputError(ValueError):
     """
 
     def __init__(self, argument: str, position: tuple[int, ...], rule: str, detail: str):
-        self.argument = argument
         self.position = position
         self.rule = rule
-        super().__init__(f"{argument}{list(position)}: {rule} ({detail})")
+        super().__init__(argument, f"{argument}{list(position)}: {rule} ({detail})")
 
 
 def dtype_name(array) -> str:
@@ -46,7 +63,7 @@ def dtype_name(array) -> str:
 def _check_dtype(name: str, array, allowed: tuple[str, ...]) -> None:
     got = dtype_name(array)
     if got not in allowed:
-        raise TypeError(f"route_shed: {name} must have dtype {' or '.join(allowed)}, got {got}")
+        raise RouteShedDtypeError(name, f"route_shed: {name} must have dtype {' or '.join(allowed)}, got {got}")
 
 
 def check_route_shed_args(indices, scores, slot_table) -> None:
@@ -62,15 +79,18 @@ def check_route_shed_args(indices, scores, slot_table) -> None:
     _check_dtype("slot_table", slot_table, SLOT_TABLE_DTYPES)
     ishape, sshape, tshape = tuple(indices.shape), tuple(scores.shape), tuple(slot_table.shape)
     if len(ishape) < 1:
-        raise ValueError("route_shed: indices must have shape [..., K], got a scalar")
+        raise RouteShedArgumentError("indices", "route_shed: indices must have shape [..., K], got a scalar")
     if not 1 <= ishape[-1] <= MAX_TOP_K:
-        raise ValueError(f"route_shed: indices' last dim K must be in [1, {MAX_TOP_K}], got shape {ishape}")
+        raise RouteShedArgumentError("indices", f"route_shed: indices' last dim K must be in [1, {MAX_TOP_K}], "
+                                                f"got shape {ishape}")
     if sshape != ishape:
-        raise ValueError(f"route_shed: scores must have the shape of indices {ishape}, got {sshape}")
+        raise RouteShedArgumentError("scores", f"route_shed: scores must have the shape of indices {ishape}, "
+                                               f"got {sshape}")
     if len(tshape) != 1:
-        raise ValueError(f"route_shed: slot_table must be 1-D [E], got shape {tshape}")
+        raise RouteShedArgumentError("slot_table", f"route_shed: slot_table must be 1-D [E], got shape {tshape}")
     if tshape[0] < 1:
-        raise ValueError("route_shed: slot_table must hold at least one expert (E >= 1), got E = 0")
+        raise RouteShedArgumentError("slot_table", "route_shed: slot_table must hold at least one expert (E >= 1), "
+                                                   "got E = 0")
 
 
 def check_topk_route_shed_args(probs, slot_table, top_k: int, *, normalize: bool = True,
@@ -85,18 +105,21 @@ def check_topk_route_shed_args(probs, slot_table, top_k: int, *, normalize: bool
         on_miss: one of :data:`~kq_core.contract.ON_MISS`.
     """
     if not isinstance(normalize, (bool, np.bool_)):
-        raise TypeError(f"topk_route_shed: normalize must be a bool, got {normalize!r}")
+        raise RouteShedDtypeError("normalize", f"topk_route_shed: normalize must be a bool, got {normalize!r}")
     if on_miss not in ON_MISS:
-        raise ValueError(f"topk_route_shed: on_miss must be one of {ON_MISS}, got {on_miss!r}")
+        raise RouteShedArgumentError("on_miss", f"topk_route_shed: on_miss must be one of {ON_MISS}, got {on_miss!r}")
     _check_dtype("probs", probs, SCORE_DTYPES)
     _check_dtype("slot_table", slot_table, SLOT_TABLE_DTYPES)
     pshape, tshape = tuple(probs.shape), tuple(slot_table.shape)
     if len(pshape) < 1 or pshape[-1] < 1:
-        raise ValueError(f"topk_route_shed: probs must have shape [..., E] with E >= 1, got {pshape}")
+        raise RouteShedArgumentError("probs", f"topk_route_shed: probs must have shape [..., E] with E >= 1, "
+                                              f"got {pshape}")
     if tshape != pshape[-1:]:
-        raise ValueError(f"topk_route_shed: slot_table must have shape [E] = {pshape[-1:]}, got {tshape}")
-    if not (isinstance(top_k, (int, np.integer)) and 1 <= top_k <= min(pshape[-1], MAX_TOP_K)):
-        raise ValueError(f"topk_route_shed: top_k must be an int in [1, min(E, {MAX_TOP_K})] "
+        raise RouteShedArgumentError("slot_table", f"topk_route_shed: slot_table must have shape [E] = "
+                                                   f"{pshape[-1:]}, got {tshape}")
+    if not (isinstance(top_k, (int, np.integer)) and not isinstance(top_k, bool)
+            and 1 <= top_k <= min(pshape[-1], MAX_TOP_K)):
+        raise RouteShedArgumentError("top_k", f"topk_route_shed: top_k must be an int in [1, min(E, {MAX_TOP_K})] "
                          f"with E = {pshape[-1]}, got {top_k!r}")
 
 

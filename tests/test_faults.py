@@ -305,3 +305,45 @@ def test_store_catches_a_tensor_declared_with_another_dtype(tmp_path):
     write_raw(path, header, raw[8 + length:])
     with ExpertStore(tmp_path) as store, pytest.raises(ExpertStoreError, match="int32"):
         store.read_expert(0, 1)
+
+
+# ---- route_shed's input errors -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("framework", ["numpy", "jax", "mlx"])
+def test_a_wrong_dtype_is_a_value_error_and_a_type_error_naming_the_argument(framework):
+    import kq
+
+    ids, scores, table = np.zeros((1, 2), np.int32), np.zeros((1, 2), np.float64), np.zeros(4, np.int32)
+    if framework == "jax":
+        jnp = pytest.importorskip("jax.numpy")
+        ids, table = jnp.asarray(ids), jnp.asarray(table)
+    elif framework == "mlx":
+        mx = pytest.importorskip("mlx.core")
+        ids, table = mx.array(ids), mx.array(table)
+    for caught in (ValueError, TypeError, kq.RouteShedArgumentError):
+        with pytest.raises(caught, match="scores") as error:
+            kq.route_shed(ids, scores, table)
+        assert error.value.argument == "scores"
+    with pytest.raises(ValueError, match="slot_table") as error:
+        kq.route_shed(np.zeros((1, 2), np.int32), np.zeros((1, 2), np.float32), np.zeros((2, 2), np.int32))
+    assert isinstance(error.value, kq.RouteShedArgumentError) and not isinstance(error.value, TypeError)
+
+
+def test_mlx_route_shed_takes_a_numpy_slot_table():
+    mx = pytest.importorskip("mlx.core")
+    import kq_mlx
+
+    from kq_core.oracle import route_shed_oracle
+
+    ids, scores = np.array([[3, 1]], np.uint32), np.array([[0.75, 0.25]], np.float32)
+    table = np.array([-1, 0, -1, 1], np.int32)
+    out = kq_mlx.route_shed(mx.array(ids), mx.array(scores), table, stream=mx.cpu)
+    assert np.array(out.mix).tolist() == route_shed_oracle(ids, scores, table).mix.tolist()
+
+
+def test_top_k_true_is_not_an_int():
+    from kq_core.oracle import topk_route_shed_oracle
+
+    with pytest.raises(ValueError, match="top_k"):
+        topk_route_shed_oracle(np.ones((1, 4), np.float32), np.zeros(4, np.int32), True)
