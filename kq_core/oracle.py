@@ -10,7 +10,9 @@ binary32, round to nearest even, in exactly this order):
    (subnormals and -0.0) to +0.0. Upcasting bf16/f16 to f32 is exact.
 2. ``e_k = indices_k`` as a signed 64-bit integer (a uint32 id >= 2**31 is out
    of range). ``valid_k = 0 <= e_k < E``; ``slot_k = slot_table[e_k]`` if valid,
-   else -1. Entry k is *kept* iff ``slot_k >= 0``.
+   else -1; with ``num_slots`` given, a ``slot_k >= num_slots`` is -1 too (an
+   entry the arena cannot hold is not resident). Entry k is *kept* iff
+   ``slot_k >= 0``.
 3. ``total = kept = 0.0``; for k = 0..K-1: ``total = flush(total + s_k)``; if
    kept, ``kept = flush(kept + s_k)``. Sequential: no tree reduction, no FMA.
 4. ``scale = flush(total / kept)`` (correctly rounded) if ``kept > 0.0`` else 0.0.
@@ -72,7 +74,7 @@ def canonicalize_nan(x: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(x), np.uint32(CANONICAL_NAN_BITS).view(np.float32), x)
 
 
-def route_shed_oracle(indices, scores, slot_table) -> RouteShedResult:
+def route_shed_oracle(indices, scores, slot_table, *, num_slots: int | None = None) -> RouteShedResult:
     """Remaps routed experts to arena slots, sheds the non-resident ones.
 
     This is the reference definition of the op (see the module docstring for
@@ -84,6 +86,9 @@ def route_shed_oracle(indices, scores, slot_table) -> RouteShedResult:
         scores: float32, bfloat16 or float16 ``[..., K]`` gate scores.
         slot_table: int32 ``[E]``; ``slot_table[e] >= 0`` is the slot of a
             resident expert e, any negative value means not resident.
+        num_slots: the arena's slot count S; a table entry outside ``[0, S)``
+            then counts as not resident (shed, a miss if the id is valid), so no
+            gather after the op can read past the arena. None: no bound.
 
     Returns:
         ``RouteShedResult(slots, mix, miss_ids, miss_scores)``, each shaped
@@ -94,8 +99,13 @@ def route_shed_oracle(indices, scores, slot_table) -> RouteShedResult:
         TypeError / ValueError: a wrong dtype or shape, naming the argument.
     """
     indices, scores, slot_table = np.asarray(indices), np.asarray(scores), np.asarray(slot_table)
-    check_route_shed_args(indices, scores, slot_table)
-    return _route_shed(indices, scores, slot_table)
+    check_route_shed_args(indices, scores, slot_table, num_slots)
+    return _route_shed(indices, scores, bounded_table(slot_table, num_slots))
+
+
+def bounded_table(slot_table: np.ndarray, num_slots: int | None) -> np.ndarray:
+    """The table with every entry ``>= num_slots`` made -1 (not resident); as it is without ``num_slots``."""
+    return slot_table if num_slots is None else np.where(slot_table >= num_slots, -1, slot_table).astype(np.int32)
 
 
 def _route_shed(indices: np.ndarray, scores: np.ndarray, slot_table: np.ndarray) -> RouteShedResult:
@@ -198,7 +208,7 @@ def _substitute(probs: np.ndarray, indices: np.ndarray, scores: np.ndarray, slot
 
 
 def topk_route_shed_oracle(probs, slot_table, top_k: int, *, normalize: bool = True,
-                           on_miss: str = "shed") -> TopkRouteShedResult:
+                           on_miss: str = "shed", num_slots: int | None = None) -> TopkRouteShedResult:
     """Routes each row to its top-k experts and sheds the non-resident ones (module docstring).
 
     Args:
@@ -209,12 +219,15 @@ def topk_route_shed_oracle(probs, slot_table, top_k: int, *, normalize: bool = T
             ``norm_topk_prob``); otherwise they are the scores as they are.
         on_miss: ``"shed"`` (``route_shed``), or ``"substitute"``: each miss
             served by the best resident expert the row did not choose (step 4).
+        num_slots: as for :func:`route_shed_oracle` (substitutes too are taken
+            only from entries inside the arena).
 
     Returns:
         ``TopkRouteShedResult(indices, scores, shed)``, shaped ``[..., top_k]``.
     """
     probs, slot_table = np.asarray(probs), np.asarray(slot_table)
-    check_topk_route_shed_args(probs, slot_table, top_k, normalize=normalize, on_miss=on_miss)
+    check_topk_route_shed_args(probs, slot_table, top_k, normalize=normalize, on_miss=on_miss, num_slots=num_slots)
+    slot_table = bounded_table(slot_table, num_slots)
     indices, scores = topk_normalized_oracle(probs, top_k, normalize)
     shed = _route_shed(indices, scores, slot_table)
     if on_miss == "substitute":

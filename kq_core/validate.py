@@ -66,14 +66,24 @@ def _check_dtype(name: str, array, allowed: tuple[str, ...]) -> None:
         raise RouteShedDtypeError(name, f"route_shed: {name} must have dtype {' or '.join(allowed)}, got {got}")
 
 
-def check_route_shed_args(indices, scores, slot_table) -> None:
-    """Raises TypeError/ValueError naming the argument on a wrong dtype or shape.
+def check_num_slots(num_slots) -> None:
+    """``num_slots`` is None or an int in ``[1, 2**31 - 1]``."""
+    if num_slots is not None and not (isinstance(num_slots, (int, np.integer)) and not isinstance(num_slots, bool)
+                                      and 1 <= num_slots <= np.iinfo(np.int32).max):
+        raise RouteShedArgumentError("num_slots", f"route_shed: num_slots must be None or an int in [1, 2**31 - 1], "
+                                                  f"got {num_slots!r}")
+
+
+def check_route_shed_args(indices, scores, slot_table, num_slots=None) -> None:
+    """Raises :class:`RouteShedArgumentError` naming the argument on a wrong dtype, shape or option.
 
     Args:
         indices: ``[..., K]`` int32/uint32, ``1 <= K <= 64``.
         scores: same shape as ``indices``; float32, bfloat16 or float16.
         slot_table: ``[E]`` int32, ``E >= 1``.
+        num_slots: None, or the arena's slot count S (an int >= 1).
     """
+    check_num_slots(num_slots)
     _check_dtype("indices", indices, INDEX_DTYPES)
     _check_dtype("scores", scores, SCORE_DTYPES)
     _check_dtype("slot_table", slot_table, SLOT_TABLE_DTYPES)
@@ -94,7 +104,7 @@ def check_route_shed_args(indices, scores, slot_table) -> None:
 
 
 def check_topk_route_shed_args(probs, slot_table, top_k: int, *, normalize: bool = True,
-                               on_miss: str = "shed") -> None:
+                               on_miss: str = "shed", num_slots=None) -> None:
     """:func:`check_route_shed_args` for ``topk_route_shed``, which routes as well.
 
     Args:
@@ -103,7 +113,9 @@ def check_topk_route_shed_args(probs, slot_table, top_k: int, *, normalize: bool
         top_k: ``1 <= top_k <= min(E, 64)``.
         normalize: a bool.
         on_miss: one of :data:`~kq_core.contract.ON_MISS`.
+        num_slots: None, or the arena's slot count S.
     """
+    check_num_slots(num_slots)
     if not isinstance(normalize, (bool, np.bool_)):
         raise RouteShedDtypeError("normalize", f"topk_route_shed: normalize must be a bool, got {normalize!r}")
     if on_miss not in ON_MISS:

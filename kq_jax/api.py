@@ -42,7 +42,7 @@ def _resolve(op: str, impl: str, config) -> str:
     return impl
 
 
-def route_shed(indices, scores, slot_table, *, impl: Impl = "auto",
+def route_shed(indices, scores, slot_table, *, num_slots: int | None = None, impl: Impl = "auto",
                config: KernelConfig | None = None) -> RouteShedResult:
     """Remaps routed experts to arena slots and sheds the non-resident ones.
 
@@ -55,6 +55,9 @@ def route_shed(indices, scores, slot_table, *, impl: Impl = "auto",
         scores: float32, bfloat16 or float16 ``[..., K]`` gate scores.
         slot_table: int32 ``[E]``; ``slot_table[e] >= 0`` is the arena slot of
             resident expert ``e``, negative means not resident.
+        num_slots: the arena's slot count S (a Python int): a table entry
+            outside ``[0, S)`` then counts as not resident, so the gathers after
+            the op never read past the arena. None: no bound (today's tables).
         impl: ``"pallas"`` (the fused kernel, GPU), ``"pallas_interpret"``
             (the same kernel in Pallas' interpreter: any backend, slow),
             ``"reference"`` (pure jnp), or ``"auto"`` (:func:`default_impl`:
@@ -73,17 +76,20 @@ def route_shed(indices, scores, slot_table, *, impl: Impl = "auto",
     """
     # Checked before anything converts: jnp.asarray would silently turn an
     # int64 NumPy array into int32 when x64 is off.
-    check_route_shed_args(indices, scores, slot_table)
+    check_route_shed_args(indices, scores, slot_table, num_slots)
+    num_slots = None if num_slots is None else int(num_slots)
     impl = _resolve("route_shed", impl, config)
     if impl == "reference":
-        return route_shed_ref(indices, scores, slot_table)
+        return route_shed_ref(indices, scores, slot_table, num_slots)
     from kq_jax.pallas.ops import route_shed_pallas
 
-    return route_shed_pallas(indices, scores, slot_table, interpret=impl == "pallas_interpret", config=config)
+    return route_shed_pallas(indices, scores, slot_table, interpret=impl == "pallas_interpret", config=config,
+                             num_slots=num_slots)
 
 
 def topk_route_shed(probs, slot_table, *, top_k: int, normalize: bool = True, on_miss: str = "shed",
-                    impl: Impl = "auto", config: KernelConfig | None = None) -> TopkRouteShedResult:
+                    num_slots: int | None = None, impl: Impl = "auto",
+                    config: KernelConfig | None = None) -> TopkRouteShedResult:
     """Routes each row to its top-k experts, renormalises, and sheds the non-resident ones.
 
     ``route_shed(*topk(probs), slot_table)`` in one launch after the router's
@@ -106,6 +112,7 @@ def topk_route_shed(probs, slot_table, *, top_k: int, normalize: bool = True, on
         on_miss: ``"shed"`` (``route_shed``), or ``"substitute"``: each miss
             served by the best resident expert the row did not choose, at the
             miss's weight (kq_core.oracle, step 4).
+        num_slots: as for :func:`route_shed`.
         impl: as for :func:`route_shed`. The Pallas kernel implements
             ``normalize=True, on_miss="shed"``; other options run the
             reference (``"auto"``) or are refused (``"pallas"``).
@@ -117,28 +124,31 @@ def topk_route_shed(probs, slot_table, *, top_k: int, normalize: bool = True, on
         renormalised scores ``[..., top_k]``, and ``route_shed`` of them.
         ``scores`` and ``shed.mix`` are differentiable with respect to ``probs``.
     """
-    check_topk_route_shed_args(probs, slot_table, top_k, normalize=normalize, on_miss=on_miss)
+    check_topk_route_shed_args(probs, slot_table, top_k, normalize=normalize, on_miss=on_miss, num_slots=num_slots)
+    num_slots = None if num_slots is None else int(num_slots)
     kernel_options = normalize and on_miss == "shed"
     if impl == "auto" and not kernel_options:
         impl = "reference"
     impl = _resolve("topk_route_shed", impl, config)
     if impl == "reference":
-        return topk_route_shed_ref(probs, slot_table, top_k=top_k, normalize=bool(normalize), on_miss=on_miss)
+        return topk_route_shed_ref(probs, slot_table, top_k=top_k, normalize=bool(normalize), on_miss=on_miss,
+                                   num_slots=num_slots)
     if not kernel_options:
         raise ValueError(f"topk_route_shed: the Pallas kernel implements normalize=True, on_miss='shed'; "
                          f"got normalize={normalize}, on_miss={on_miss!r} (use impl='reference' or 'auto')")
     from kq_jax.pallas.ops import topk_route_shed_pallas
 
     return topk_route_shed_pallas(probs, slot_table, top_k=int(top_k), interpret=impl == "pallas_interpret",
-                                  config=config)
+                                  config=config, num_slots=num_slots)
 
 
-def route_shed_reference(indices, scores, slot_table) -> RouteShedResult:
+def route_shed_reference(indices, scores, slot_table, *, num_slots: int | None = None) -> RouteShedResult:
     """:func:`route_shed` with ``impl="reference"``: the pure-jnp version, on any backend."""
-    return route_shed(indices, scores, slot_table, impl="reference")
+    return route_shed(indices, scores, slot_table, num_slots=num_slots, impl="reference")
 
 
-def topk_route_shed_reference(probs, slot_table, *, top_k: int, normalize: bool = True,
-                              on_miss: str = "shed") -> TopkRouteShedResult:
+def topk_route_shed_reference(probs, slot_table, *, top_k: int, normalize: bool = True, on_miss: str = "shed",
+                              num_slots: int | None = None) -> TopkRouteShedResult:
     """:func:`topk_route_shed` with ``impl="reference"``: the pure-jnp version, on any backend."""
-    return topk_route_shed(probs, slot_table, top_k=top_k, normalize=normalize, on_miss=on_miss, impl="reference")
+    return topk_route_shed(probs, slot_table, top_k=top_k, normalize=normalize, on_miss=on_miss,
+                           num_slots=num_slots, impl="reference")

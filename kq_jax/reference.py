@@ -55,18 +55,26 @@ def score_from_order_key(key):
     return canonicalize_nan(jnp.where(key == NAN_ORDER_KEY, jnp.nan, lax.bitcast_convert_type(bits, jnp.float32)))
 
 
-def route_shed_ref(indices, scores, slot_table) -> RouteShedResult:
+def bounded_table(slot_table, num_slots: int | None):
+    """The table with every entry ``>= num_slots`` made -1 (not resident); as it is without ``num_slots``."""
+    slot_table = jnp.asarray(slot_table)
+    return slot_table if num_slots is None else jnp.where(slot_table >= num_slots, -1, slot_table)
+
+
+def route_shed_ref(indices, scores, slot_table, num_slots: int | None = None) -> RouteShedResult:
     """Remaps routed experts to arena slots and sheds the non-resident ones.
 
     Args:
         indices: int32 or uint32 ``[..., K]`` router top-k ids, ``1 <= K <= 64``.
         scores: float32, bfloat16 or float16 ``[..., K]`` gate scores.
         slot_table: int32 ``[E]``; ``>= 0`` is the slot of a resident expert.
+        num_slots: entries ``>= num_slots`` count as not resident (None: no bound).
 
     Returns:
         ``RouteShedResult(slots, mix, miss_ids, miss_scores)`` shaped like ``indices``.
     """
-    indices, scores, slot_table = (jnp.asarray(a) for a in (indices, scores, slot_table))
+    indices, scores = jnp.asarray(indices), jnp.asarray(scores)
+    slot_table = bounded_table(slot_table, num_slots)
     out_shape = indices.shape
     top_k = out_shape[-1]
     ids = indices.reshape(-1, top_k)  # [rows, k]
@@ -171,21 +179,22 @@ def substitute_ref(probs, indices, scores, slot_table, shed: RouteShedResult) ->
     return shed._replace(slots=slots, mix=jnp.where(kept | found, scores, 0.0))
 
 
-def topk_route_shed_ref(probs, slot_table, *, top_k: int, normalize: bool = True,
-                        on_miss: str = "shed") -> TopkRouteShedResult:
+def topk_route_shed_ref(probs, slot_table, *, top_k: int, normalize: bool = True, on_miss: str = "shed",
+                        num_slots: int | None = None) -> TopkRouteShedResult:
     """Routes each row to its top-k experts, renormalises, and sheds (or substitutes) the non-resident ones.
 
     Args:
         probs: float32, bfloat16 or float16 ``[..., E]`` router probabilities.
         slot_table: int32 ``[E]``; ``>= 0`` is the slot of a resident expert.
         top_k: experts per row, ``1 <= top_k <= min(E, 64)``.
-        normalize, on_miss: as for ``kq_jax.topk_route_shed``.
+        normalize, on_miss, num_slots: as for ``kq_jax.topk_route_shed``.
 
     Returns:
         ``TopkRouteShedResult(indices, scores, shed)``, each array ``[..., top_k]``.
     """
+    slot_table = bounded_table(slot_table, num_slots)
     indices, scores = topk_normalized_ref(probs, top_k=top_k, normalize=normalize)
     shed = route_shed_ref(indices, scores, slot_table)
     if on_miss == "substitute":
-        shed = substitute_ref(probs, indices, scores, jnp.asarray(slot_table), shed)
+        shed = substitute_ref(probs, indices, scores, slot_table, shed)
     return TopkRouteShedResult(indices, scores, shed)

@@ -31,8 +31,9 @@ from kq_jax.reference import route_shed_ref, topk_normalized_ref, topk_route_she
 
 # Jitted so that a program calling the op many times (one call per MoE layer)
 # traces and lowers the kernel once per distinct shape, not once per call.
-@functools.partial(jax.jit, static_argnames=("interpret", "config"))
-def _pallas_forward(indices, scores, slot_table, *, interpret: bool, config: KernelConfig | None) -> RouteShedResult:
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "num_slots"))
+def _pallas_forward(indices, scores, slot_table, *, interpret: bool, config: KernelConfig | None,
+                    num_slots: int | None) -> RouteShedResult:
     out_shape = indices.shape
     top_k = out_shape[-1]
     rows = indices.size // top_k
@@ -48,7 +49,7 @@ def _pallas_forward(indices, scores, slot_table, *, interpret: bool, config: Ker
     block_rows, num_warps, tiled_io, ptx_arith, entry_lanes = block_config(rows, top_k, config,
                                                                           interpret=interpret)
     params = dict(rows=rows, top_k=top_k, num_experts=num_experts, block_rows=block_rows,
-                  unsigned_ids=indices.dtype == jnp.uint32, ptx_arith=ptx_arith)
+                  unsigned_ids=indices.dtype == jnp.uint32, ptx_arith=ptx_arith, num_slots=num_slots)
     if entry_lanes:
         kernel = functools.partial(route_shed_lanes_kernel, **params)
     else:
@@ -76,22 +77,22 @@ def _launch(kernel, out_shapes, args, *, name: str, programs: int, num_warps: in
         return call(*args)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _route_shed_diff(indices, scores, slot_table, interpret, config):
-    return _pallas_forward(indices, scores, slot_table, interpret=interpret, config=config)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _route_shed_diff(indices, scores, slot_table, interpret, config, num_slots):
+    return _pallas_forward(indices, scores, slot_table, interpret=interpret, config=config, num_slots=num_slots)
 
 
-def _route_shed_fwd(indices, scores, slot_table, interpret, config):
-    outputs = _pallas_forward(indices, scores, slot_table, interpret=interpret, config=config)
+def _route_shed_fwd(indices, scores, slot_table, interpret, config, num_slots):
+    outputs = _pallas_forward(indices, scores, slot_table, interpret=interpret, config=config, num_slots=num_slots)
     return outputs, (indices, scores, slot_table)
 
 
-def _route_shed_bwd(interpret, config, residuals, cotangents):
+def _route_shed_bwd(interpret, config, num_slots, residuals, cotangents):
     # The backward pass is autodiff of the pure-jnp reference, so the kernel's
     # gradient is the reference's gradient bit for bit; it launches no kernel.
     del interpret, config
     indices, scores, slot_table = residuals
-    _, pullback = jax.vjp(lambda s: route_shed_ref(indices, s, slot_table).mix, scores)
+    _, pullback = jax.vjp(lambda s: route_shed_ref(indices, s, slot_table, num_slots).mix, scores)
     (d_scores,) = pullback(cotangents.mix)
     return None, d_scores, None
 
@@ -99,8 +100,8 @@ def _route_shed_bwd(interpret, config, residuals, cotangents):
 _route_shed_diff.defvjp(_route_shed_fwd, _route_shed_bwd)
 
 
-def route_shed_pallas(indices, scores, slot_table, *, interpret: bool = False,
-                      config: KernelConfig | None = None) -> RouteShedResult:
+def route_shed_pallas(indices, scores, slot_table, *, interpret: bool = False, config: KernelConfig | None = None,
+                      num_slots: int | None = None) -> RouteShedResult:
     """``route_shed`` in one fused Pallas kernel launch.
 
     Args:
@@ -114,12 +115,12 @@ def route_shed_pallas(indices, scores, slot_table, *, interpret: bool = False,
         ``RouteShedResult(slots, mix, miss_ids, miss_scores)`` shaped like ``indices``;
         ``mix`` is differentiable with respect to ``scores``.
     """
-    return _route_shed_diff(indices, scores, slot_table, interpret, config)
+    return _route_shed_diff(indices, scores, slot_table, interpret, config, num_slots)
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "interpret", "config"))
-def _topk_forward(probs, slot_table, *, top_k: int, interpret: bool,
-                  config: KernelConfig | None) -> TopkRouteShedResult:
+@functools.partial(jax.jit, static_argnames=("top_k", "interpret", "config", "num_slots"))
+def _topk_forward(probs, slot_table, *, top_k: int, interpret: bool, config: KernelConfig | None,
+                  num_slots: int | None) -> TopkRouteShedResult:
     num_experts = probs.shape[-1]
     rows = probs.size // num_experts
     out_shape = probs.shape[:-1] + (top_k,)
@@ -129,7 +130,7 @@ def _topk_forward(probs, slot_table, *, top_k: int, interpret: bool,
     else:
         block_rows, num_warps, _, ptx_arith, _ = topk_block_config(rows, num_experts, config, interpret=interpret)
         kernel = functools.partial(topk_route_shed_kernel, rows=rows, num_experts=num_experts, top_k=top_k,
-                                   block_rows=block_rows, ptx_arith=ptx_arith)
+                                   block_rows=block_rows, ptx_arith=ptx_arith, num_slots=num_slots)
         outputs = _launch(kernel, [jax.ShapeDtypeStruct((rows * top_k,), d) for d in dtypes],
                           (probs.reshape(-1), slot_table), name=f"topk_route_shed_k{top_k}",
                           programs=pl.cdiv(rows, block_rows), num_warps=num_warps, interpret=interpret)
@@ -138,23 +139,23 @@ def _topk_forward(probs, slot_table, *, top_k: int, interpret: bool,
     return TopkRouteShedResult(indices, scores, RouteShedResult(*shed))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _topk_route_shed_diff(probs, slot_table, top_k, interpret, config):
-    return _topk_forward(probs, slot_table, top_k=top_k, interpret=interpret, config=config)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _topk_route_shed_diff(probs, slot_table, top_k, interpret, config, num_slots):
+    return _topk_forward(probs, slot_table, top_k=top_k, interpret=interpret, config=config, num_slots=num_slots)
 
 
-def _topk_route_shed_fwd(probs, slot_table, top_k, interpret, config):
-    outputs = _topk_forward(probs, slot_table, top_k=top_k, interpret=interpret, config=config)
+def _topk_route_shed_fwd(probs, slot_table, top_k, interpret, config, num_slots):
+    outputs = _topk_forward(probs, slot_table, top_k=top_k, interpret=interpret, config=config, num_slots=num_slots)
     return outputs, (probs, slot_table)
 
 
-def _topk_route_shed_bwd(top_k, interpret, config, residuals, cotangents):
+def _topk_route_shed_bwd(top_k, interpret, config, num_slots, residuals, cotangents):
     # As for route_shed: the reference's autodiff, bit for bit, and no kernel.
     del interpret, config
     probs, slot_table = residuals
 
     def differentiable(p):
-        routed = topk_route_shed_ref(p, slot_table, top_k=top_k)
+        routed = topk_route_shed_ref(p, slot_table, top_k=top_k, num_slots=num_slots)
         return routed.scores, routed.shed.mix
 
     _, pullback = jax.vjp(differentiable, probs)
@@ -166,7 +167,7 @@ _topk_route_shed_diff.defvjp(_topk_route_shed_fwd, _topk_route_shed_bwd)
 
 
 def topk_route_shed_pallas(probs, slot_table, *, top_k: int, interpret: bool = False,
-                           config: KernelConfig | None = None) -> TopkRouteShedResult:
+                           config: KernelConfig | None = None, num_slots: int | None = None) -> TopkRouteShedResult:
     """``topk_route_shed`` in one fused Pallas kernel launch (``top_k <= 16``).
 
     Past 16 the per-row selection would unroll too far; the top-k and its
@@ -187,7 +188,7 @@ def topk_route_shed_pallas(probs, slot_table, *, top_k: int, interpret: bool = F
     """
     if top_k > MAX_UNROLLED_K:
         indices, scores = topk_normalized_ref(probs, top_k=top_k)
-        shed = route_shed_pallas(indices, scores, slot_table, interpret=interpret, config=config)
+        shed = route_shed_pallas(indices, scores, slot_table, interpret=interpret, config=config, num_slots=num_slots)
         return TopkRouteShedResult(indices, scores, shed)
-    return _topk_route_shed_diff(probs, slot_table, int(top_k), interpret, config)
+    return _topk_route_shed_diff(probs, slot_table, int(top_k), interpret, config, num_slots)
 

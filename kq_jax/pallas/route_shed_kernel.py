@@ -70,7 +70,7 @@ def _column(tile, col, k):
     return jnp.sum(jnp.where(col == k, tile, jnp.zeros((), tile.dtype)), axis=1)
 
 
-def classify(table_ref, ids, scores, live, *, num_experts: int, unsigned_ids: bool):
+def classify(table_ref, ids, scores, live, *, num_experts: int, unsigned_ids: bool, num_slots: int | None):
     """Entries' ``(id, s, slot, miss, key)`` from their ids and f32 scores (arrays of any one shape)."""
     scores = flush(scores)
     if unsigned_ids:
@@ -78,6 +78,8 @@ def classify(table_ref, ids, scores, live, *, num_experts: int, unsigned_ids: bo
     else:
         valid = live & (ids >= 0) & (ids < num_experts)
     slots = plgpu.load(table_ref.at[jnp.where(valid, ids, 0).astype(jnp.int32)], mask=valid, other=-1)
+    if num_slots is not None:  # an entry the arena cannot hold is not resident
+        slots = jnp.where(slots >= num_slots, -1, slots)
     miss = valid & (slots < 0)
     # Misses order by descending score, NaN last, ties by lower k; non-misses
     # carry a key above every miss's, so they never push a miss back.
@@ -118,7 +120,7 @@ def _store_misses(miss_ids_ref, miss_scores_ref, ids, scores, miss, rank_at, pad
 
 def route_shed_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_ids_ref, miss_scores_ref,
                        *, rows: int, top_k: int, num_experts: int, block_rows: int, unsigned_ids: bool,
-                       tiled_io: bool, ptx_arith: bool):
+                       tiled_io: bool, ptx_arith: bool, num_slots: int | None):
     # Every value in the arithmetic is a [block_rows] vector holding one entry
     # k of each row: the K entries of a row sit in one thread's registers, as
     # in the Metal kernel's one-thread-per-row loop, so the sequential sums are
@@ -142,7 +144,8 @@ def route_shed_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_i
             return _load_entries(ids_ref, scores_ref, base + k, live)
 
     def load_entry(k):
-        return classify(table_ref, *read_entry(k), live, num_experts=num_experts, unsigned_ids=unsigned_ids)
+        return classify(table_ref, *read_entry(k), live, num_experts=num_experts, unsigned_ids=unsigned_ids,
+                        num_slots=num_slots)
 
     shed_rows(load_entry, (slots_ref, mix_ref, miss_ids_ref, miss_scores_ref), live, base,
                top_k=top_k, ptx_arith=ptx_arith, tile=tile)
@@ -223,7 +226,7 @@ def shed_rows(load_entry, out_refs, live, base, *, top_k: int, ptx_arith: bool, 
 
 def route_shed_lanes_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_ids_ref, miss_scores_ref,
                              *, rows: int, top_k: int, num_experts: int, block_rows: int, unsigned_ids: bool,
-                             ptx_arith: bool):
+                             ptx_arith: bool, num_slots: int | None):
     # One lane per entry: a [block_rows, KP] tile holds a program's rows, and
     # each lane counts its own entry's rank in one loop over the row's entries
     # (K compares per lane instead of K^2 in sequence per thread). The same loop
@@ -234,7 +237,8 @@ def route_shed_lanes_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, 
     in_tile = live[:, None] & (lane < top_k)
     at = base[:, None] + lane
     multiply, divide = roundings(ptx_arith)
-    classify_entries = functools.partial(classify, table_ref, num_experts=num_experts, unsigned_ids=unsigned_ids)
+    classify_entries = functools.partial(classify, table_ref, num_experts=num_experts, unsigned_ids=unsigned_ids,
+                        num_slots=num_slots)
     ids, scores, slots, miss, key = classify_entries(*_load_entries(ids_ref, scores_ref, at, in_tile), in_tile)
 
     def step(j, carry):

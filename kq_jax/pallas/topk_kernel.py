@@ -24,7 +24,7 @@ _RETIRED_KEY = 2**31 - 1
 
 def topk_route_shed_kernel(probs_ref, table_ref, indices_ref, scores_ref, slots_ref, mix_ref, miss_ids_ref,
                             miss_scores_ref, *, rows: int, num_experts: int, top_k: int, block_rows: int,
-                            ptx_arith: bool):
+                            ptx_arith: bool, num_slots: int | None):
     # A [block_rows, EP] tile holds the program's rows of probabilities as
     # order keys; each of the top_k steps takes the row's smallest key (the
     # best value), lowest lane first, and retires it. The picks then feed the
@@ -51,7 +51,8 @@ def topk_route_shed_kernel(probs_ref, table_ref, indices_ref, scores_ref, slots_
         score = divide(raw, total)
         plgpu.store(indices_ref.at[base + j], pick, mask=live)
         plgpu.store(scores_ref.at[base + j], canonicalize_nan(score), mask=live)
-        entries.append(classify(table_ref, pick, score, live, num_experts=num_experts, unsigned_ids=False))
+        entries.append(classify(table_ref, pick, score, live, num_experts=num_experts, unsigned_ids=False,
+                                num_slots=num_slots))
     shed_rows(entries.__getitem__, (slots_ref, mix_ref, miss_ids_ref, miss_scores_ref), live, base,
                top_k=top_k, ptx_arith=ptx_arith)
 
