@@ -18,7 +18,8 @@ from kq_core.contract import RouteShedResult
 from kq_core.oracle import route_shed_oracle
 from kq_core.validate import check_route_shed_args
 
-Runner = Callable[[np.ndarray, np.ndarray, np.ndarray], RouteShedResult]
+# runner(indices, scores, slot_table, num_slots=None) -> RouteShedResult of NumPy arrays
+Runner = Callable[..., RouteShedResult]
 
 
 @dataclass(frozen=True)
@@ -72,12 +73,12 @@ def _jax_probe(impl: str, *, needs_gpu: bool):
 
         if needs_gpu and jax.default_backend() != "gpu":
             raise Unavailable(f"needs a CUDA GPU; jax's default backend is {jax.default_backend()}")
-        fn = jax.jit(functools.partial(kq_jax.route_shed, impl=impl))
+        fn = jax.jit(functools.partial(kq_jax.route_shed, impl=impl), static_argnames=("num_slots",))
 
-        def run(indices, scores, slot_table):
+        def run(indices, scores, slot_table, num_slots=None):
             # NumPy inputs are checked before jit canonicalises their dtypes (int64 to int32).
-            check_route_shed_args(indices, scores, slot_table)
-            return _as_numpy(fn(indices, scores, slot_table))
+            check_route_shed_args(indices, scores, slot_table, num_slots)
+            return _as_numpy(fn(indices, scores, slot_table, num_slots=num_slots))
 
         return run, _jax_device()
 
@@ -91,9 +92,9 @@ def _mlx_probe(*, compiled: bool):
 
         from kq_mlx.route_shed_mlx import route_shed_ops
 
-        def run(indices, scores, slot_table):
+        def run(indices, scores, slot_table, num_slots=None):
             with mx.stream(mx.cpu):
-                return _as_numpy(route_shed_ops(indices, scores, slot_table, compiled=compiled))
+                return _as_numpy(route_shed_ops(indices, scores, slot_table, num_slots=num_slots, compiled=compiled))
 
         return run, f"cpu, mlx {mx.__version__}"
 
@@ -110,8 +111,8 @@ def _mlx_gpu_probe(kind: str):
         if implementation_for(mx.gpu) != kind:
             raise Unavailable(f"needs MLX with a {kind} GPU")
 
-        def run(indices, scores, slot_table):
-            return _as_numpy(route_shed(indices, scores, slot_table, stream=mx.gpu))
+        def run(indices, scores, slot_table, num_slots=None):
+            return _as_numpy(route_shed(indices, scores, slot_table, num_slots=num_slots, stream=mx.gpu))
 
         return run, f"gpu ({kind}), mlx {mx.__version__}"
 

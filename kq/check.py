@@ -75,7 +75,8 @@ def run_checks(backends: tuple[Backend, ...] | None = None, *, random_rows: int 
     spec = load_spec()
     randoms = [(name, inputs, route_shed_oracle(*inputs)) for name, inputs in random_cases(seed, random_rows)]
     random_row_count = sum(inputs[0].shape[0] for _, inputs, _ in randoms)
-    cases = [(c.name, tuple(c.inputs.values()), c.expected) for c in spec.cases] + randoms
+    cases = [(c.name, tuple(c.inputs.values()), c.expected, c.options) for c in spec.cases]
+    cases += [(name, inputs, expected, {}) for name, inputs, expected in randoms]
     reports = []
     for backend in backends or all_backends():
         report = BackendReport(backend.name, random_rows=random_row_count)
@@ -89,10 +90,10 @@ def run_checks(backends: tuple[Backend, ...] | None = None, *, random_rows: int 
                 sys.stderr.write(f"{backend.name}: skipped ({why})\n")
             continue
         with progress_bar(len(cases), enabled=progress, description=backend.name) as advance:
-            for name, inputs, expected in cases:
+            for name, inputs, expected, options in cases:
                 report.run += 1
                 try:
-                    mismatch = first_mismatch(expected, runner(*inputs))
+                    mismatch = first_mismatch(expected, runner(*inputs, **options))
                 except Exception as error:  # a crash is a failure of that case, not of the check
                     mismatch = f"{type(error).__name__}: {error}"
                 if mismatch is None:

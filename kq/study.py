@@ -105,19 +105,21 @@ class RunResult:
 # ---- the decode step ---------------------------------------------------------------------------
 
 
-def serve(rule: str, indices, scores, probs, slot_table, shed, *, normalize: bool = False):
+def serve(rule: str, indices, scores, probs, slot_table, shed, *, normalize: bool = False,
+          num_slots: int | None = None):
     """``(slots, mix)`` a layer on an arena gathers and weights with, under ``rule``.
 
     Args:
         indices, scores: the router's top-k ``[T, k]`` (int32, float32); probs: ``[T, E]``;
         slot_table: int32 ``[E]``; shed: ``route_shed(indices, scores, slot_table)``;
-        normalize: whether the router renormalises its top-k (``norm_topk_prob``).
+        normalize: whether the router renormalises its top-k (``norm_topk_prob``); num_slots: the arena's S.
     """
     import jax.numpy as jnp
 
     import kq_jax
+    from kq_jax.reference import bounded_table
 
-    kept = slot_table[indices] >= 0
+    kept = bounded_table(slot_table, num_slots)[indices] >= 0
     if rule == "route_shed":
         return shed.slots, shed.mix
     if rule == "shed":
@@ -127,7 +129,7 @@ def serve(rule: str, indices, scores, probs, slot_table, shed, *, normalize: boo
         return shed.slots, jnp.where(kept, scores / jnp.where(kept_mass > 0, kept_mass, 1.0), 0.0)
     if rule == "substitute":
         routed = kq_jax.topk_route_shed(probs, slot_table, top_k=indices.shape[-1], normalize=normalize,
-                                        on_miss="substitute")
+                                        on_miss="substitute", num_slots=num_slots)
         return routed.shed.slots, routed.shed.mix
     raise ValueError(f"unknown rule {rule!r}; known: {RULES}")
 
@@ -146,13 +148,15 @@ def make_step(cfg, rule: str):
     def step(params, arena, tables, token, position, cache):
         def moe(layer, p, x):
             indices, scores, probs = qwen3_moe.route(p, x, cfg)
-            shed = kq_jax.route_shed(indices, scores, tables[layer])
+            num_slots = None if arena is None else arena[qwen3_moe.PROJECTIONS[0]].shape[1]
+            shed = kq_jax.route_shed(indices, scores, tables[layer], num_slots=num_slots)
             if rule == "stall" or arena is None:  # every routed expert served: the resident layer
                 weights = Experts(p["gate_proj"], p["up_proj"], p["down_proj"])
                 slots, mix = indices, scores
             else:
                 weights = Experts(*(arena[name][layer] for name in qwen3_moe.PROJECTIONS))
-                slots, mix = serve(rule, indices, scores, probs, tables[layer], shed, normalize=cfg.norm_topk_prob)
+                slots, mix = serve(rule, indices, scores, probs, tables[layer], shed, normalize=cfg.norm_topk_prob,
+                                   num_slots=num_slots)
             out = jnp.einsum("tkd,tk->td", qwen3_moe.experts_apply(x, weights, slots), mix)
             served = jnp.where(mix > 0, scores, 0.0) if rule != "stall" else scores
             return out, (indices, scores, shed.miss_ids, shed.miss_scores, served)

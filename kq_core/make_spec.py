@@ -15,7 +15,7 @@ from kq_core.inputs import adversarial_inputs, router_inputs
 from kq_core.oracle import route_shed_oracle
 from kq_core.spec import encode_array
 
-VERSION = "1.0.0"
+VERSION = "1.1.0"
 CONTRACT = [
     "Inputs: indices int32|uint32 [..., K]; scores float32|bfloat16|float16 [..., K] (same shape); "
     "slot_table int32 [E] (slot_table[e] >= 0: arena slot of resident expert e; negative: not resident). "
@@ -34,6 +34,8 @@ CONTRACT = [
     "6. Misses are the entries that are shed and valid. They fill the front of miss_ids/miss_scores (e_k, s_k) "
     "in descending s_k, NaN below every number, ties by lower k; the other positions hold -1 and +0.0.",
     "7. Every NaN written to mix or miss_scores is the quiet NaN 0x7FC00000.",
+    "Option num_slots = S (a case's \"options\"): in step 2 a slot_k >= S is -1 too: an entry the arena cannot "
+    "hold is not resident (shed, and a miss when the id is valid).",
 ]
 
 F32 = np.float32
@@ -132,19 +134,32 @@ def cases():
     yield "adversarial_mixed", "K=8, E=64: every edge value mixed into router rows", adversarial_inputs(
         rng, 256, 8, 64, edge_fraction=0.2)
     yield "random_block", "4096 router rows, K=8, E=256, 70% resident", gen(rows=4096, top_k=8, num_experts=256)
+    # num_slots: table entries the arena cannot hold (>= S) are not resident.
+    bounded = np.array([0, 5, 6, 7, 100000, 2147483647, -1, 3, 1, 6, 2, -5], np.int32)
+    yield "num_slots_bound", "num_slots = 6: entries 6, 7, 100000 and 2^31-1 are past the arena, shed as misses", (
+        *row([[0, 1, 2, 3, 4, 5, 6, 7], [9, 2, 4, 8, 11, 5, 1, 0], [12, 3, 2, 4, 13, 9, 5, 10]],
+             [[0.3, 0.2, 0.1, 0.1, 0.1, 0.1, 0.05, 0.05], [0.25, 0.25, 0.125, 0.125, 0.125, 0.0625, 0.0625, 0.0],
+              [0.4, 0.2, 0.1, 0.1, 0.1, 0.05, 0.03, 0.02]], bounded, index_dtype=np.uint32), {"num_slots": 6})
+    yield "num_slots_all_out", "num_slots = 1: only slot 0 fits; a row with no entry in it keeps nothing", (
+        *row([[1, 2, 3], [0, 4, 1]], [[0.5, 0.3, 0.2], [0.2, 0.6, 0.2]], [0, 3, 1, 2, 7]), {"num_slots": 1})
+    ids, sc, tab = adversarial_inputs(rng, 5, 64, 256, edge_fraction=0.2)
+    tab = np.where(rng.random(tab.shape) < 0.3, rng.integers(64, 2**31 - 1, tab.shape), tab).astype(np.int32)
+    yield "num_slots_k64", "K=64 with table entries past num_slots = 64, adversarial rows", (
+        ids, sc, tab, {"num_slots": 64})
 
 
 def build() -> dict:
     out_cases = []
-    for name, description, (indices, scores, slot_table) in cases():
-        expected = route_shed_oracle(indices, scores, slot_table)
-        out_cases.append({
-            "name": name,
-            "description": description,
-            "inputs": {"indices": encode_array(indices), "scores": encode_array(scores),
-                       "slot_table": encode_array(slot_table)},
-            "expected": {k: encode_array(v) for k, v in expected._asdict().items()},
-        })
+    for name, description, (indices, scores, slot_table, *options) in cases():
+        options = options[0] if options else {}
+        expected = route_shed_oracle(indices, scores, slot_table, **options)
+        case = {"name": name, "description": description}
+        if options:
+            case["options"] = options
+        case["inputs"] = {"indices": encode_array(indices), "scores": encode_array(scores),
+                          "slot_table": encode_array(slot_table)}
+        case["expected"] = {k: encode_array(v) for k, v in expected._asdict().items()}
+        out_cases.append(case)
     return {"name": "route_shed", "version": VERSION, "contract": CONTRACT,
             "canonical_nan": "0x7fc00000", "cases": out_cases}
 
@@ -161,6 +176,8 @@ def dump(spec: dict) -> str:
     case_texts = []
     for case in spec["cases"]:
         parts = [f'    {{"name": {json.dumps(case["name"])}, "description": {json.dumps(case["description"])},']
+        if "options" in case:
+            parts.append(f'     "options": {json.dumps(case["options"])},')
         for group in ("inputs", "expected"):
             arrays = ",\n".join(f"      {json.dumps(k)}: {json.dumps(v, separators=(',', ':'))}"
                                 for k, v in case[group].items())

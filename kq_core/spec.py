@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -30,6 +30,7 @@ class GoldenCase:
     description: str
     inputs: dict[str, np.ndarray]
     expected: RouteShedResult
+    options: dict = field(default_factory=dict)  # keyword options of the op, e.g. {"num_slots": 6}
 
     @property
     def rows(self) -> int:
@@ -86,6 +87,7 @@ def load_spec(path: str | Path | None = None) -> Spec:
             description=c["description"],
             inputs={k: decode_array(c["inputs"][k]) for k in INPUT_NAMES},
             expected=RouteShedResult(*(decode_array(c["expected"][k]) for k in OUTPUT_NAMES)),
+            options=c.get("options", {}),
         )
         for c in raw["cases"]
     )

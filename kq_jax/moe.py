@@ -84,6 +84,8 @@ def moe_ffn_arena(x, router_w, arena: Experts, slot_table, *, top_k: int, impl: 
         ``(y [T, D], TopkRouteShedResult)``: the output, and the routing and
         ``route_shed`` outputs the host reads after the step.
     """
-    routing: TopkRouteShedResult = topk_route_shed(router_probs(x, router_w), slot_table, top_k=top_k, impl=impl)
+    # num_slots: a table entry past the arena is shed, never gathered (jnp.take would clamp it).
+    routing: TopkRouteShedResult = topk_route_shed(router_probs(x, router_w), slot_table, top_k=top_k,
+                                                   num_slots=arena.gate.shape[0], impl=impl)
     y = _experts_apply(x, arena, routing.shed.slots)
     return jnp.einsum("tkd,tk->td", y, routing.shed.mix.astype(y.dtype)), routing

@@ -24,32 +24,33 @@ typedef unsigned int uint32_t;
 """
 
 
-def translation_unit(index_dtype: str, score_dtype: str, top_k: int) -> str:
+def translation_unit(index_dtype: str, score_dtype: str, top_k: int, bound: int = sources.NO_SLOT_BOUND) -> str:
     source = sources.load("route_shed.cu")
-    return (f"{_PRELUDE}{source.header}\n{sources.cuda_harness_signature(index_dtype, score_dtype, top_k)}\n"
+    signature = sources.cuda_harness_signature(index_dtype, score_dtype, top_k, bound)
+    return (f"{_PRELUDE}{source.header}\n{signature}\n"
             f"{source.body}\n}}\n")
 
 
 @functools.lru_cache(maxsize=None)
-def build(index_dtype: str, score_dtype: str, top_k: int):
+def build(index_dtype: str, score_dtype: str, top_k: int, bound: int = sources.NO_SLOT_BOUND):
     import cupy
 
-    module = cupy.RawModule(code=translation_unit(index_dtype, score_dtype, top_k), options=("--std=c++17",))
+    module = cupy.RawModule(code=translation_unit(index_dtype, score_dtype, top_k, bound), options=("--std=c++17",))
     return module.get_function("kq_route_shed")
 
 
-def route_shed_cuda_cupy(indices, scores, slot_table) -> RouteShedResult:
+def route_shed_cuda_cupy(indices, scores, slot_table, *, num_slots: int | None = None) -> RouteShedResult:
     """Runs the CUDA twin on the GPU (NumPy in, NumPy out)."""
     import cupy
 
     out_shape = np.shape(indices)
-    indices, scores, slot_table, index_dtype, score_dtype, top_k, rows = sources.host_inputs(
-        indices, scores, slot_table)
+    indices, scores, slot_table, index_dtype, score_dtype, top_k, rows, bound = sources.host_inputs(
+        indices, scores, slot_table, num_slots)
     guard = BLOCK * top_k
     outputs = [cupy.full(rows * top_k + 2 * guard, 0x5A, dtype=sources.HOST_TYPES[d])
                for d in sources.output_dtypes(index_dtype)]
     if rows:
-        kernel = build(index_dtype, score_dtype, top_k)
+        kernel = build(index_dtype, score_dtype, top_k, bound)
         args = (cupy.asarray(indices.reshape(-1)), cupy.asarray(np.array([rows, top_k], np.int32)),
                 cupy.asarray(scores.reshape(-1)), cupy.asarray(slot_table),
                 cupy.asarray(np.array(slot_table.shape, np.int32)), *(o[guard:guard + rows * top_k] for o in outputs))

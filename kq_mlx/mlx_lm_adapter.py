@@ -77,6 +77,7 @@ class ArenaMoeBlock(nn.Module):
         source = block.switch_mlp
         self.num_experts = source.gate_proj.weight.shape[0]
         hidden, dims = source.gate_proj.weight.shape[1], source.gate_proj.weight.shape[2]
+        self.num_slots = num_slots
         self.arena = type(source)(dims, hidden, num_slots)  # an mlx-lm SwitchGLU with S experts
         for projection in PROJECTIONS:
             weight = getattr(source, projection).weight
@@ -96,7 +97,7 @@ class ArenaMoeBlock(nn.Module):
             inds, scores, shed = self._substitute(x)
         else:
             inds, scores = self._route(self.block, x)
-            shed = kq_mlx.route_shed(inds.astype(mx.uint32), scores, self.slot_table)
+            shed = kq_mlx.route_shed(inds.astype(mx.uint32), scores, self.slot_table, num_slots=self.num_slots)
         self.last = (inds, scores, shed)
         if self.rule == "stall":
             self.last_mix = scores
@@ -112,7 +113,8 @@ class ArenaMoeBlock(nn.Module):
             raise ValueError("ArenaMoeBlock: rule 'substitute' needs a Qwen3-MoE router (softmax, then top-k)")
         probs = mx.softmax(self.block.gate(x), axis=-1, precise=True)
         routed = kq_mlx.topk_route_shed(probs, self.slot_table, top_k=self.block.top_k,
-                                        normalize=bool(self.block.norm_topk_prob), on_miss="substitute")
+                                        normalize=bool(self.block.norm_topk_prob), on_miss="substitute",
+                                        num_slots=self.num_slots)
         return routed.indices, routed.scores, routed.shed
 
     def _mix(self, inds, scores, shed):

@@ -15,6 +15,7 @@
 //       int32_t* miss_ids,
 //       float* miss_scores) {
 //     constexpr int K = 8;
+//     constexpr int S = ...;  // the arena's slot count, 2^31 - 1 for none
 //     <body>
 //   }
 //

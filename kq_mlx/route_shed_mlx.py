@@ -90,7 +90,8 @@ def _route_shed_ops_impl(indices, scores, slot_table):
 _route_shed_ops_compiled = mx.compile(_route_shed_ops_impl)
 
 
-def route_shed_ops(indices, scores, slot_table, *, compiled: bool = True) -> RouteShedResult:
+def route_shed_ops(indices, scores, slot_table, *, num_slots: int | None = None,
+                   compiled: bool = True) -> RouteShedResult:
     """The pure ``mlx.core`` implementation (any device; the CPU path).
 
     Args:
@@ -98,11 +99,16 @@ def route_shed_ops(indices, scores, slot_table, *, compiled: bool = True) -> Rou
         compiled: run through ``mx.compile`` (the default; measured faster on
             the CPU, see docs/benchmarks.md) or op by op.
     """
-    check_route_shed_args(indices, scores, slot_table)
-    return _ops(*_as_mx(indices, scores, slot_table), compiled=compiled)
+    check_route_shed_args(indices, scores, slot_table, num_slots)
+    return _ops(*_as_mx(indices, scores, slot_table), num_slots=num_slots, compiled=compiled)
 
 
-def _ops(indices, scores, slot_table, *, compiled: bool = True) -> RouteShedResult:
+def _bounded(slot_table, num_slots: int | None):
+    return slot_table if num_slots is None else mx.where(slot_table >= int(num_slots), -1, slot_table)
+
+
+def _ops(indices, scores, slot_table, *, num_slots: int | None = None, compiled: bool = True) -> RouteShedResult:
+    slot_table = _bounded(slot_table, num_slots)
     fn = _route_shed_ops_compiled if compiled else _route_shed_ops_impl
     return RouteShedResult(*fn(indices, scores, slot_table))
 
@@ -182,7 +188,7 @@ def implementation_for(stream=None) -> str:
     return "ops"
 
 
-def route_shed(indices, scores, slot_table, *, stream=None) -> RouteShedResult:
+def route_shed(indices, scores, slot_table, *, num_slots: int | None = None, stream=None) -> RouteShedResult:
     """Remaps routed experts to arena slots and sheds the non-resident ones (lazily).
 
     A drop-in for mlx_kquant's ``route_shed``: builds into the caller's graph
@@ -194,6 +200,9 @@ def route_shed(indices, scores, slot_table, *, stream=None) -> RouteShedResult:
         scores: float32, bfloat16 or float16 ``[..., K]`` gate scores.
         slot_table: int32 ``[E]``; ``slot_table[e] >= 0`` is the arena slot of
             resident expert ``e``, negative means not resident.
+        num_slots: the arena's slot count S: a table entry outside ``[0, S)``
+            then counts as not resident, so the gathers after the op never read
+            past the arena. None: no bound.
         stream: MLX stream or device to run on (default: the default stream).
 
     Returns:
@@ -203,15 +212,16 @@ def route_shed(indices, scores, slot_table, *, stream=None) -> RouteShedResult:
     Raises:
         TypeError / ValueError: a wrong dtype or shape, naming the argument.
     """
-    check_route_shed_args(indices, scores, slot_table)
+    check_route_shed_args(indices, scores, slot_table, num_slots)
     indices, scores, slot_table = _as_mx(indices, scores, slot_table)
     impl = implementation_for(stream)
     if impl == "ops":
         with mx.stream(stream if stream is not None else mx.default_stream(mx.default_device())):
-            return _ops(indices, scores, slot_table)
+            return _ops(indices, scores, slot_table, num_slots=num_slots)
     variant = (dtype_name(indices), dtype_name(scores), indices.shape[-1])
     build = metal_kernel if impl == "metal" else cuda_kernel
-    template = [(name, MX_DTYPES.get(value, value)) for name, value in sources.template_args(*variant)]
+    template = [(name, MX_DTYPES.get(value, value))
+                for name, value in sources.template_args(*variant, sources.slot_bound(num_slots))]
     return _launch(build(*variant), indices, scores, slot_table, template=template, stream=stream)
 
 
@@ -256,7 +266,7 @@ def _substitute_ops(order, indices, scores, slot_table, shed):
 
 
 def topk_route_shed(probs, slot_table, *, top_k: int, normalize: bool = True, on_miss: str = "shed",
-                    stream=None) -> TopkRouteShedResult:
+                    num_slots: int | None = None, stream=None) -> TopkRouteShedResult:
     """Routes each row to its top-k experts, renormalises, and sheds (or substitutes) the non-resident ones.
 
     The pure-``mx`` path on every stream (the Metal and CUDA kernels implement ``route_shed`` alone);
@@ -269,14 +279,16 @@ def topk_route_shed(probs, slot_table, *, top_k: int, normalize: bool = True, on
         normalize: renormalise the top-k values to sum to 1 (``norm_topk_prob``); otherwise keep them.
         on_miss: ``"shed"``, or ``"substitute"`` (each miss served by the best resident expert the
             row did not choose, at the miss's weight).
+        num_slots: as for :func:`route_shed`.
         stream: MLX stream or device to run on.
 
     Returns:
         ``TopkRouteShedResult(indices int32, scores float32, shed)``, each ``[..., top_k]``; ``shed.slots``
         is int32.
     """
-    check_topk_route_shed_args(probs, slot_table, top_k, normalize=normalize, on_miss=on_miss)
+    check_topk_route_shed_args(probs, slot_table, top_k, normalize=normalize, on_miss=on_miss, num_slots=num_slots)
     probs, slot_table = _as_mx(probs, slot_table)
+    slot_table = _bounded(slot_table, num_slots)
     with mx.stream(stream if stream is not None else mx.default_stream(mx.default_device())):
         indices, scores, *shed = _topk_route_shed_ops_impl(probs, slot_table, top_k=int(top_k),
                                                            normalize=bool(normalize), on_miss=on_miss)

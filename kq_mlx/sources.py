@@ -39,6 +39,15 @@ HOST_TYPES = {"int32": np.int32, "uint32": np.uint32, "float32": np.float32, "bf
               "float16": np.float16}
 
 
+# The kernels' slot bound S when the caller gives no num_slots: every non-negative entry is resident.
+NO_SLOT_BOUND = 2**31 - 1
+
+
+def slot_bound(num_slots: int | None) -> int:
+    """The kernels' template constant S for ``num_slots``."""
+    return NO_SLOT_BOUND if num_slots is None else int(num_slots)
+
+
 class HostInputs(NamedTuple):
     """Checked, contiguous host inputs of a harness launch, with the variant they select."""
 
@@ -49,17 +58,19 @@ class HostInputs(NamedTuple):
     score_dtype: str
     top_k: int
     rows: int
+    slot_bound: int
 
 
-def host_inputs(indices, scores, slot_table) -> HostInputs:
+def host_inputs(indices, scores, slot_table, num_slots: int | None = None) -> HostInputs:
     """Checks the arguments (before any conversion) and lays them out for a kernel harness."""
     indices, scores, slot_table = (np.asarray(a) for a in (indices, scores, slot_table))
-    check_route_shed_args(indices, scores, slot_table)
+    check_route_shed_args(indices, scores, slot_table, num_slots)
     index_dtype, score_dtype = dtype_name(indices), dtype_name(scores)
     top_k = indices.shape[-1]
     return HostInputs(np.ascontiguousarray(indices),
                       np.ascontiguousarray(scores).view(HOST_TYPES[score_dtype]),
-                      np.ascontiguousarray(slot_table), index_dtype, score_dtype, top_k, indices.size // top_k)
+                      np.ascontiguousarray(slot_table), index_dtype, score_dtype, top_k, indices.size // top_k,
+                      slot_bound(num_slots))
 
 
 @dataclass(frozen=True)
@@ -110,16 +121,16 @@ def metal_signature(index_dtype: str, score_dtype: str, top_k: int) -> str:
         buffer += 1
     params.append("uint3 thread_position_in_grid [[thread_position_in_grid]]")
     joined = ",\n  ".join(params)
-    return (f"template <typename IdT, typename ScoreT, int K>\n"
+    return (f"template <typename IdT, typename ScoreT, int K, int S>\n"
             f"[[kernel]] void custom_kernel_{kernel_name(index_dtype, score_dtype, top_k)}(\n  {joined})")
 
 
-def template_args(index_dtype: str, score_dtype: str, top_k: int):
-    """Template arguments for either kernel, as (name, dtype name or int) pairs."""
-    return (("IdT", index_dtype), ("ScoreT", score_dtype), ("K", top_k))
+def template_args(index_dtype: str, score_dtype: str, top_k: int, bound: int = NO_SLOT_BOUND):
+    """Template arguments for either kernel, as (name, dtype name or int) pairs; ``bound`` is S."""
+    return (("IdT", index_dtype), ("ScoreT", score_dtype), ("K", top_k), ("S", bound))
 
 
-def cuda_harness_signature(index_dtype: str, score_dtype: str, top_k: int) -> str:
+def cuda_harness_signature(index_dtype: str, score_dtype: str, top_k: int, bound: int = NO_SLOT_BOUND) -> str:
     """MLX's cuda_kernel signature, with each ``Shape`` passed as a device pointer.
 
     MLX passes ``<name>_shape`` by value as a ``__grid_constant__ Shape``; the
@@ -136,6 +147,6 @@ def cuda_harness_signature(index_dtype: str, score_dtype: str, top_k: int) -> st
         params.append(f"{CUDA_TYPES[dtype]}* {name}")
     constants = "".join(
         f"  constexpr int {n} = {v};\n" if isinstance(v, int) else f"  using {n} = {CUDA_TYPES[v]};\n"
-        for n, v in template_args(index_dtype, score_dtype, top_k))
+        for n, v in template_args(index_dtype, score_dtype, top_k, bound))
     joined = ",\n    ".join(params)
     return f'extern "C" __global__ void kq_route_shed(\n    {joined}) {{\n{constants}'

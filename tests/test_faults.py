@@ -62,12 +62,21 @@ def test_failing_reads_do_not_grow_memory():
     manager = ResidencyManager(2, 64, 8, loader=loader, queue_depth=0)
     rng = np.random.default_rng(0)
     tokens = [rng.choice(64, 8, replace=False) for _ in range(10_000)]
+    decode(manager, tokens[:500], layers=2)  # warm: caches, the first records
     gc.collect()
-    before = len(gc.get_objects())
-    decode(manager, tokens, layers=2)
+    before, rss_before = len(gc.get_objects()), _rss_bytes()
+    decode(manager, tokens[500:], layers=2)
     gc.collect()
     assert len(manager.failures) <= 2 * 64
     assert len(gc.get_objects()) < before + 5_000
+    assert _rss_bytes() - rss_before < 64 * 2**20  # a leaked traceback per failure would be 1 MiB each
+
+
+def _rss_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def test_a_success_after_failures_clears_the_back_off():
@@ -347,3 +356,48 @@ def test_top_k_true_is_not_an_int():
 
     with pytest.raises(ValueError, match="top_k"):
         topk_route_shed_oracle(np.ones((1, 4), np.float32), np.zeros(4, np.int32), True)
+
+
+# ---- a slot table that points past the arena ----------------------------------------------------
+
+
+def test_the_jax_arena_layer_sheds_a_slot_past_the_arena_instead_of_clamping():
+    pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    from kq_jax.moe import Experts, moe_ffn_arena
+
+    rng = np.random.default_rng(0)
+    experts, slots, hidden, ffn = 8, 4, 16, 8
+    arena = Experts(*(jnp.asarray(rng.normal(size=s).astype(np.float32))
+                      for s in [(slots, ffn, hidden), (slots, ffn, hidden), (slots, hidden, ffn)]))
+    router, x = jnp.asarray(rng.normal(size=(hidden, experts)), jnp.float32), jnp.asarray(rng.normal(size=(3, hidden)),
+                                                                                          jnp.float32)
+    table = np.array([0, 1, 2, 3, 100000, slots, -1, -1], np.int32)
+    y, routing = moe_ffn_arena(x, router, arena, table, top_k=8)
+    clean = np.where(table >= slots, -1, table).astype(np.int32)
+    want, _ = moe_ffn_arena(x, router, arena, clean, top_k=8)
+    assert np.array_equal(np.asarray(y), np.asarray(want))
+    assert int(np.asarray(routing.shed.slots).max()) < slots
+    assert {4, 5} <= set(np.asarray(routing.shed.miss_ids).ravel().tolist())
+
+
+def test_the_mlx_lm_adapter_never_gathers_past_the_arena():
+    mx = pytest.importorskip("mlx.core")
+    pytest.importorskip("mlx_lm")
+    from mlx_lm.models import qwen3_moe
+
+    from kq_mlx.mlx_lm_adapter import attach_arena, set_tables
+
+    args = qwen3_moe.ModelArgs(
+        model_type="qwen3_moe", hidden_size=32, num_hidden_layers=1, intermediate_size=64, num_attention_heads=4,
+        num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], moe_intermediate_size=16,
+        rms_norm_eps=1e-6, vocab_size=64, num_key_value_heads=2, head_dim=8, rope_theta=10000.0,
+        tie_word_embeddings=False, max_position_embeddings=64, norm_topk_prob=False)
+    model = qwen3_moe.Model(args)
+    blocks = attach_arena(model, 4)
+    set_tables(blocks, np.array([[0, 100000, 1, 2**31 - 1, 2, 3, 4, 5]], np.int32))  # 1, 3, 6, 7 past the arena
+    logits = model(mx.array([[1, 2, 3, 4, 5]]))
+    mx.eval(logits)
+    _, _, shed = blocks[0].last
+    assert np.isfinite(np.array(logits)).all() and int(np.array(shed.slots).max()) < 4

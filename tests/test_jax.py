@@ -200,7 +200,8 @@ def test_pallas_variant_keeps_the_bits_on_every_golden_case(variant):
     cases = [case for case in SPEC.cases if variant_takes(variant, case.inputs["indices"].shape[-1])]
     assert len(cases) >= 20
     for case in cases:
-        got = route_shed_pallas(*case.inputs.values(), interpret=INTERPRET, config=KernelConfig(**variant))
+        got = route_shed_pallas(*case.inputs.values(), interpret=INTERPRET, config=KernelConfig(**variant),
+                                **case.options)
         assert_same_bits(case.expected, got)
 
 

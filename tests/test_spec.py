@@ -8,7 +8,7 @@ from conftest import SPEC, assert_same_bits
 from scalar_contract import route_shed_scalar
 
 from kq_core.contract import RouteShedResult
-from kq_core.oracle import route_shed_oracle
+from kq_core.oracle import bounded_table, route_shed_oracle
 from kq_core.spec import decode_array, default_spec_path, encode_array
 
 REQUIRED_CASES = {
@@ -47,13 +47,15 @@ def test_spec_scores_hold_every_edge_value():
 @pytest.mark.parametrize("name", list(CASES))
 def test_oracle_regenerates_spec(name):
     case = CASES[name]
-    assert_same_bits(case.expected, route_shed_oracle(*case.inputs.values()))
+    assert_same_bits(case.expected, route_shed_oracle(*case.inputs.values(), **case.options))
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if CASES[n].rows <= 300])
 def test_scalar_transcription_agrees_with_spec(name):
     case = CASES[name]
-    assert_same_bits(case.expected, route_shed_scalar(*case.inputs.values()))
+    indices, scores, table = case.inputs.values()
+    table = bounded_table(table, case.options.get("num_slots"))
+    assert_same_bits(case.expected, route_shed_scalar(indices, scores, table))
 
 
 def test_all_resident_scale_is_exactly_one():
