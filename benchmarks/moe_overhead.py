@@ -1,4 +1,4 @@
-"""Overhead of the JAX MoE layer on an arena over the fully resident layer (issue 7's bar: <= 5%).
+"""Overhead of the JAX MoE layer on an arena over the fully resident layer (the target: at most 5%).
 
 Usage: python -m benchmarks moe_overhead [--hidden 2048 --ffn 768] [--json PATH]
 Decode sizes: T in 1, 2, 4, 8; E in 64, 256; K = 8; bf16 weights. For each, the resident layer
