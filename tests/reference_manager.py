@@ -1,0 +1,440 @@
+"""The residency manager written plainly, one layer and one slot at a time: the reference the
+vectorised ``kq_host.residency.ResidencyManager`` replays routing traces against (same victims,
+same prestage order, same statistics after every token). Loads run inline; faults are not modelled."""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for_futures
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
+
+import numpy as np
+
+from kq_host.arena import Arena
+from kq_host.prestage import prestage_order
+
+Loader = Callable[[int, int, int], Any]  # (layer, expert, slot) -> payload for the arena, or None
+
+
+
+class SlotState(enum.IntEnum):
+    FREE = 0
+    LOADING = 1
+    RESIDENT = 2
+
+
+@dataclass
+class LayerStats:
+    """Counters of one layer (or of all layers, summed)."""
+
+    lookups: int = 0  # routed entries with a valid expert id
+    hits: int = 0  # of those, resident in the token's snapshot
+    misses: int = 0  # valid and not resident: shed and reported
+    shed_count: int = 0  # every shed entry (misses plus out-of-range ids)
+    shed_mass: float = 0.0  # sum of the shed entries' scores
+    routed_mass: float = 0.0  # sum of all routed scores
+    over_budget: int = 0  # tokens in which shed mass exceeded (1 - keep_mass) of routed mass
+    reads_submitted: int = 0
+    reads_landed: int = 0
+    reads_failed: int = 0
+    bytes_read: int = 0
+    evictions: int = 0
+    reads_in_flight: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 1.0
+
+    def add(self, other: "LayerStats") -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def since(self, earlier: "LayerStats") -> "LayerStats":
+        """The counts accumulated after ``earlier`` was taken (e.g. one token's)."""
+        return LayerStats(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
+
+
+@dataclass
+class FailedRead:
+    """The failures of one expert's reads: how many, and the last one (as text: no exception object,
+    so no traceback keeps a loader's frames and buffers alive)."""
+
+    layer: int
+    expert: int
+    slot: int  # the slot the last failed read targeted
+    count: int
+    error_type: str
+    message: str
+    token: int  # the token at whose boundary the last failure was seen
+
+
+@dataclass(frozen=True)
+class PendingRead:
+    """A read submitted and not yet published."""
+
+    layer: int
+    expert: int
+    slot: int
+
+
+# A read that failed n times in a row is not submitted again for 2**min(n, MAX_BACKOFF_DOUBLINGS) tokens.
+MAX_BACKOFF_DOUBLINGS = 10
+
+
+@dataclass
+class _Pending:
+    layer: int
+    expert: int
+    slot: int
+    future: Future
+
+
+@dataclass
+class LayerReport:
+    """What the host reads back from one layer's graph for one token (NumPy arrays).
+
+    Attributes:
+        indices: ``[T, K]`` routed ids; scores: ``[T, K]`` routed scores;
+        miss_ids / miss_scores: ``route_shed``'s miss lists ``[T, K]``.
+    """
+
+    indices: np.ndarray
+    scores: np.ndarray
+    miss_ids: np.ndarray
+    miss_scores: np.ndarray
+
+
+@dataclass
+class _Layer:
+    table: np.ndarray  # int32 [E], the live table (what the next snapshot copies)
+    owner: np.ndarray  # int32 [S], expert in (or loading into) each slot, -1 free
+    state: np.ndarray  # int8 [S], SlotState
+    popularity: np.ndarray  # float64 [E], LFU credit
+    last_used: np.ndarray  # int64 [E], LRU clock
+    pinned: set[int] = field(default_factory=set)
+    stats: LayerStats = field(default_factory=LayerStats)
+
+
+class ReferenceManager:
+    """Per-layer slot tables, eviction policy, prestage reads and statistics.
+
+    Args:
+        num_layers, num_experts, num_slots: L, E and S (slots per layer).
+        loader: ``loader(layer, expert, slot)`` run on a worker thread; it reads
+            the expert (e.g. ``ExpertStore.read_expert``) and either writes it
+            into the slot itself and returns None, or returns a payload that
+            ``arena.write_slot`` writes at publish time on the caller's thread
+            (JAX and MLX arenas). An exception marks the read failed.
+        arena: optional :class:`Arena` for payload-returning loaders.
+        policy: ``"lfu"`` (default; popularity credited from each token's
+            routed set, halved every ``decay_interval`` tokens) or ``"lru"``.
+        pinned: ``{layer: expert ids}`` never evicted (load them with :meth:`preload`).
+        keep_mass: the shed-mass budget; a layer whose shed mass in a token
+            exceeds ``1 - keep_mass`` of its routed mass is counted in ``over_budget``.
+        read_budget: reads submitted per token, over all layers (None: no limit).
+        queue_depth: concurrent loader threads; 0 runs loads inline (deterministic tests).
+        bytes_per_expert: added to ``bytes_read`` per landed read when the loader
+            returns no byte count (an int return value is taken as bytes read).
+    """
+
+    def __init__(self, num_layers: int, num_experts: int, num_slots: int, *, loader: Loader,
+                 arena: Arena | None = None, policy: Literal["lfu", "lru"] = "lfu",
+                 pinned: Mapping[int, Iterable[int]] | None = None, keep_mass: float = 0.9,
+                 read_budget: int | None = None, decay_interval: int = 64, queue_depth: int = 8,
+                 bytes_per_expert: int = 0):
+        for name, value, minimum in (("num_layers", num_layers, 1), ("num_experts", num_experts, 1),
+                                     ("num_slots", num_slots, 1), ("queue_depth", queue_depth, 0),
+                                     ("decay_interval", decay_interval, 0), ("bytes_per_expert", bytes_per_expert, 0),
+                                     ("read_budget", 0 if read_budget is None else read_budget, 0)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
+                raise ValueError(f"ResidencyManager: {name} must be an int >= {minimum}, got {value!r}")
+        if policy not in ("lfu", "lru"):
+            raise ValueError(f"ResidencyManager: policy must be 'lfu' or 'lru', got {policy!r}")
+        if not 0.0 <= keep_mass <= 1.0:
+            raise ValueError(f"ResidencyManager: keep_mass must be in [0, 1], got {keep_mass}")
+        for layer, experts in (pinned or {}).items():
+            experts = [int(e) for e in experts]
+            if not 0 <= layer < num_layers or any(not 0 <= e < num_experts for e in experts):
+                raise ValueError(f"ResidencyManager: pinned maps layers in [0, {num_layers}) to expert ids in "
+                                 f"[0, {num_experts}), got layer {layer}: {experts}")
+        self.num_layers, self.num_experts, self.num_slots = num_layers, num_experts, num_slots
+        self.loader, self.arena, self.policy = loader, arena, policy
+        self.keep_mass, self.read_budget, self.decay_interval = keep_mass, read_budget, decay_interval
+        self.bytes_per_expert = bytes_per_expert
+        self.layers = [
+            _Layer(table=np.full(num_experts, -1, np.int32), owner=np.full(num_slots, -1, np.int32),
+                   state=np.zeros(num_slots, np.int8), popularity=np.zeros(num_experts),
+                   last_used=np.full(num_experts, -1, np.int64))
+            for _ in range(num_layers)
+        ]
+        for layer, experts in (pinned or {}).items():
+            experts = {int(e) for e in experts}
+            if len(experts) > num_slots:
+                raise ValueError(f"ResidencyManager: layer {layer} pins {len(experts)} experts into {num_slots} slots")
+            self.layers[layer].pinned = experts
+        self._pool = ThreadPoolExecutor(max_workers=queue_depth, thread_name_prefix="kq-prestage") if queue_depth else None
+        self._pending: list[_Pending] = []
+        self.failures: dict[tuple[int, int], FailedRead] = {}
+        self._retry_after: dict[tuple[int, int], int] = {}  # (layer, expert) -> first token to read it again
+        self._busy = threading.Lock()
+        self.token = 0
+        self._snapshot = self.snapshot()
+
+    # ---- tables -------------------------------------------------------------------------
+
+    def snapshot(self) -> np.ndarray:
+        """A copy of every layer's table, ``int32 [L, E]``: what the next graph may use."""
+        return np.stack([layer.table for layer in self.layers]).copy()
+
+    def resident(self, layer: int) -> dict[int, int]:
+        """``{expert: slot}`` published in ``layer``."""
+        table = self.layers[layer].table
+        return {int(e): int(table[e]) for e in np.flatnonzero(table >= 0)}
+
+    def slot_owner(self, layer: int) -> np.ndarray:
+        """``int32 [S]``: the expert resident in or loading into each slot, -1 free."""
+        return self.layers[layer].owner.copy()
+
+    # ---- loading ------------------------------------------------------------------------
+
+    def _submit(self, layer: int, expert: int, slot: int) -> None:
+        state = self.layers[layer]
+        state.owner[slot] = expert
+        state.state[slot] = SlotState.LOADING
+        if self._pool is None:
+            future: Future = Future()
+            try:
+                future.set_result(self.loader(layer, expert, slot))
+            except BaseException as error:  # noqa: BLE001 - a failed read; published as one in (3)
+                future.set_exception(error)
+        else:
+            future = self._pool.submit(self.loader, layer, expert, slot)
+        self._pending.append(_Pending(layer, expert, slot, future))
+        state.stats.reads_submitted += 1
+
+    def _publish_landed(self, *, timeout: float | None = 0.0) -> None:
+        """Publishes the reads done within ``timeout`` seconds (0: those done now; None: all)."""
+        if self._pending and timeout != 0.0:
+            wait_for_futures([read.future for read in self._pending], timeout=timeout)
+        still, interrupt = [], None
+        for read in self._pending:
+            if not read.future.done():
+                still.append(read)
+                continue
+            state = self.layers[read.layer]
+            try:
+                payload = read.future.result()
+                if self.arena is not None:
+                    self.arena.write_slot(read.layer, read.slot, payload)
+            except BaseException as error:  # noqa: BLE001 - reported; the slot stays unpublished and free
+                state.owner[read.slot] = -1
+                state.state[read.slot] = SlotState.FREE
+                state.stats.reads_failed += 1
+                self._record_failure(read, error)
+                if isinstance(error, (KeyboardInterrupt, SystemExit)) and interrupt is None:
+                    interrupt = error
+                continue
+            state.table[read.expert] = read.slot
+            state.state[read.slot] = SlotState.RESIDENT
+            state.stats.reads_landed += 1
+            state.stats.bytes_read += payload if isinstance(payload, int) else self.bytes_per_expert
+            self.failures.pop((read.layer, read.expert), None)
+            self._retry_after.pop((read.layer, read.expert), None)
+        self._pending = still
+        if interrupt is not None:  # after the bookkeeping, so no later step sees this read again
+            raise interrupt
+
+    def _record_failure(self, read: _Pending, error: BaseException) -> None:
+        key = (read.layer, read.expert)
+        record = self.failures.get(key)
+        count = 1 if record is None else record.count + 1
+        self.failures[key] = FailedRead(read.layer, read.expert, read.slot, count, type(error).__name__, str(error),
+                                        self.token)
+        self._retry_after[key] = self.token + 2 ** min(count, MAX_BACKOFF_DOUBLINGS)
+
+    def preload(self, layer: int, experts: Iterable[int]) -> None:
+        """Loads experts into free slots now and publishes them (start-up, pinned sets).
+
+        Raises:
+            ValueError: ``layer`` or an id of ``experts`` is out of range, or no slot is free.
+        """
+        experts = [int(e) for e in experts]
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"preload: layer must be in [0, {self.num_layers}), got {layer}")
+        bad = [e for e in experts if not 0 <= e < self.num_experts]
+        if bad:
+            raise ValueError(f"preload: experts must be ids in [0, {self.num_experts}), got {bad}")
+        with self._exclusive("preload"):
+            for expert in experts:
+                state = self.layers[layer]
+                if state.table[expert] >= 0 or expert in state.owner:
+                    continue
+                free = np.flatnonzero(state.state == SlotState.FREE)
+                if free.size == 0:
+                    raise ValueError(f"preload: layer {layer} has no free slot for expert {expert}")
+                self._submit(layer, expert, int(free[0]))
+            self._publish_landed(timeout=None)
+            self._snapshot = self.snapshot()
+
+    def _victim(self, layer: int, shielded: set[int]) -> int | None:
+        """The slot to evict: resident, not pinned, not routed this token, lowest priority."""
+        state = self.layers[layer]
+        candidates = [int(s) for s in np.flatnonzero(state.state == SlotState.RESIDENT)
+                      if int(state.owner[s]) not in state.pinned and int(state.owner[s]) not in shielded]
+        if not candidates:
+            return None
+        priority = state.popularity if self.policy == "lfu" else state.last_used
+        # Lowest priority first; ties by lower expert id, so traces are reproducible.
+        return min(candidates, key=lambda s: (priority[state.owner[s]], state.owner[s]))
+
+    # ---- the token boundary -------------------------------------------------------------
+
+    def step(self, reports: Sequence[LayerReport], *, fence: Callable[[], Any] | None = None) -> np.ndarray:
+        """The token-boundary step (module docstring); returns the next token's tables.
+
+        Args:
+            reports: one :class:`LayerReport` per layer, for the token that just ran
+                with the previous snapshot.
+            fence: called first; returns once the token's gathers are done
+                (e.g. ``lambda: mx.eval(outputs)`` or ``jax.block_until_ready``).
+
+        Returns:
+            ``int32 [L, E]`` slot tables for the next token.
+
+        Raises:
+            ValueError: the reports are malformed (nothing is credited then, so a retry counts once).
+            RuntimeError: another thread is inside ``step``, ``preload`` or ``drain`` of this
+                manager. A manager serves one decode thread: concurrent calls are refused, never
+                interleaved.
+        """
+        if len(reports) != self.num_layers:
+            raise ValueError(f"step: expected {self.num_layers} layer reports, got {len(reports)}")
+        # Every report is checked before anything is credited.
+        orders = [prestage_order(report.miss_ids, report.miss_scores, self.num_experts) for report in reports]
+        with self._exclusive("step"):
+            if fence is not None:
+                fence()  # (1)
+            routed_sets = [self._credit(layer, report) for layer, report in enumerate(reports)]  # (2)
+            self._publish_landed()  # (3)
+            self._schedule(orders, routed_sets)  # (4) and (5)
+            if self.decay_interval and self.token % self.decay_interval == self.decay_interval - 1:
+                for state in self.layers:
+                    state.popularity *= 0.5
+            self.token += 1
+            for state in self.layers:
+                state.stats.reads_in_flight = 0
+            for read in self._pending:
+                self.layers[read.layer].stats.reads_in_flight += 1
+            self._snapshot = self.snapshot()  # (6)
+            return self._snapshot
+
+    @contextlib.contextmanager
+    def _exclusive(self, method: str):
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(f"ResidencyManager.{method}: called from two threads at once; a manager serves one "
+                               f"decode thread (call it from that thread, or give each thread its own manager)")
+        try:
+            yield
+        finally:
+            self._busy.release()
+
+    def _credit(self, layer: int, report: LayerReport) -> set[int]:
+        state = self.layers[layer]
+        ids = np.asarray(report.indices).reshape(-1).astype(np.int64)
+        scores = np.asarray(report.scores, dtype=np.float64).reshape(-1)
+        valid = (ids >= 0) & (ids < self.num_experts)
+        kept = np.zeros(ids.shape, bool)
+        kept[valid] = self._snapshot[layer, ids[valid]] >= 0
+        routed = ids[valid]
+        np.add.at(state.popularity, routed, 1.0)
+        state.last_used[routed] = self.token
+        shed_mass = float(np.nansum(np.where(kept, 0.0, scores)))
+        routed_mass = float(np.nansum(scores))
+        stats = state.stats
+        stats.lookups += int(valid.sum())
+        stats.hits += int(kept.sum())
+        stats.misses += int((valid & ~kept).sum())
+        stats.shed_count += int((~kept).sum())
+        stats.shed_mass += shed_mass
+        stats.routed_mass += routed_mass
+        if shed_mass > (1.0 - self.keep_mass) * routed_mass:
+            stats.over_budget += 1
+        return {int(e) for e in routed}
+
+    def _schedule(self, orders, routed_sets: Sequence[set[int]]) -> None:
+        candidates = []
+        for layer, order in enumerate(orders):
+            state = self.layers[layer]
+            for expert, score in zip(order.expert_ids.tolist(), order.best_scores.tolist()):
+                if self._retry_after.get((layer, expert), 0) > self.token:
+                    continue  # failed lately: backing off
+                if state.table[expert] < 0 and expert not in state.owner:
+                    candidates.append((-score if score == score else np.inf, layer, expert))
+        candidates.sort()
+        budget = len(candidates) if self.read_budget is None else self.read_budget
+        for _, layer, expert in candidates[:budget]:
+            state = self.layers[layer]
+            free = np.flatnonzero(state.state == SlotState.FREE)
+            if free.size:
+                slot = int(free[0])
+            else:
+                slot = self._victim(layer, routed_sets[layer])
+                if slot is None:
+                    continue
+                # (4) the victim leaves the table before any read targets its slot.
+                state.table[state.owner[slot]] = -1
+                state.owner[slot] = -1
+                state.state[slot] = SlotState.FREE
+                state.stats.evictions += 1
+            self._submit(layer, expert, slot)  # (5)
+
+    # ---- statistics ---------------------------------------------------------------------
+
+    def stats(self) -> tuple[list[LayerStats], LayerStats]:
+        """(per-layer counters, their sum)."""
+        per_layer = [LayerStats(**{f.name: getattr(s.stats, f.name) for f in fields(LayerStats)})
+                     for s in self.layers]
+        total = LayerStats()
+        for layer_stats in per_layer:
+            total.add(layer_stats)
+        return per_layer, total
+
+    def pending(self) -> list[PendingRead]:
+        """The reads submitted and not yet published."""
+        return [PendingRead(read.layer, read.expert, read.slot) for read in self._pending]
+
+    def drain(self, timeout: float | None = None) -> list[PendingRead]:
+        """Waits up to ``timeout`` seconds (None: no limit) for the reads in flight and publishes those done.
+
+        Returns:
+            The reads still out (they stay pending and publish at a later step or drain).
+        """
+        with self._exclusive("drain"):
+            self._publish_landed(timeout=timeout)
+            self._snapshot = self.snapshot()
+            return self.pending()
+
+    def close(self, timeout: float | None = 30.0) -> list[PendingRead]:
+        """Publishes what lands within ``timeout`` seconds, then stops the loader threads.
+
+        Reads not started are cancelled; a loader still running is left to finish on its own thread
+        (Python cannot stop it), and its result is dropped.
+
+        Returns:
+            The reads that were still out.
+        """
+        out = self.drain(timeout)
+        if self._pool is not None:
+            self._pool.shutdown(wait=not out, cancel_futures=True)
+        return out
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
