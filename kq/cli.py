@@ -71,6 +71,18 @@ def _count(minimum: int):
 def _bench(args) -> int:
     from kq import bench
 
+    if args.sets and "host" in args.sets:
+        from kq import host_bench
+
+        if len(args.sets) > 1 or args.shapes:
+            print("kq bench: --sets host runs alone (the residency manager, not route_shed)")
+            return 2
+        results = host_bench.run(progress=not args.no_progress)
+        print(host_bench.format_table(results))
+        if args.json:
+            host_bench.write_json(results, args.json)
+            print(f"wrote {args.json}")
+        return 0
     sets = args.sets or ([] if args.shapes else ["decode"])
     results = bench.run(tuple(sets), args.backends, shapes=tuple(args.shapes or ()), repeats=args.repeats,
                         resident_fraction=args.resident_fraction, progress=not args.no_progress)
@@ -181,8 +193,9 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = sub.add_parser("bench", help="time every backend here against its floors and the naive baseline",
                            formatter_class=defaults)
-    bench.add_argument("--sets", nargs="+", choices=sorted(SHAPE_SETS),
-                       help="named shape sets (default: decode, unless --shapes is given)")
+    bench.add_argument("--sets", nargs="+", choices=sorted([*SHAPE_SETS, "host"]),
+                       help="named shape sets (default: decode, unless --shapes is given); host: the residency "
+                            "manager's token boundary at real model sizes instead of route_shed")
     bench.add_argument("--shapes", nargs="+", type=_shape, metavar="TxKxE",
                        help="shapes of your own model, e.g. 1x8x128 (rows x top-k x experts)")
     bench.add_argument("--backends", nargs="+", metavar="NAME", help="subset of the backends found here")

@@ -31,13 +31,12 @@ import enum
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for_futures
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 import numpy as np
 
 from kq_host.arena import Arena
-from kq_host.prestage import prestage_order
 
 Loader = Callable[[int, int, int], Any]  # (layer, expert, slot) -> payload for the arena, or None
 
@@ -107,12 +106,29 @@ class PendingRead:
 MAX_BACKOFF_DOUBLINGS = 10
 
 
+class _Landed:
+    """An inline read's outcome, shaped like the part of a Future the manager uses."""
+
+    __slots__ = ("value", "error")
+
+    def __init__(self, value=None, error: BaseException | None = None):
+        self.value, self.error = value, error
+
+    def done(self) -> bool:
+        return True
+
+    def result(self):
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
 @dataclass
 class _Pending:
     layer: int
     expert: int
     slot: int
-    future: Future
+    future: Future | _Landed
 
 
 @dataclass
@@ -130,19 +146,15 @@ class LayerReport:
     miss_scores: np.ndarray
 
 
-@dataclass
-class _Layer:
-    table: np.ndarray  # int32 [E], the live table (what the next snapshot copies)
-    owner: np.ndarray  # int32 [S], expert in (or loading into) each slot, -1 free
-    state: np.ndarray  # int8 [S], SlotState
-    popularity: np.ndarray  # float64 [E], LFU credit
-    last_used: np.ndarray  # int64 [E], LRU clock
-    pinned: set[int] = field(default_factory=set)
-    stats: LayerStats = field(default_factory=LayerStats)
+_COUNTERS = tuple(f.name for f in fields(LayerStats))
 
 
 class ResidencyManager:
     """Per-layer slot tables, eviction policy, prestage reads and statistics.
+
+    The state of all layers lives in ``[L, E]`` and ``[L, S]`` arrays and each
+    token's bookkeeping is a handful of array operations over every layer at
+    once; only the reads themselves are submitted one by one.
 
     Args:
         num_layers, num_experts, num_slots: L, E and S (slots per layer).
@@ -178,30 +190,32 @@ class ResidencyManager:
             raise ValueError(f"ResidencyManager: policy must be 'lfu' or 'lru', got {policy!r}")
         if not 0.0 <= keep_mass <= 1.0:
             raise ValueError(f"ResidencyManager: keep_mass must be in [0, 1], got {keep_mass}")
+        self.num_layers, self.num_experts, self.num_slots = num_layers, num_experts, num_slots
+        self.loader, self.arena, self.policy = loader, arena, policy
+        self.keep_mass, self.read_budget, self.decay_interval = keep_mass, read_budget, decay_interval
+        self.bytes_per_expert = bytes_per_expert
+        shape_e, shape_s = (num_layers, num_experts), (num_layers, num_slots)
+        self._table = np.full(shape_e, -1, np.int32)  # the live tables (what the next snapshot copies)
+        self._owner = np.full(shape_s, -1, np.int32)  # expert in (or loading into) each slot, -1 free
+        self._state = np.zeros(shape_s, np.int8)  # SlotState
+        self._popularity = np.zeros(shape_e)  # LFU credit
+        self._last_used = np.full(shape_e, -1, np.int64)  # LRU clock
+        self._pinned = np.zeros(shape_e, bool)
+        self._retry_after = np.zeros(shape_e, np.int64)  # first token to read an expert again after failures
+        self._counts = {name: np.zeros(num_layers, np.float64 if name.endswith("mass") else np.int64)
+                        for name in _COUNTERS}
         for layer, experts in (pinned or {}).items():
             experts = [int(e) for e in experts]
             if not 0 <= layer < num_layers or any(not 0 <= e < num_experts for e in experts):
                 raise ValueError(f"ResidencyManager: pinned maps layers in [0, {num_layers}) to expert ids in "
                                  f"[0, {num_experts}), got layer {layer}: {experts}")
-        self.num_layers, self.num_experts, self.num_slots = num_layers, num_experts, num_slots
-        self.loader, self.arena, self.policy = loader, arena, policy
-        self.keep_mass, self.read_budget, self.decay_interval = keep_mass, read_budget, decay_interval
-        self.bytes_per_expert = bytes_per_expert
-        self.layers = [
-            _Layer(table=np.full(num_experts, -1, np.int32), owner=np.full(num_slots, -1, np.int32),
-                   state=np.zeros(num_slots, np.int8), popularity=np.zeros(num_experts),
-                   last_used=np.full(num_experts, -1, np.int64))
-            for _ in range(num_layers)
-        ]
-        for layer, experts in (pinned or {}).items():
-            experts = {int(e) for e in experts}
-            if len(experts) > num_slots:
-                raise ValueError(f"ResidencyManager: layer {layer} pins {len(experts)} experts into {num_slots} slots")
-            self.layers[layer].pinned = experts
+            if len(set(experts)) > num_slots:
+                raise ValueError(f"ResidencyManager: layer {layer} pins {len(set(experts))} experts into "
+                                 f"{num_slots} slots")
+            self._pinned[layer, experts] = True
         self._pool = ThreadPoolExecutor(max_workers=queue_depth, thread_name_prefix="kq-prestage") if queue_depth else None
         self._pending: list[_Pending] = []
         self.failures: dict[tuple[int, int], FailedRead] = {}
-        self._retry_after: dict[tuple[int, int], int] = {}  # (layer, expert) -> first token to read it again
         self._busy = threading.Lock()
         self.token = 0
         self._snapshot = self.snapshot()
@@ -210,62 +224,61 @@ class ResidencyManager:
 
     def snapshot(self) -> np.ndarray:
         """A copy of every layer's table, ``int32 [L, E]``: what the next graph may use."""
-        return np.stack([layer.table for layer in self.layers]).copy()
+        return self._table.copy()
 
     def resident(self, layer: int) -> dict[int, int]:
         """``{expert: slot}`` published in ``layer``."""
-        table = self.layers[layer].table
+        table = self._table[layer]
         return {int(e): int(table[e]) for e in np.flatnonzero(table >= 0)}
 
     def slot_owner(self, layer: int) -> np.ndarray:
         """``int32 [S]``: the expert resident in or loading into each slot, -1 free."""
-        return self.layers[layer].owner.copy()
+        return self._owner[layer].copy()
 
     # ---- loading ------------------------------------------------------------------------
 
     def _submit(self, layer: int, expert: int, slot: int) -> None:
-        state = self.layers[layer]
-        state.owner[slot] = expert
-        state.state[slot] = SlotState.LOADING
+        self._owner[layer, slot] = expert
+        self._state[layer, slot] = SlotState.LOADING
         if self._pool is None:
-            future: Future = Future()
             try:
-                future.set_result(self.loader(layer, expert, slot))
+                future = _Landed(self.loader(layer, expert, slot))
             except BaseException as error:  # noqa: BLE001 - a failed read; published as one in (3)
-                future.set_exception(error)
+                future = _Landed(error=error)
         else:
             future = self._pool.submit(self.loader, layer, expert, slot)
         self._pending.append(_Pending(layer, expert, slot, future))
-        state.stats.reads_submitted += 1
+        self._counts["reads_submitted"][layer] += 1
 
     def _publish_landed(self, *, timeout: float | None = 0.0) -> None:
         """Publishes the reads done within ``timeout`` seconds (0: those done now; None: all)."""
-        if self._pending and timeout != 0.0:
-            wait_for_futures([read.future for read in self._pending], timeout=timeout)
+        futures = [read.future for read in self._pending if isinstance(read.future, Future)]
+        if futures and timeout != 0.0:
+            wait_for_futures(futures, timeout=timeout)
         still, interrupt = [], None
         for read in self._pending:
             if not read.future.done():
                 still.append(read)
                 continue
-            state = self.layers[read.layer]
             try:
                 payload = read.future.result()
                 if self.arena is not None:
                     self.arena.write_slot(read.layer, read.slot, payload)
             except BaseException as error:  # noqa: BLE001 - reported; the slot stays unpublished and free
-                state.owner[read.slot] = -1
-                state.state[read.slot] = SlotState.FREE
-                state.stats.reads_failed += 1
+                self._owner[read.layer, read.slot] = -1
+                self._state[read.layer, read.slot] = SlotState.FREE
+                self._counts["reads_failed"][read.layer] += 1
                 self._record_failure(read, error)
                 if isinstance(error, (KeyboardInterrupt, SystemExit)) and interrupt is None:
                     interrupt = error
                 continue
-            state.table[read.expert] = read.slot
-            state.state[read.slot] = SlotState.RESIDENT
-            state.stats.reads_landed += 1
-            state.stats.bytes_read += payload if isinstance(payload, int) else self.bytes_per_expert
-            self.failures.pop((read.layer, read.expert), None)
-            self._retry_after.pop((read.layer, read.expert), None)
+            self._table[read.layer, read.expert] = read.slot
+            self._state[read.layer, read.slot] = SlotState.RESIDENT
+            self._counts["reads_landed"][read.layer] += 1
+            self._counts["bytes_read"][read.layer] += payload if isinstance(payload, int) else self.bytes_per_expert
+            if self.failures:
+                self.failures.pop((read.layer, read.expert), None)
+            self._retry_after[read.layer, read.expert] = 0
         self._pending = still
         if interrupt is not None:  # after the bookkeeping, so no later step sees this read again
             raise interrupt
@@ -292,26 +305,14 @@ class ResidencyManager:
             raise ValueError(f"preload: experts must be ids in [0, {self.num_experts}), got {bad}")
         with self._exclusive("preload"):
             for expert in experts:
-                state = self.layers[layer]
-                if state.table[expert] >= 0 or expert in state.owner:
+                if self._table[layer, expert] >= 0 or expert in self._owner[layer]:
                     continue
-                free = np.flatnonzero(state.state == SlotState.FREE)
+                free = np.flatnonzero(self._state[layer] == SlotState.FREE)
                 if free.size == 0:
                     raise ValueError(f"preload: layer {layer} has no free slot for expert {expert}")
                 self._submit(layer, expert, int(free[0]))
             self._publish_landed(timeout=None)
             self._snapshot = self.snapshot()
-
-    def _victim(self, layer: int, shielded: set[int]) -> int | None:
-        """The slot to evict: resident, not pinned, not routed this token, lowest priority."""
-        state = self.layers[layer]
-        candidates = [int(s) for s in np.flatnonzero(state.state == SlotState.RESIDENT)
-                      if int(state.owner[s]) not in state.pinned and int(state.owner[s]) not in shielded]
-        if not candidates:
-            return None
-        priority = state.popularity if self.policy == "lfu" else state.last_used
-        # Lowest priority first; ties by lower expert id, so traces are reproducible.
-        return min(candidates, key=lambda s: (priority[state.owner[s]], state.owner[s]))
 
     # ---- the token boundary -------------------------------------------------------------
 
@@ -333,24 +334,18 @@ class ResidencyManager:
                 manager. A manager serves one decode thread: concurrent calls are refused, never
                 interleaved.
         """
-        if len(reports) != self.num_layers:
-            raise ValueError(f"step: expected {self.num_layers} layer reports, got {len(reports)}")
-        # Every report is checked before anything is credited.
-        orders = [prestage_order(report.miss_ids, report.miss_scores, self.num_experts) for report in reports]
+        routed = self._gather(reports)  # every report checked before anything is credited
         with self._exclusive("step"):
             if fence is not None:
                 fence()  # (1)
-            routed_sets = [self._credit(layer, report) for layer, report in enumerate(reports)]  # (2)
+            shielded = self._credit(*routed[:2])  # (2)
             self._publish_landed()  # (3)
-            self._schedule(orders, routed_sets)  # (4) and (5)
+            self._schedule(*routed[2:], shielded)  # (4) and (5)
             if self.decay_interval and self.token % self.decay_interval == self.decay_interval - 1:
-                for state in self.layers:
-                    state.popularity *= 0.5
+                self._popularity *= 0.5
             self.token += 1
-            for state in self.layers:
-                state.stats.reads_in_flight = 0
-            for read in self._pending:
-                self.layers[read.layer].stats.reads_in_flight += 1
+            self._counts["reads_in_flight"][:] = np.bincount([read.layer for read in self._pending],
+                                                             minlength=self.num_layers)
             self._snapshot = self.snapshot()  # (6)
             return self._snapshot
 
@@ -364,62 +359,114 @@ class ResidencyManager:
         finally:
             self._busy.release()
 
-    def _credit(self, layer: int, report: LayerReport) -> set[int]:
-        state = self.layers[layer]
-        ids = np.asarray(report.indices).reshape(-1).astype(np.int64)
-        scores = np.asarray(report.scores, dtype=np.float64).reshape(-1)
-        valid = (ids >= 0) & (ids < self.num_experts)
-        kept = np.zeros(ids.shape, bool)
-        kept[valid] = self._snapshot[layer, ids[valid]] >= 0
-        routed = ids[valid]
-        np.add.at(state.popularity, routed, 1.0)
-        state.last_used[routed] = self.token
-        shed_mass = float(np.nansum(np.where(kept, 0.0, scores)))
-        routed_mass = float(np.nansum(scores))
-        stats = state.stats
-        stats.lookups += int(valid.sum())
-        stats.hits += int(kept.sum())
-        stats.misses += int((valid & ~kept).sum())
-        stats.shed_count += int((~kept).sum())
-        stats.shed_mass += shed_mass
-        stats.routed_mass += routed_mass
-        if shed_mass > (1.0 - self.keep_mass) * routed_mass:
-            stats.over_budget += 1
-        return {int(e) for e in routed}
+    def _gather(self, reports: Sequence[LayerReport]):
+        """The reports as ``[L, n]`` arrays (ids, scores, miss ids, miss scores), checked."""
+        if len(reports) != self.num_layers:
+            raise ValueError(f"step: expected {self.num_layers} layer reports, got {len(reports)}")
+        arrays = []
+        for field_name, dtype in (("indices", np.int64), ("scores", np.float64), ("miss_ids", np.int64),
+                                  ("miss_scores", np.float32)):
+            try:
+                stacked = np.array([getattr(r, field_name) for r in reports])
+            except ValueError:  # ragged across layers
+                stacked = None
+            if stacked is None or stacked.dtype == object:
+                raise ValueError(f"step: every layer's {field_name} must have one shape")
+            arrays.append(stacked.reshape(self.num_layers, -1).astype(dtype, copy=False))
+        ids, scores, miss_ids, miss_scores = arrays
+        if ids.shape != scores.shape or miss_ids.shape != miss_scores.shape:
+            raise ValueError(f"step: scores must have the shape of indices and miss_scores that of miss_ids, got "
+                             f"{scores.shape} / {ids.shape} and {miss_scores.shape} / {miss_ids.shape}")
+        bad = (miss_ids < -1) | (miss_ids >= self.num_experts)
+        if bad.any():
+            layer = int(np.argwhere(bad)[0, 0])
+            raise ValueError(f"step: layer {layer}'s miss_ids hold {int(miss_ids[bad][0])}, outside "
+                             f"[-1, {self.num_experts})")
+        return ids, scores, miss_ids, miss_scores
 
-    def _schedule(self, orders, routed_sets: Sequence[set[int]]) -> None:
-        candidates = []
-        for layer, order in enumerate(orders):
-            state = self.layers[layer]
-            for expert, score in zip(order.expert_ids.tolist(), order.best_scores.tolist()):
-                if self._retry_after.get((layer, expert), 0) > self.token:
-                    continue  # failed lately: backing off
-                if state.table[expert] < 0 and expert not in state.owner:
-                    candidates.append((-score if score == score else np.inf, layer, expert))
-        candidates.sort()
-        budget = len(candidates) if self.read_budget is None else self.read_budget
-        for _, layer, expert in candidates[:budget]:
-            state = self.layers[layer]
-            free = np.flatnonzero(state.state == SlotState.FREE)
-            if free.size:
-                slot = int(free[0])
-            else:
-                slot = self._victim(layer, routed_sets[layer])
-                if slot is None:
-                    continue
-                # (4) the victim leaves the table before any read targets its slot.
-                state.table[state.owner[slot]] = -1
-                state.owner[slot] = -1
-                state.state[slot] = SlotState.FREE
-                state.stats.evictions += 1
+    def _credit(self, ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        """(2): popularity, recency and statistics from the routed entries; returns the routed mask ``[L, E]``."""
+        num_experts = self.num_experts
+        valid = (ids >= 0) & (ids < num_experts)
+        safe = np.where(valid, ids, 0)
+        kept = valid & (np.take_along_axis(self._snapshot, safe, axis=1) >= 0)
+        flat = (np.arange(self.num_layers)[:, None] * num_experts + safe)[valid]  # layer-major, in entry order
+        np.add.at(self._popularity.reshape(-1), flat, 1.0)
+        self._last_used.reshape(-1)[flat] = self.token
+        routed = np.zeros(self._table.shape, bool)
+        routed.reshape(-1)[flat] = True
+        shed_mass = np.nansum(np.where(kept, 0.0, scores), axis=1)
+        routed_mass = np.nansum(scores, axis=1)
+        counts = self._counts
+        counts["lookups"] += valid.sum(axis=1)
+        counts["hits"] += kept.sum(axis=1)
+        counts["misses"] += (valid & ~kept).sum(axis=1)
+        counts["shed_count"] += (~kept).sum(axis=1)
+        counts["shed_mass"] += shed_mass
+        counts["routed_mass"] += routed_mass
+        counts["over_budget"] += shed_mass > (1.0 - self.keep_mass) * routed_mass
+        return routed
+
+    def _schedule(self, miss_ids: np.ndarray, miss_scores: np.ndarray, shielded: np.ndarray) -> None:
+        """(4) and (5): the token's misses, best first over all layers, each into a free slot or a victim's."""
+        num_layers, num_experts = self.num_layers, self.num_experts
+        real = miss_ids >= 0
+        flat = (np.arange(num_layers)[:, None] * num_experts + miss_ids)[real]
+        scores = miss_scores[real]
+        numbers = ~np.isnan(scores)
+        counts = np.bincount(flat, minlength=num_layers * num_experts)
+        best = np.full(num_layers * num_experts, -np.inf, np.float32)
+        np.maximum.at(best, flat[numbers], scores[numbers])
+        with_number = np.bincount(flat[numbers], minlength=num_layers * num_experts) > 0
+        owned = np.zeros(num_layers * num_experts, bool)
+        held = self._owner >= 0
+        owned[(np.arange(num_layers)[:, None] * num_experts + self._owner)[held]] = True
+        wanted = ((counts > 0) & (self._table.reshape(-1) < 0) & ~owned
+                  & (self._retry_after.reshape(-1) <= self.token))
+        candidates = np.flatnonzero(wanted)
+        if candidates.size == 0:
+            return
+        # Best miss score first (an expert missed only with NaN last), then lower layer, then lower id.
+        key = np.where(with_number[candidates], -best[candidates].astype(np.float64), np.inf)
+        candidates = candidates[np.lexsort((candidates, key))]
+        if self.read_budget is not None:
+            candidates = candidates[:self.read_budget]
+        layers, experts = np.divmod(candidates, num_experts)
+        slots = np.full(candidates.size, -1, np.int64)
+        victims = np.zeros(candidates.size, bool)
+        priority = self._popularity if self.policy == "lfu" else self._last_used
+        for layer in np.unique(layers):
+            mine = np.flatnonzero(layers == layer)
+            free = np.flatnonzero(self._state[layer] == SlotState.FREE)
+            taken = min(free.size, mine.size)
+            slots[mine[:taken]] = free[:taken]
+            if taken == mine.size:
+                continue
+            owners = self._owner[layer]
+            resident = np.flatnonzero(self._state[layer] == SlotState.RESIDENT)
+            holders = owners[resident]
+            eligible = resident[~self._pinned[layer, holders] & ~shielded[layer, holders]]
+            # Lowest priority first; ties by lower expert id, so traces are reproducible.
+            order = eligible[np.lexsort((owners[eligible], priority[layer, owners[eligible]]))]
+            evicted = order[:mine.size - taken]
+            slots[mine[taken:taken + evicted.size]] = evicted
+            victims[mine[taken:taken + evicted.size]] = True
+        for layer, expert, slot, victim in zip(layers.tolist(), experts.tolist(), slots.tolist(), victims.tolist()):
+            if slot < 0:
+                continue  # no free slot and no victim in this layer
+            if victim:  # (4) the victim leaves the table before any read targets its slot
+                self._table[layer, self._owner[layer, slot]] = -1
+                self._owner[layer, slot] = -1
+                self._state[layer, slot] = SlotState.FREE
+                self._counts["evictions"][layer] += 1
             self._submit(layer, expert, slot)  # (5)
 
     # ---- statistics ---------------------------------------------------------------------
 
     def stats(self) -> tuple[list[LayerStats], LayerStats]:
         """(per-layer counters, their sum)."""
-        per_layer = [LayerStats(**{f.name: getattr(s.stats, f.name) for f in fields(LayerStats)})
-                     for s in self.layers]
+        per_layer = [LayerStats(**{name: self._counts[name][layer].item() for name in _COUNTERS})
+                     for layer in range(self.num_layers)]
         total = LayerStats()
         for layer_stats in per_layer:
             total.add(layer_stats)
@@ -459,4 +506,3 @@ class ResidencyManager:
 
     def __exit__(self, *exc):
         self.close()
-
