@@ -240,6 +240,11 @@ class ResidencyManager:
     def _submit(self, layer: int, expert: int, slot: int) -> None:
         self._owner[layer, slot] = expert
         self._state[layer, slot] = SlotState.LOADING
+        self._counts["reads_submitted"][layer] += 1
+        self._start(layer, expert, slot)
+
+    def _start(self, layer: int, expert: int, slot: int) -> None:
+        """Runs (inline) or queues one read whose slot is already marked LOADING for ``expert``."""
         if self._pool is None:
             try:
                 future = _Landed(self.loader(layer, expert, slot))
@@ -248,14 +253,13 @@ class ResidencyManager:
         else:
             future = self._pool.submit(self.loader, layer, expert, slot)
         self._pending.append(_Pending(layer, expert, slot, future))
-        self._counts["reads_submitted"][layer] += 1
 
     def _publish_landed(self, *, timeout: float | None = 0.0) -> None:
         """Publishes the reads done within ``timeout`` seconds (0: those done now; None: all)."""
         futures = [read.future for read in self._pending if isinstance(read.future, Future)]
         if futures and timeout != 0.0:
             wait_for_futures(futures, timeout=timeout)
-        still, interrupt = [], None
+        still, landed, interrupt = [], [], None
         for read in self._pending:
             if not read.future.done():
                 still.append(read)
@@ -272,14 +276,19 @@ class ResidencyManager:
                 if isinstance(error, (KeyboardInterrupt, SystemExit)) and interrupt is None:
                     interrupt = error
                 continue
-            self._table[read.layer, read.expert] = read.slot
-            self._state[read.layer, read.slot] = SlotState.RESIDENT
-            self._counts["reads_landed"][read.layer] += 1
-            self._counts["bytes_read"][read.layer] += payload if isinstance(payload, int) else self.bytes_per_expert
-            if self.failures:
-                self.failures.pop((read.layer, read.expert), None)
-            self._retry_after[read.layer, read.expert] = 0
+            landed.append((read.layer, read.expert, read.slot,
+                           payload if isinstance(payload, int) else self.bytes_per_expert))
         self._pending = still
+        if landed:  # published together: the tables point at their slots only now
+            layers, experts, slots, nbytes = (np.array(column, np.int64) for column in zip(*landed))
+            self._table[layers, experts] = slots
+            self._state[layers, slots] = SlotState.RESIDENT
+            self._counts["reads_landed"] += np.bincount(layers, minlength=self.num_layers)
+            np.add.at(self._counts["bytes_read"], layers, nbytes)
+            self._retry_after[layers, experts] = 0
+            if self.failures:
+                for key in zip(layers.tolist(), experts.tolist()):
+                    self.failures.pop(key, None)
         if interrupt is not None:  # after the bookkeeping, so no later step sees this read again
             raise interrupt
 
@@ -451,15 +460,18 @@ class ResidencyManager:
             evicted = order[:mine.size - taken]
             slots[mine[taken:taken + evicted.size]] = evicted
             victims[mine[taken:taken + evicted.size]] = True
-        for layer, expert, slot, victim in zip(layers.tolist(), experts.tolist(), slots.tolist(), victims.tolist()):
-            if slot < 0:
-                continue  # no free slot and no victim in this layer
-            if victim:  # (4) the victim leaves the table before any read targets its slot
-                self._table[layer, self._owner[layer, slot]] = -1
-                self._owner[layer, slot] = -1
-                self._state[layer, slot] = SlotState.FREE
-                self._counts["evictions"][layer] += 1
-            self._submit(layer, expert, slot)  # (5)
+        placed = slots >= 0  # a candidate with no free slot and no victim in its layer waits
+        layers, experts, slots, victims = layers[placed], experts[placed], slots[placed], victims[placed]
+        # (4) the victims leave the tables before any read targets their slots.
+        evicted_layers, evicted_slots = layers[victims], slots[victims]
+        self._table[evicted_layers, self._owner[evicted_layers, evicted_slots]] = -1
+        self._counts["evictions"] += np.bincount(evicted_layers, minlength=num_layers)
+        # (5) the reads, in order.
+        self._owner[layers, slots] = experts
+        self._state[layers, slots] = SlotState.LOADING
+        self._counts["reads_submitted"] += np.bincount(layers, minlength=num_layers)
+        for read in zip(layers.tolist(), experts.tolist(), slots.tolist()):
+            self._start(*read)
 
     # ---- statistics ---------------------------------------------------------------------
 
