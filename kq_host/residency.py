@@ -106,6 +106,28 @@ class PendingRead:
 MAX_BACKOFF_DOUBLINGS = 10
 
 
+_FREE, _LOADING, _RESIDENT = SlotState.FREE.value, SlotState.LOADING.value, SlotState.RESIDENT.value
+
+
+def _rank_within(groups: np.ndarray, num_groups: int) -> np.ndarray:
+    """For each item, how many items of its group come before it (items in order)."""
+    order = np.argsort(groups, kind="stable")
+    starts = np.concatenate([[0], np.cumsum(np.bincount(groups, minlength=num_groups))[:-1]])
+    rank = np.empty(groups.size, np.int64)
+    rank[order] = np.arange(groups.size) - starts[groups[order]]
+    return rank
+
+
+def _ranked_slots(mask: np.ndarray, priority: np.ndarray, owner: np.ndarray) -> np.ndarray:
+    """``[L, S]``: row l lists layer l's slots where ``mask`` holds, by ascending (priority, owner, slot)."""
+    layer, slot = np.nonzero(mask)
+    order = np.lexsort((slot, owner[layer, slot], priority[layer, slot], layer))
+    layer, slot = layer[order], slot[order]
+    out = np.full(mask.shape, -1, np.int64)
+    out[layer, _rank_within(layer, mask.shape[0])] = slot
+    return out
+
+
 class _Landed:
     """An inline read's outcome, shaped like the part of a Future the manager uses."""
 
@@ -239,7 +261,7 @@ class ResidencyManager:
 
     def _submit(self, layer: int, expert: int, slot: int) -> None:
         self._owner[layer, slot] = expert
-        self._state[layer, slot] = SlotState.LOADING
+        self._state[layer, slot] = _LOADING
         self._counts["reads_submitted"][layer] += 1
         self._start(layer, expert, slot)
 
@@ -270,7 +292,7 @@ class ResidencyManager:
                     self.arena.write_slot(read.layer, read.slot, payload)
             except BaseException as error:  # noqa: BLE001 - reported; the slot stays unpublished and free
                 self._owner[read.layer, read.slot] = -1
-                self._state[read.layer, read.slot] = SlotState.FREE
+                self._state[read.layer, read.slot] = _FREE
                 self._counts["reads_failed"][read.layer] += 1
                 self._record_failure(read, error)
                 if isinstance(error, (KeyboardInterrupt, SystemExit)) and interrupt is None:
@@ -282,7 +304,7 @@ class ResidencyManager:
         if landed:  # published together: the tables point at their slots only now
             layers, experts, slots, nbytes = (np.array(column, np.int64) for column in zip(*landed))
             self._table[layers, experts] = slots
-            self._state[layers, slots] = SlotState.RESIDENT
+            self._state[layers, slots] = _RESIDENT
             self._counts["reads_landed"] += np.bincount(layers, minlength=self.num_layers)
             np.add.at(self._counts["bytes_read"], layers, nbytes)
             self._retry_after[layers, experts] = 0
@@ -316,7 +338,7 @@ class ResidencyManager:
             for expert in experts:
                 if self._table[layer, expert] >= 0 or expert in self._owner[layer]:
                     continue
-                free = np.flatnonzero(self._state[layer] == SlotState.FREE)
+                free = np.flatnonzero(self._state[layer] == _FREE)
                 if free.size == 0:
                     raise ValueError(f"preload: layer {layer} has no free slot for expert {expert}")
                 self._submit(layer, expert, int(free[0]))
@@ -441,25 +463,24 @@ class ResidencyManager:
         if self.read_budget is not None:
             candidates = candidates[:self.read_budget]
         layers, experts = np.divmod(candidates, num_experts)
+        # Within its layer, the r-th candidate takes the r-th free slot (ascending), and past the free
+        # ones the next victim: the resident, unpinned slots whose experts this token did not route,
+        # lowest priority first, ties by lower expert id (so traces are reproducible).
+        rank = _rank_within(layers, num_layers)
+        free = self._state == _FREE
+        free_at = _ranked_slots(free, np.zeros(free.shape), self._owner)
+        owners = np.maximum(self._owner, 0)
+        priority = (self._popularity if self.policy == "lfu" else self._last_used)
+        layer_rows = np.arange(num_layers)[:, None]
+        eligible = ((self._state == _RESIDENT) & ~self._pinned[layer_rows, owners] & ~shielded[layer_rows, owners])
+        victim_at = _ranked_slots(eligible, priority[layer_rows, owners], self._owner)
+        free_count, eligible_count = free.sum(axis=1)[layers], eligible.sum(axis=1)[layers]
+        from_free = rank < free_count
+        victim_rank = rank - free_count
+        victims = ~from_free & (victim_rank < eligible_count)
         slots = np.full(candidates.size, -1, np.int64)
-        victims = np.zeros(candidates.size, bool)
-        priority = self._popularity if self.policy == "lfu" else self._last_used
-        for layer in np.unique(layers):
-            mine = np.flatnonzero(layers == layer)
-            free = np.flatnonzero(self._state[layer] == SlotState.FREE)
-            taken = min(free.size, mine.size)
-            slots[mine[:taken]] = free[:taken]
-            if taken == mine.size:
-                continue
-            owners = self._owner[layer]
-            resident = np.flatnonzero(self._state[layer] == SlotState.RESIDENT)
-            holders = owners[resident]
-            eligible = resident[~self._pinned[layer, holders] & ~shielded[layer, holders]]
-            # Lowest priority first; ties by lower expert id, so traces are reproducible.
-            order = eligible[np.lexsort((owners[eligible], priority[layer, owners[eligible]]))]
-            evicted = order[:mine.size - taken]
-            slots[mine[taken:taken + evicted.size]] = evicted
-            victims[mine[taken:taken + evicted.size]] = True
+        slots[from_free] = free_at[layers[from_free], rank[from_free]]
+        slots[victims] = victim_at[layers[victims], victim_rank[victims]]
         placed = slots >= 0  # a candidate with no free slot and no victim in its layer waits
         layers, experts, slots, victims = layers[placed], experts[placed], slots[placed], victims[placed]
         # (4) the victims leave the tables before any read targets their slots.
@@ -468,7 +489,7 @@ class ResidencyManager:
         self._counts["evictions"] += np.bincount(evicted_layers, minlength=num_layers)
         # (5) the reads, in order.
         self._owner[layers, slots] = experts
-        self._state[layers, slots] = SlotState.LOADING
+        self._state[layers, slots] = _LOADING
         self._counts["reads_submitted"] += np.bincount(layers, minlength=num_layers)
         for read in zip(layers.tolist(), experts.tolist(), slots.tolist()):
             self._start(*read)
