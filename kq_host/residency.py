@@ -468,19 +468,26 @@ class ResidencyManager:
         # lowest priority first, ties by lower expert id (so traces are reproducible).
         rank = _rank_within(layers, num_layers)
         free = self._state == _FREE
-        free_at = _ranked_slots(free, np.zeros(free.shape), self._owner)
-        owners = np.maximum(self._owner, 0)
-        priority = (self._popularity if self.policy == "lfu" else self._last_used)
-        layer_rows = np.arange(num_layers)[:, None]
-        eligible = ((self._state == _RESIDENT) & ~self._pinned[layer_rows, owners] & ~shielded[layer_rows, owners])
-        victim_at = _ranked_slots(eligible, priority[layer_rows, owners], self._owner)
-        free_count, eligible_count = free.sum(axis=1)[layers], eligible.sum(axis=1)[layers]
+        free_layer, free_slot = np.nonzero(free)  # by layer, then ascending slot
+        free_at = np.full(free.shape, -1, np.int64)
+        free_at[free_layer, _rank_within(free_layer, num_layers)] = free_slot
+        free_count = free.sum(axis=1)[layers]
         from_free = rank < free_count
-        victim_rank = rank - free_count
-        victims = ~from_free & (victim_rank < eligible_count)
         slots = np.full(candidates.size, -1, np.int64)
         slots[from_free] = free_at[layers[from_free], rank[from_free]]
-        slots[victims] = victim_at[layers[victims], victim_rank[victims]]
+        victims = ~from_free
+        if victims.any():
+            short = np.zeros(num_layers, bool)
+            short[layers[victims]] = True  # only the layers that need victims are ranked
+            owners = np.maximum(self._owner, 0)
+            priority = self._popularity if self.policy == "lfu" else self._last_used
+            layer_rows = np.arange(num_layers)[:, None]
+            eligible = (short[:, None] & (self._state == _RESIDENT) & ~self._pinned[layer_rows, owners]
+                        & ~shielded[layer_rows, owners])
+            victim_at = _ranked_slots(eligible, priority[layer_rows, owners], self._owner)
+            victim_rank = rank - free_count
+            victims &= victim_rank < eligible.sum(axis=1)[layers]
+            slots[victims] = victim_at[layers[victims], victim_rank[victims]]
         placed = slots >= 0  # a candidate with no free slot and no victim in its layer waits
         layers, experts, slots, victims = layers[placed], experts[placed], slots[placed], victims[placed]
         # (4) the victims leave the tables before any read targets their slots.
