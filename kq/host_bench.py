@@ -72,7 +72,9 @@ def time_host(layers: int, experts: int, slots: int, top_k: int, rows: int, *, t
                       times[int(0.9 * (len(times) - 1))], since.reads_landed / tokens, since.hit_rate)
 
 
-def run(shapes=HOST_SHAPES, *, tokens: int = 300, progress: bool = True) -> list[HostResult]:
+def run(shapes=None, *, tokens: int = 300, progress: bool = True) -> list[HostResult]:
+    """One :class:`HostResult` per ``(L, E, S, K, rows)`` of ``shapes`` (default :data:`HOST_SHAPES`)."""
+    shapes = HOST_SHAPES if shapes is None else shapes
     results = []
     with progress_bar(len(shapes), enabled=progress, description="kq bench host") as advance:
         for shape in shapes:

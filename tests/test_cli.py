@@ -173,3 +173,15 @@ def test_demo_generates_with_the_shipped_model_through_a_quarter_arena(capsys):
     assert main(["demo", "--frameworks", "jax", "--tokens", "6"]) == 0
     out = capsys.readouterr().out
     assert "through the arena (16 slots per layer)" in out and "every expert resident" in out and "hit rate" in out
+
+
+def test_bench_host_times_the_token_boundary(monkeypatch, tmp_path, capsys):
+    from kq import host_bench
+
+    monkeypatch.setattr(host_bench, "HOST_SHAPES", ((2, 16, 4, 4, 1), (2, 16, 4, 4, 3)))
+    json_path = tmp_path / "host.json"
+    assert main(["bench", "--sets", "host", "--no-progress", "--json", str(json_path)]) == 0
+    results = json.loads(json_path.read_text())["results"]
+    assert [(r["layers"], r["rows"]) for r in results] == [(2, 1), (2, 3)]
+    assert all(r["median_ms"] > 0 and r["reads_per_token"] > 0 and 0 < r["hit_rate"] < 1 for r in results)
+    assert "ms/token" in capsys.readouterr().out
