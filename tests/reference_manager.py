@@ -1,11 +1,11 @@
 """The residency manager written plainly, one layer and one slot at a time: the reference the
 vectorised ``kq_host.residency.ResidencyManager`` replays routing traces against (same victims,
-same prestage order, same statistics after every token). Loads run inline; faults are not modelled."""
+same prestage order, same statistics and failures after every token). The record types are the
+package's own; only the bookkeeping is written here."""
 
 from __future__ import annotations
 
 import contextlib
-import enum
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for_futures
@@ -16,73 +16,8 @@ import numpy as np
 
 from kq_host.arena import Arena
 from kq_host.prestage import prestage_order
-
-Loader = Callable[[int, int, int], Any]  # (layer, expert, slot) -> payload for the arena, or None
-
-
-
-class SlotState(enum.IntEnum):
-    FREE = 0
-    LOADING = 1
-    RESIDENT = 2
-
-
-@dataclass
-class LayerStats:
-    """Counters of one layer (or of all layers, summed)."""
-
-    lookups: int = 0  # routed entries with a valid expert id
-    hits: int = 0  # of those, resident in the token's snapshot
-    misses: int = 0  # valid and not resident: shed and reported
-    shed_count: int = 0  # every shed entry (misses plus out-of-range ids)
-    shed_mass: float = 0.0  # sum of the shed entries' scores
-    routed_mass: float = 0.0  # sum of all routed scores
-    over_budget: int = 0  # tokens in which shed mass exceeded (1 - keep_mass) of routed mass
-    reads_submitted: int = 0
-    reads_landed: int = 0
-    reads_failed: int = 0
-    bytes_read: int = 0
-    evictions: int = 0
-    reads_in_flight: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.lookups if self.lookups else 1.0
-
-    def add(self, other: "LayerStats") -> None:
-        for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-
-    def since(self, earlier: "LayerStats") -> "LayerStats":
-        """The counts accumulated after ``earlier`` was taken (e.g. one token's)."""
-        return LayerStats(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
-
-
-@dataclass
-class FailedRead:
-    """The failures of one expert's reads: how many, and the last one (as text: no exception object,
-    so no traceback keeps a loader's frames and buffers alive)."""
-
-    layer: int
-    expert: int
-    slot: int  # the slot the last failed read targeted
-    count: int
-    error_type: str
-    message: str
-    token: int  # the token at whose boundary the last failure was seen
-
-
-@dataclass(frozen=True)
-class PendingRead:
-    """A read submitted and not yet published."""
-
-    layer: int
-    expert: int
-    slot: int
-
-
-# A read that failed n times in a row is not submitted again for 2**min(n, MAX_BACKOFF_DOUBLINGS) tokens.
-MAX_BACKOFF_DOUBLINGS = 10
+from kq_host.residency import (MAX_BACKOFF_DOUBLINGS, FailedRead, LayerReport, LayerStats, Loader, PendingRead,
+                               SlotState)
 
 
 @dataclass
@@ -91,21 +26,6 @@ class _Pending:
     expert: int
     slot: int
     future: Future
-
-
-@dataclass
-class LayerReport:
-    """What the host reads back from one layer's graph for one token (NumPy arrays).
-
-    Attributes:
-        indices: ``[T, K]`` routed ids; scores: ``[T, K]`` routed scores;
-        miss_ids / miss_scores: ``route_shed``'s miss lists ``[T, K]``.
-    """
-
-    indices: np.ndarray
-    scores: np.ndarray
-    miss_ids: np.ndarray
-    miss_scores: np.ndarray
 
 
 @dataclass
