@@ -60,7 +60,8 @@ def route(x, router_w, *, top_k: int):
     return indices, normalize_topk_ref(raw)
 
 
-def _experts_apply(x, experts: Experts, rows):  # x [T, D], rows [T, k] -> [T, k, D]
+def experts_apply(x, experts: Experts, rows):
+    """Each token's k experts on it: x ``[T, D]``, rows ``[T, k]`` slot ids -> ``[T, k, D]``."""
     gate = jnp.einsum("td,tkfd->tkf", x, experts.gate[rows])
     up = jnp.einsum("td,tkfd->tkf", x, experts.up[rows])
     return jnp.einsum("tkf,tkdf->tkd", jax.nn.silu(gate) * up, experts.down[rows])
@@ -69,7 +70,7 @@ def _experts_apply(x, experts: Experts, rows):  # x [T, D], rows [T, k] -> [T, k
 def moe_ffn_resident(x, router_w, experts: Experts, *, top_k: int):
     """The MoE layer with all E experts in memory. x ``[T, D]`` -> ``[T, D]``."""
     indices, scores = route(x, router_w, top_k=top_k)
-    y = _experts_apply(x, experts, indices)
+    y = experts_apply(x, experts, indices)
     return jnp.einsum("tkd,tk->td", y, scores.astype(y.dtype))
 
 
@@ -87,5 +88,5 @@ def moe_ffn_arena(x, router_w, arena: Experts, slot_table, *, top_k: int, impl: 
     # num_slots: a table entry past the arena is shed, never gathered (jnp.take would clamp it).
     routing: TopkRouteShedResult = topk_route_shed(router_probs(x, router_w), slot_table, top_k=top_k,
                                                    num_slots=arena.gate.shape[0], impl=impl)
-    y = _experts_apply(x, arena, routing.shed.slots)
+    y = experts_apply(x, arena, routing.shed.slots)
     return jnp.einsum("tkd,tk->td", y, routing.shed.mix.astype(y.dtype)), routing

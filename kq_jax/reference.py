@@ -10,6 +10,8 @@ arguments: :mod:`kq_jax.api` checks them once, at the public entry point.
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -20,6 +22,14 @@ from kq_core.contract import (
     TopkRouteShedResult,
 )
 from kq_jax.exact_f32 import canonicalize_nan, div_flush, flush, mul_flush
+from kq_jax.partition import rowwise
+
+
+@functools.partial(rowwise, num_row_args=1, num_tables=0)
+def _top_k_keys(keys, top_k):
+    # lax.top_k on integer order keys, kept row-sharded: XLA's own partitioning
+    # of top_k gathers every row onto every device on the CPU.
+    return lax.top_k(keys, top_k)
 
 
 def lookup_slots(ids, slot_table):
@@ -130,7 +140,7 @@ def topk_ref(probs, *, top_k: int):
         ``(indices int32 [..., k], values float32 [..., k])``.
     """
     values = jnp.asarray(probs).astype(jnp.float32)
-    _, indices = lax.top_k(-score_order_key(lax.stop_gradient(values)), top_k)
+    _, indices = _top_k_keys(-score_order_key(lax.stop_gradient(values)), top_k)
     return indices, jnp.take_along_axis(values, indices, axis=-1)
 
 
@@ -170,7 +180,7 @@ def substitute_ref(probs, indices, scores, slot_table, shed: RouteShedResult) ->
     eligible = (slot_table >= 0) & ~chosen
     # lax.top_k of the negated order keys: best first, ties by lower expert id; the ineligible sink.
     never = jnp.iinfo(jnp.int32).min
-    best, candidates = lax.top_k(jnp.where(eligible, -score_order_key(lax.stop_gradient(values)), never), top_k)
+    best, candidates = _top_k_keys(jnp.where(eligible, -score_order_key(lax.stop_gradient(values)), never), top_k)
     kept = slot_table[indices] >= 0
     rank = jnp.clip(jnp.cumsum(~kept, axis=-1) - 1, 0, top_k - 1)
     candidate = jnp.take_along_axis(candidates, rank, axis=-1)

@@ -1,5 +1,9 @@
 import os
 
+# Eight host devices for the sharding tests (tests/test_sharding.py); set before JAX starts.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
 import numpy as np
 import pytest
 from hypothesis import settings

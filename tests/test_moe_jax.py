@@ -8,7 +8,7 @@ import jax.numpy as jnp  # noqa: E402
 from conftest import assert_same_bits  # noqa: E402
 
 from kq_core.oracle import route_shed_oracle  # noqa: E402
-from kq_jax.moe import Experts, _experts_apply, moe_ffn_arena, moe_ffn_resident, route  # noqa: E402
+from kq_jax.moe import Experts, experts_apply, moe_ffn_arena, moe_ffn_resident, route  # noqa: E402
 
 E, D, F, T, K = 16, 32, 24, 5, 4
 
@@ -49,6 +49,6 @@ def test_partial_arena_uses_only_resident_experts_renormalised(layer):
     assert (mix == 0).any() and (mix > 0).all(-1).sum() < T  # some experts were shed
     # The output mixes the full layer's experts by the renormalised weights. (Two XLA programs, gathering
     # from arrays of different sizes, need not round their matmuls alike: compared to float32 rounding.)
-    want = jnp.einsum("tkd,tk->td", _experts_apply(x, experts, indices), mix)
+    want = jnp.einsum("tkd,tk->td", experts_apply(x, experts, indices), mix)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(mix.sum(-1)[mix.any(-1)], 1.0, rtol=1e-5)

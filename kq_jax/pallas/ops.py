@@ -24,6 +24,7 @@ from kq_jax.pallas.config import (
     block_config,
     topk_block_config,
 )
+from kq_jax.partition import rowwise
 from kq_jax.pallas.route_shed_kernel import route_shed_kernel, route_shed_lanes_kernel
 from kq_jax.pallas.topk_kernel import topk_route_shed_kernel
 from kq_jax.reference import route_shed_ref, topk_normalized_ref, topk_route_shed_ref
@@ -77,13 +78,18 @@ def _launch(kernel, out_shapes, args, *, name: str, programs: int, num_warps: in
         return call(*args)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _route_shed_diff(indices, scores, slot_table, interpret, config, num_slots):
+@functools.partial(rowwise, num_row_args=2)
+def _route_shed_rows(indices, scores, slot_table, interpret, config, num_slots):
     return _pallas_forward(indices, scores, slot_table, interpret=interpret, config=config, num_slots=num_slots)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _route_shed_diff(indices, scores, slot_table, interpret, config, num_slots):
+    return _route_shed_rows(indices, scores, slot_table, interpret, config, num_slots)
+
+
 def _route_shed_fwd(indices, scores, slot_table, interpret, config, num_slots):
-    outputs = _pallas_forward(indices, scores, slot_table, interpret=interpret, config=config, num_slots=num_slots)
+    outputs = _route_shed_rows(indices, scores, slot_table, interpret, config, num_slots)
     return outputs, (indices, scores, slot_table)
 
 
@@ -139,13 +145,18 @@ def _topk_forward(probs, slot_table, *, top_k: int, interpret: bool, config: Ker
     return TopkRouteShedResult(indices, scores, RouteShedResult(*shed))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _topk_route_shed_diff(probs, slot_table, top_k, interpret, config, num_slots):
+@functools.partial(rowwise, num_row_args=1)
+def _topk_rows(probs, slot_table, top_k, interpret, config, num_slots):
     return _topk_forward(probs, slot_table, top_k=top_k, interpret=interpret, config=config, num_slots=num_slots)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _topk_route_shed_diff(probs, slot_table, top_k, interpret, config, num_slots):
+    return _topk_rows(probs, slot_table, top_k, interpret, config, num_slots)
+
+
 def _topk_route_shed_fwd(probs, slot_table, top_k, interpret, config, num_slots):
-    outputs = _topk_forward(probs, slot_table, top_k=top_k, interpret=interpret, config=config, num_slots=num_slots)
+    outputs = _topk_rows(probs, slot_table, top_k, interpret, config, num_slots)
     return outputs, (probs, slot_table)
 
 
