@@ -3,7 +3,9 @@
 #   PARTS="tests check memcheck" OUT=out bash benchmarks/gpu_job.sh
 # Parts: tests (the suite's GPU part, `pytest -m gpu`, PYTEST_WORKERS processes), check (`kq check` on the GPU backends with
 # ROWS random rows), memcheck (compute-sanitizer over the kernel's launch cases), bench (`kq bench`,
-# BENCH_SETS), sweep (the Pallas launch sweeps), moe (the MoE arena overhead). Each part's log and
+# BENCH_SETS), sweep (the Pallas launch sweeps), moe (the MoE arena overhead), sharding (the sharding
+# and expert-parallel tests: on a GPU mesh where there are two GPUs or more), compile (`kq bench --sets
+# compile`), expert_parallel (the expert-parallel layer over this machine's GPUs). Each part's log and
 # JSON go under $OUT, with the device and versions in device.txt and one line per part in
 # summary.txt; a part is cut at PART_TIMEOUT seconds (default 500). Exits non-zero if a part failed.
 set -uo pipefail
@@ -42,7 +44,12 @@ for name in ${PARTS:-tests check memcheck}; do
     sweep) part sweep_route_shed python3 -m benchmarks sweep_route_shed --json "$OUT/sweep_route_shed.json"
            part sweep_topk python3 -m benchmarks sweep_topk --json "$OUT/sweep_topk.json" ;;
     moe) part moe_overhead python3 -m benchmarks moe_overhead --profile --json "$OUT/moe_overhead.json" ;;
-    *) echo "unknown part: $name (tests check memcheck bench sweep moe)"; status=2 ;;
+    sharding) part sharding python3 -m pytest -q -p no:cacheprovider -rs tests/test_sharding.py \
+                tests/test_expert_parallel.py ;;
+    compile) part compile python3 -m kq bench --sets compile --no-progress --json "$OUT/compile.json" ;;
+    expert_parallel) part expert_parallel python3 -m benchmarks expert_parallel --json "$OUT/expert_parallel.json" ;;
+    *) echo "unknown part: $name (tests check memcheck bench sweep moe sharding compile expert_parallel)"
+       status=2 ;;
   esac
 done
 exit $status

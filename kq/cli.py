@@ -71,6 +71,18 @@ def _count(minimum: int):
 def _bench(args) -> int:
     from kq import bench
 
+    if args.sets and "compile" in args.sets:
+        from kq import compile_bench
+
+        if len(args.sets) > 1 or args.shapes:
+            print("kq bench: --sets compile runs alone (first calls at new row counts, not one shape)")
+            return 2
+        result = compile_bench.run(progress=not args.no_progress)
+        print(compile_bench.format_tables(result))
+        if args.json:
+            compile_bench.write_json(result, args.json)
+            print(f"wrote {args.json}")
+        return 0
     if args.sets and "host" in args.sets:
         from kq import host_bench
 
@@ -193,9 +205,10 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = sub.add_parser("bench", help="time every backend here against its floors and the naive baseline",
                            formatter_class=defaults)
-    bench.add_argument("--sets", nargs="+", choices=sorted([*SHAPE_SETS, "host"]),
+    bench.add_argument("--sets", nargs="+", choices=sorted([*SHAPE_SETS, "host", "compile"]),
                        help="named shape sets (default: decode, unless --shapes is given); host: the residency "
-                            "manager's token boundary at real model sizes instead of route_shed")
+                            "manager's token boundary at real model sizes instead of route_shed; compile: the JAX "
+                            "kernels' first call at new row counts, with and without row buckets")
     bench.add_argument("--shapes", nargs="+", type=_shape, metavar="TxKxE",
                        help="shapes of your own model, e.g. 1x8x128 (rows x top-k x experts)")
     bench.add_argument("--backends", nargs="+", metavar="NAME", help="subset of the backends found here")

@@ -58,7 +58,8 @@ def moe_ffn_arena_sharded(x, router_w, arena: Experts, slot_table, *, top_k: int
         mesh: the device mesh holding both axes.
         data_axis: the mesh axis of the tokens, or None to replicate them.
         expert_axis: the mesh axis of the slots.
-        impl: ``topk_route_shed``'s.
+        impl: ``topk_route_shed``'s; ``"auto"`` picks by the mesh's devices
+            (the kernel on GPUs, the reference elsewhere), not the default backend.
 
     Returns:
         ``(y [T, D], TopkRouteShedResult)``, rows sharded as ``x``.
@@ -67,6 +68,8 @@ def moe_ffn_arena_sharded(x, router_w, arena: Experts, slot_table, *, top_k: int
     if num_slots % mesh.shape[expert_axis]:
         raise ValueError(f"arena: {num_slots} slots do not split over the {mesh.shape[expert_axis]} devices "
                          f"of mesh axis {expert_axis!r}")
+    if impl == "auto":
+        impl = "pallas" if mesh.devices.flat[0].platform == "gpu" else "reference"
     rows = P(data_axis, None)
     slots = P(expert_axis, None, None)
 

@@ -110,4 +110,5 @@ def rowwise(forward, num_row_args: int, num_tables: int = 1):
 
         return op(*arrays)
 
-    return call
+    # Jitted: an eager call then traces the wrappers (and the kernel inside) once per shape, not per call.
+    return jax.jit(call, static_argnums=static_argnums)

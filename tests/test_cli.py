@@ -185,3 +185,27 @@ def test_bench_host_times_the_token_boundary(monkeypatch, tmp_path, capsys):
     assert [(r["layers"], r["rows"]) for r in results] == [(2, 1), (2, 3)]
     assert all(r["median_ms"] > 0 and r["reads_per_token"] > 0 and 0 < r["hit_rate"] < 1 for r in results)
     assert "ms/token" in capsys.readouterr().out
+
+
+def test_bench_compile_counts_kernels_per_bucket(monkeypatch, tmp_path, capsys):
+    pytest.importorskip("jax")
+    from kq import compile_bench
+    from kq_jax.pallas.config import row_bucket
+
+    monkeypatch.setattr(compile_bench, "INTERPRETER_SIZES", dict(count=3, max_rows=16, boundary_rows=(9,)))
+    monkeypatch.setattr(compile_bench, "OPS", ("route_shed",))
+    json_path = tmp_path / "compile.json"
+    assert main(["bench", "--sets", "compile", "--no-progress", "--json", str(json_path)]) == 0
+    result = json.loads(json_path.read_text())
+    counts = result["row_counts"]
+    assert counts == result["row_counts_planned"] and len(counts) == 3 and all(1 <= c <= 16 for c in counts)
+    calls = result["first_calls"]
+    assert all(c["bits_exact"] for c in calls)
+    eager = {b: [c for c in calls if c["mode"] == "eager" and c["buckets"] == b] for b in (True, False)}
+    # Exact-size launches compile per row count; bucketed ones at most once per bucket (and none for a
+    # bucket an earlier call of this process compiled).
+    assert sum(c["kernels_compiled"] for c in eager[False]) == len(counts)
+    assert sum(c["kernels_compiled"] for c in eager[True]) <= len({row_bucket(c) for c in counts})
+    [boundary] = result["boundary"]
+    assert boundary["rows"] == 9 and boundary["launch_rows"] == 12 and boundary["bucketed_us"] > 0
+    assert "first call per new row count" in capsys.readouterr().out

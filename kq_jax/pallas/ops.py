@@ -10,6 +10,7 @@ kernels are in :mod:`kq_jax.pallas.route_shed_kernel` and
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 
 import jax
@@ -22,6 +23,7 @@ from kq_jax.pallas.config import (
     MAX_UNROLLED_K,
     KernelConfig,
     block_config,
+    row_bucket,
     topk_block_config,
 )
 from kq_jax.partition import rowwise
@@ -30,14 +32,49 @@ from kq_jax.pallas.topk_kernel import topk_route_shed_kernel
 from kq_jax.reference import route_shed_ref, topk_normalized_ref, topk_route_shed_ref
 
 
-# Jitted so that a program calling the op many times (one call per MoE layer)
-# traces and lowers the kernel once per distinct shape, not once per call.
-@functools.partial(jax.jit, static_argnames=("interpret", "config", "num_slots"))
+def _launch_rows(rows: int, config: KernelConfig | None) -> int:
+    """The rows a launch covers: :func:`row_bucket`'s, unless ``config`` asks for the exact count."""
+    return rows if config is not None and config.row_buckets is False else row_bucket(rows)
+
+
+def _pad_rows(x, rows: int):
+    """``x`` ``[n, X]`` with zero rows appended up to ``rows``."""
+    return x if x.shape[0] == rows else jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
+
+
+def _on_row_bucket(op, row_args, config: KernelConfig | None):
+    """``op(*row_args)``; called eagerly, on the rows padded to their bucket (and the padding dropped after).
+
+    An eager call then reuses the executable compiled for its bucket instead
+    of compiling the kernel for its exact row count. Traced (under a jit),
+    ``op`` runs as it is, and each device pads its own rows in ``_pallas_forward``.
+    """
+    if any(isinstance(a, jax.core.Tracer) for a in row_args):
+        return op(*row_args)
+    shape = row_args[0].shape
+    rows = math.prod(shape[:-1])
+    launch_rows = _launch_rows(rows, config)
+    outputs = op(*(_pad_rows(jnp.reshape(a, (rows, a.shape[-1])), launch_rows) for a in row_args))
+    return jax.tree.map(lambda o: o[:rows].reshape(shape[:-1] + o.shape[-1:]), outputs)
+
+
 def _pallas_forward(indices, scores, slot_table, *, interpret: bool, config: KernelConfig | None,
                     num_slots: int | None) -> RouteShedResult:
-    out_shape = indices.shape
-    top_k = out_shape[-1]
+    top_k = indices.shape[-1]
     rows = indices.size // top_k
+    launch_rows = _launch_rows(rows, config)
+    outputs = _route_shed_launch(_pad_rows(indices.reshape(rows, top_k), launch_rows),
+                                 _pad_rows(scores.reshape(rows, top_k), launch_rows), slot_table,
+                                 interpret=interpret, config=config, num_slots=num_slots)
+    return RouteShedResult(*(o[:rows].reshape(indices.shape) for o in outputs))
+
+
+# Jitted on the launch's [rows, K], so that every row count of one bucket, and
+# a program calling the op once per MoE layer, trace and lower the kernel once.
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "num_slots"))
+def _route_shed_launch(indices, scores, slot_table, *, interpret: bool, config: KernelConfig | None,
+                       num_slots: int | None) -> RouteShedResult:
+    rows, top_k = indices.shape
     num_experts = slot_table.shape[0]
     shapes = (
         jax.ShapeDtypeStruct((rows * top_k,), indices.dtype),
@@ -46,9 +83,9 @@ def _pallas_forward(indices, scores, slot_table, *, interpret: bool, config: Ker
         jax.ShapeDtypeStruct((rows * top_k,), jnp.float32),
     )
     if rows == 0:
-        return RouteShedResult(*(jnp.zeros(out_shape, s.dtype) for s in shapes))
-    block_rows, num_warps, tiled_io, ptx_arith, entry_lanes = block_config(rows, top_k, config,
-                                                                          interpret=interpret)
+        return RouteShedResult(*(jnp.zeros(indices.shape, s.dtype) for s in shapes))
+    block_rows, num_warps, tiled_io, ptx_arith, entry_lanes, _ = block_config(rows, top_k, config,
+                                                                             interpret=interpret)
     params = dict(rows=rows, top_k=top_k, num_experts=num_experts, block_rows=block_rows,
                   unsigned_ids=indices.dtype == jnp.uint32, ptx_arith=ptx_arith, num_slots=num_slots)
     if entry_lanes:
@@ -58,7 +95,7 @@ def _pallas_forward(indices, scores, slot_table, *, interpret: bool, config: Ker
     outputs = _launch(kernel, shapes, (indices.reshape(-1), scores.reshape(-1), slot_table),
                       name=f"route_shed_k{top_k}", programs=pl.cdiv(rows, block_rows), num_warps=num_warps,
                       interpret=interpret)
-    return RouteShedResult(*(o.reshape(out_shape) for o in outputs))
+    return RouteShedResult(*(o.reshape(indices.shape) for o in outputs))
 
 
 def _launch(kernel, out_shapes, args, *, name: str, programs: int, num_warps: int, interpret: bool):
@@ -121,20 +158,29 @@ def route_shed_pallas(indices, scores, slot_table, *, interpret: bool = False, c
         ``RouteShedResult(slots, mix, miss_ids, miss_scores)`` shaped like ``indices``;
         ``mix`` is differentiable with respect to ``scores``.
     """
-    return _route_shed_diff(indices, scores, slot_table, interpret, config, num_slots)
+    return _on_row_bucket(lambda i, s: _route_shed_diff(i, s, slot_table, interpret, config, num_slots),
+                          (indices, scores), config)
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "interpret", "config", "num_slots"))
 def _topk_forward(probs, slot_table, *, top_k: int, interpret: bool, config: KernelConfig | None,
                   num_slots: int | None) -> TopkRouteShedResult:
     num_experts = probs.shape[-1]
     rows = probs.size // num_experts
-    out_shape = probs.shape[:-1] + (top_k,)
+    outputs = _topk_launch(_pad_rows(probs.reshape(rows, num_experts), _launch_rows(rows, config)), slot_table,
+                           top_k=top_k, interpret=interpret, config=config, num_slots=num_slots)
+    return jax.tree.map(lambda o: o[:rows].reshape(probs.shape[:-1] + (top_k,)), outputs)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "interpret", "config", "num_slots"))
+def _topk_launch(probs, slot_table, *, top_k: int, interpret: bool, config: KernelConfig | None,
+                 num_slots: int | None) -> TopkRouteShedResult:
+    rows, num_experts = probs.shape
+    out_shape = (rows, top_k)
     dtypes = (jnp.int32, jnp.float32, jnp.int32, jnp.float32, jnp.int32, jnp.float32)
     if rows == 0:
         outputs = [jnp.zeros(out_shape, d) for d in dtypes]
     else:
-        block_rows, num_warps, _, ptx_arith, _ = topk_block_config(rows, num_experts, config, interpret=interpret)
+        block_rows, num_warps, _, ptx_arith, _, _ = topk_block_config(rows, num_experts, config, interpret=interpret)
         kernel = functools.partial(topk_route_shed_kernel, rows=rows, num_experts=num_experts, top_k=top_k,
                                    block_rows=block_rows, ptx_arith=ptx_arith, num_slots=num_slots)
         outputs = _launch(kernel, [jax.ShapeDtypeStruct((rows * top_k,), d) for d in dtypes],
@@ -201,5 +247,6 @@ def topk_route_shed_pallas(probs, slot_table, *, top_k: int, interpret: bool = F
         indices, scores = topk_normalized_ref(probs, top_k=top_k)
         shed = route_shed_pallas(indices, scores, slot_table, interpret=interpret, config=config, num_slots=num_slots)
         return TopkRouteShedResult(indices, scores, shed)
-    return _topk_route_shed_diff(probs, slot_table, int(top_k), interpret, config, num_slots)
+    return _on_row_bucket(lambda p: _topk_route_shed_diff(p, slot_table, int(top_k), interpret, config, num_slots),
+                          (probs,), config)
 
