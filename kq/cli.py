@@ -71,28 +71,19 @@ def _count(minimum: int):
 def _bench(args) -> int:
     from kq import bench
 
-    if args.sets and "compile" in args.sets:
-        from kq import compile_bench
-
+    # Sets that run alone, each a module with run(progress=...), format_table(result), write_json(result, path).
+    for alone, module_name, what in (("compile", "compile_bench", "first calls at new row counts, not one shape"),
+                                     ("host", "host_bench", "the residency manager, not route_shed")):
+        if not args.sets or alone not in args.sets:
+            continue
         if len(args.sets) > 1 or args.shapes:
-            print("kq bench: --sets compile runs alone (first calls at new row counts, not one shape)")
+            print(f"kq bench: --sets {alone} runs alone ({what})")
             return 2
-        result = compile_bench.run(progress=not args.no_progress)
-        print(compile_bench.format_tables(result))
+        module = importlib.import_module(f"kq.{module_name}")
+        result = module.run(progress=not args.no_progress)
+        print(module.format_table(result))
         if args.json:
-            compile_bench.write_json(result, args.json)
-            print(f"wrote {args.json}")
-        return 0
-    if args.sets and "host" in args.sets:
-        from kq import host_bench
-
-        if len(args.sets) > 1 or args.shapes:
-            print("kq bench: --sets host runs alone (the residency manager, not route_shed)")
-            return 2
-        results = host_bench.run(progress=not args.no_progress)
-        print(host_bench.format_table(results))
-        if args.json:
-            host_bench.write_json(results, args.json)
+            module.write_json(result, args.json)
             print(f"wrote {args.json}")
         return 0
     sets = args.sets or ([] if args.shapes else ["decode"])

@@ -246,7 +246,7 @@ def summary(result: dict) -> list[dict]:
     return rows
 
 
-def format_tables(result: dict) -> str:
+def format_table(result: dict) -> str:
     first = render_table(
         ["op", "mode", "row buckets", "row counts", "kernels compiled", "XLA compiles", "first calls s",
          "median s", "bits"],
