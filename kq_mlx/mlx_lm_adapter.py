@@ -7,12 +7,18 @@ slot table, and runs an mlx-lm ``SwitchGLU`` with S experts (the arena) on
 ``slots``, combining by ``mix``. mlx-lm's gather kernels are used unchanged;
 only the expert index and the weights they see differ.
 
+Quantized checkpoints (mlx-lm's ``QuantizedSwitchLinear``: packed weights,
+scales and biases, any mode) get an arena of the same class and quantization:
+each slot holds one expert's packed arrays as the checkpoint stores them, and
+mlx-lm's ``gather_qmm`` runs on ``slots``.
+
 With every expert resident the wrapped model produces the original model's
 bits: an all-kept row's ``mix`` equals its scores exactly.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 import mlx.core as mx
@@ -76,21 +82,35 @@ class ArenaMoeBlock(nn.Module):
         self.block = block
         source = block.switch_mlp
         self.num_experts = source.gate_proj.weight.shape[0]
-        hidden, dims = source.gate_proj.weight.shape[1], source.gate_proj.weight.shape[2]
         self.num_slots = num_slots
-        self.arena = type(source)(dims, hidden, num_slots)  # an mlx-lm SwitchGLU with S experts
+        # The arena: the block's own SwitchGLU class, each projection a copy of the block's (its class,
+        # quantization and hyper-parameters) with every per-expert array cut to num_slots zero slots.
+        self.arena = copy.copy(source)
         for projection in PROJECTIONS:
-            weight = getattr(source, projection).weight
-            getattr(self.arena, projection).weight = mx.zeros((num_slots, *weight.shape[1:]), weight.dtype)
+            setattr(self.arena, projection, _arena_projection(getattr(source, projection), self.num_experts,
+                                                             num_slots))
         self.slot_table = mx.full((self.num_experts,), -1, mx.int32)
         self.rule = "route_shed"
         self.last = None
         self.last_mix = None
 
+    def slot_layout(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """``{payload key: (shape, dtype)}`` of one slot: what a loader hands :class:`SwitchGLUArena`.
+
+        A float arena takes one array per projection, keyed by the projection
+        (``"gate_proj"``, float32 or narrower). A quantized arena takes every
+        per-expert array of each projection, keyed ``"<projection>.<array>"``
+        (``"gate_proj.weight"`` packed uint32, ``"gate_proj.scales"``,
+        ``"gate_proj.biases"``): mlx-community's stacked tensor names under
+        ``switch_mlp``, so ``ExpertStore(..., layout="stacked")`` reads them as they are.
+        """
+        return {key: (tuple(array.shape[1:]), _host_dtype(array.dtype)) for key, array in _slot_arrays(self.arena)}
+
     def expert_weights(self, expert: int) -> dict[str, np.ndarray]:
-        """One expert's weights from the wrapped block (the in-memory 'disk' for tests)."""
-        source = self.block.switch_mlp
-        return {p: np.array(getattr(source, p).weight[expert].astype(mx.float32)) for p in PROJECTIONS}
+        """One expert's payload (:meth:`slot_layout`'s keys) from the wrapped block: the in-memory 'disk' for tests."""
+        return {key: np.array(array[expert].astype(mx.float32) if _host_dtype(array.dtype) == np.float32
+                              else array[expert])
+                for key, array in _slot_arrays(self.block.switch_mlp)}
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.rule == "substitute":
@@ -144,17 +164,44 @@ class SwitchGLUArena:
         self.blocks = blocks
 
     def write_slot(self, layer: int, slot: int, payload: dict[str, np.ndarray]) -> None:
-        """One expert into ``[layer, slot]``, each projection cast to the arena's dtype through float32.
+        """One expert into ``[layer, slot]`` (keys and shapes of :meth:`ArenaMoeBlock.slot_layout`); float
+        arrays cast to the arena's dtype through float32, packed quantized weights written as they are.
 
         Raises:
             ExpertPayloadError: the payload is not one expert of the layer's shapes (nothing written).
         """
-        arena = self.blocks[layer].arena
-        check_payload(payload, {p: (tuple(getattr(arena, p).weight.shape[1:]), np.float32) for p in PROJECTIONS})
-        for projection in PROJECTIONS:
-            weight = getattr(arena, projection).weight
-            weight[slot] = mx.array(np.asarray(payload[projection], np.float32)).astype(weight.dtype)
-        mx.eval(*(getattr(arena, p).weight for p in PROJECTIONS))
+        block = self.blocks[layer]
+        layout = block.slot_layout()
+        check_payload(payload, layout)
+        arrays = dict(_slot_arrays(block.arena))
+        for key, (_, dtype) in layout.items():
+            arrays[key][slot] = mx.array(np.asarray(payload[key], dtype)).astype(arrays[key].dtype)
+        mx.eval(*arrays.values())
+
+
+def _slot_arrays(switch_glu) -> list[tuple[str, mx.array]]:
+    """``(payload key, [N, ...] array)`` of every per-expert array of a SwitchGLU's projections."""
+    out = []
+    for projection in PROJECTIONS:
+        module = getattr(switch_glu, projection)
+        names = [n for n in ("weight", "scales", "biases") if module.get(n) is not None]
+        quantized = "scales" in names
+        out += [(f"{projection}.{n}" if quantized else projection, module[n]) for n in names[:None if quantized else 1]]
+    return out
+
+
+def _host_dtype(dtype) -> np.dtype:
+    """The NumPy dtype a payload array has for an arena array of ``dtype``: float32 for floats, else its own."""
+    return np.dtype(np.float32) if mx.issubdtype(dtype, mx.floating) else np.dtype(str(dtype).split(".")[-1])
+
+
+def _arena_projection(source: nn.Module, num_experts: int, num_slots: int) -> nn.Module:
+    """A copy of an mlx-lm SwitchLinear / QuantizedSwitchLinear whose per-expert arrays hold ``num_slots`` zero slots."""
+    projection = copy.copy(source)
+    for name, value in source.items():
+        if isinstance(value, mx.array) and value.ndim and value.shape[0] == num_experts:
+            projection[name] = mx.zeros((num_slots, *value.shape[1:]), value.dtype)
+    return projection
 
 
 def attach_arena(model: nn.Module, num_slots: int) -> list[ArenaMoeBlock]:

@@ -89,3 +89,70 @@ def test_partial_arena_runs_with_the_residency_manager():
     assert total.lookups == total.hits + total.misses
     assert all(len(manager.resident(layer)) <= 6 for layer in range(LAYERS))
     manager.close()
+
+
+QUANTIZATIONS = [dict(group_size=32, bits=4), dict(group_size=32, bits=8)]
+
+
+def _fill_every_expert(blocks, arena, load):
+    """Every expert resident, in slots deliberately not equal to the expert ids; returns the tables."""
+    rng = np.random.default_rng(0)
+    tables = np.empty((LAYERS, EXPERTS), np.int32)
+    for layer in range(len(blocks)):
+        slots = rng.permutation(EXPERTS)
+        tables[layer, np.arange(EXPERTS)] = slots
+        for expert in range(EXPERTS):
+            arena.write_slot(layer, int(slots[expert]), load(layer, expert))
+    set_tables(blocks, tables)
+
+
+@pytest.mark.parametrize("quantization", QUANTIZATIONS, ids=["4bit", "8bit"])
+@pytest.mark.parametrize("make_model", [qwen3_model, mixtral_model], ids=["qwen3_moe", "mixtral"])
+def test_quantized_experts_resident_reproduce_the_quantized_model(make_model, quantization):
+    import mlx.nn as nn
+
+    mx.random.seed(0)
+    model = make_model()
+    nn.quantize(model, **quantization)
+    mx.eval(model.parameters())
+    want_tokens, want_logits = greedy(model, [1, 2, 3], 10)
+
+    blocks = attach_arena(model, EXPERTS)
+    layout = blocks[0].slot_layout()
+    assert sorted(layout) == sorted(f"{p}.{a}" for p in ("gate_proj", "up_proj", "down_proj")
+                                    for a in ("weight", "scales", "biases"))
+    assert layout["gate_proj.weight"][1] == np.uint32
+    assert type(blocks[0].arena.gate_proj).__name__ == "QuantizedSwitchLinear"
+    assert blocks[0].arena.gate_proj.bits == quantization["bits"]
+    _fill_every_expert(blocks, SwitchGLUArena(blocks), lambda layer, expert: blocks[layer].expert_weights(expert))
+    got_tokens, got_logits = greedy(model, [1, 2, 3], 10)
+    assert got_tokens == want_tokens
+    for want, got in zip(want_logits, got_logits):
+        np.testing.assert_array_equal(want.view(np.uint32), got.view(np.uint32))
+
+
+def test_quantized_experts_stream_from_an_mlx_community_checkpoint(tmp_path):
+    """Packed weights, scales and biases read by ExpertStore from the stacked switch_mlp tensors of a file."""
+    import mlx.nn as nn
+
+    from kq_host.expert_store import ExpertStore
+
+    mx.random.seed(2)
+    model = qwen3_model()
+    nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    want_tokens, want_logits = greedy(model, [4, 5], 8)
+    tensors = {f"model.layers.{i}.mlp.switch_mlp.{key}": array
+               for i, layer in enumerate(model.layers) for key, array in
+               [(f"{p}.{a}", getattr(layer.mlp.switch_mlp, p)[a]) for p in ("gate_proj", "up_proj", "down_proj")
+                for a in ("weight", "scales", "biases")]}
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), tensors)
+
+    blocks = attach_arena(model, EXPERTS)
+    store = ExpertStore(tmp_path, layout="stacked", template="model.layers.{layer}.mlp.switch_mlp.{projection}",
+                        projections=tuple(blocks[0].slot_layout()))
+    _fill_every_expert(blocks, SwitchGLUArena(blocks), store.read_expert)
+    got_tokens, got_logits = greedy(model, [4, 5], 8)
+    assert got_tokens == want_tokens
+    for want, got in zip(want_logits, got_logits):
+        np.testing.assert_array_equal(want.view(np.uint32), got.view(np.uint32))
