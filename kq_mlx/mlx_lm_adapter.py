@@ -73,7 +73,7 @@ class ArenaMoeBlock(nn.Module):
         last_mix: the weights the last pass combined the experts' outputs with.
     """
 
-    def __init__(self, block: nn.Module, num_slots: int):
+    def __init__(self, block: nn.Module, num_slots: int, *, keep_experts: bool = True):
         super().__init__()
         name = type(block).__name__
         if name not in ROUTERS:
@@ -89,10 +89,21 @@ class ArenaMoeBlock(nn.Module):
         for projection in PROJECTIONS:
             setattr(self.arena, projection, _arena_projection(getattr(source, projection), self.num_experts,
                                                              num_slots))
+        if not keep_experts:
+            # Dropped before anything evaluates them: from a lazily loaded checkpoint the experts are then
+            # never read into memory (the arena is filled from disk by the residency manager).
+            block.pop("switch_mlp")
+        self.keeps_experts = keep_experts
         self.slot_table = mx.full((self.num_experts,), -1, mx.int32)
         self.rule = "route_shed"
         self.last = None
         self.last_mix = None
+
+    def _wrapped_experts(self, why: str):
+        if not self.keeps_experts:
+            raise ValueError(f"ArenaMoeBlock: {why} needs the block's own experts, dropped by "
+                             f"attach_arena(..., keep_experts=False)")
+        return self.block.switch_mlp
 
     def slot_layout(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         """``{payload key: (shape, dtype)}`` of one slot: what a loader hands :class:`SwitchGLUArena`.
@@ -110,7 +121,7 @@ class ArenaMoeBlock(nn.Module):
         """One expert's payload (:meth:`slot_layout`'s keys) from the wrapped block: the in-memory 'disk' for tests."""
         return {key: np.array(array[expert].astype(mx.float32) if _host_dtype(array.dtype) == np.float32
                               else array[expert])
-                for key, array in _slot_arrays(self.block.switch_mlp)}
+                for key, array in _slot_arrays(self._wrapped_experts("expert_weights"))}
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.rule == "substitute":
@@ -120,6 +131,7 @@ class ArenaMoeBlock(nn.Module):
             shed = kq_mlx.route_shed(inds.astype(mx.uint32), scores, self.slot_table, num_slots=self.num_slots)
         self.last = (inds, scores, shed)
         if self.rule == "stall":
+            self._wrapped_experts("rule 'stall'")
             self.last_mix = scores
             return self.block(x)
         mix = self._mix(inds, scores, shed)
@@ -204,14 +216,23 @@ def _arena_projection(source: nn.Module, num_experts: int, num_slots: int) -> nn
     return projection
 
 
-def attach_arena(model: nn.Module, num_slots: int) -> list[ArenaMoeBlock]:
-    """Wraps every supported MoE block of an mlx-lm model; returns the wrappers, one per MoE layer."""
+def attach_arena(model: nn.Module, num_slots: int, *, keep_experts: bool = True) -> list[ArenaMoeBlock]:
+    """Wraps every supported MoE block of an mlx-lm model; returns the wrappers, one per MoE layer.
+
+    Args:
+        model: an mlx-lm model (Qwen3-MoE or Mixtral), quantized or not.
+        num_slots: arena slots per layer.
+        keep_experts: keep each block's own experts (for rule ``"stall"`` and
+            :meth:`ArenaMoeBlock.expert_weights`). ``False`` drops them; with a
+            model from ``mlx_lm.load(path, lazy=True)`` they are then never
+            read, and only the other weights and the arenas take memory.
+    """
     blocks = []
     for layer in model.layers:
         # Qwen3-MoE names the block `mlp`, Mixtral `block_sparse_moe`.
         for name, child in layer.children().items():
             if type(child).__name__ in ROUTERS:
-                wrapper = ArenaMoeBlock(child, num_slots)
+                wrapper = ArenaMoeBlock(child, num_slots, keep_experts=keep_experts)
                 setattr(layer, name, wrapper)
                 blocks.append(wrapper)
     if not blocks:

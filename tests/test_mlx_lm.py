@@ -156,3 +156,91 @@ def test_quantized_experts_stream_from_an_mlx_community_checkpoint(tmp_path):
     assert got_tokens == want_tokens
     for want, got in zip(want_logits, got_logits):
         np.testing.assert_array_equal(want.view(np.uint32), got.view(np.uint32))
+
+
+_LAZY_RUN = r"""
+import json, sys
+from pathlib import Path
+import mlx.core as mx
+from mlx_lm.utils import load_model
+from kq_host.expert_store import ExpertStore
+from kq_host.residency import ResidencyManager
+from kq_mlx.mlx_lm_adapter import SwitchGLUArena, attach_arena, set_tables
+
+path, keep = Path(sys.argv[1]), sys.argv[2] == "keep"
+def status_mib(field):
+    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(field + ":"))
+    return int(line.split()[1]) / 1024
+baseline = status_mib("VmRSS")
+model, _ = load_model(path, lazy=True)
+blocks = attach_arena(model, 16, keep_experts=keep)
+mx.eval(model.parameters())
+if keep:  # what an unmodified model reaches once every expert has been routed to
+    mx.eval([mx.sum(a) for b in blocks for a in b.block.switch_mlp.parameters()["gate_proj"].values()]
+            + [mx.sum(a) for b in blocks for p in ("up_proj", "down_proj")
+               for a in b.block.switch_mlp.parameters()[p].values()])
+store = ExpertStore(path, layout="stacked", template="model.layers.{layer}.mlp.switch_mlp.{projection}.weight",
+                    projections=tuple(blocks[0].slot_layout()))
+manager = ResidencyManager(len(blocks), 64, 16, loader=lambda l, e, s: store.read_expert(l, e),
+                           arena=SwitchGLUArena(blocks), read_budget=16)
+set_tables(blocks, manager.snapshot())
+x = mx.array([[1, 2, 3]])
+for _ in range(8):
+    logits = model(x)[0, -1]
+    mx.eval(logits)
+    set_tables(blocks, manager.step([b.report() for b in blocks]))
+    x = mx.concatenate([x, mx.argmax(logits)[None, None]], axis=1)
+manager.drain()
+print(json.dumps(dict(baseline=baseline, peak=status_mib("VmHWM"), reads=manager.stats()[1].reads_landed)))
+"""
+
+
+def test_lazy_checkpoint_never_materialises_its_experts(tmp_path):
+    """From mlx_lm's lazy load with keep_experts=False, peak RSS grows by the other weights and the arenas
+    (16 of 64 slots), not by the experts; with the experts kept it grows by them."""
+    import dataclasses
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from mlx_lm.utils import save_config, save_model
+
+    mx.random.seed(3)
+    args = qwen3_moe.ModelArgs(
+        model_type="qwen3_moe", hidden_size=256, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
+        num_experts=64, num_experts_per_tok=4, decoder_sparse_step=1, mlp_only_layers=[],
+        moe_intermediate_size=512, rms_norm_eps=1e-6, vocab_size=128, num_key_value_heads=2, head_dim=64,
+        rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=512, norm_topk_prob=True)
+    model = qwen3_moe.Model(args)
+    mx.eval(model.parameters())
+    save_model(tmp_path, model)
+    save_config(dataclasses.asdict(args), tmp_path / "config.json")
+    expert_mib = 2 * 64 * 3 * 256 * 512 * 4 / 2**20  # 192 MiB of the file's float32 weights
+    arena_mib = expert_mib * 16 / 64
+    other_mib = sum(v.nbytes for k, v in _flat(model.parameters()) if "switch_mlp" not in k) / 2**20
+
+    def run(mode):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")]))
+        out = subprocess.run([sys.executable, "-c", _LAZY_RUN, str(tmp_path), mode], capture_output=True, text=True,
+                             env=env, timeout=300)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    dropped, kept = run("drop"), run("keep")
+    print(f"peak RSS growth: experts dropped {dropped['peak'] - dropped['baseline']:.0f} MiB, kept and "
+          f"touched {kept['peak'] - kept['baseline']:.0f} MiB; experts {expert_mib:.0f} MiB, arenas {arena_mib:.0f} MiB, "
+          f"other weights {other_mib:.1f} MiB")
+    assert dropped["reads"] > 0 and kept["reads"] > 0
+    growth = dropped["peak"] - dropped["baseline"]
+    assert growth < other_mib + arena_mib + 64, (growth, other_mib, arena_mib)
+    assert kept["peak"] - kept["baseline"] > growth + 0.75 * expert_mib, (kept, dropped)
+
+
+def _flat(params, prefix=""):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(params)
+
+
+_ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
