@@ -6,7 +6,9 @@ One dispatcher picks the implementation from the stream the op runs on:
   (math mode "safe"), built once per (index dtype, score dtype, K);
 * a GPU stream on MLX's CUDA backend: ``route_shed.cu`` through ``mx.fast.cuda_kernel``;
 * a CPU stream (and any device without a kernel): :func:`route_shed_ops`,
-  ordinary ``mlx.core`` ops in the contract's order, compiled with ``mx.compile``.
+  ordinary ``mlx.core`` ops in the contract's order, compiled with ``mx.compile``;
+  only ops MLX can compile shapeless, so a caller's ``mx.compile(...,
+  shapeless=True)`` around the op serves every row count.
 
 All three are bit-exact with ``shared/spec.json``; nothing is evaluated until
 the caller evaluates the outputs.
@@ -19,7 +21,7 @@ import functools
 import mlx.core as mx
 import numpy as np
 
-from kq_core.contract import (CANONICAL_NAN_BITS, F32_MIN_NORMAL, NAN_ORDER_KEY, NOT_A_MISS_KEY, RouteShedResult,
+from kq_core.contract import (CANONICAL_NAN_BITS, F32_MIN_NORMAL, NAN_ORDER_KEY, RouteShedResult,
                               TopkRouteShedResult)
 from kq_core.validate import check_route_shed_args, check_topk_route_shed_args, dtype_name
 from kq_mlx import sources
@@ -34,9 +36,11 @@ def _flush(x):
     return mx.where(mx.abs(x) < F32_MIN_NORMAL, 0.0, x)
 
 
+_CANONICAL_NAN = np.array(CANONICAL_NAN_BITS, np.uint32).view(np.float32)
+
+
 def _canonical_nan(x):
-    nan = mx.array(np.uint32(CANONICAL_NAN_BITS)).view(mx.float32)
-    return mx.where(mx.isnan(x), nan, x)
+    return mx.where(mx.isnan(x), mx.array(_CANONICAL_NAN), x)
 
 
 def _order_key(s):
@@ -46,9 +50,12 @@ def _order_key(s):
 
 
 def _route_shed_ops_impl(indices, scores, slot_table):
+    # Every op works along the last axis, on rows of any rank, and is one MLX can compile shapeless
+    # (no reshape, slice, bit view or constant of the row count), so mx.compile(..., shapeless=True)
+    # around the op serves every row count.
     top_k = indices.shape[-1]
-    ids = indices.reshape(-1, top_k)  # [rows, k]
-    s = _flush(scores.reshape(-1, top_k).astype(mx.float32))  # [rows, k]
+    ids = indices  # [..., k]
+    s = _flush(scores.astype(mx.float32))  # [..., k], no -0.0 after the flush
     num_experts = slot_table.shape[0]
     if ids.dtype == mx.uint32:
         valid = ids < mx.array(num_experts, mx.uint32)
@@ -59,32 +66,38 @@ def _route_shed_ops_impl(indices, scores, slot_table):
     slot = mx.where(valid, slot_table[safe], -1)
     keep = slot >= 0
 
-    total = mx.zeros(ids.shape[:1], mx.float32)
-    kept = mx.zeros(ids.shape[:1], mx.float32)
+    # Columns as a masked sum over the row: exact (the other terms are +0.0 and the scores hold no
+    # -0.0), where mx.take along the last axis fixes the row count in a shapeless compile.
+    position = mx.arange(top_k, dtype=mx.int32)
+    total = kept = mx.sum(mx.where(keep, mx.array(0.0, mx.float32), mx.array(0.0, mx.float32)), axis=-1)
     for k in range(top_k):
-        total = _flush(total + s[:, k])
-        kept = mx.where(keep[:, k], _flush(kept + s[:, k]), kept)
+        at_k = position == k
+        s_k = mx.sum(mx.where(at_k, s, 0.0), axis=-1)
+        kept = mx.where(mx.any(at_k & keep, axis=-1), _flush(kept + s_k), kept)
+        total = _flush(total + s_k)
     has_mass = kept > 0.0
     scale = mx.where(has_mass, _flush(total / mx.where(has_mass, kept, 1.0)), 0.0)
-    mix = mx.where(keep, _flush(s * scale[:, None]), 0.0)
+    mix = mx.where(keep, _flush(s * mx.expand_dims(scale, -1)), 0.0)
 
-    position = mx.arange(top_k, dtype=mx.int32)
-    first_kept = mx.min(mx.where(keep, position, top_k - 1), axis=1, keepdims=True)
-    fallback = mx.where(mx.any(keep, axis=1, keepdims=True), mx.take_along_axis(slot, first_kept, axis=1), 0)
+    first_kept = mx.min(mx.where(keep, position, top_k - 1), axis=-1, keepdims=True)
+    fallback = mx.where(mx.any(keep, axis=-1, keepdims=True), mx.take_along_axis(slot, first_kept, axis=-1), 0)
     slots = mx.where(keep, slot, fallback)
 
-    # Misses by rank: a unique int64 key (score key, then k) makes the order
-    # independent of whether argsort is stable.
+    # Misses by rank: each entry's rank is the number of entries before it in the contract's order
+    # (misses first, by descending score, NaN after every number, ties by position), compared in pairs
+    # on the floats: no bit view, and no reliance on a stable sort.
     miss = valid & ~keep
-    key = mx.where(miss, _order_key(s), NOT_A_MISS_KEY).astype(mx.int64) * 64 + position
-    order = mx.argsort(key, axis=1)
-    filled = position < mx.sum(miss, axis=1, keepdims=True)
-    miss_ids = mx.where(filled, mx.take_along_axis(ids.astype(mx.int32), order, axis=1), -1)
-    miss_scores = mx.where(filled, mx.take_along_axis(s, order, axis=1), 0.0)
-
-    out_shape = indices.shape
-    return (slots.astype(indices.dtype).reshape(out_shape), _canonical_nan(mix).reshape(out_shape),
-            miss_ids.reshape(out_shape), _canonical_nan(miss_scores).reshape(out_shape))
+    group = mx.where(miss, mx.where(mx.isnan(s), 1, 0), 2)  # 0: a miss with a number, 1: a NaN miss, 2: no miss
+    g_i, g_j = mx.expand_dims(group, -1), mx.expand_dims(group, -2)
+    s_i, s_j = mx.expand_dims(s, -1), mx.expand_dims(s, -2)
+    earlier = mx.expand_dims(position, 1) < mx.expand_dims(position, 0)
+    by_score = (g_i == 0) & (s_i != s_j)
+    before = (g_i < g_j) | ((g_i == g_j) & mx.where(by_score, s_i > s_j, earlier))  # [..., i, j]: i before j
+    order = mx.argsort(mx.sum(before, axis=-2).astype(mx.int32), axis=-1)  # distinct ranks: any sort agrees
+    filled = position < mx.sum(miss, axis=-1, keepdims=True)
+    miss_ids = mx.where(filled, mx.take_along_axis(ids.astype(mx.int32), order, axis=-1), -1)
+    miss_scores = mx.where(filled, mx.take_along_axis(s, order, axis=-1), 0.0)
+    return slots.astype(indices.dtype), _canonical_nan(mix), miss_ids, _canonical_nan(miss_scores)
 
 
 _route_shed_ops_compiled = mx.compile(_route_shed_ops_impl)

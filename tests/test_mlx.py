@@ -109,3 +109,20 @@ def test_kq_route_shed_dispatches_mlx_arrays(rng):
     out = kq.route_shed(*as_mx(*inputs))
     assert isinstance(out.mix, mx.array)
     assert_same_bits(route_shed_oracle(*inputs), [np.array(o) for o in out])
+
+
+@pytest.mark.parametrize("dtypes", [("int32", "float32"), ("uint32", "bfloat16")], ids=["int32-f32", "uint32-bf16"])
+@pytest.mark.parametrize("stream", ["cpu", "default"])
+def test_one_shapeless_compile_serves_every_row_count(rng, dtypes, stream):
+    """mx.compile(shapeless=True), as mlx-lm compiles in places: row counts and ranks change between calls
+    of one compiled function; every output is the oracle's, adversarial rows included."""
+    index_dtype, score_dtype = dtypes
+    device = mx.cpu if stream == "cpu" else mx.default_device()
+    fn = mx.compile(lambda i, s, t: tuple(kq_mlx.route_shed(i, s, t, stream=device)), shapeless=True)
+    for leading in [(3,), (64,), (1,), (200,), (2, 5), (1, 1), (4, 33)]:
+        rows = int(np.prod(leading))
+        ids, scores, table = adversarial_inputs(rng, rows, 8, 40, index_dtype=index_dtype, score_dtype=score_dtype)
+        ids, scores = ids.reshape(*leading, 8), scores.reshape(*leading, 8)
+        out = fn(*as_mx(ids, scores, table))
+        expected = route_shed_oracle(ids, scores, table)
+        assert_same_bits(expected, [np.array(o) for o in out])
