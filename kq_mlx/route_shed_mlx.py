@@ -67,14 +67,15 @@ def _route_shed_ops_impl(indices, scores, slot_table):
     keep = slot >= 0
 
     # Columns as a masked sum over the row: exact (the other terms are +0.0 and the scores hold no
-    # -0.0), where mx.take along the last axis fixes the row count in a shapeless compile.
+    # -0.0), where mx.take along the last axis fixes the row count in a shapeless compile. A shed
+    # entry adds +0.0 to ``kept``, which leaves it as it is (it is never -0.0).
     position = mx.arange(top_k, dtype=mx.int32)
+    kept_s = mx.where(keep, s, 0.0)
     total = kept = mx.sum(mx.where(keep, mx.array(0.0, mx.float32), mx.array(0.0, mx.float32)), axis=-1)
     for k in range(top_k):
         at_k = position == k
-        s_k = mx.sum(mx.where(at_k, s, 0.0), axis=-1)
-        kept = mx.where(mx.any(at_k & keep, axis=-1), _flush(kept + s_k), kept)
-        total = _flush(total + s_k)
+        total = _flush(total + mx.sum(mx.where(at_k, s, 0.0), axis=-1))
+        kept = _flush(kept + mx.sum(mx.where(at_k, kept_s, 0.0), axis=-1))
     has_mass = kept > 0.0
     scale = mx.where(has_mass, _flush(total / mx.where(has_mass, kept, 1.0)), 0.0)
     mix = mx.where(keep, _flush(s * mx.expand_dims(scale, -1)), 0.0)
