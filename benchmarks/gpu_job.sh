@@ -5,17 +5,25 @@
 # ROWS random rows), memcheck (compute-sanitizer over the kernel's launch cases), bench (`kq bench`,
 # BENCH_SETS), sweep (the Pallas launch sweeps), moe (the MoE arena overhead), sharding (the sharding
 # and expert-parallel tests: on a GPU mesh where there are two GPUs or more), compile (`kq bench --sets
-# compile`), expert_parallel (the expert-parallel layer over this machine's GPUs). Each part's log and
+# compile`), expert_parallel (the expert-parallel layer over this machine's GPUs); and MLX on CUDA, after
+# `source .mlxb/env.sh` (../shared/device/mlx-cuda-prepare.sh; an mlx-lm wheel put in .mlxb/ is installed
+# beside it): mlx_check (`kq check --backends mlx-cuda`), mlx_tests (tests/test_mlx.py, test_mlx_lm.py),
+# mlx_bench (`kq bench`, mlx-cuda beside mlx-ops on the GPU stream), mlx_decode (mlx-lm decode through
+# the arena, `python -m benchmarks mlx_decode`). Each part's log and
 # JSON go under $OUT, with the device and versions in device.txt and one line per part in
 # summary.txt; a part is cut at PART_TIMEOUT seconds (default 500). Exits non-zero if a part failed.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false KQ_HYPOTHESIS_PROFILE=gpu
 OUT=${OUT:-out}
 mkdir -p "$OUT"
+for wheel in .mlxb/mlx_lm-*.whl; do  # mlx-lm beside MLX's CUDA build (pure Python)
+  [ -f "$wheel" ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site "$wheel"
+done
 {
   date -u +%Y-%m-%dT%H:%MZ
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
   python3 -c "import sys, jax, numpy; print('python', sys.version.split()[0], 'jax', jax.__version__, 'numpy', numpy.__version__)"
+  python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())" 2>/dev/null
 } 2>&1 | tee "$OUT/device.txt"
 status=0
 part() {  # name, command...
@@ -48,7 +56,15 @@ for name in ${PARTS:-tests check memcheck}; do
                 tests/test_expert_parallel.py ;;
     compile) part compile python3 -m kq bench --sets compile --no-progress --json "$OUT/compile.json" ;;
     expert_parallel) part expert_parallel python3 -m benchmarks expert_parallel --json "$OUT/expert_parallel.json" ;;
-    *) echo "unknown part: $name (tests check memcheck bench sweep moe sharding compile expert_parallel)"
+    mlx_check) part mlx_check python3 -m kq check --backends mlx-cuda --random-rows "${ROWS:-50000}" ;;
+    mlx_tests) part mlx_tests python3 -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_mlx.py tests/test_mlx_lm.py ;;
+    mlx_bench) for set in ${BENCH_SETS:-decode prefill}; do
+                 part "mlx_bench_$set" python3 -m kq bench --sets "$set" --backends mlx-cuda mlx-ops --repeats 9 \
+                   --no-progress --json "$OUT/mlx_bench_$set.json"
+               done ;;
+    mlx_decode) part mlx_decode python3 -m benchmarks mlx_decode --json "$OUT/mlx_decode.json" ;;
+    *) echo "unknown part: $name (tests check memcheck bench sweep moe sharding compile expert_parallel" \
+            "mlx_check mlx_tests mlx_bench mlx_decode)"
        status=2 ;;
   esac
 done
