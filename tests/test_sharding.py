@@ -29,7 +29,7 @@ def _meshes():
         meshes += [("cpu", impl, grid) for impl in ("reference", "pallas_interpret")]
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     if len(gpus) >= 2:
-        grid = np.array(gpus[:2] * 1).reshape(2, 1)
+        grid = np.array(gpus[:2]).reshape(2, 1)
         meshes += [("gpu", impl, grid) for impl in ("reference", "pallas")]
     return meshes
 
