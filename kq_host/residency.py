@@ -120,11 +120,14 @@ def _rank_within(groups: np.ndarray, num_groups: int) -> np.ndarray:
 
 def _ranked_slots(mask: np.ndarray, priority: np.ndarray, owner: np.ndarray) -> np.ndarray:
     """``[L, S]``: row l lists layer l's slots where ``mask`` holds, by ascending (priority, owner, slot)."""
-    layer, slot = np.nonzero(mask)
-    order = np.lexsort((slot, owner[layer, slot], priority[layer, slot], layer))
-    layer, slot = layer[order], slot[order]
     out = np.full(mask.shape, -1, np.int64)
-    out[layer, _rank_within(layer, mask.shape[0])] = slot
+    rows = np.flatnonzero(mask.any(axis=1))
+    if rows.size:
+        held = mask[rows]
+        slots = np.broadcast_to(np.arange(mask.shape[1]), held.shape)
+        # One sort per row along the slots: the masked slots first, then by priority, owner, slot.
+        order = np.lexsort((slots, owner[rows], priority[rows], ~held), axis=-1)
+        out[rows] = np.where(slots < held.sum(axis=1, keepdims=True), order, -1)
     return out
 
 
