@@ -174,7 +174,104 @@ class LayerReport:
 _COUNTERS = tuple(f.name for f in fields(LayerStats))
 
 
-class ResidencyManager:
+class ManagerBase:
+    """What every residency manager shares: its arguments, checked; the read queue and its
+    lifecycle (``pending``, ``drain``, ``close``); the one-thread guard.
+
+    A subclass builds its tables after ``__init__`` (``pinned_experts`` holds the checked
+    pinned sets), sets ``_snapshot``, and defines ``snapshot()`` and ``_publish_landed(timeout=...)``.
+    """
+
+    def __init__(self, num_layers: int, num_experts: int, num_slots: int, *, loader: Loader,
+                 arena: Arena | None, policy: str, pinned: Mapping[int, Iterable[int]] | None, keep_mass: float,
+                 read_budget: int | None, decay_interval: int, queue_depth: int, bytes_per_expert: int):
+        for name, value, minimum in (("num_layers", num_layers, 1), ("num_experts", num_experts, 1),
+                                     ("num_slots", num_slots, 1), ("queue_depth", queue_depth, 0),
+                                     ("decay_interval", decay_interval, 0), ("bytes_per_expert", bytes_per_expert, 0),
+                                     ("read_budget", 0 if read_budget is None else read_budget, 0)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
+                raise ValueError(f"ResidencyManager: {name} must be an int >= {minimum}, got {value!r}")
+        if policy not in ("lfu", "lru"):
+            raise ValueError(f"ResidencyManager: policy must be 'lfu' or 'lru', got {policy!r}")
+        if not 0.0 <= keep_mass <= 1.0:
+            raise ValueError(f"ResidencyManager: keep_mass must be in [0, 1], got {keep_mass}")
+        self.num_layers, self.num_experts, self.num_slots = num_layers, num_experts, num_slots
+        self.loader, self.arena, self.policy = loader, arena, policy
+        self.keep_mass, self.read_budget, self.decay_interval = keep_mass, read_budget, decay_interval
+        self.bytes_per_expert = bytes_per_expert
+        self.pinned_experts: dict[int, set[int]] = {}
+        for layer, experts in (pinned or {}).items():
+            experts = [int(e) for e in experts]
+            if not 0 <= layer < num_layers or any(not 0 <= e < num_experts for e in experts):
+                raise ValueError(f"ResidencyManager: pinned maps layers in [0, {num_layers}) to expert ids in "
+                                 f"[0, {num_experts}), got layer {layer}: {experts}")
+            if len(set(experts)) > num_slots:
+                raise ValueError(f"ResidencyManager: layer {layer} pins {len(set(experts))} experts into "
+                                 f"{num_slots} slots")
+            self.pinned_experts[layer] = set(experts)
+        self._pool = ThreadPoolExecutor(max_workers=queue_depth, thread_name_prefix="kq-prestage") if queue_depth else None
+        self._pending: list = []
+        self.failures: dict[tuple[int, int], FailedRead] = {}
+        self._busy = threading.Lock()
+        self.token = 0
+
+    def _preload_experts(self, layer: int, experts: Iterable[int]) -> list[int]:
+        """``preload``'s arguments, checked: the expert ids as ints."""
+        experts = [int(e) for e in experts]
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"preload: layer must be in [0, {self.num_layers}), got {layer}")
+        bad = [e for e in experts if not 0 <= e < self.num_experts]
+        if bad:
+            raise ValueError(f"preload: experts must be ids in [0, {self.num_experts}), got {bad}")
+        return experts
+
+    @contextlib.contextmanager
+    def _exclusive(self, method: str):
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(f"ResidencyManager.{method}: called from two threads at once; a manager serves one "
+                               f"decode thread (call it from that thread, or give each thread its own manager)")
+        try:
+            yield
+        finally:
+            self._busy.release()
+
+    def pending(self) -> list[PendingRead]:
+        """The reads submitted and not yet published."""
+        return [PendingRead(read.layer, read.expert, read.slot) for read in self._pending]
+
+    def drain(self, timeout: float | None = None) -> list[PendingRead]:
+        """Waits up to ``timeout`` seconds (None: no limit) for the reads in flight and publishes those done.
+
+        Returns:
+            The reads still out (they stay pending and publish at a later step or drain).
+        """
+        with self._exclusive("drain"):
+            self._publish_landed(timeout=timeout)
+            self._snapshot = self.snapshot()
+            return self.pending()
+
+    def close(self, timeout: float | None = 30.0) -> list[PendingRead]:
+        """Publishes what lands within ``timeout`` seconds, then stops the loader threads.
+
+        Reads not started are cancelled; a loader still running is left to finish on its own thread
+        (Python cannot stop it), and its result is dropped.
+
+        Returns:
+            The reads that were still out.
+        """
+        out = self.drain(timeout)
+        if self._pool is not None:
+            self._pool.shutdown(wait=not out, cancel_futures=True)
+        return out
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class ResidencyManager(ManagerBase):
     """Per-layer slot tables, eviction policy, prestage reads and statistics.
 
     The state of all layers lives in ``[L, E]`` and ``[L, S]`` arrays and each
@@ -205,20 +302,9 @@ class ResidencyManager:
                  pinned: Mapping[int, Iterable[int]] | None = None, keep_mass: float = 0.9,
                  read_budget: int | None = None, decay_interval: int = 64, queue_depth: int = 8,
                  bytes_per_expert: int = 0):
-        for name, value, minimum in (("num_layers", num_layers, 1), ("num_experts", num_experts, 1),
-                                     ("num_slots", num_slots, 1), ("queue_depth", queue_depth, 0),
-                                     ("decay_interval", decay_interval, 0), ("bytes_per_expert", bytes_per_expert, 0),
-                                     ("read_budget", 0 if read_budget is None else read_budget, 0)):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
-                raise ValueError(f"ResidencyManager: {name} must be an int >= {minimum}, got {value!r}")
-        if policy not in ("lfu", "lru"):
-            raise ValueError(f"ResidencyManager: policy must be 'lfu' or 'lru', got {policy!r}")
-        if not 0.0 <= keep_mass <= 1.0:
-            raise ValueError(f"ResidencyManager: keep_mass must be in [0, 1], got {keep_mass}")
-        self.num_layers, self.num_experts, self.num_slots = num_layers, num_experts, num_slots
-        self.loader, self.arena, self.policy = loader, arena, policy
-        self.keep_mass, self.read_budget, self.decay_interval = keep_mass, read_budget, decay_interval
-        self.bytes_per_expert = bytes_per_expert
+        super().__init__(num_layers, num_experts, num_slots, loader=loader, arena=arena, policy=policy,
+                         pinned=pinned, keep_mass=keep_mass, read_budget=read_budget, decay_interval=decay_interval,
+                         queue_depth=queue_depth, bytes_per_expert=bytes_per_expert)
         shape_e, shape_s = (num_layers, num_experts), (num_layers, num_slots)
         self._table = np.full(shape_e, -1, np.int32)  # the live tables (what the next snapshot copies)
         self._owner = np.full(shape_s, -1, np.int32)  # expert in (or loading into) each slot, -1 free
@@ -229,20 +315,8 @@ class ResidencyManager:
         self._retry_after = np.zeros(shape_e, np.int64)  # first token to read an expert again after failures
         self._counts = {name: np.zeros(num_layers, np.float64 if name.endswith("mass") else np.int64)
                         for name in _COUNTERS}
-        for layer, experts in (pinned or {}).items():
-            experts = [int(e) for e in experts]
-            if not 0 <= layer < num_layers or any(not 0 <= e < num_experts for e in experts):
-                raise ValueError(f"ResidencyManager: pinned maps layers in [0, {num_layers}) to expert ids in "
-                                 f"[0, {num_experts}), got layer {layer}: {experts}")
-            if len(set(experts)) > num_slots:
-                raise ValueError(f"ResidencyManager: layer {layer} pins {len(set(experts))} experts into "
-                                 f"{num_slots} slots")
-            self._pinned[layer, experts] = True
-        self._pool = ThreadPoolExecutor(max_workers=queue_depth, thread_name_prefix="kq-prestage") if queue_depth else None
-        self._pending: list[_Pending] = []
-        self.failures: dict[tuple[int, int], FailedRead] = {}
-        self._busy = threading.Lock()
-        self.token = 0
+        for layer, experts in self.pinned_experts.items():
+            self._pinned[layer, sorted(experts)] = True
         self._snapshot = self.snapshot()
 
     # ---- tables -------------------------------------------------------------------------
@@ -331,12 +405,7 @@ class ResidencyManager:
         Raises:
             ValueError: ``layer`` or an id of ``experts`` is out of range, or no slot is free.
         """
-        experts = [int(e) for e in experts]
-        if not 0 <= layer < self.num_layers:
-            raise ValueError(f"preload: layer must be in [0, {self.num_layers}), got {layer}")
-        bad = [e for e in experts if not 0 <= e < self.num_experts]
-        if bad:
-            raise ValueError(f"preload: experts must be ids in [0, {self.num_experts}), got {bad}")
+        experts = self._preload_experts(layer, experts)
         with self._exclusive("preload"):
             for expert in experts:
                 if self._table[layer, expert] >= 0 or expert in self._owner[layer]:
@@ -382,16 +451,6 @@ class ResidencyManager:
                                                              minlength=self.num_layers)
             self._snapshot = self.snapshot()  # (6)
             return self._snapshot
-
-    @contextlib.contextmanager
-    def _exclusive(self, method: str):
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError(f"ResidencyManager.{method}: called from two threads at once; a manager serves one "
-                               f"decode thread (call it from that thread, or give each thread its own manager)")
-        try:
-            yield
-        finally:
-            self._busy.release()
 
     def _gather(self, reports: Sequence[LayerReport]):
         """The reports as ``[L, n]`` arrays (ids, scores, miss ids, miss scores), checked."""
@@ -514,38 +573,3 @@ class ResidencyManager:
         for layer_stats in per_layer:
             total.add(layer_stats)
         return per_layer, total
-
-    def pending(self) -> list[PendingRead]:
-        """The reads submitted and not yet published."""
-        return [PendingRead(read.layer, read.expert, read.slot) for read in self._pending]
-
-    def drain(self, timeout: float | None = None) -> list[PendingRead]:
-        """Waits up to ``timeout`` seconds (None: no limit) for the reads in flight and publishes those done.
-
-        Returns:
-            The reads still out (they stay pending and publish at a later step or drain).
-        """
-        with self._exclusive("drain"):
-            self._publish_landed(timeout=timeout)
-            self._snapshot = self.snapshot()
-            return self.pending()
-
-    def close(self, timeout: float | None = 30.0) -> list[PendingRead]:
-        """Publishes what lands within ``timeout`` seconds, then stops the loader threads.
-
-        Reads not started are cancelled; a loader still running is left to finish on its own thread
-        (Python cannot stop it), and its result is dropped.
-
-        Returns:
-            The reads that were still out.
-        """
-        out = self.drain(timeout)
-        if self._pool is not None:
-            self._pool.shutdown(wait=not out, cancel_futures=True)
-        return out
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

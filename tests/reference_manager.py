@@ -1,13 +1,11 @@
 """The residency manager written plainly, one layer and one slot at a time: the reference the
 vectorised ``kq_host.residency.ResidencyManager`` replays routing traces against (same victims,
-same prestage order, same statistics and failures after every token). The record types are the
-package's own; only the bookkeeping is written here."""
+same prestage order, same statistics and failures after every token). The record types, the argument
+checks, the read queue's lifecycle and the thread guard are the package's own; only the bookkeeping is written here."""
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
@@ -16,7 +14,7 @@ import numpy as np
 
 from kq_host.arena import Arena
 from kq_host.prestage import prestage_order
-from kq_host.residency import (MAX_BACKOFF_DOUBLINGS, FailedRead, LayerReport, LayerStats, Loader, PendingRead,
+from kq_host.residency import (MAX_BACKOFF_DOUBLINGS, FailedRead, LayerReport, LayerStats, Loader, ManagerBase,
                                SlotState)
 
 
@@ -39,26 +37,10 @@ class _Layer:
     stats: LayerStats = field(default_factory=LayerStats)
 
 
-class ReferenceManager:
-    """Per-layer slot tables, eviction policy, prestage reads and statistics.
+class ReferenceManager(ManagerBase):
+    """Per-layer slot tables, eviction policy, prestage reads and statistics, one layer at a time.
 
-    Args:
-        num_layers, num_experts, num_slots: L, E and S (slots per layer).
-        loader: ``loader(layer, expert, slot)`` run on a worker thread; it reads
-            the expert (e.g. ``ExpertStore.read_expert``) and either writes it
-            into the slot itself and returns None, or returns a payload that
-            ``arena.write_slot`` writes at publish time on the caller's thread
-            (JAX and MLX arenas). An exception marks the read failed.
-        arena: optional :class:`Arena` for payload-returning loaders.
-        policy: ``"lfu"`` (default; popularity credited from each token's
-            routed set, halved every ``decay_interval`` tokens) or ``"lru"``.
-        pinned: ``{layer: expert ids}`` never evicted (load them with :meth:`preload`).
-        keep_mass: the shed-mass budget; a layer whose shed mass in a token
-            exceeds ``1 - keep_mass`` of its routed mass is counted in ``over_budget``.
-        read_budget: reads submitted per token, over all layers (None: no limit).
-        queue_depth: concurrent loader threads; 0 runs loads inline (deterministic tests).
-        bytes_per_expert: added to ``bytes_read`` per landed read when the loader
-            returns no byte count (an int return value is taken as bytes read).
+    Takes :class:`kq_host.residency.ResidencyManager`'s arguments.
     """
 
     def __init__(self, num_layers: int, num_experts: int, num_slots: int, *, loader: Loader,
@@ -66,42 +48,18 @@ class ReferenceManager:
                  pinned: Mapping[int, Iterable[int]] | None = None, keep_mass: float = 0.9,
                  read_budget: int | None = None, decay_interval: int = 64, queue_depth: int = 8,
                  bytes_per_expert: int = 0):
-        for name, value, minimum in (("num_layers", num_layers, 1), ("num_experts", num_experts, 1),
-                                     ("num_slots", num_slots, 1), ("queue_depth", queue_depth, 0),
-                                     ("decay_interval", decay_interval, 0), ("bytes_per_expert", bytes_per_expert, 0),
-                                     ("read_budget", 0 if read_budget is None else read_budget, 0)):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
-                raise ValueError(f"ResidencyManager: {name} must be an int >= {minimum}, got {value!r}")
-        if policy not in ("lfu", "lru"):
-            raise ValueError(f"ResidencyManager: policy must be 'lfu' or 'lru', got {policy!r}")
-        if not 0.0 <= keep_mass <= 1.0:
-            raise ValueError(f"ResidencyManager: keep_mass must be in [0, 1], got {keep_mass}")
-        for layer, experts in (pinned or {}).items():
-            experts = [int(e) for e in experts]
-            if not 0 <= layer < num_layers or any(not 0 <= e < num_experts for e in experts):
-                raise ValueError(f"ResidencyManager: pinned maps layers in [0, {num_layers}) to expert ids in "
-                                 f"[0, {num_experts}), got layer {layer}: {experts}")
-        self.num_layers, self.num_experts, self.num_slots = num_layers, num_experts, num_slots
-        self.loader, self.arena, self.policy = loader, arena, policy
-        self.keep_mass, self.read_budget, self.decay_interval = keep_mass, read_budget, decay_interval
-        self.bytes_per_expert = bytes_per_expert
+        super().__init__(num_layers, num_experts, num_slots, loader=loader, arena=arena, policy=policy,
+                         pinned=pinned, keep_mass=keep_mass, read_budget=read_budget, decay_interval=decay_interval,
+                         queue_depth=queue_depth, bytes_per_expert=bytes_per_expert)
         self.layers = [
             _Layer(table=np.full(num_experts, -1, np.int32), owner=np.full(num_slots, -1, np.int32),
                    state=np.zeros(num_slots, np.int8), popularity=np.zeros(num_experts),
                    last_used=np.full(num_experts, -1, np.int64))
             for _ in range(num_layers)
         ]
-        for layer, experts in (pinned or {}).items():
-            experts = {int(e) for e in experts}
-            if len(experts) > num_slots:
-                raise ValueError(f"ResidencyManager: layer {layer} pins {len(experts)} experts into {num_slots} slots")
-            self.layers[layer].pinned = experts
-        self._pool = ThreadPoolExecutor(max_workers=queue_depth, thread_name_prefix="kq-prestage") if queue_depth else None
-        self._pending: list[_Pending] = []
-        self.failures: dict[tuple[int, int], FailedRead] = {}
+        for layer, experts in self.pinned_experts.items():
+            self.layers[layer].pinned = set(experts)
         self._retry_after: dict[tuple[int, int], int] = {}  # (layer, expert) -> first token to read it again
-        self._busy = threading.Lock()
-        self.token = 0
         self._snapshot = self.snapshot()
 
     # ---- tables -------------------------------------------------------------------------
@@ -182,12 +140,7 @@ class ReferenceManager:
         Raises:
             ValueError: ``layer`` or an id of ``experts`` is out of range, or no slot is free.
         """
-        experts = [int(e) for e in experts]
-        if not 0 <= layer < self.num_layers:
-            raise ValueError(f"preload: layer must be in [0, {self.num_layers}), got {layer}")
-        bad = [e for e in experts if not 0 <= e < self.num_experts]
-        if bad:
-            raise ValueError(f"preload: experts must be ids in [0, {self.num_experts}), got {bad}")
+        experts = self._preload_experts(layer, experts)
         with self._exclusive("preload"):
             for expert in experts:
                 state = self.layers[layer]
@@ -252,16 +205,6 @@ class ReferenceManager:
             self._snapshot = self.snapshot()  # (6)
             return self._snapshot
 
-    @contextlib.contextmanager
-    def _exclusive(self, method: str):
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError(f"ResidencyManager.{method}: called from two threads at once; a manager serves one "
-                               f"decode thread (call it from that thread, or give each thread its own manager)")
-        try:
-            yield
-        finally:
-            self._busy.release()
-
     def _credit(self, layer: int, report: LayerReport) -> set[int]:
         state = self.layers[layer]
         ids = np.asarray(report.indices).reshape(-1).astype(np.int64)
@@ -322,39 +265,4 @@ class ReferenceManager:
         for layer_stats in per_layer:
             total.add(layer_stats)
         return per_layer, total
-
-    def pending(self) -> list[PendingRead]:
-        """The reads submitted and not yet published."""
-        return [PendingRead(read.layer, read.expert, read.slot) for read in self._pending]
-
-    def drain(self, timeout: float | None = None) -> list[PendingRead]:
-        """Waits up to ``timeout`` seconds (None: no limit) for the reads in flight and publishes those done.
-
-        Returns:
-            The reads still out (they stay pending and publish at a later step or drain).
-        """
-        with self._exclusive("drain"):
-            self._publish_landed(timeout=timeout)
-            self._snapshot = self.snapshot()
-            return self.pending()
-
-    def close(self, timeout: float | None = 30.0) -> list[PendingRead]:
-        """Publishes what lands within ``timeout`` seconds, then stops the loader threads.
-
-        Reads not started are cancelled; a loader still running is left to finish on its own thread
-        (Python cannot stop it), and its result is dropped.
-
-        Returns:
-            The reads that were still out.
-        """
-        out = self.drain(timeout)
-        if self._pool is not None:
-            self._pool.shutdown(wait=not out, cancel_futures=True)
-        return out
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
