@@ -127,16 +127,11 @@ def _launch_cache_size(op: str) -> int:
     return (ops._route_shed_rows if op == "route_shed" else ops._topk_rows)._cache_size()
 
 
-def _same_bits(a, b) -> bool:
-    import jax
-
-    return all(np.array_equal(np.asarray(x).view(np.uint32), np.asarray(y).view(np.uint32))
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-
-
 def first_call(op: str, rows: int, *, impl: str, buckets: bool, mode: str, rng) -> FirstCall:
     """The first call at ``rows`` rows (see the module docstring)."""
     import jax
+
+    from kq_core.compare import first_mismatch
 
     counter = _CompileCounter.get()
     fn, reference = _op_fn(op, impl, buckets), _reference_fn(op)
@@ -148,8 +143,9 @@ def first_call(op: str, rows: int, *, impl: str, buckets: bool, mode: str, rng) 
     seconds = time.perf_counter() - start
     # A launch traced inside the user's jit compiles into that program, not into the launch's cache.
     compiled = _launch_cache_size(op) - kernels if mode == "eager" else None
+    expected = jax.tree.map(np.asarray, reference(*args))
     return FirstCall(op, mode, buckets, rows, seconds, compiled, counter.count - compiles,
-                     _same_bits(out, reference(*args)))
+                     first_mismatch(expected, out) is None)
 
 
 def _chained_us(fn, args, float_arg: int, repeats: int, calls: int = 16) -> float:

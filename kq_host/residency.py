@@ -209,7 +209,8 @@ class ManagerBase:
                 raise ValueError(f"ResidencyManager: layer {layer} pins {len(set(experts))} experts into "
                                  f"{num_slots} slots")
             self.pinned_experts[layer] = set(experts)
-        self._pool = ThreadPoolExecutor(max_workers=queue_depth, thread_name_prefix="kq-prestage") if queue_depth else None
+        self._pool = (ThreadPoolExecutor(max_workers=queue_depth, thread_name_prefix="kq-prestage") if queue_depth
+                      else None)
         self._pending: list = []
         self.failures: dict[tuple[int, int], FailedRead] = {}
         self._busy = threading.Lock()

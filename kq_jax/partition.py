@@ -28,11 +28,10 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 
-def _row_spec(sharding, ndim: int) -> tuple:
-    """The leading dimensions' sharding of a row argument, its last dimension replicated."""
+def _leading_spec(sharding, ndim: int) -> tuple:
+    """The sharding of a row argument's leading dimensions (all but the last)."""
     spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
-    spec = spec + (None,) * (ndim - len(spec))
-    return spec[:-1] + (None,)
+    return (spec + (None,) * ndim)[:ndim - 1]
 
 
 def rowwise(forward, num_row_args: int, num_tables: int = 1):
@@ -57,7 +56,7 @@ def rowwise(forward, num_row_args: int, num_tables: int = 1):
 
     def shardings(mesh, arg_shapes, result_shape):
         first = arg_shapes[0]
-        leading = _row_spec(first.sharding, len(first.shape))[:-1]
+        leading = _leading_spec(first.sharding, len(first.shape))
 
         def row_sharding(shape):
             return NamedSharding(mesh, PartitionSpec(*leading, *(None,) * (len(shape.shape) - len(leading))))

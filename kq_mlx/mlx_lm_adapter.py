@@ -196,9 +196,10 @@ def _slot_arrays(switch_glu) -> list[tuple[str, mx.array]]:
     out = []
     for projection in PROJECTIONS:
         module = getattr(switch_glu, projection)
-        names = [n for n in ("weight", "scales", "biases") if module.get(n) is not None]
-        quantized = "scales" in names
-        out += [(f"{projection}.{n}" if quantized else projection, module[n]) for n in names[:None if quantized else 1]]
+        if module.get("scales") is None:  # a float projection: its weight alone, keyed by the projection
+            out.append((projection, module["weight"]))
+        else:
+            out += [(f"{projection}.{n}", module[n]) for n in ("weight", "scales", "biases") if module.get(n) is not None]
     return out
 
 
@@ -208,7 +209,7 @@ def _host_dtype(dtype) -> np.dtype:
 
 
 def _arena_projection(source: nn.Module, num_experts: int, num_slots: int) -> nn.Module:
-    """A copy of an mlx-lm SwitchLinear / QuantizedSwitchLinear whose per-expert arrays hold ``num_slots`` zero slots."""
+    """A copy of an mlx-lm SwitchLinear / QuantizedSwitchLinear, its per-expert arrays cut to ``num_slots`` zero slots."""
     projection = copy.copy(source)
     for name, value in source.items():
         if isinstance(value, mx.array) and value.ndim and value.shape[0] == num_experts:

@@ -203,7 +203,9 @@ def test_lazy_checkpoint_never_materialises_its_experts(tmp_path):
     import os
     import subprocess
     import sys
+    from pathlib import Path
 
+    from mlx.utils import tree_flatten
     from mlx_lm.utils import save_config, save_model
 
     mx.random.seed(3)
@@ -218,10 +220,11 @@ def test_lazy_checkpoint_never_materialises_its_experts(tmp_path):
     save_config(dataclasses.asdict(args), tmp_path / "config.json")
     expert_mib = 2 * 64 * 3 * 256 * 512 * 4 / 2**20  # 192 MiB of the file's float32 weights
     arena_mib = expert_mib * 16 / 64
-    other_mib = sum(v.nbytes for k, v in _flat(model.parameters()) if "switch_mlp" not in k) / 2**20
+    other_mib = sum(v.nbytes for k, v in tree_flatten(model.parameters()) if "switch_mlp" not in k) / 2**20
 
     def run(mode):
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")]))
+        root = Path(__file__).resolve().parents[1]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
         out = subprocess.run([sys.executable, "-c", _LAZY_RUN, str(tmp_path), mode], capture_output=True, text=True,
                              env=env, timeout=300)
         assert out.returncode == 0, out.stderr
@@ -229,18 +232,9 @@ def test_lazy_checkpoint_never_materialises_its_experts(tmp_path):
 
     dropped, kept = run("drop"), run("keep")
     print(f"peak RSS growth: experts dropped {dropped['peak'] - dropped['baseline']:.0f} MiB, kept and "
-          f"touched {kept['peak'] - kept['baseline']:.0f} MiB; experts {expert_mib:.0f} MiB, arenas {arena_mib:.0f} MiB, "
-          f"other weights {other_mib:.1f} MiB")
+          f"touched {kept['peak'] - kept['baseline']:.0f} MiB; experts {expert_mib:.0f} MiB, "
+          f"arenas {arena_mib:.0f} MiB, other weights {other_mib:.1f} MiB")
     assert dropped["reads"] > 0 and kept["reads"] > 0
     growth = dropped["peak"] - dropped["baseline"]
     assert growth < other_mib + arena_mib + 64, (growth, other_mib, arena_mib)
     assert kept["peak"] - kept["baseline"] > growth + 0.75 * expert_mib, (kept, dropped)
-
-
-def _flat(params, prefix=""):
-    from mlx.utils import tree_flatten
-
-    return tree_flatten(params)
-
-
-_ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]

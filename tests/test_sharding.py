@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import kq_jax  # noqa: E402
 from kq_core.inputs import slot_table  # noqa: E402
 from kq_core.oracle import route_shed_oracle, topk_route_shed_oracle  # noqa: E402
-from tests.conftest import assert_same_bits  # noqa: E402
+from conftest import assert_same_bits  # noqa: E402
 
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
 TOP_K, NUM_EXPERTS = 4, 24
@@ -147,7 +147,8 @@ def test_vmap_over_slot_tables(rng):
     tables = np.stack([slot_table(rng, NUM_EXPERTS, f) for f in (0.0, 0.3, 1.0)])
     out = jax.jit(jax.vmap(lambda i, s, t: kq_jax.route_shed(i, s, t, impl=impl)))(indices, scores, tables)
     for b in range(3):
-        assert_same_bits(route_shed_oracle(indices[b], scores[b], tables[b]), jax.tree.map(lambda a: np.asarray(a)[b], out))
+        expected = route_shed_oracle(indices[b], scores[b], tables[b])
+        assert_same_bits(expected, jax.tree.map(lambda a, b=b: np.asarray(a)[b], out))
 
 
 def test_gradient_keeps_rows_sharded(mesh_impl, rng):

@@ -34,7 +34,7 @@ def next_power_of_two(n: int) -> int:
 
 
 def row_bucket(rows: int) -> int:
-    """The row count a kernel launches on for ``rows`` rows: the next of 1, 2, 3, 4, 6, 8, 12, ... (2^p and 3 * 2^(p-1)).
+    """The rows a kernel launches on for ``rows`` rows: the next of 1, 2, 3, 4, 6, 8, 12, ... (2^p and 3 * 2^(p-1)).
 
     Two kernels per power of two, so a server that meets every row count up
     to 2^20 compiles at most 41 per op; the padding is under half the rows.
