@@ -6,8 +6,8 @@
 # BENCH_SETS), sweep (the Pallas launch sweeps), moe (the MoE arena overhead), sharding (the sharding
 # and expert-parallel tests: on a GPU mesh where there are two GPUs or more), compile (`kq bench --sets
 # compile`), expert_parallel (the expert-parallel layer over this machine's GPUs); and MLX on CUDA, after
-# `source .mlxb/env.sh` (../shared/device/mlx-cuda-prepare.sh; an mlx-lm wheel put in .mlxb/ is installed
-# beside it): mlx_check (`kq check --backends mlx-cuda`), mlx_tests (tests/test_mlx.py, test_mlx_lm.py),
+# `source .mlxb/env.sh` (../shared/device/mlx-cuda-prepare.sh; with benchmarks/mlx_lm_wheels.sh, mlx-lm is
+# installed beside it): mlx_check (`kq check --backends mlx-cuda`), mlx_tests (tests/test_mlx.py, test_mlx_lm.py),
 # mlx_bench (`kq bench`, mlx-cuda beside mlx-ops on the GPU stream), mlx_decode (mlx-lm decode through
 # the arena, `python -m benchmarks mlx_decode`). Each part's log and
 # JSON go under $OUT, with the device and versions in device.txt and one line per part in
@@ -16,9 +16,9 @@ set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false KQ_HYPOTHESIS_PROFILE=gpu
 OUT=${OUT:-out}
 mkdir -p "$OUT"
-for wheel in .mlxb/mlx_lm-*.whl; do  # mlx-lm beside MLX's CUDA build (pure Python)
-  [ -f "$wheel" ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site "$wheel"
-done
+if [ -d .mlxb/wheels ] && ! python3 -c "import mlx_lm" 2>/dev/null; then  # benchmarks/mlx_lm_wheels.sh
+  PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --no-index --find-links /tmp/mlxparts/wheels --find-links .mlxb/wheels mlx-lm
+fi
 {
   date -u +%Y-%m-%dT%H:%MZ
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
