@@ -8,12 +8,13 @@
 # compile`), expert_parallel (the expert-parallel layer over this machine's GPUs); and MLX on CUDA, after
 # `source .mlxb/env.sh` (../shared/device/mlx-cuda-prepare.sh; with benchmarks/mlx_lm_wheels.sh, mlx-lm is
 # installed beside it): mlx_check (`kq check --backends mlx-cuda`), mlx_tests (tests/test_mlx.py, test_mlx_lm.py),
-# mlx_bench (`kq bench`, mlx-cuda beside mlx-ops on the GPU stream), mlx_decode (mlx-lm decode through
+# mlx_bench (`kq bench`: mlx-cuda beside mlx-ops-gpu, the pure-`mx` path on the GPU stream,
+# and mlx-ops on the CPU), mlx_decode (mlx-lm decode through
 # the arena, `python -m benchmarks mlx_decode`). Each part's log and
 # JSON go under $OUT, with the device and versions in device.txt and one line per part in
 # summary.txt; a part is cut at PART_TIMEOUT seconds (default 500). Exits non-zero if a part failed.
 set -uo pipefail
-export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false KQ_HYPOTHESIS_PROFILE=gpu
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false KQ_HYPOTHESIS_PROFILE=gpu
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 if [ -d /tmp/mlxparts/wheels ] && ! python3 -c "import mlx_lm" 2>/dev/null; then  # benchmarks/mlx_lm_wheels.sh
@@ -56,10 +57,11 @@ for name in ${PARTS:-tests check memcheck}; do
                 tests/test_expert_parallel.py ;;
     compile) part compile python3 -m kq bench --sets compile --no-progress --json "$OUT/compile.json" ;;
     expert_parallel) part expert_parallel python3 -m benchmarks expert_parallel --json "$OUT/expert_parallel.json" ;;
-    mlx_check) part mlx_check python3 -m kq check --backends mlx-cuda --random-rows "${ROWS:-50000}" ;;
-    mlx_tests) part mlx_tests python3 -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_mlx.py tests/test_mlx_lm.py ;;
+    mlx_check) part mlx_check python3 -m kq check --backends mlx-cuda mlx-ops-gpu --random-rows "${ROWS:-50000}" ;;
+    mlx_tests) part mlx_tests python3 -m pytest -q -p no:cacheprovider -n 0 -rs --durations=10 tests/test_mlx.py \
+                 tests/test_mlx_lm.py ;;
     mlx_bench) for set in ${BENCH_SETS:-decode prefill}; do
-                 part "mlx_bench_$set" python3 -m kq bench --sets "$set" --backends mlx-cuda mlx-ops --repeats 9 \
+                 part "mlx_bench_$set" python3 -m kq bench --sets "$set" --backends mlx-cuda mlx-ops-gpu mlx-ops --repeats 9 \
                    --no-progress --json "$OUT/mlx_bench_$set.json"
                done ;;
     mlx_decode) part mlx_decode python3 -m benchmarks mlx_decode --json "$OUT/mlx_decode.json" ;;

@@ -85,18 +85,22 @@ def _jax_probe(impl: str, *, needs_gpu: bool):
     return probe
 
 
-def _mlx_probe(*, compiled: bool):
+def _mlx_probe(*, compiled: bool, on_gpu: bool = False):
     def probe():
         _require("mlx")
         import mlx.core as mx
 
         from kq_mlx.route_shed_mlx import route_shed_ops
 
+        device = mx.gpu if on_gpu else mx.cpu
+        if on_gpu and not mx.is_available(mx.gpu):
+            raise Unavailable("needs MLX with a GPU")
+
         def run(indices, scores, slot_table, num_slots=None):
-            with mx.stream(mx.cpu):
+            with mx.stream(device):
                 return _as_numpy(route_shed_ops(indices, scores, slot_table, num_slots=num_slots, compiled=compiled))
 
-        return run, f"cpu, mlx {mx.__version__}"
+        return run, f"{'gpu' if on_gpu else 'cpu'}, mlx {mx.__version__}"
 
     return probe
 
@@ -148,6 +152,7 @@ BACKENDS: tuple[Backend, ...] = (
     Backend("jax-pallas", _jax_probe("pallas", needs_gpu=True)),
     Backend("mlx-ops", _mlx_probe(compiled=True)),
     Backend("mlx-ops-eager", _mlx_probe(compiled=False)),
+    Backend("mlx-ops-gpu", _mlx_probe(compiled=True, on_gpu=True)),
     Backend("metal-source-cpu", _metal_cpu_probe),
     Backend("mlx-metal", _mlx_gpu_probe("metal")),
     Backend("mlx-cuda", _mlx_gpu_probe("cuda")),

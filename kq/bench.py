@@ -275,15 +275,30 @@ def _mlx_timer(fn, inputs, repeats):
 
 
 def _mlx_backends():
+    """name -> (call, device description, floor key); GPU-stream rows where MLX has a GPU."""
     import mlx.core as mx
 
     import kq_mlx
+    from kq_mlx.route_shed_mlx import implementation_for
 
-    mx.set_default_device(mx.cpu)
-    return {
-        "mlx-ops": lambda i, s, t: kq_mlx.route_shed_ops(i, s, t, compiled=True),
-        "mlx-ops-eager": lambda i, s, t: kq_mlx.route_shed_ops(i, s, t, compiled=False),
+    def on(device, fn):
+        def call(i, s, t):
+            with mx.stream(device):
+                return fn(i, s, t)
+
+        return call
+
+    out = {
+        "mlx-ops": (on(mx.cpu, functools.partial(kq_mlx.route_shed_ops, compiled=True)), "cpu (mlx)", "mlx-cpu"),
+        "mlx-ops-eager": (on(mx.cpu, functools.partial(kq_mlx.route_shed_ops, compiled=False)), "cpu (mlx)",
+                          "mlx-cpu"),
     }
+    kind = implementation_for(mx.gpu)
+    if kind != "ops":
+        gpu = f"gpu ({kind}, mlx)"
+        out[f"mlx-{kind}"] = (functools.partial(kq_mlx.route_shed, stream=mx.gpu), gpu, "mlx-gpu")
+        out["mlx-ops-gpu"] = (on(mx.gpu, functools.partial(kq_mlx.route_shed_ops, compiled=True)), gpu, "mlx-gpu")
+    return out
 
 
 def _native_timer(prepare, inputs, repeats):
@@ -315,18 +330,19 @@ def run(sets=("decode",), backends=None, *, shapes=(), repeats: int = 7, residen
     """
     from kq_core.oracle import route_shed_oracle
 
-    timers: dict[str, tuple[Callable, Callable, str]] = {"numpy-oracle": (route_shed_oracle, _numpy_timer,
-                                                                           "cpu (numpy)")}
+    # name -> (call, timer, device, floor key: the launch floor measured once per key)
+    timers: dict[str, tuple[Callable, Callable, str, str | None]] = {
+        "numpy-oracle": (route_shed_oracle, _numpy_timer, "cpu (numpy)", None)}
     if _available("jax"):
         for name, fn in _jax_backends().items():
-            timers[name] = (fn, _jax_timer, _jax_device())
+            timers[name] = (fn, _jax_timer, _jax_device(), "jax")
     if _available("mlx"):
-        for name, fn in _mlx_backends().items():
-            timers[name] = (fn, _mlx_timer, "cpu (mlx)")
+        for name, (fn, device, floor_key) in _mlx_backends().items():
+            timers[name] = (fn, _mlx_timer, device, floor_key)
     from kq_mlx import metal_cpu
 
     try:
-        timers["metal-source-cpu"] = (metal_cpu.prepare, _native_timer, f"cpu ({metal_cpu.compiler()})")
+        timers["metal-source-cpu"] = (metal_cpu.prepare, _native_timer, f"cpu ({metal_cpu.compiler()})", None)
     except metal_cpu.CompilerUnavailable:
         pass
     if backends:
@@ -337,7 +353,12 @@ def run(sets=("decode",), backends=None, *, shapes=(), repeats: int = 7, residen
     timing_jax = any(name.startswith("jax") for name in timers)
     jax_floor = _jax_floor_fn() if timing_jax else None
     bandwidth = _jax_copy_bandwidth() if timing_jax else None
-    floor_ops = {"mlx": (lambda i, s, t: (i[:1, :1] + 1,), _mlx_timer)}
+    floor_ops = {}
+    if _available("mlx"):
+        import mlx.core as mx
+
+        for key, device in (("mlx-cpu", mx.cpu), ("mlx-gpu", mx.gpu)):
+            floor_ops[key] = (lambda i, s, t, device=device: (mx.add(i[:1, :1], 1, stream=device),), _mlx_timer)
     if jax_floor is not None:
         floor_ops["jax"] = (jax_floor, _jax_timer)
 
@@ -360,10 +381,9 @@ def _run_work(work, timers, floor_ops, bandwidth, repeats, resident_fraction, se
             inputs = router_inputs(rng, rows, top_k, experts, resident_fraction=resident_fraction)
             inputs_cache[key] = inputs, route_shed_oracle(*inputs)
         inputs, expected = inputs_cache[key]
-        fn, timer, device = timers[name]
+        fn, timer, device, family = timers[name]
         per_call, eager = timer(fn, inputs, repeats)
         kernel = jax_kernel_us(fn, inputs) if name.startswith("jax") else None
-        family = name.split("-")[0]
         launch = launch_kernel = None
         if family in floor_ops:
             if family not in floors:
