@@ -9,7 +9,7 @@
 # `source .mlxb/env.sh` (../shared/device/mlx-cuda-prepare.sh; with benchmarks/mlx_lm_wheels.sh, mlx-lm is
 # installed beside it): mlx_check (`kq check --backends mlx-cuda`), mlx_tests (tests/test_mlx.py, test_mlx_lm.py),
 # mlx_bench (`kq bench`: mlx-cuda beside mlx-ops-gpu, the pure-`mx` path on the GPU stream,
-# and mlx-ops on the CPU), mlx_decode (mlx-lm decode through
+# on the same GPU), mlx_decode (mlx-lm decode through
 # the arena, `python -m benchmarks mlx_decode`). Each part's log and
 # JSON go under $OUT, with the device and versions in device.txt and one line per part in
 # summary.txt; a part is cut at PART_TIMEOUT seconds (default 500). Exits non-zero if a part failed.
@@ -61,7 +61,7 @@ for name in ${PARTS:-tests check memcheck}; do
     mlx_tests) part mlx_tests python3 -m pytest -q -p no:cacheprovider -n 0 -rs --durations=10 tests/test_mlx.py \
                  tests/test_mlx_lm.py ;;
     mlx_bench) for set in ${BENCH_SETS:-decode prefill}; do
-                 part "mlx_bench_$set" python3 -m kq bench --sets "$set" --backends mlx-cuda mlx-ops-gpu mlx-ops --repeats 9 \
+                 part "mlx_bench_$set" python3 -m kq bench --sets "$set" --backends mlx-cuda mlx-ops-gpu --repeats 9 \
                    --no-progress --json "$OUT/mlx_bench_$set.json"
                done ;;
     mlx_decode) part mlx_decode python3 -m benchmarks mlx_decode --json "$OUT/mlx_decode.json" ;;
