@@ -58,8 +58,8 @@ for name in ${PARTS:-tests check memcheck}; do
     compile) part compile python3 -m kq bench --sets compile --no-progress --json "$OUT/compile.json" ;;
     expert_parallel) part expert_parallel python3 -m benchmarks expert_parallel --json "$OUT/expert_parallel.json" ;;
     mlx_check) part mlx_check python3 -m kq check --backends mlx-cuda mlx-ops-gpu --random-rows "${ROWS:-50000}" ;;
-    mlx_tests) part mlx_tests python3 -m pytest -q -p no:cacheprovider -n 0 -rs --durations=10 tests/test_mlx.py \
-                 tests/test_mlx_lm.py ;;
+    mlx_tests) part mlx_tests python3 -m pytest -q -p no:cacheprovider -n 0 -rs --durations=10 tests/test_mlx_lm.py \
+                 tests/test_mlx.py ;;
     mlx_bench) for set in ${BENCH_SETS:-decode prefill}; do
                  part "mlx_bench_$set" python3 -m kq bench --sets "$set" --backends mlx-cuda mlx-ops-gpu --repeats 9 \
                    --no-progress --json "$OUT/mlx_bench_$set.json"

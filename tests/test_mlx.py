@@ -124,14 +124,27 @@ def test_kq_route_shed_dispatches_mlx_arrays(rng):
     assert_same_bits(route_shed_oracle(*inputs), [np.array(o) for o in out])
 
 
+_GPU_KERNEL = kq_mlx.implementation_for(mx.gpu) != "ops"
+
+
 @pytest.mark.parametrize("dtypes", [("int32", "float32"), ("uint32", "bfloat16")], ids=["int32-f32", "uint32-bf16"])
-@pytest.mark.parametrize("stream", ["cpu", "default"])
+@pytest.mark.parametrize("stream", ["cpu", "gpu"])
 def test_one_shapeless_compile_serves_every_row_count(rng, dtypes, stream):
     """mx.compile(shapeless=True), as mlx-lm compiles in places: row counts and ranks change between calls
-    of one compiled function; every output is the oracle's, adversarial rows included."""
+    of one compiled function; every output is the oracle's, adversarial rows included. On a CPU stream
+    through the dispatcher, on a GPU stream through the pure-mx path (MLX's custom kernels have no shape
+    inference: the next test)."""
+    if stream == "gpu" and not mx.is_available(mx.gpu):
+        pytest.skip("no MLX GPU")
     index_dtype, score_dtype = dtypes
-    device = mx.cpu if stream == "cpu" else mx.default_device()
-    fn = mx.compile(lambda i, s, t: tuple(kq_mlx.route_shed(i, s, t, stream=device)), shapeless=True)
+    device = mx.cpu if stream == "cpu" else mx.gpu
+    op = kq_mlx.route_shed if stream == "cpu" else kq_mlx.route_shed_ops
+
+    def traced(i, s, t):
+        with mx.stream(device):
+            return tuple(op(i, s, t))
+
+    fn = mx.compile(traced, shapeless=True)
     for leading in [(3,), (64,), (1,), (200,), (2, 5), (1, 1), (4, 33)]:
         rows = int(np.prod(leading))
         ids, scores, table = adversarial_inputs(rng, rows, 8, 40, index_dtype=index_dtype, score_dtype=score_dtype)
@@ -139,3 +152,27 @@ def test_one_shapeless_compile_serves_every_row_count(rng, dtypes, stream):
         out = fn(*as_mx(ids, scores, table))
         expected = route_shed_oracle(ids, scores, table)
         assert_same_bits(expected, [np.array(o) for o in out])
+
+
+@pytest.mark.skipif(not _GPU_KERNEL, reason="no Metal or CUDA kernel in this MLX")
+def test_shapeless_compile_of_the_gpu_kernel_is_refused_by_mlx(rng):
+    """MLX 0.32.4 cannot infer a custom kernel's output shapes, so a shapeless compile over the kernel
+    stops with MLX's error; a compile with shapes retraces per row count and serves them all."""
+    inputs = [router_inputs(rng, rows, 8, 64) for rows in (3, 17)]
+    shapeless = mx.compile(lambda i, s, t: tuple(kq_mlx.route_shed(i, s, t, stream=mx.gpu)), shapeless=True)
+    with pytest.raises(ValueError, match="CustomKernel cannot infer output shapes"):
+        for case in inputs:
+            mx.eval(shapeless(*as_mx(*case)))
+    shaped = mx.compile(lambda i, s, t: tuple(kq_mlx.route_shed(i, s, t, stream=mx.gpu)))
+    for case in inputs:
+        assert_same_bits(route_shed_oracle(*case), [np.array(o) for o in shaped(*as_mx(*case))])
+
+
+@pytest.mark.parametrize("rows", [255, 256, 257, 4096])
+@pytest.mark.parametrize("top_k", [1, 8, 64])
+def test_default_stream_across_block_boundaries(rng, rows, top_k):
+    """Row counts around and past one thread block of the GPU kernel (one thread per row), each K's variant;
+    on a CPU-only MLX the ops path."""
+    inputs = adversarial_inputs(rng, rows, top_k, max(64, 2 * top_k))
+    out = kq_mlx.route_shed(*as_mx(*inputs))
+    assert_same_bits(route_shed_oracle(*inputs), [np.array(o) for o in out])
