@@ -3,7 +3,8 @@
 For each ``(L, E, S, K, rows)`` a routing trace is made first (Zipf-like expert popularity per
 layer, every row's top-K drawn from it), then decoded through a :class:`ResidencyManager` whose
 loader is a no-op returning at once, inline (so only the bookkeeping is timed: credit, publish,
-evict, schedule, snapshot). The misses each token reports are ``route_shed``'s against the
+evict, schedule, snapshot). Each token's reports come as one :class:`LayerReport` of ``[L, T, K]``
+arrays, as a decode graph returns them in one transfer. The misses each token reports are ``route_shed``'s against the
 tables the manager handed out, computed before the clock starts. After ``warmup`` tokens the
 time of every ``step`` is taken; the median and 90th percentile per token are reported.
 """
@@ -52,13 +53,15 @@ def time_host(layers: int, experts: int, slots: int, top_k: int, rows: int, *, t
     manager = manager_class(layers, experts, slots, loader=lambda layer, expert, slot: 0, queue_depth=0)
     tables, times = manager.snapshot(), []
     for token in range(warmup + tokens):
-        reports = []
+        per_layer = []
         for layer in range(layers):
             ids = np.stack([rng.choice(experts, top_k, replace=False, p=popularity[layer])
                             for _ in range(rows)]).astype(np.int32)
             scores = rng.dirichlet(np.ones(top_k), rows).astype(np.float32)
             out = route_shed_oracle(ids, scores, tables[layer])
-            reports.append(LayerReport(ids, scores, out.miss_ids, out.miss_scores))
+            per_layer.append((ids, scores, out.miss_ids, out.miss_scores))
+        # One report of [L, T, K] arrays, as a graph hands a token's reports back in one transfer.
+        reports = LayerReport(*(np.stack(column) for column in zip(*per_layer)))
         if token == warmup:
             _, before = manager.stats()
         start = time.perf_counter()

@@ -6,15 +6,49 @@ The JAX and MLX arenas live with their frameworks (``kq_jax.arena``,
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol
+from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 
 
 class Arena(Protocol):
-    """Anything that can take a landed expert into a slot (NumPy, JAX and MLX adapters)."""
+    """Anything that can take a landed expert into a slot (NumPy, JAX and MLX adapters).
+
+    An arena may also define ``write_slots(layers, slots, payloads)``: the landed experts of one
+    boundary at once (one scatter per projection on a device), every payload checked first, the valid
+    ones written; it returns one exception (a refused payload) or None per write.
+    """
 
     def write_slot(self, layer: int, slot: int, payload: Any) -> None: ...
+
+
+def write_landed(arena: Arena, layers: np.ndarray, slots: np.ndarray,
+                 payloads: Sequence[Any]) -> list[BaseException | None]:
+    """Writes landed experts into ``arena``: through its ``write_slots`` where it has one, else one
+    ``write_slot`` each. Returns one exception (that write failed, its slot untouched) or None per write."""
+    batched = getattr(arena, "write_slots", None)
+    if batched is not None:
+        return batched(layers, slots, payloads)
+    errors: list[BaseException | None] = []
+    for layer, slot, payload in zip(layers.tolist(), slots.tolist(), payloads):
+        try:
+            arena.write_slot(layer, slot, payload)
+            errors.append(None)
+        except BaseException as error:  # noqa: BLE001 - the manager reports it as the read's failure
+            errors.append(error)
+    return errors
+
+
+def checked_payloads(layout, payloads: Sequence[Any]) -> list[BaseException | None]:
+    """:func:`check_payload` over a batch: one :class:`ExpertPayloadError` or None per payload."""
+    errors: list[BaseException | None] = []
+    for payload in payloads:
+        try:
+            check_payload(payload, layout)
+            errors.append(None)
+        except ExpertPayloadError as error:
+            errors.append(error)
+    return errors
 
 
 class ExpertPayloadError(ValueError):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import itertools
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for_futures
@@ -36,7 +37,7 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 import numpy as np
 
-from kq_host.arena import Arena
+from kq_host.arena import Arena, write_landed
 
 Loader = Callable[[int, int, int], Any]  # (layer, expert, slot) -> payload for the arena, or None
 
@@ -119,41 +120,47 @@ def _rank_within(groups: np.ndarray, num_groups: int) -> np.ndarray:
 
 
 def _ranked_slots(mask: np.ndarray, priority: np.ndarray, owner: np.ndarray) -> np.ndarray:
-    """``[L, S]``: row l lists layer l's slots where ``mask`` holds, by ascending (priority, owner, slot)."""
-    out = np.full(mask.shape, -1, np.int64)
-    rows = np.flatnonzero(mask.any(axis=1))
-    if rows.size:
-        held = mask[rows]
-        slots = np.broadcast_to(np.arange(mask.shape[1]), held.shape)
-        # One sort per row along the slots: the masked slots first, then by priority, owner, slot.
-        order = np.lexsort((slots, owner[rows], priority[rows], ~held), axis=-1)
-        out[rows] = np.where(slots < held.sum(axis=1, keepdims=True), order, -1)
-    return out
+    """``[n, S]``: row i lists its slots where ``mask`` holds, by ascending (priority, owner), then -1s.
+
+    The masked slots' owners are distinct within a row (one slot per expert), so (priority, owner)
+    orders them totally: a stable sort by priority after one by owner.
+    """
+    by_owner = np.argsort(owner, axis=1, kind="stable")
+    key = np.take_along_axis(np.where(mask, priority, np.inf), by_owner, axis=1)
+    order = np.take_along_axis(by_owner, np.argsort(key, axis=1, kind="stable"), axis=1)
+    return np.where(np.arange(mask.shape[1]) < mask.sum(axis=1, keepdims=True), order, -1)
 
 
-class _Landed:
-    """An inline read's outcome, shaped like the part of a Future the manager uses."""
+class _ReadBatch:
+    """The reads one step (or one preload) submits, in order. Inline, the caller runs them at once;
+    with a pool, up to ``queue_depth`` workers each take the next unclaimed read until none is left, so
+    a token's reads cost a few task submissions, not one each, and still start best first. Outcomes are
+    kept by position: a payload, or the exception the read raised (``failed``)."""
 
-    __slots__ = ("value", "error")
+    def __init__(self, layers: np.ndarray, experts: np.ndarray, slots: np.ndarray):
+        self.layers, self.experts, self.slots = layers, experts, slots
+        self._reads = (layers.tolist(), experts.tolist(), slots.tolist())  # what the loader is called with
+        self.outcomes: list[Any] = [None] * layers.size
+        # Written by the workers byte by byte, read by the publisher as bool arrays (views, no copy).
+        self._failed, self._done = bytearray(layers.size), bytearray(layers.size)
+        self.failed = np.frombuffer(self._failed, bool)
+        self.done = np.frombuffer(self._done, bool)
+        self.open = np.ones(layers.size, bool)  # not yet published
+        self.futures: list[Future] = []
+        self._claims = itertools.count()  # next() on it is atomic in CPython: each read is claimed once
 
-    def __init__(self, value=None, error: BaseException | None = None):
-        self.value, self.error = value, error
-
-    def done(self) -> bool:
-        return True
-
-    def result(self):
-        if self.error is not None:
-            raise self.error
-        return self.value
-
-
-@dataclass
-class _Pending:
-    layer: int
-    expert: int
-    slot: int
-    future: Future | _Landed
+    def run(self, loader: Loader, cancelled: threading.Event | None = None) -> None:
+        layers, experts, slots = self._reads
+        outcomes, failed, done, count = self.outcomes, self._failed, self._done, len(layers)
+        for index in self._claims:
+            if index >= count or (cancelled is not None and cancelled.is_set()):
+                return
+            try:
+                outcomes[index] = loader(layers[index], experts[index], slots[index])
+            except BaseException as error:  # noqa: BLE001 - a failed read; published as one in (3)
+                outcomes[index] = error
+                failed[index] = 1
+            done[index] = 1
 
 
 @dataclass
@@ -198,7 +205,7 @@ class ManagerBase:
         self.num_layers, self.num_experts, self.num_slots = num_layers, num_experts, num_slots
         self.loader, self.arena, self.policy = loader, arena, policy
         self.keep_mass, self.read_budget, self.decay_interval = keep_mass, read_budget, decay_interval
-        self.bytes_per_expert = bytes_per_expert
+        self.bytes_per_expert, self.queue_depth = bytes_per_expert, queue_depth
         self.pinned_experts: dict[int, set[int]] = {}
         for layer, experts in (pinned or {}).items():
             experts = [int(e) for e in experts]
@@ -212,6 +219,7 @@ class ManagerBase:
         self._pool = (ThreadPoolExecutor(max_workers=queue_depth, thread_name_prefix="kq-prestage") if queue_depth
                       else None)
         self._pending: list = []
+        self._cancelled = threading.Event()  # set by close: pooled workers start no further read
         self.failures: dict[tuple[int, int], FailedRead] = {}
         self._busy = threading.Lock()
         self.token = 0
@@ -261,6 +269,7 @@ class ManagerBase:
             The reads that were still out.
         """
         out = self.drain(timeout)
+        self._cancelled.set()
         if self._pool is not None:
             self._pool.shutdown(wait=not out, cancel_futures=True)
         return out
@@ -313,6 +322,7 @@ class ResidencyManager(ManagerBase):
         self._popularity = np.zeros(shape_e)  # LFU credit
         self._last_used = np.full(shape_e, -1, np.int64)  # LRU clock
         self._pinned = np.zeros(shape_e, bool)
+        self._held = np.zeros(shape_e, bool)  # the expert owns a slot (loading or resident)
         self._retry_after = np.zeros(shape_e, np.int64)  # first token to read an expert again after failures
         self._counts = {name: np.zeros(num_layers, np.float64 if name.endswith("mass") else np.int64)
                         for name in _COUNTERS}
@@ -337,62 +347,79 @@ class ResidencyManager(ManagerBase):
 
     # ---- loading ------------------------------------------------------------------------
 
-    def _submit(self, layer: int, expert: int, slot: int) -> None:
-        self._owner[layer, slot] = expert
-        self._state[layer, slot] = _LOADING
-        self._counts["reads_submitted"][layer] += 1
-        self._start(layer, expert, slot)
-
-    def _start(self, layer: int, expert: int, slot: int) -> None:
-        """Runs (inline) or queues one read whose slot is already marked LOADING for ``expert``."""
+    def _submit(self, layers: np.ndarray, experts: np.ndarray, slots: np.ndarray) -> None:
+        """Marks the slots LOADING for their experts and starts their reads, in order."""
+        self._owner[layers, slots] = experts
+        self._state[layers, slots] = _LOADING
+        self._held[layers, experts] = True
+        self._counts["reads_submitted"] += np.bincount(layers, minlength=self.num_layers)
+        batch = _ReadBatch(layers, experts, slots)
         if self._pool is None:
-            try:
-                future = _Landed(self.loader(layer, expert, slot))
-            except BaseException as error:  # noqa: BLE001 - a failed read; published as one in (3)
-                future = _Landed(error=error)
+            batch.run(self.loader)
         else:
-            future = self._pool.submit(self.loader, layer, expert, slot)
-        self._pending.append(_Pending(layer, expert, slot, future))
+            batch.futures = [self._pool.submit(batch.run, self.loader, self._cancelled)
+                             for _ in range(min(self.queue_depth, layers.size))]
+        self._pending.append(batch)
+
+    def pending(self) -> list[PendingRead]:
+        """The reads submitted and not yet published."""
+        return [PendingRead(int(layer), int(expert), int(slot)) for batch in self._pending
+                for layer, expert, slot in zip(batch.layers[batch.open], batch.experts[batch.open],
+                                                batch.slots[batch.open])]
 
     def _publish_landed(self, *, timeout: float | None = 0.0) -> None:
         """Publishes the reads done within ``timeout`` seconds (0: those done now; None: all)."""
-        futures = [read.future for read in self._pending if isinstance(read.future, Future)]
+        futures = [future for batch in self._pending for future in batch.futures]
         if futures and timeout != 0.0:
             wait_for_futures(futures, timeout=timeout)
-        still, landed, interrupt = [], [], None
-        for read in self._pending:
-            if not read.future.done():
-                still.append(read)
+        interrupt = None
+        for batch in self._pending:
+            ready = np.flatnonzero(batch.done & batch.open)
+            if ready.size == 0:
                 continue
-            try:
-                payload = read.future.result()
-                if self.arena is not None:
-                    self.arena.write_slot(read.layer, read.slot, payload)
-            except BaseException as error:  # noqa: BLE001 - reported; the slot stays unpublished and free
-                self._owner[read.layer, read.slot] = -1
-                self._state[read.layer, read.slot] = _FREE
-                self._counts["reads_failed"][read.layer] += 1
-                self._record_failure(read, error)
+            batch.open[ready] = False
+            picked = [batch.outcomes[i] for i in ready.tolist()]  # payloads, or the reads' exceptions
+            for i in ready.tolist():
+                batch.outcomes[i] = None  # no payload kept alive past its publishing
+            failed = batch.failed[ready]
+            if self.arena is not None and not failed.all():
+                written = np.flatnonzero(~failed)
+                refused = write_landed(self.arena, batch.layers[ready[written]], batch.slots[ready[written]],
+                                       [picked[j] for j in written.tolist()])
+                for j, error in zip(written.tolist(), refused):
+                    if error is not None:
+                        failed[j], picked[j] = True, error
+            for j in np.flatnonzero(failed).tolist():
+                error = picked[j]
+                self._record_failure(PendingRead(int(batch.layers[ready[j]]), int(batch.experts[ready[j]]),
+                                                 int(batch.slots[ready[j]])), error)
                 if isinstance(error, (KeyboardInterrupt, SystemExit)) and interrupt is None:
                     interrupt = error
-                continue
-            landed.append((read.layer, read.expert, read.slot,
-                           payload if isinstance(payload, int) else self.bytes_per_expert))
-        self._pending = still
-        if landed:  # published together: the tables point at their slots only now
-            layers, experts, slots, nbytes = (np.array(column, np.int64) for column in zip(*landed))
-            self._table[layers, experts] = slots
-            self._state[layers, slots] = _RESIDENT
-            self._counts["reads_landed"] += np.bincount(layers, minlength=self.num_layers)
-            np.add.at(self._counts["bytes_read"], layers, nbytes)
-            self._retry_after[layers, experts] = 0
-            if self.failures:
-                for key in zip(layers.tolist(), experts.tolist()):
-                    self.failures.pop(key, None)
+            lost, landed = ready[failed], ready[~failed]
+            if lost.size:
+                self._owner[batch.layers[lost], batch.slots[lost]] = -1
+                self._state[batch.layers[lost], batch.slots[lost]] = _FREE
+                self._held[batch.layers[lost], batch.experts[lost]] = False
+                self._counts["reads_failed"] += np.bincount(batch.layers[lost], minlength=self.num_layers)
+            if landed.size:  # published together: the tables point at their slots only now
+                layers, experts, slots = batch.layers[landed], batch.experts[landed], batch.slots[landed]
+                default = self.bytes_per_expert
+                nbytes = np.array([payload if isinstance(payload, int) else default
+                                   for payload, lost_read in zip(picked, failed.tolist()) if not lost_read], np.int64)
+                self._table[layers, experts] = slots
+                self._state[layers, slots] = _RESIDENT
+                self._counts["reads_landed"] += np.bincount(layers, minlength=self.num_layers)
+                self._counts["bytes_read"] += np.bincount(layers, weights=nbytes, minlength=self.num_layers).astype(
+                    np.int64)
+                self._retry_after[layers, experts] = 0
+                if self.failures:
+                    for key in zip(layers.tolist(), experts.tolist()):
+                        self.failures.pop(key, None)
+        self._pending = [batch for batch in self._pending if batch.open.any()]
         if interrupt is not None:  # after the bookkeeping, so no later step sees this read again
             raise interrupt
 
-    def _record_failure(self, read: _Pending, error: BaseException) -> None:
+    def _record_failure(self, read: PendingRead, error: BaseException) -> None:
         key = (read.layer, read.expert)
         record = self.failures.get(key)
         count = 1 if record is None else record.count + 1
@@ -414,18 +441,19 @@ class ResidencyManager(ManagerBase):
                 free = np.flatnonzero(self._state[layer] == _FREE)
                 if free.size == 0:
                     raise ValueError(f"preload: layer {layer} has no free slot for expert {expert}")
-                self._submit(layer, expert, int(free[0]))
+                self._submit(*(np.array([value], np.int64) for value in (layer, expert, free[0])))
             self._publish_landed(timeout=None)
             self._snapshot = self.snapshot()
 
     # ---- the token boundary -------------------------------------------------------------
 
-    def step(self, reports: Sequence[LayerReport], *, fence: Callable[[], Any] | None = None) -> np.ndarray:
+    def step(self, reports: Sequence[LayerReport] | LayerReport, *, fence: Callable[[], Any] | None = None) -> np.ndarray:
         """The token-boundary step (module docstring); returns the next token's tables.
 
         Args:
             reports: one :class:`LayerReport` per layer, for the token that just ran
-                with the previous snapshot.
+                with the previous snapshot; or one whose arrays carry every layer,
+                ``[L, T, K]`` (as a graph hands them back in one transfer).
             fence: called first; returns once the token's gathers are done
                 (e.g. ``lambda: mx.eval(outputs)`` or ``jax.block_until_ready``).
 
@@ -448,23 +476,32 @@ class ResidencyManager(ManagerBase):
             if self.decay_interval and self.token % self.decay_interval == self.decay_interval - 1:
                 self._popularity *= 0.5
             self.token += 1
-            self._counts["reads_in_flight"][:] = np.bincount([read.layer for read in self._pending],
-                                                             minlength=self.num_layers)
+            self._counts["reads_in_flight"][:] = sum(
+                (np.bincount(batch.layers[batch.open], minlength=self.num_layers) for batch in self._pending),
+                np.zeros(self.num_layers, np.int64))
             self._snapshot = self.snapshot()  # (6)
             return self._snapshot
 
-    def _gather(self, reports: Sequence[LayerReport]):
+    def _gather(self, reports: Sequence[LayerReport] | LayerReport):
         """The reports as ``[L, n]`` arrays (ids, scores, miss ids, miss scores), checked."""
-        if len(reports) != self.num_layers:
-            raise ValueError(f"step: expected {self.num_layers} layer reports, got {len(reports)}")
+        stacked_report = isinstance(reports, LayerReport)
+        if stacked_report:
+            shape = np.shape(reports.indices)
+            count = shape[0] if shape else 0
+        else:
+            count = len(reports)
+        if count != self.num_layers:
+            raise ValueError(f"step: expected {self.num_layers} layer reports (or one report of [L, ...] "
+                             f"arrays), got {count}")
         arrays = []
         for field_name, dtype in (("indices", np.int64), ("scores", np.float64), ("miss_ids", np.int64),
                                   ("miss_scores", np.float32)):
             try:
-                stacked = np.array([getattr(r, field_name) for r in reports])
+                stacked = np.asarray(getattr(reports, field_name)) if stacked_report else np.array(
+                    [getattr(r, field_name) for r in reports])
             except ValueError:  # ragged across layers
                 stacked = None
-            if stacked is None or stacked.dtype == object:
+            if stacked is None or stacked.dtype == object or stacked.ndim == 0 or stacked.shape[0] != self.num_layers:
                 raise ValueError(f"step: every layer's {field_name} must have one shape")
             arrays.append(stacked.reshape(self.num_layers, -1).astype(dtype, copy=False))
         ids, scores, miss_ids, miss_scores = arrays
@@ -502,26 +539,29 @@ class ResidencyManager(ManagerBase):
         return routed
 
     def _schedule(self, miss_ids: np.ndarray, miss_scores: np.ndarray, shielded: np.ndarray) -> None:
-        """(4) and (5): the token's misses, best first over all layers, each into a free slot or a victim's."""
+        """(4) and (5): the token's misses, best first over all layers, each into a free slot or a victim's.
+
+        Works on the missed experts and the layers they are in, never on every [L, E] entry.
+        """
         num_layers, num_experts = self.num_layers, self.num_experts
         real = miss_ids >= 0
         flat = (np.arange(num_layers)[:, None] * num_experts + miss_ids)[real]
+        if flat.size == 0:
+            return
         scores = miss_scores[real]
         numbers = ~np.isnan(scores)
-        counts = np.bincount(flat, minlength=num_layers * num_experts)
-        best = np.full(num_layers * num_experts, -np.inf, np.float32)
-        np.maximum.at(best, flat[numbers], scores[numbers])
-        with_number = np.bincount(flat[numbers], minlength=num_layers * num_experts) > 0
-        owned = np.zeros(num_layers * num_experts, bool)
-        held = self._owner >= 0
-        owned[(np.arange(num_layers)[:, None] * num_experts + self._owner)[held]] = True
-        wanted = ((counts > 0) & (self._table.reshape(-1) < 0) & ~owned
-                  & (self._retry_after.reshape(-1) <= self.token))
-        candidates = np.flatnonzero(wanted)
-        if candidates.size == 0:
+        missed, which = np.unique(flat, return_inverse=True)
+        best = np.full(missed.size, -np.inf, np.float32)
+        np.maximum.at(best, which[numbers], scores[numbers])
+        with_number = np.zeros(missed.size, bool)
+        with_number[which[numbers]] = True
+        layers, experts = np.divmod(missed, num_experts)
+        wanted = ~self._held[layers, experts] & (self._retry_after[layers, experts] <= self.token)
+        if not wanted.any():
             return
+        candidates = missed[wanted]
         # Best miss score first (an expert missed only with NaN last), then lower layer, then lower id.
-        key = np.where(with_number[candidates], -best[candidates].astype(np.float64), np.inf)
+        key = np.where(with_number[wanted], -best[wanted].astype(np.float64), np.inf)
         candidates = candidates[np.lexsort((candidates, key))]
         if self.read_budget is not None:
             candidates = candidates[:self.read_budget]
@@ -530,39 +570,41 @@ class ResidencyManager(ManagerBase):
         # ones the next victim: the resident, unpinned slots whose experts this token did not route,
         # lowest priority first, ties by lower expert id (so traces are reproducible).
         rank = _rank_within(layers, num_layers)
-        free = self._state == _FREE
-        free_layer, free_slot = np.nonzero(free)  # by layer, then ascending slot
-        free_at = np.full(free.shape, -1, np.int64)
-        free_at[free_layer, _rank_within(free_layer, num_layers)] = free_slot
-        free_count = free.sum(axis=1)[layers]
+        rows, row_of = np.unique(layers, return_inverse=True)  # the layers with a candidate
+        free = self._state[rows] == _FREE
+        free_at = np.argsort(~free, axis=1, kind="stable")  # each row's free slots first, ascending
+        free_count = free.sum(axis=1)[row_of]
         from_free = rank < free_count
         slots = np.full(candidates.size, -1, np.int64)
-        slots[from_free] = free_at[layers[from_free], rank[from_free]]
+        slots[from_free] = free_at[row_of[from_free], rank[from_free]]
         victims = ~from_free
         if victims.any():
-            short = np.zeros(num_layers, bool)
-            short[layers[victims]] = True  # only the layers that need victims are ranked
-            owners = np.maximum(self._owner, 0)
+            short = np.zeros(rows.size, bool)
+            short[row_of[victims]] = True  # only the layers that need victims are ranked
+            short_rows = rows[short]
+            owner = self._owner[short_rows]
+            owners = np.maximum(owner, 0)
+            layer_rows = short_rows[:, None]
             priority = self._popularity if self.policy == "lfu" else self._last_used
-            layer_rows = np.arange(num_layers)[:, None]
-            eligible = (short[:, None] & (self._state == _RESIDENT) & ~self._pinned[layer_rows, owners]
+            eligible = ((self._state[short_rows] == _RESIDENT) & ~self._pinned[layer_rows, owners]
                         & ~shielded[layer_rows, owners])
-            victim_at = _ranked_slots(eligible, priority[layer_rows, owners], self._owner)
+            victim_at = np.full((rows.size, self.num_slots), -1, np.int64)
+            victim_at[short] = _ranked_slots(eligible, priority[layer_rows, owners], owner)
+            eligible_count = np.zeros(rows.size, np.int64)
+            eligible_count[short] = eligible.sum(axis=1)
             victim_rank = rank - free_count
-            victims &= victim_rank < eligible.sum(axis=1)[layers]
-            slots[victims] = victim_at[layers[victims], victim_rank[victims]]
+            victims &= victim_rank < eligible_count[row_of]
+            slots[victims] = victim_at[row_of[victims], victim_rank[victims]]
         placed = slots >= 0  # a candidate with no free slot and no victim in its layer waits
         layers, experts, slots, victims = layers[placed], experts[placed], slots[placed], victims[placed]
         # (4) the victims leave the tables before any read targets their slots.
         evicted_layers, evicted_slots = layers[victims], slots[victims]
-        self._table[evicted_layers, self._owner[evicted_layers, evicted_slots]] = -1
+        evicted_experts = self._owner[evicted_layers, evicted_slots]
+        self._table[evicted_layers, evicted_experts] = -1
+        self._held[evicted_layers, evicted_experts] = False
         self._counts["evictions"] += np.bincount(evicted_layers, minlength=num_layers)
         # (5) the reads, in order.
-        self._owner[layers, slots] = experts
-        self._state[layers, slots] = _LOADING
-        self._counts["reads_submitted"] += np.bincount(layers, minlength=num_layers)
-        for read in zip(layers.tolist(), experts.tolist(), slots.tolist()):
-            self._start(*read)
+        self._submit(layers, experts, slots)
 
     # ---- statistics ---------------------------------------------------------------------
 
