@@ -210,6 +210,19 @@ def test_out_of_range_misses_are_refused_before_anything_is_credited():
     assert total.lookups == 0 and manager.token == 0
 
 
+@pytest.mark.parametrize("shape, message", [((3, 1, 2), "expected 2 layer reports"),
+                                            ((2, 1, 2), "scores must have the shape"), ((), "expected 2")])
+def test_a_stacked_report_must_carry_every_layer(shape, message):
+    """One report of [L, T, K] arrays: a wrong leading dimension or mismatched fields are refused, naming
+    them, before anything is credited."""
+    manager = ResidencyManager(2, 4, 2, loader=lambda *a: 0, queue_depth=0)
+    ids = np.zeros(shape, np.int32)
+    scores = np.zeros((2, 1, 3), np.float32) if message.startswith("scores") else np.full(shape, 0.5, np.float32)
+    with pytest.raises(ValueError, match=message):
+        manager.step(LayerReport(ids, scores, np.full(shape, -1, np.int32), np.zeros(shape, np.float32)))
+    assert manager.stats()[1].lookups == 0 and manager.token == 0
+
+
 # ---- threads ----------------------------------------------------------------------------------
 
 

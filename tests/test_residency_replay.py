@@ -47,9 +47,12 @@ CONFIGS = [
 ]
 
 
+@pytest.mark.parametrize("stacked", [False, True], ids=["per-layer-reports", "stacked-report"])
 @pytest.mark.parametrize("config", CONFIGS, ids=["lfu", "lru", "lfu-budget-pinned", "lru-budget-pinned"])
 @pytest.mark.parametrize("layers, experts, slots, rows, top_k", [(3, 16, 6, 1, 4), (4, 32, 8, 4, 4), (2, 64, 16, 2, 8)])
-def test_replay_matches_the_reference(config, layers, experts, slots, rows, top_k):
+def test_replay_matches_the_reference(config, layers, experts, slots, rows, top_k, stacked):
+    """The reference takes one report per layer; the manager under test the same, or one report of
+    [L, T, K] arrays."""
     rng = np.random.default_rng(layers * 100 + experts + rows)
     logs = ([], [])
     failing = {3, 11}
@@ -65,7 +68,9 @@ def test_replay_matches_the_reference(config, layers, experts, slots, rows, top_
         for layer, (ids, scores) in enumerate(routed):
             out = route_shed(ids, scores, tables[layer])
             reports.append(LayerReport(ids, scores, out.miss_ids, out.miss_scores))
-        want, got = (manager.step(reports) for manager in managers)
+        want = managers[0].step(reports)
+        got = managers[1].step(LayerReport(*(np.stack(column) for column in zip(
+            *((r.indices, r.scores, r.miss_ids, r.miss_scores) for r in reports)))) if stacked else reports)
         assert np.array_equal(want, got), f"tables differ after token {step}"
         for layer in range(layers):
             assert np.array_equal(managers[0].slot_owner(layer), managers[1].slot_owner(layer))
