@@ -1,8 +1,9 @@
 """A JAX expert arena that the residency manager writes landed experts into.
 
-Each projection is one ``[L, S, ...]`` array. Writing a slot is a jitted
+Each projection is one ``[L, S, ...]`` array. Writing slots is a jitted
 functional update that donates the old buffers, so XLA updates them in place
-instead of copying the whole arena per loaded expert.
+instead of copying the whole arena; a token boundary's landed experts go in
+as one scatter per projection.
 """
 
 from __future__ import annotations
@@ -14,12 +15,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kq_host.arena import check_payload
+from kq_host.arena import check_payload, checked_payloads
 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _write_slot(arrays, layer, slot, payload):
     return {name: arrays[name].at[layer, slot].set(payload[name].astype(arrays[name].dtype)) for name in arrays}
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_slots(arrays, layers, slots, payloads):
+    """``payloads[name]`` is a tuple of n experts' arrays: stacked on the device, one scatter each."""
+    return {name: arrays[name].at[layers, slots].set(jnp.stack(payloads[name]).astype(arrays[name].dtype))
+            for name in arrays}
+
+
+def _write_bucket(count: int) -> int:
+    """Batches are padded to 1, 2, 4, 8, ... writes, so a run compiles a handful of scatters."""
+    return 1 << max(0, count - 1).bit_length()
 
 
 class JaxArena:
@@ -49,3 +62,22 @@ class JaxArena:
         # Host arrays and indices go to the jitted write as they are: one transfer each, no eager ops.
         self.arrays = _write_slot(self.arrays, np.int32(layer), np.int32(slot),
                                   {name: np.asarray(payload[name]) for name in self.arrays})
+
+    def write_slots(self, layers, slots, payloads) -> list[BaseException | None]:
+        """Writes n experts at once: each projection's n arrays go to the device as they are and in one
+        scatter into the arena (the batch padded to a power of two by repeating its last write).
+
+        Args:
+            layers, slots: int ``[n]``; payloads: n mappings as for :meth:`write_slot`.
+
+        Returns:
+            One :class:`ExpertPayloadError` (that expert not written) or None per write.
+        """
+        errors = checked_payloads(self.slot_layout, payloads)
+        keep = [i for i, error in enumerate(errors) if error is None]
+        if keep:
+            keep += [keep[-1]] * (_write_bucket(len(keep)) - len(keep))
+            self.arrays = _write_slots(
+                self.arrays, np.asarray(layers, np.int32)[keep], np.asarray(slots, np.int32)[keep],
+                {name: tuple(np.asarray(payloads[i][name]) for i in keep) for name in self.arrays})
+        return errors

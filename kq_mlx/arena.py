@@ -9,7 +9,7 @@ import numpy as np
 
 from kq_core.contract import NUMPY_DTYPES
 from kq_core.validate import dtype_name
-from kq_host.arena import check_payload
+from kq_host.arena import check_payload, checked_payloads
 from kq_mlx.route_shed_mlx import MX_DTYPES, from_numpy
 
 NUMPY_DTYPES_OF_MX = {mx_dtype: NUMPY_DTYPES.get(name, np.dtype(name)) for name, mx_dtype in MX_DTYPES.items()}
@@ -38,7 +38,20 @@ class MlxArena:
             ExpertPayloadError: the payload is not one expert of the arena's layout (nothing written).
         """
         check_payload(payload, self.slot_layout)
-        for name, value in payload.items():
-            self.arrays[name][layer, slot] = from_numpy(np.asarray(value))
+        self._assign(layer, slot, payload)
         # The slot must hold the expert before its table entry is published.
         mx.eval(*self.arrays.values())
+
+    def write_slots(self, layers, slots, payloads) -> list[BaseException | None]:
+        """Writes n experts, evaluated once; one ExpertPayloadError (not written) or None per write."""
+        errors = checked_payloads(self.slot_layout, payloads)
+        for layer, slot, payload, error in zip(np.asarray(layers).tolist(), np.asarray(slots).tolist(), payloads,
+                                               errors):
+            if error is None:
+                self._assign(layer, slot, payload)
+        mx.eval(*self.arrays.values())
+        return errors
+
+    def _assign(self, layer: int, slot: int, payload) -> None:
+        for name, value in payload.items():
+            self.arrays[name][layer, slot] = from_numpy(np.asarray(value))

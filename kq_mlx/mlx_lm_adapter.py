@@ -26,7 +26,7 @@ import mlx.nn as nn
 import numpy as np
 
 import kq_mlx
-from kq_host.arena import check_payload
+from kq_host.arena import check_payload, checked_payloads
 from kq_host.residency import LayerReport
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -182,13 +182,27 @@ class SwitchGLUArena:
         Raises:
             ExpertPayloadError: the payload is not one expert of the layer's shapes (nothing written).
         """
-        block = self.blocks[layer]
-        layout = block.slot_layout()
-        check_payload(payload, layout)
-        arrays = dict(_slot_arrays(block.arena))
+        check_payload(payload, self.blocks[layer].slot_layout())
+        mx.eval(*self._assign(layer, slot, payload))
+
+    def write_slots(self, layers, slots, payloads) -> list[BaseException | None]:
+        """n experts, evaluated once; one ExpertPayloadError (that expert not written) or None per write."""
+        errors, written = [], []
+        for layer, slot, payload in zip(np.asarray(layers).tolist(), np.asarray(slots).tolist(), payloads):
+            error = checked_payloads(self.blocks[layer].slot_layout(), [payload])[0]
+            if error is None:
+                written += self._assign(layer, slot, payload)
+            errors.append(error)
+        mx.eval(*written)
+        return errors
+
+    def _assign(self, layer: int, slot: int, payload) -> list[mx.array]:
+        """Writes the slot's arrays (lazily); returns the arrays to evaluate."""
+        layout = self.blocks[layer].slot_layout()
+        arrays = dict(_slot_arrays(self.blocks[layer].arena))
         for key, (_, dtype) in layout.items():
             arrays[key][slot] = mx.array(np.asarray(payload[key], dtype)).astype(arrays[key].dtype)
-        mx.eval(*arrays.values())
+        return list(arrays.values())
 
 
 def _slot_arrays(switch_glu) -> list[tuple[str, mx.array]]:

@@ -419,3 +419,19 @@ def test_the_mlx_lm_adapter_never_gathers_past_the_arena():
     mx.eval(logits)
     _, _, shed = blocks[0].last
     assert np.isfinite(np.array(logits)).all() and int(np.array(shed.slots).max()) < 4
+
+
+@pytest.mark.parametrize("module, name", [("kq_host.arena", "NumpyArena"), ("kq_jax.arena", "JaxArena"),
+                                          ("kq_mlx.arena", "MlxArena")])
+def test_a_batch_write_writes_the_good_payloads_and_names_the_bad_one(module, name):
+    """A boundary's landed experts go in at once; one refused payload among them leaves its slot
+    untouched, the others written, and is reported per write, through the manager as a failed read."""
+    from kq_host.arena import write_landed
+
+    arena = getattr(pytest.importorskip(module), name)(2, 3, SHAPES)
+    bad = {"gate_proj": np.ones((1, 3), np.float32)}
+    errors = write_landed(arena, np.array([0, 1, 1]), np.array([2, 0, 1]), [payload(4.0), bad, payload(6.0)])
+    assert errors[0] is None and errors[2] is None and isinstance(errors[1], ExpertPayloadError)
+    gate = np.asarray(arena.arrays["gate_proj"], np.float32)
+    assert (gate[0, 2] == 4.0).all() and (gate[1, 1] == 6.0).all() and (gate[1, 0] == 0.0).all()
+    assert (gate[0, :2] == 0.0).all() and (gate[1, 2] == 0.0).all()
