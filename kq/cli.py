@@ -24,8 +24,10 @@ manager fills from safetensors files between steps. Columns, per framework:
   shed mass/step               fraction of the routed gate mass that was shed, per step
   over-budget                  layer-steps whose shed mass exceeded 1 - --keep-mass of their routed mass
   MiB read                     expert bytes read from the files over the run
-  resident / streamed steps/s  decode steps per second of each run, the first step's compile included
-  boundary ms/step             host time per step in ResidencyManager.step (credit, publish, evict, prestage)
+  resident / streamed steps/s  decode steps per second of each run over its second half (steady state; the
+                               compiles are done before the clock)
+  boundary ms/step             host time per step in ResidencyManager.step (credit, publish, evict, prestage),
+                               over the second half
   divergence mean / max        ||y_streamed - y_resident|| / ||y_resident|| of the last layer's output per step:
                                how far shedding moved the output (the weights are random, so this is not a
                                quality measure of a trained model)
