@@ -5,7 +5,8 @@
 # ROWS random rows), memcheck (compute-sanitizer over the kernel's launch cases), bench (`kq bench`,
 # BENCH_SETS), sweep (the Pallas launch sweeps), moe (the MoE arena overhead), sharding (the sharding
 # and expert-parallel tests: on a GPU mesh where there are two GPUs or more), compile (`kq bench --sets
-# compile`), expert_parallel (the expert-parallel layer over this machine's GPUs); and MLX on CUDA, after
+# compile`), expert_parallel (the expert-parallel layer over this machine's GPUs), decode_e2e (`kq bench
+# --sets decode-e2e`), host (`kq bench --sets host` on this machine's CPU); and MLX on CUDA, after
 # `source .mlxb/env.sh` (../shared/device/mlx-cuda-prepare.sh; with benchmarks/mlx_lm_wheels.sh, mlx-lm is
 # installed beside it): mlx_check (`kq check --backends mlx-cuda`), mlx_tests (tests/test_mlx.py, test_mlx_lm.py),
 # mlx_bench (`kq bench`: mlx-cuda beside mlx-ops-gpu, the pure-`mx` path on the GPU stream,
@@ -55,6 +56,8 @@ for name in ${PARTS:-tests check memcheck}; do
     moe) part moe_overhead python3 -m benchmarks moe_overhead --profile --json "$OUT/moe_overhead.json" ;;
     sharding) part sharding python3 -m pytest -q -p no:cacheprovider -rs tests/test_sharding.py \
                 tests/test_expert_parallel.py ;;
+    decode_e2e) part decode_e2e python3 -m kq bench --sets decode-e2e --no-progress --json "$OUT/decode_e2e.json" ;;
+    host) part host python3 -m kq bench --sets host --no-progress --json "$OUT/host.json" ;;
     compile) part compile python3 -m kq bench --sets compile --no-progress --json "$OUT/compile.json" ;;
     expert_parallel) part expert_parallel python3 -m benchmarks expert_parallel --json "$OUT/expert_parallel.json" ;;
     mlx_check) part mlx_check python3 -m kq check --backends mlx-cuda mlx-ops-gpu --random-rows "${ROWS:-50000}" ;;
@@ -65,7 +68,7 @@ for name in ${PARTS:-tests check memcheck}; do
                    --no-progress --json "$OUT/mlx_bench_$set.json"
                done ;;
     mlx_decode) part mlx_decode python3 -m benchmarks mlx_decode --json "$OUT/mlx_decode.json" ;;
-    *) echo "unknown part: $name (tests check memcheck bench sweep moe sharding compile expert_parallel" \
+    *) echo "unknown part: $name (tests check memcheck bench sweep moe sharding compile expert_parallel decode_e2e host" \
             "mlx_check mlx_tests mlx_bench mlx_decode)"
        status=2 ;;
   esac

@@ -75,7 +75,8 @@ def _bench(args) -> int:
 
     # Sets that run alone, each a module with run(progress=...), format_table(result), write_json(result, path).
     for alone, module_name, what in (("compile", "compile_bench", "first calls at new row counts, not one shape"),
-                                     ("host", "host_bench", "the residency manager, not route_shed")):
+                                     ("host", "host_bench", "the residency manager, not route_shed"),
+                                     ("decode-e2e", "decode_bench", "decoding through an arena, not route_shed")):
         if not args.sets or alone not in args.sets:
             continue
         if len(args.sets) > 1 or args.shapes:
@@ -198,10 +199,11 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = sub.add_parser("bench", help="time every backend here against its floors and the naive baseline",
                            formatter_class=defaults)
-    bench.add_argument("--sets", nargs="+", choices=sorted([*SHAPE_SETS, "host", "compile"]),
+    bench.add_argument("--sets", nargs="+", choices=sorted([*SHAPE_SETS, "host", "compile", "decode-e2e"]),
                        help="named shape sets (default: decode, unless --shapes is given); host: the residency "
                             "manager's token boundary at real model sizes instead of route_shed; compile: the JAX "
-                            "kernels' first call at new row counts, with and without row buckets")
+                            "kernels' first call at new row counts, with and without row buckets; decode-e2e: decoding "
+                            "through an arena end to end, resident against streamed")
     bench.add_argument("--shapes", nargs="+", type=_shape, metavar="TxKxE",
                        help="shapes of your own model, e.g. 1x8x128 (rows x top-k x experts)")
     bench.add_argument("--backends", nargs="+", metavar="NAME", help="subset of the backends found here")

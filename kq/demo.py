@@ -133,8 +133,10 @@ class JaxStack:
         from kq_jax.moe import Experts, moe_ffn_arena, moe_ffn_resident
 
         self.router = jnp.asarray(router)
-        self.experts = Experts(*(jnp.asarray(experts[p].astype(np.float32)) for p in PROJECTIONS))
-        self.arena = JaxArena(cfg.layers, cfg.slots, {p: (experts[p].shape[2:], np.float32) for p in PROJECTIONS})
+        self.experts = Experts(*(jnp.asarray(experts[p]).astype(jnp.float32) for p in PROJECTIONS))
+        self._new_arena = lambda slots: JaxArena(cfg.layers, slots, {p: (experts[p].shape[2:], np.float32)
+                                                                     for p in PROJECTIONS})
+        self.arena = self._new_arena(cfg.slots)
 
         def resident(x, router, weights):
             for layer in range(cfg.layers):
@@ -154,6 +156,10 @@ class JaxStack:
 
     def resident_step(self, h):
         return np.asarray(self._resident(h, self.router, self.experts))
+
+    def reset_arena(self, slots: int) -> None:
+        """An empty arena of ``slots`` slots per layer in place of the current one."""
+        self.arena = self._new_arena(slots)
 
     def dispatch(self, h, tables):
         """Queues one streamed step; returns its device outputs ``(y, packed reports)`` at once."""
@@ -199,8 +205,6 @@ class MlxStack:
         import mlx.core as mx
         from mlx_lm.models import qwen3_moe
 
-        from kq_mlx.mlx_lm_adapter import ArenaMoeBlock, SwitchGLUArena
-
         self.mx = mx
         mx.set_default_device(mx.cpu)
         args = qwen3_moe.ModelArgs(
@@ -217,7 +221,13 @@ class MlxStack:
             for p in PROJECTIONS:
                 getattr(block.switch_mlp, p).weight = mx.array(experts[p][layer].astype(np.float32))
             self.blocks.append(block)
-        self.arena_blocks = [ArenaMoeBlock(block, cfg.slots) for block in self.blocks]
+        self.reset_arena(cfg.slots)
+
+    def reset_arena(self, slots: int) -> None:
+        """An empty arena of ``slots`` slots per layer in place of the current one."""
+        from kq_mlx.mlx_lm_adapter import ArenaMoeBlock, SwitchGLUArena
+
+        self.arena_blocks = [ArenaMoeBlock(block, slots) for block in self.blocks]
         self.arena = SwitchGLUArena(self.arena_blocks)
 
     def _run(self, blocks, h):

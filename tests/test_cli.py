@@ -1,5 +1,6 @@
 """The command line: `kq check` and a smoke run of `kq bench` (a benchmark, not a timed test)."""
 
+import functools
 import json
 
 import numpy as np
@@ -209,3 +210,29 @@ def test_bench_compile_counts_kernels_per_bucket(monkeypatch, tmp_path, capsys):
     [boundary] = result["boundary"]
     assert boundary["rows"] == 9 and boundary["launch_rows"] == 12 and boundary["bucketed_us"] > 0
     assert "first call per new row count" in capsys.readouterr().out
+
+
+def test_bench_decode_e2e_runs_resident_and_streamed(monkeypatch, tmp_path, capsys):
+    """A tiny model through the whole decode loop: resident, then streamed serial and overlapped at two
+    residencies; every expert read lands, a full arena reads nothing and hits every time."""
+    pytest.importorskip("jax")
+    pytest.importorskip("safetensors")
+    from kq import decode_bench
+
+    monkeypatch.setitem(decode_bench.DECODE_MODELS, "tiny", (2, 8, 2, 32, 16, (1.0, 0.25), (None, 2)))
+    monkeypatch.setattr(decode_bench, "CPU_MODELS", ("tiny",))
+    monkeypatch.setattr(decode_bench, "GPU_MODELS", ("tiny",))
+    monkeypatch.setattr(decode_bench, "run", functools.partial(decode_bench.run, tokens=6, warmup=3))
+    json_path = tmp_path / "decode.json"
+    assert main(["bench", "--sets", "decode-e2e", "--no-progress", "--json", str(json_path)]) == 0
+    assert "overlapped" in capsys.readouterr().out
+    rows = [r for r in json.loads(json_path.read_text())["results"] if r["framework"] == "jax"]
+    assert [(r["mode"], r["residency"], r["read_budget"]) for r in rows] == [
+        ("resident", None, None), ("serial", 1.0, None), ("overlapped", 1.0, None), ("serial", 0.25, None),
+        ("overlapped", 0.25, None), ("serial", 0.25, 2), ("overlapped", 0.25, 2)]
+    for row in rows[1:3]:
+        assert row["hit_rate"] == 1.0 and row["mib_read_per_token"] == 0.0
+    for row in rows[3:]:
+        assert row["hit_rate"] < 1.0 and row["mib_read_per_token"] > 0.0
+        assert 0.0 <= row["publish_ms"] <= row["boundary_ms"] and row["tokens"] == 6
+    assert all(row["tokens_per_s"] > 0 for row in rows)
