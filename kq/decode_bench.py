@@ -12,8 +12,10 @@ figures are over the last ``tokens``:
   (``ResidencyManager.step``), split into ``publish`` (landed experts into the arena: their
   host-to-device copies and one scatter per projection) and ``bookkeeping`` (the rest);
 * ``overlapped`` (JAX): token t+1 is dispatched before token t's boundary, with the tables of the
-  boundary before (one token older), so the device computes while the host keeps the books; safe
-  because a slot written at a boundary was cleared from the tables one boundary earlier.
+  boundary before (one token older), so the device computes while the host keeps the books. A JAX
+  arena write makes new arrays, so the token in flight reads the arena as dispatched; an arena written
+  in place would be safe too, as a slot written at a boundary was cleared from the tables one
+  boundary earlier.
 
 ``h2d_ms`` is what the token's landed bytes cost at the host-to-device bandwidth measured in the same
 run (a pageable NumPy array to the device); the wait bar at 25% is bookkeeping <= 0.5 ms plus that.
