@@ -129,7 +129,7 @@ class JaxStack:
         import jax
         import jax.numpy as jnp
 
-        from kq_jax.arena import JaxArena
+        from kq_jax.arena import JaxArena, pack_reports
         from kq_jax.moe import Experts, moe_ffn_arena, moe_ffn_resident
 
         self.router = jnp.asarray(router)
@@ -169,31 +169,13 @@ class JaxStack:
     def readback(out):
         """Waits for a dispatched step: its output and every layer's report, in one transfer each."""
         y, packed = out
+        from kq_jax.arena import unpack_reports
+
         return np.asarray(y), unpack_reports(np.asarray(packed))
 
     def streamed_step(self, h, tables):
         """Returns the output (evaluated: the fence) and the layers' reports (one LayerReport, [L, T, K])."""
         return self.readback(self.dispatch(h, tables))
-
-
-def pack_reports(routings):
-    """Every layer's routing and misses as one int32 ``[4, L, T, K]`` array (floats by their bits), so
-    the host reads a token's reports back in one transfer."""
-    import jax.numpy as jnp
-    from jax import lax
-
-    def as_bits(scores):
-        return lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.int32)
-
-    return jnp.stack([jnp.stack([r.indices.astype(jnp.int32) for r in routings]),
-                      jnp.stack([as_bits(r.scores) for r in routings]),
-                      jnp.stack([r.shed.miss_ids.astype(jnp.int32) for r in routings]),
-                      jnp.stack([as_bits(r.shed.miss_scores) for r in routings])])
-
-
-def unpack_reports(packed: np.ndarray) -> LayerReport:
-    ids, score_bits, miss_ids, miss_bits = packed
-    return LayerReport(ids, score_bits.view(np.float32), miss_ids, miss_bits.view(np.float32))
 
 
 class MlxStack:

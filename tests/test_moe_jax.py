@@ -52,3 +52,24 @@ def test_partial_arena_uses_only_resident_experts_renormalised(layer):
     want = jnp.einsum("tkd,tk->td", experts_apply(x, experts, indices), mix)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(mix.sum(-1)[mix.any(-1)], 1.0, rtol=1e-5)
+
+
+def test_packed_reports_are_the_layers_reports_bit_for_bit():
+    """pack_reports (inside the jit) and unpack_reports (on the host): the layers' ids, scores and
+    misses, one transfer, every bit kept (bf16 scores widened exactly)."""
+    from kq_jax.arena import pack_reports, unpack_reports
+
+    rng = np.random.default_rng(7)
+    T, D, F, E, S, K = 5, 16, 8, 12, 4, 3
+    x = jnp.asarray(rng.normal(size=(T, D)), jnp.bfloat16)
+    routers = [jnp.asarray(rng.normal(size=(D, E)), jnp.bfloat16) for _ in range(2)]
+    arena = Experts(*(jnp.asarray(rng.normal(size=shape), jnp.bfloat16) for shape in ((S, F, D), (S, F, D), (S, D, F))))
+    tables = [np.where(rng.random(E) < 0.4, rng.integers(0, S, E), -1).astype(np.int32) for _ in range(2)]
+    routings = [moe_ffn_arena(x, w, arena, t, top_k=K)[1] for w, t in zip(routers, tables)]
+    stacked = unpack_reports(np.asarray(jax.jit(pack_reports)(routings)))
+    for layer, routing in enumerate(routings):
+        for name, got in (("indices", stacked.indices), ("miss_ids", stacked.miss_ids)):
+            want = np.asarray(routing.indices if name == "indices" else routing.shed.miss_ids)
+            assert np.array_equal(got[layer], want.astype(np.int32)), name
+        for got, want in ((stacked.scores, routing.scores), (stacked.miss_scores, routing.shed.miss_scores)):
+            assert np.array_equal(got[layer].view(np.uint32), np.asarray(want, np.float32).view(np.uint32))
