@@ -284,9 +284,9 @@ class ManagerBase:
 class ResidencyManager(ManagerBase):
     """Per-layer slot tables, eviction policy, prestage reads and statistics.
 
-    The state of all layers lives in ``[L, E]`` and ``[L, S]`` arrays and each
-    token's bookkeeping is a handful of array operations over every layer at
-    once; only the reads themselves are submitted one by one.
+    The state of all layers lives in ``[L, E]`` and ``[L, S]`` arrays; each
+    token's bookkeeping is array operations over the routed entries, the missed
+    experts and their layers, and its reads go out as one batch.
 
     Args:
         num_layers, num_experts, num_slots: L, E and S (slots per layer).
