@@ -227,9 +227,7 @@ class MlxStack:
 
         set_tables(self.arena_blocks, tables)
         y = self._run(self.arena_blocks, h)
-        reports = [block.report() for block in self.arena_blocks]
-        return y, LayerReport(*(np.stack(column) for column in zip(
-            *((r.indices, r.scores, r.miss_ids, r.miss_scores) for r in reports))))
+        return y, LayerReport.stacked([block.report() for block in self.arena_blocks])
 
 
 STACKS = {"jax": (JaxStack, "jax"), "mlx": (MlxStack, "mlx_lm")}
@@ -309,14 +307,15 @@ def summarize(cfg: DemoConfig, traces: list[RunTrace]) -> str:
              f"{cfg.slots} slots per layer ({cfg.slots / cfg.experts:.0%} resident), policy {cfg.policy}, "
              f"{cfg.steps} steps of {cfg.rows} row(s)"]
     header = ("framework", "hit first 10%", "hit steady", "shed experts/step", "shed mass/step", "over-budget",
-              "MiB read", "resident steps/s (steady)", "streamed steps/s (steady)", "boundary ms/step (steady)", "divergence mean",
-              "divergence max")
+              "MiB read", "resident steps/s (steady)", "streamed steps/s (steady)", "boundary ms/step (steady)",
+              "divergence mean", "divergence max")
     rows = []
     for t in traces:
         rows.append((t.framework, f"{np.mean(t.hit_rate[:warm]):.3f}", f"{np.mean(t.hit_rate[steady]):.3f}",
                      f"{np.mean(t.shed_experts):.2f}", f"{np.mean(t.shed_mass):.3f}", str(sum(t.over_budget)),
                      f"{sum(t.bytes_read) / 2**20:.1f}", f"{t.resident_steps_per_s:.1f}",
-                     f"{t.streamed_steps_per_s:.1f}", f"{np.mean(t.boundary_ms[steady]):.2f}", f"{np.mean(t.divergence):.4f}",
+                     f"{t.streamed_steps_per_s:.1f}", f"{np.mean(t.boundary_ms[steady]):.2f}",
+                     f"{np.mean(t.divergence):.4f}",
                      f"{np.max(t.divergence):.4f}"))
     lines.append(render_table(header, rows))
     return "\n".join(lines)

@@ -59,9 +59,9 @@ def time_host(layers: int, experts: int, slots: int, top_k: int, rows: int, *, t
                             for _ in range(rows)]).astype(np.int32)
             scores = rng.dirichlet(np.ones(top_k), rows).astype(np.float32)
             out = route_shed_oracle(ids, scores, tables[layer])
-            per_layer.append((ids, scores, out.miss_ids, out.miss_scores))
+            per_layer.append(LayerReport(ids, scores, out.miss_ids, out.miss_scores))
         # One report of [L, T, K] arrays, as a graph hands a token's reports back in one transfer.
-        reports = LayerReport(*(np.stack(column) for column in zip(*per_layer)))
+        reports = LayerReport.stacked(per_layer)
         if token == warmup:
             _, before = manager.stats()
         start = time.perf_counter()

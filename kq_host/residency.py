@@ -177,6 +177,12 @@ class LayerReport:
     miss_ids: np.ndarray
     miss_scores: np.ndarray
 
+    @classmethod
+    def stacked(cls, reports: Sequence["LayerReport"]) -> "LayerReport":
+        """One report of ``[L, T, K]`` arrays from one report per layer (what :meth:`ResidencyManager.step`
+        takes in one piece)."""
+        return cls(*(np.stack([getattr(r, f.name) for r in reports]) for f in fields(cls)))
+
 
 _COUNTERS = tuple(f.name for f in fields(LayerStats))
 
@@ -447,7 +453,8 @@ class ResidencyManager(ManagerBase):
 
     # ---- the token boundary -------------------------------------------------------------
 
-    def step(self, reports: Sequence[LayerReport] | LayerReport, *, fence: Callable[[], Any] | None = None) -> np.ndarray:
+    def step(self, reports: Sequence[LayerReport] | LayerReport, *,
+             fence: Callable[[], Any] | None = None) -> np.ndarray:
         """The token-boundary step (module docstring); returns the next token's tables.
 
         Args:

@@ -69,8 +69,7 @@ def test_replay_matches_the_reference(config, layers, experts, slots, rows, top_
             out = route_shed(ids, scores, tables[layer])
             reports.append(LayerReport(ids, scores, out.miss_ids, out.miss_scores))
         want = managers[0].step(reports)
-        got = managers[1].step(LayerReport(*(np.stack(column) for column in zip(
-            *((r.indices, r.scores, r.miss_ids, r.miss_scores) for r in reports)))) if stacked else reports)
+        got = managers[1].step(LayerReport.stacked(reports) if stacked else reports)
         assert np.array_equal(want, got), f"tables differ after token {step}"
         for layer in range(layers):
             assert np.array_equal(managers[0].slot_owner(layer), managers[1].slot_owner(layer))
