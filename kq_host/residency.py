@@ -192,7 +192,8 @@ class ManagerBase:
     lifecycle (``pending``, ``drain``, ``close``); the one-thread guard.
 
     A subclass builds its tables after ``__init__`` (``pinned_experts`` holds the checked
-    pinned sets), sets ``_snapshot``, and defines ``snapshot()`` and ``_publish_landed(timeout=...)``.
+    pinned sets), sets ``_snapshot``, keeps its reads in flight in ``_pending`` as it likes, and
+    defines ``snapshot()``, ``pending()`` and ``_publish_landed(timeout=...)``.
     """
 
     def __init__(self, num_layers: int, num_experts: int, num_slots: int, *, loader: Loader,
@@ -249,10 +250,6 @@ class ManagerBase:
             yield
         finally:
             self._busy.release()
-
-    def pending(self) -> list[PendingRead]:
-        """The reads submitted and not yet published."""
-        return [PendingRead(read.layer, read.expert, read.slot) for read in self._pending]
 
     def drain(self, timeout: float | None = None) -> list[PendingRead]:
         """Waits up to ``timeout`` seconds (None: no limit) for the reads in flight and publishes those done.

@@ -182,23 +182,25 @@ class SwitchGLUArena:
         Raises:
             ExpertPayloadError: the payload is not one expert of the layer's shapes (nothing written).
         """
-        check_payload(payload, self.blocks[layer].slot_layout())
-        mx.eval(*self._assign(layer, slot, payload))
+        layout = self.blocks[layer].slot_layout()
+        check_payload(payload, layout)
+        mx.eval(*self._assign(layer, slot, payload, layout))
 
     def write_slots(self, layers, slots, payloads) -> list[BaseException | None]:
         """n experts, evaluated once; one ExpertPayloadError (that expert not written) or None per write."""
         errors, written = [], []
         for layer, slot, payload in zip(np.asarray(layers).tolist(), np.asarray(slots).tolist(), payloads):
-            error = checked_payloads(self.blocks[layer].slot_layout(), [payload])[0]
+            layout = self.blocks[layer].slot_layout()
+            [error] = checked_payloads(layout, [payload])
             if error is None:
-                written += self._assign(layer, slot, payload)
+                written += self._assign(layer, slot, payload, layout)
             errors.append(error)
         mx.eval(*written)
         return errors
 
-    def _assign(self, layer: int, slot: int, payload) -> list[mx.array]:
-        """Writes the slot's arrays (lazily); returns the arrays to evaluate."""
-        layout = self.blocks[layer].slot_layout()
+    def _assign(self, layer: int, slot: int, payload, layout) -> list[mx.array]:
+        """Writes the slot's arrays (lazily), ``payload`` already checked against ``layout``; returns the
+        arrays to evaluate."""
         arrays = dict(_slot_arrays(self.blocks[layer].arena))
         for key, (_, dtype) in layout.items():
             arrays[key][slot] = mx.array(np.asarray(payload[key], dtype)).astype(arrays[key].dtype)

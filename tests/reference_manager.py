@@ -15,7 +15,7 @@ import numpy as np
 from kq_host.arena import Arena
 from kq_host.prestage import prestage_order
 from kq_host.residency import (MAX_BACKOFF_DOUBLINGS, FailedRead, LayerReport, LayerStats, Loader, ManagerBase,
-                               SlotState)
+                               PendingRead, SlotState)
 
 
 @dataclass
@@ -93,6 +93,10 @@ class ReferenceManager(ManagerBase):
             future = self._pool.submit(self.loader, layer, expert, slot)
         self._pending.append(_Pending(layer, expert, slot, future))
         state.stats.reads_submitted += 1
+
+    def pending(self) -> list[PendingRead]:
+        """The reads submitted and not yet published."""
+        return [PendingRead(read.layer, read.expert, read.slot) for read in self._pending]
 
     def _publish_landed(self, *, timeout: float | None = 0.0) -> None:
         """Publishes the reads done within ``timeout`` seconds (0: those done now; None: all)."""
