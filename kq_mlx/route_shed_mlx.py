@@ -49,6 +49,17 @@ def _order_key(s):
     return mx.where(mx.isnan(s), NAN_ORDER_KEY, -monotone)
 
 
+def _over_k(reduce, x, *, axis: int = -1, keepdims: bool = False):
+    """``reduce`` over the K axis; at K = 1 the entry itself, reduced by a squeeze.
+
+    MLX 0.32.4's shapeless compile crashes the process on a reduction over an axis of length one.
+    """
+    if x.shape[axis] != 1:
+        return reduce(x, axis=axis, keepdims=keepdims)
+    out = x if keepdims else mx.squeeze(x, axis)
+    return out.astype(mx.int32) if reduce is mx.sum and x.dtype == mx.bool_ else out
+
+
 def _route_shed_ops_impl(indices, scores, slot_table):
     # Every op works along the last axis, on rows of any rank, and is one MLX can compile shapeless
     # (no reshape, slice, bit view or constant of the row count), so mx.compile(..., shapeless=True)
@@ -71,17 +82,17 @@ def _route_shed_ops_impl(indices, scores, slot_table):
     # entry adds +0.0 to ``kept``, which leaves it as it is (it is never -0.0).
     position = mx.arange(top_k, dtype=mx.int32)
     kept_s = mx.where(keep, s, 0.0)
-    total = kept = mx.sum(mx.where(keep, mx.array(0.0, mx.float32), mx.array(0.0, mx.float32)), axis=-1)
+    total = kept = _over_k(mx.sum, mx.where(keep, mx.array(0.0, mx.float32), mx.array(0.0, mx.float32)))
     for k in range(top_k):
         at_k = position == k
-        total = _flush(total + mx.sum(mx.where(at_k, s, 0.0), axis=-1))
-        kept = _flush(kept + mx.sum(mx.where(at_k, kept_s, 0.0), axis=-1))
+        total = _flush(total + _over_k(mx.sum, mx.where(at_k, s, 0.0)))
+        kept = _flush(kept + _over_k(mx.sum, mx.where(at_k, kept_s, 0.0)))
     has_mass = kept > 0.0
     scale = mx.where(has_mass, _flush(total / mx.where(has_mass, kept, 1.0)), 0.0)
     mix = mx.where(keep, _flush(s * mx.expand_dims(scale, -1)), 0.0)
 
-    first_kept = mx.min(mx.where(keep, position, top_k - 1), axis=-1, keepdims=True)
-    fallback = mx.where(mx.any(keep, axis=-1, keepdims=True), mx.take_along_axis(slot, first_kept, axis=-1), 0)
+    first_kept = _over_k(mx.min, mx.where(keep, position, top_k - 1), keepdims=True)
+    fallback = mx.where(_over_k(mx.any, keep, keepdims=True), mx.take_along_axis(slot, first_kept, axis=-1), 0)
     slots = mx.where(keep, slot, fallback)
 
     # Misses by rank: each entry's rank is the number of entries before it in the contract's order
@@ -94,14 +105,25 @@ def _route_shed_ops_impl(indices, scores, slot_table):
     earlier = mx.expand_dims(position, 1) < mx.expand_dims(position, 0)
     by_score = (g_i == 0) & (s_i != s_j)
     before = (g_i < g_j) | ((g_i == g_j) & mx.where(by_score, s_i > s_j, earlier))  # [..., i, j]: i before j
-    order = mx.argsort(mx.sum(before, axis=-2).astype(mx.int32), axis=-1)  # distinct ranks: any sort agrees
-    filled = position < mx.sum(miss, axis=-1, keepdims=True)
+    order = mx.argsort(_over_k(mx.sum, before, axis=-2).astype(mx.int32), axis=-1)  # distinct ranks: any sort agrees
+    filled = position < _over_k(mx.sum, miss, keepdims=True)
     miss_ids = mx.where(filled, mx.take_along_axis(ids.astype(mx.int32), order, axis=-1), -1)
     miss_scores = mx.where(filled, mx.take_along_axis(s, order, axis=-1), 0.0)
     return slots.astype(indices.dtype), _canonical_nan(mix), miss_ids, _canonical_nan(miss_scores)
 
 
-_route_shed_ops_compiled = mx.compile(_route_shed_ops_impl)
+@functools.lru_cache(maxsize=None)
+def _route_shed_ops_compiled(top_k: int, num_experts: int):
+    """The op compiled shapeless, once per (K, E): one compile serves every row count.
+
+    A shapeless compile is traced again only when a dtype or a rank changes, so the trace, which holds
+    K and E, gets a compiled function (and a function object, the key of MLX's compile cache) of its
+    own per (K, E).
+    """
+    def route_shed_rows(indices, scores, slot_table):
+        return _route_shed_ops_impl(indices, scores, slot_table)
+
+    return mx.compile(route_shed_rows, shapeless=True)
 
 
 def route_shed_ops(indices, scores, slot_table, *, num_slots: int | None = None,
@@ -123,7 +145,7 @@ def _bounded(slot_table, num_slots: int | None):
 
 def _ops(indices, scores, slot_table, *, num_slots: int | None = None, compiled: bool = True) -> RouteShedResult:
     slot_table = _bounded(slot_table, num_slots)
-    fn = _route_shed_ops_compiled if compiled else _route_shed_ops_impl
+    fn = _route_shed_ops_compiled(indices.shape[-1], slot_table.shape[0]) if compiled else _route_shed_ops_impl
     return RouteShedResult(*fn(indices, scores, slot_table))
 
 

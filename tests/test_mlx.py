@@ -56,6 +56,20 @@ def test_eager_and_compiled_agree(rng, score_dtype):
     assert_same_bits(route_shed_oracle(*inputs), [np.array(o) for o in compiled])
 
 
+def test_the_compiled_ops_path_retraces_for_k_and_e_but_not_for_rows(rng):
+    """route_shed_ops compiles shapeless: new row counts reuse one compile, while a new K or E of the same
+    rank (which a shapeless trace would not notice) gets a trace of its own. Bits equal in every call."""
+    from kq_mlx.route_shed_mlx import _route_shed_ops_compiled
+
+    _route_shed_ops_compiled.cache_clear()
+    for rows, top_k, experts in [(3, 8, 40), (70, 8, 40), (5, 2, 40), (1, 8, 40), (9, 2, 40), (9, 2, 12),
+                                 (4, 8, 12), (6, 1, 12), (300, 1, 12)]:
+        inputs = adversarial_inputs(rng, rows, top_k, experts)
+        out = kq_mlx.route_shed_ops(*as_mx(*inputs))
+        assert_same_bits(route_shed_oracle(*inputs), [np.array(o) for o in out])
+    assert _route_shed_ops_compiled.cache_info().currsize == 5  # (8, 40), (2, 40), (2, 12), (8, 12), (1, 12)
+
+
 def test_slots_feed_gather_mm_like_a_resident_block(rng):
     """An arena of S slots fed slots/mix gives the fully resident block's output."""
     tokens, top_k, experts, d_in, d_out = 6, 4, 16, 64, 64  # sizes MLX's CUDA gather_mm takes (see below)
@@ -129,7 +143,8 @@ _GPU_KERNEL = kq_mlx.implementation_for(mx.gpu) != "ops"
 
 @pytest.mark.parametrize("dtypes", [("int32", "float32"), ("uint32", "bfloat16")], ids=["int32-f32", "uint32-bf16"])
 @pytest.mark.parametrize("stream", ["cpu", "gpu"])
-def test_one_shapeless_compile_serves_every_row_count(rng, dtypes, stream):
+@pytest.mark.parametrize("top_k", [1, 8], ids=["k1", "k8"])
+def test_one_shapeless_compile_serves_every_row_count(rng, dtypes, stream, top_k):
     """mx.compile(shapeless=True), as mlx-lm compiles in places: row counts and ranks change between calls
     of one compiled function; every output is the oracle's, adversarial rows included. On a CPU stream
     through the dispatcher, on a GPU stream through the pure-mx path (MLX's custom kernels have no shape
@@ -147,8 +162,9 @@ def test_one_shapeless_compile_serves_every_row_count(rng, dtypes, stream):
     fn = mx.compile(traced, shapeless=True)
     for leading in [(3,), (64,), (1,), (200,), (2, 5), (1, 1), (4, 33)]:
         rows = int(np.prod(leading))
-        ids, scores, table = adversarial_inputs(rng, rows, 8, 40, index_dtype=index_dtype, score_dtype=score_dtype)
-        ids, scores = ids.reshape(*leading, 8), scores.reshape(*leading, 8)
+        ids, scores, table = adversarial_inputs(rng, rows, top_k, 40, index_dtype=index_dtype,
+                                                score_dtype=score_dtype)
+        ids, scores = ids.reshape(*leading, top_k), scores.reshape(*leading, top_k)
         out = fn(*as_mx(ids, scores, table))
         expected = route_shed_oracle(ids, scores, table)
         assert_same_bits(expected, [np.array(o) for o in out])
