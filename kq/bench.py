@@ -333,18 +333,25 @@ def run(sets=("decode",), backends=None, *, shapes=(), repeats: int = 7, residen
     # name -> (call, timer, device, floor key: the launch floor measured once per key)
     timers: dict[str, tuple[Callable, Callable, str, str | None]] = {
         "numpy-oracle": (route_shed_oracle, _numpy_timer, "cpu (numpy)", None)}
-    if _available("jax"):
+
+    def wanted(family: str) -> bool:
+        # A framework no requested backend needs is not even started: a JAX CUDA client in the process
+        # of an MLX-CUDA run is a second CUDA user on the GPU that the MLX rows did not ask for.
+        return _available(family) and (not backends or any(b.startswith(family) for b in backends))
+
+    if wanted("jax"):
         for name, fn in _jax_backends().items():
             timers[name] = (fn, _jax_timer, _jax_device(), "jax")
-    if _available("mlx"):
+    if wanted("mlx"):
         for name, (fn, device, floor_key) in _mlx_backends().items():
             timers[name] = (fn, _mlx_timer, device, floor_key)
-    from kq_mlx import metal_cpu
+    if not backends or "metal-source-cpu" in backends:
+        from kq_mlx import metal_cpu
 
-    try:
-        timers["metal-source-cpu"] = (metal_cpu.prepare, _native_timer, f"cpu ({metal_cpu.compiler()})", None)
-    except metal_cpu.CompilerUnavailable:
-        pass
+        try:
+            timers["metal-source-cpu"] = (metal_cpu.prepare, _native_timer, f"cpu ({metal_cpu.compiler()})", None)
+        except metal_cpu.CompilerUnavailable:
+            pass
     if backends:
         unknown = set(backends) - set(timers)
         if unknown:
@@ -354,7 +361,7 @@ def run(sets=("decode",), backends=None, *, shapes=(), repeats: int = 7, residen
     jax_floor = _jax_floor_fn() if timing_jax else None
     bandwidth = _jax_copy_bandwidth() if timing_jax else None
     floor_ops = {}
-    if _available("mlx"):
+    if any(name.startswith("mlx") for name in timers):
         import mlx.core as mx
 
         for key, device in (("mlx-cpu", mx.cpu), ("mlx-gpu", mx.gpu)):
