@@ -16,6 +16,7 @@
 # summary.txt; a part is cut at PART_TIMEOUT seconds (default 500). Exits non-zero if a part failed.
 set -uo pipefail
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false KQ_HYPOTHESIS_PROFILE=gpu
+export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/mlx-ptx}  # MLX-CUDA: NVRTC's output reused by later parts
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 if [ -d /tmp/mlxparts/wheels ] && ! python3 -c "import mlx_lm" 2>/dev/null; then  # benchmarks/mlx_lm_wheels.sh
@@ -34,6 +35,7 @@ part() {  # name, command...
   start=$(date +%s)
   timeout "${PART_TIMEOUT:-500}" "$@" > "$OUT/$name.log" 2>&1
   rc=$?
+  last_rc=$rc
   echo "$name: exit $rc in $(( $(date +%s) - start )) s: $*" | tee -a "$OUT/summary.txt"
   tail -n 4 "$OUT/$name.log"
   status=$(( status || rc ))
@@ -63,9 +65,18 @@ for name in ${PARTS:-tests check memcheck}; do
     mlx_check) part mlx_check python3 -m kq check --backends mlx-cuda mlx-ops-gpu --random-rows "${ROWS:-50000}" ;;
     mlx_tests) part mlx_tests python3 -m pytest -q -p no:cacheprovider -n 0 -rs --durations=10 tests/test_mlx_lm.py \
                  tests/test_mlx.py ;;
-    mlx_bench) for set in ${BENCH_SETS:-decode prefill}; do
-                 part "mlx_bench_$set" python3 -m kq bench --sets "$set" --backends mlx-cuda mlx-ops-gpu --repeats 9 \
-                   --no-progress --json "$OUT/mlx_bench_$set.json"
+    mlx_bench) # One backend and one set per process; a set that MLX's CUDA graph refuses is run again with
+               # MLX_USE_CUDA_GRAPHS=0, its log kept beside the first.
+               for backend in mlx-cuda mlx-ops-gpu; do
+                 for set in ${BENCH_SETS:-decode prefill}; do
+                   part "mlx_bench_${backend}_$set" python3 -m kq bench --sets "$set" --backends "$backend" \
+                     --repeats 9 --no-progress --json "$OUT/mlx_bench_${backend}_$set.json"
+                   if [ "$last_rc" != 0 ] && grep -q cudaGraph "$OUT/mlx_bench_${backend}_$set.log"; then
+                     part "mlx_bench_${backend}_${set}_no_graphs" env MLX_USE_CUDA_GRAPHS=0 python3 -m kq bench \
+                       --sets "$set" --backends "$backend" --repeats 9 --no-progress \
+                       --json "$OUT/mlx_bench_${backend}_${set}_no_graphs.json"
+                   fi
+                 done
                done ;;
     mlx_decode) part mlx_decode python3 -m benchmarks mlx_decode --json "$OUT/mlx_decode.json" ;;
     *) echo "unknown part: $name (tests check memcheck bench sweep moe sharding compile expert_parallel decode_e2e host" \
