@@ -91,9 +91,12 @@ def _route_shed_ops_impl(indices, scores, slot_table):
     scale = mx.where(has_mass, _flush(total / mx.where(has_mass, kept, 1.0)), 0.0)
     mix = mx.where(keep, _flush(s * mx.expand_dims(scale, -1)), 0.0)
 
+    # Entries are moved along the row by masked sums over a one-hot [..., i, j] mask, never by a sort or
+    # a gather along the row: exact for the same reason as the columns, and MLX-CUDA 0.32.4's argsort and
+    # take_along_axis fail from 65,536 rows on (docs/benchmarks.md).
     first_kept = _over_k(mx.min, mx.where(keep, position, top_k - 1), keepdims=True)
-    fallback = mx.where(_over_k(mx.any, keep, keepdims=True), mx.take_along_axis(slot, first_kept, axis=-1), 0)
-    slots = mx.where(keep, slot, fallback)
+    slot_first_kept = _over_k(mx.sum, mx.where(position == first_kept, slot, 0), keepdims=True)
+    slots = mx.where(keep, slot, mx.where(_over_k(mx.any, keep, keepdims=True), slot_first_kept, 0))
 
     # Misses by rank: each entry's rank is the number of entries before it in the contract's order
     # (misses first, by descending score, NaN after every number, ties by position), compared in pairs
@@ -105,10 +108,13 @@ def _route_shed_ops_impl(indices, scores, slot_table):
     earlier = mx.expand_dims(position, 1) < mx.expand_dims(position, 0)
     by_score = (g_i == 0) & (s_i != s_j)
     before = (g_i < g_j) | ((g_i == g_j) & mx.where(by_score, s_i > s_j, earlier))  # [..., i, j]: i before j
-    order = mx.argsort(_over_k(mx.sum, before, axis=-2).astype(mx.int32), axis=-1)  # distinct ranks: any sort agrees
+    rank = _over_k(mx.sum, before, axis=-2)  # [..., i]: a permutation of 0..K-1
+    to_rank = mx.expand_dims(rank, -1) == position  # [..., i, j]: entry i is output j
     filled = position < _over_k(mx.sum, miss, keepdims=True)
-    miss_ids = mx.where(filled, mx.take_along_axis(ids.astype(mx.int32), order, axis=-1), -1)
-    miss_scores = mx.where(filled, mx.take_along_axis(s, order, axis=-1), 0.0)
+    ranked_ids = _over_k(mx.sum, mx.where(to_rank, mx.expand_dims(ids.astype(mx.int32), -1), 0), axis=-2)
+    ranked_scores = _over_k(mx.sum, mx.where(to_rank, s_i, 0.0), axis=-2)
+    miss_ids = mx.where(filled, ranked_ids, -1)
+    miss_scores = mx.where(filled, ranked_scores, 0.0)
     return slots.astype(indices.dtype), _canonical_nan(mix), miss_ids, _canonical_nan(miss_scores)
 
 
