@@ -332,6 +332,21 @@ def topk_route_shed(probs, slot_table, *, top_k: int, normalize: bool = True, on
     probs, slot_table = _as_mx(probs, slot_table)
     slot_table = _bounded(slot_table, num_slots)
     with mx.stream(stream if stream is not None else mx.default_stream(mx.default_device())):
-        indices, scores, *shed = _topk_route_shed_ops_impl(probs, slot_table, top_k=int(top_k),
-                                                           normalize=bool(normalize), on_miss=on_miss)
+        num_experts = probs.shape[-1]
+        rows = probs.reshape(-1, num_experts)
+        step = rows_per_sort(stream)
+        parts = [_topk_route_shed_ops_impl(rows[start:start + step], slot_table, top_k=int(top_k),
+                                           normalize=bool(normalize), on_miss=on_miss)
+                 for start in range(0, max(rows.shape[0], 1), step)]
+        out_shape = probs.shape[:-1] + (int(top_k),)
+        indices, scores, *shed = (mx.concatenate(list(outputs)).reshape(out_shape) for outputs in zip(*parts))
     return TopkRouteShedResult(indices, scores, RouteShedResult(*shed))
+
+
+def rows_per_sort(stream=None) -> int:
+    """The most rows one ``mx.argsort`` / ``mx.take_along_axis`` takes on ``stream``.
+
+    MLX-CUDA 0.32.4 fails both from 65,536 rows ("cudaGraphAddKernelNode ... invalid argument";
+    docs/benchmarks.md); :func:`topk_route_shed` sorts in blocks of this many rows there.
+    """
+    return 65535 if implementation_for(stream) == "cuda" else 2 ** 31 - 1

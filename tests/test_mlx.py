@@ -192,3 +192,19 @@ def test_default_stream_across_block_boundaries(rng, rows, top_k):
     inputs = adversarial_inputs(rng, rows, top_k, max(64, 2 * top_k))
     out = kq_mlx.route_shed(*as_mx(*inputs))
     assert_same_bits(route_shed_oracle(*inputs), [np.array(o) for o in out])
+
+
+@pytest.mark.parametrize("on_miss", ["shed", "substitute"])
+def test_topk_route_shed_sorts_in_blocks_of_rows(rng, monkeypatch, on_miss):
+    """Where one sort may take only so many rows (MLX-CUDA: 65,535), the rows go through in blocks and
+    come back in their shape with the oracle's bits; here blocks of 7 rows, on any stream."""
+    from kq_core.oracle import topk_route_shed_oracle
+    from kq_mlx import route_shed_mlx
+
+    monkeypatch.setattr(route_shed_mlx, "rows_per_sort", lambda stream=None: 7)
+    probs = rng.dirichlet(np.ones(32), size=(4, 5)).astype(np.float32)
+    probs[0, 1, 3] = probs[0, 1, 4]  # a tie across experts
+    table = np.where(rng.random(32) < 0.5, rng.permutation(32), -1).astype(np.int32)
+    out = kq_mlx.topk_route_shed(probs, table, top_k=4, on_miss=on_miss)
+    assert out.indices.shape == (4, 5, 4)
+    assert_same_bits(topk_route_shed_oracle(probs, table, 4, on_miss=on_miss), out)
