@@ -125,9 +125,10 @@ def _ranked_slots(mask: np.ndarray, priority: np.ndarray, owner: np.ndarray) -> 
     The masked slots' owners are distinct within a row (one slot per expert), so (priority, owner)
     orders them totally: a stable sort by priority after one by owner.
     """
+    rows = np.arange(mask.shape[0])[:, None]
     by_owner = np.argsort(owner, axis=1, kind="stable")
-    key = np.take_along_axis(np.where(mask, priority, np.inf), by_owner, axis=1)
-    order = np.take_along_axis(by_owner, np.argsort(key, axis=1, kind="stable"), axis=1)
+    key = np.where(mask, priority, np.inf)[rows, by_owner]
+    order = by_owner[rows, np.argsort(key, axis=1, kind="stable")]
     return np.where(np.arange(mask.shape[1]) < mask.sum(axis=1, keepdims=True), order, -1)
 
 
@@ -327,6 +328,7 @@ class ResidencyManager(ManagerBase):
         self._pinned = np.zeros(shape_e, bool)
         self._held = np.zeros(shape_e, bool)  # the expert owns a slot (loading or resident)
         self._retry_after = np.zeros(shape_e, np.int64)  # first token to read an expert again after failures
+        self._layer_offsets = np.arange(num_layers)[:, None] * num_experts  # [L, 1]: layer l's [L * E] offset
         self._counts = {name: np.zeros(num_layers, np.float64 if name.endswith("mass") else np.int64)
                         for name in _COUNTERS}
         for layer, experts in self.pinned_experts.items():
@@ -381,9 +383,12 @@ class ResidencyManager(ManagerBase):
             if ready.size == 0:
                 continue
             batch.open[ready] = False
-            picked = [batch.outcomes[i] for i in ready.tolist()]  # payloads, or the reads' exceptions
-            for i in ready.tolist():
-                batch.outcomes[i] = None  # no payload kept alive past its publishing
+            if ready.size == len(batch.outcomes):  # the whole batch at once: the batch's list is handed over
+                picked, batch.outcomes = batch.outcomes, [None] * ready.size
+            else:
+                picked = [batch.outcomes[i] for i in ready.tolist()]  # payloads, or the reads' exceptions
+                for i in ready.tolist():
+                    batch.outcomes[i] = None  # no payload kept alive past its publishing
             failed = batch.failed[ready]
             if self.arena is not None and not failed.all():
                 written = np.flatnonzero(~failed)
@@ -523,15 +528,16 @@ class ResidencyManager(ManagerBase):
         """(2): popularity, recency and statistics from the routed entries; returns the routed mask ``[L, E]``."""
         num_experts = self.num_experts
         valid = (ids >= 0) & (ids < num_experts)
-        safe = np.where(valid, ids, 0)
-        kept = valid & (np.take_along_axis(self._snapshot, safe, axis=1) >= 0)
-        flat = (np.arange(self.num_layers)[:, None] * num_experts + safe)[valid]  # layer-major, in entry order
+        flat_all = self._layer_offsets + np.where(valid, ids, 0)  # [L, n] into the [L * E] arrays
+        kept = valid & (self._snapshot.reshape(-1)[flat_all] >= 0)
+        flat = flat_all[valid]  # layer-major, in entry order
         np.add.at(self._popularity.reshape(-1), flat, 1.0)
         self._last_used.reshape(-1)[flat] = self.token
         routed = np.zeros(self._table.shape, bool)
         routed.reshape(-1)[flat] = True
-        shed_mass = np.nansum(np.where(kept, 0.0, scores), axis=1)
-        routed_mass = np.nansum(scores, axis=1)
+        numbers = np.where(np.isnan(scores), 0.0, scores)  # NaN counts as no mass (np.nansum's sums)
+        shed_mass = np.where(kept, 0.0, numbers).sum(axis=1)
+        routed_mass = numbers.sum(axis=1)
         counts = self._counts
         counts["lookups"] += valid.sum(axis=1)
         counts["hits"] += kept.sum(axis=1)
@@ -549,24 +555,24 @@ class ResidencyManager(ManagerBase):
         """
         num_layers, num_experts = self.num_layers, self.num_experts
         real = miss_ids >= 0
-        flat = (np.arange(num_layers)[:, None] * num_experts + miss_ids)[real]
+        flat = (self._layer_offsets + miss_ids)[real]
         if flat.size == 0:
             return
+        # Each missed expert once, keyed by its best miss score (an expert missed only with NaN: +inf, last).
         scores = miss_scores[real]
-        numbers = ~np.isnan(scores)
-        missed, which = np.unique(flat, return_inverse=True)
-        best = np.full(missed.size, -np.inf, np.float32)
-        np.maximum.at(best, which[numbers], scores[numbers])
-        with_number = np.zeros(missed.size, bool)
-        with_number[which[numbers]] = True
+        key = np.where(np.isnan(scores), np.inf, -scores.astype(np.float64))
+        order = np.lexsort((key, flat))  # by expert, its best entry first
+        flat, key = flat[order], key[order]
+        first = np.ones(flat.size, bool)
+        first[1:] = flat[1:] != flat[:-1]
+        missed, key = flat[first], key[first]
         layers, experts = np.divmod(missed, num_experts)
         wanted = ~self._held[layers, experts] & (self._retry_after[layers, experts] <= self.token)
         if not wanted.any():
             return
         candidates = missed[wanted]
-        # Best miss score first (an expert missed only with NaN last), then lower layer, then lower id.
-        key = np.where(with_number[wanted], -best[wanted].astype(np.float64), np.inf)
-        candidates = candidates[np.lexsort((candidates, key))]
+        # Best miss score first, then lower layer, then lower id.
+        candidates = candidates[np.lexsort((candidates, key[wanted]))]
         if self.read_budget is not None:
             candidates = candidates[:self.read_budget]
         layers, experts = np.divmod(candidates, num_experts)
@@ -574,13 +580,17 @@ class ResidencyManager(ManagerBase):
         # ones the next victim: the resident, unpinned slots whose experts this token did not route,
         # lowest priority first, ties by lower expert id (so traces are reproducible).
         rank = _rank_within(layers, num_layers)
-        rows, row_of = np.unique(layers, return_inverse=True)  # the layers with a candidate
-        free = self._state[rows] == _FREE
-        free_at = np.argsort(~free, axis=1, kind="stable")  # each row's free slots first, ascending
-        free_count = free.sum(axis=1)[row_of]
+        present = np.bincount(layers, minlength=num_layers) > 0
+        rows = np.flatnonzero(present)  # the layers with a candidate
+        row_of = (np.cumsum(present) - 1)[layers]
+        # Every row's free slots, ascending, row after row (nonzero runs row-major).
+        free_row, free_slot = np.nonzero(self._state[rows] == _FREE)
+        free_count = np.bincount(free_row, minlength=rows.size)
+        first_free = np.cumsum(free_count) - free_count
+        free_count = free_count[row_of]
         from_free = rank < free_count
         slots = np.full(candidates.size, -1, np.int64)
-        slots[from_free] = free_at[row_of[from_free], rank[from_free]]
+        slots[from_free] = free_slot[(first_free[row_of] + rank)[from_free]]
         victims = ~from_free
         if victims.any():
             short = np.zeros(rows.size, bool)
