@@ -268,9 +268,9 @@ def route_shed(indices, scores, slot_table, *, num_slots: int | None = None, str
 
 
 def _topk_route_shed_ops_impl(probs, slot_table, *, top_k: int, normalize: bool, on_miss: str):
+    """``probs``: ``[rows, E]``; the six outputs ``[rows, top_k]``."""
     num_experts = probs.shape[-1]
-    out_shape = probs.shape[:-1] + (top_k,)
-    values = probs.reshape(-1, num_experts).astype(mx.float32)  # [rows, E]
+    values = probs.astype(mx.float32)
     expert = mx.arange(num_experts, dtype=mx.int64)
     # The contract's total order, made unique by the expert id so argsort's stability does not matter.
     order = mx.argsort(_order_key(values).astype(mx.int64) * num_experts + expert, axis=1).astype(mx.int32)
@@ -285,7 +285,7 @@ def _topk_route_shed_ops_impl(probs, slot_table, *, top_k: int, normalize: bool,
     shed = _route_shed_ops_impl(indices, scores, slot_table)
     if on_miss == "substitute":
         shed = _substitute_ops(order, indices, scores, slot_table, shed)
-    return (indices.reshape(out_shape), scores.reshape(out_shape), *(a.reshape(out_shape) for a in shed))
+    return (indices, scores, *shed)
 
 
 def _substitute_ops(order, indices, scores, slot_table, shed):
