@@ -123,12 +123,9 @@ def _ranked_slots(mask: np.ndarray, priority: np.ndarray, owner: np.ndarray) -> 
     """``[n, S]``: row i lists its slots where ``mask`` holds, by ascending (priority, owner), then -1s.
 
     The masked slots' owners are distinct within a row (one slot per expert), so (priority, owner)
-    orders them totally: a stable sort by priority after one by owner.
+    orders them totally.
     """
-    rows = np.arange(mask.shape[0])[:, None]
-    by_owner = np.argsort(owner, axis=1, kind="stable")
-    key = np.where(mask, priority, np.inf)[rows, by_owner]
-    order = by_owner[rows, np.argsort(key, axis=1, kind="stable")]
+    order = np.lexsort((owner, np.where(mask, priority, np.inf)), axis=1)
     return np.where(np.arange(mask.shape[1]) < mask.sum(axis=1, keepdims=True), order, -1)
 
 
