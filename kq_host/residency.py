@@ -110,12 +110,17 @@ MAX_BACKOFF_DOUBLINGS = 10
 _FREE, _LOADING, _RESIDENT = SlotState.FREE.value, SlotState.LOADING.value, SlotState.RESIDENT.value
 
 
-def _rank_within(groups: np.ndarray, num_groups: int) -> np.ndarray:
-    """For each item, how many items of its group come before it (items in order)."""
+def _group_starts(counts: np.ndarray) -> np.ndarray:
+    """Where each group begins among items sorted by group, from the groups' sizes."""
+    return np.cumsum(counts) - counts
+
+
+def _rank_within(groups: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """For each item, how many items of its group come before it (items in order); ``counts``: the
+    groups' sizes (``np.bincount(groups)``)."""
     order = np.argsort(groups, kind="stable")
-    starts = np.concatenate([[0], np.cumsum(np.bincount(groups, minlength=num_groups))[:-1]])
     rank = np.empty(groups.size, np.int64)
-    rank[order] = np.arange(groups.size) - starts[groups[order]]
+    rank[order] = np.arange(groups.size) - _group_starts(counts)[groups[order]]
     return rank
 
 
@@ -576,14 +581,15 @@ class ResidencyManager(ManagerBase):
         # Within its layer, the r-th candidate takes the r-th free slot (ascending), and past the free
         # ones the next victim: the resident, unpinned slots whose experts this token did not route,
         # lowest priority first, ties by lower expert id (so traces are reproducible).
-        rank = _rank_within(layers, num_layers)
-        present = np.bincount(layers, minlength=num_layers) > 0
+        per_layer = np.bincount(layers, minlength=num_layers)
+        rank = _rank_within(layers, per_layer)
+        present = per_layer > 0
         rows = np.flatnonzero(present)  # the layers with a candidate
         row_of = (np.cumsum(present) - 1)[layers]
         # Every row's free slots, ascending, row after row (nonzero runs row-major).
         free_row, free_slot = np.nonzero(self._state[rows] == _FREE)
         free_count = np.bincount(free_row, minlength=rows.size)
-        first_free = np.cumsum(free_count) - free_count
+        first_free = _group_starts(free_count)
         free_count = free_count[row_of]
         from_free = rank < free_count
         slots = np.full(candidates.size, -1, np.int64)
