@@ -334,27 +334,36 @@ def run(sets=("decode",), backends=None, *, shapes=(), repeats: int = 7, residen
     timers: dict[str, tuple[Callable, Callable, str, str | None]] = {
         "numpy-oracle": (route_shed_oracle, _numpy_timer, "cpu (numpy)", None)}
 
-    def wanted(family: str) -> bool:
-        # A framework no requested backend needs is not even started: a JAX CUDA client in the process
-        # of an MLX-CUDA run is a second CUDA user on the GPU that the MLX rows did not ask for.
-        return _available(family) and (not backends or any(b.startswith(family) for b in backends))
-
-    if wanted("jax"):
+    def add_jax():
         for name, fn in _jax_backends().items():
             timers[name] = (fn, _jax_timer, _jax_device(), "jax")
-    if wanted("mlx"):
+
+    def add_mlx():
         for name, (fn, device, floor_key) in _mlx_backends().items():
             timers[name] = (fn, _mlx_timer, device, floor_key)
-    if not backends or "metal-source-cpu" in backends:
+
+    def add_metal_source():
         from kq_mlx import metal_cpu
 
         try:
             timers["metal-source-cpu"] = (metal_cpu.prepare, _native_timer, f"cpu ({metal_cpu.compiler()})", None)
         except metal_cpu.CompilerUnavailable:
             pass
+
+    # A framework no requested backend needs is not even started (a JAX CUDA client in the process of
+    # an MLX-CUDA run is a second CUDA user on the GPU that the MLX rows did not ask for); an unknown
+    # name starts them all, so that the refusal lists every backend this machine has.
+    families = [("jax", _available("jax"), add_jax), ("mlx", _available("mlx"), add_mlx),
+                ("metal-source-cpu", True, add_metal_source)]
+    for prefix, available, add in families:
+        if available and (not backends or any(b.startswith(prefix) for b in backends)):
+            add()
     if backends:
         unknown = set(backends) - set(timers)
         if unknown:
+            for prefix, available, add in families:
+                if available and not any(name.startswith(prefix) for name in timers):
+                    add()
             raise ValueError(f"kq bench: unknown or unavailable backends {sorted(unknown)}; here: {sorted(timers)}")
         timers = {k: v for k, v in timers.items() if k in backends}
     timing_jax = any(name.startswith("jax") for name in timers)

@@ -142,6 +142,19 @@ def test_check_refuses_an_unknown_backend_listing_the_names(capsys):
     assert exit_info.value.code == 2 and "invalid choice: 'foo'" in err and "jax-reference" in err
 
 
+def test_bench_refuses_an_unknown_backend_listing_the_names():
+    """A misspelt backend gets the names this machine has, though the run starts only the frameworks
+    the requested backends need."""
+    from kq.bench import run
+
+    with pytest.raises(ValueError, match="'jax-refrence'") as error:
+        run(backends=["jax-refrence"], progress=False)
+    assert "jax-reference" in str(error.value) and "mlx-ops" in str(error.value)
+    with pytest.raises(ValueError, match="'nonsense'") as error:
+        run(backends=["nonsense"], progress=False)
+    assert "jax-reference" in str(error.value) and "mlx-ops" in str(error.value)
+
+
 @pytest.mark.parametrize("rows", [0, 1, 7, 4096])
 def test_check_runs_exactly_the_random_rows_asked_for(rows):
     from kq.check import random_cases
