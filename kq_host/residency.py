@@ -27,7 +27,6 @@ again for 2, 4, 8, ... tokens (up to 1024) after each failure in a row.
 from __future__ import annotations
 
 import contextlib
-import enum
 import itertools
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,17 +36,14 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 import numpy as np
 
+from kq_host import bookkeeping
 from kq_host.arena import Arena, write_landed
+from kq_host.bookkeeping import SlotState, Tables
 
 Loader = Callable[[int, int, int], Any]  # (layer, expert, slot) -> payload for the arena, or None
 
-
-
-class SlotState(enum.IntEnum):
-    FREE = 0
-    LOADING = 1
-    RESIDENT = 2
-
+__all__ = ["MAX_BACKOFF_DOUBLINGS", "FailedRead", "LayerReport", "LayerStats", "Loader", "ManagerBase", "PendingRead",
+           "ResidencyManager", "SlotState"]
 
 @dataclass
 class LayerStats:
@@ -105,33 +101,6 @@ class PendingRead:
 
 # A read that failed n times in a row is not submitted again for 2**min(n, MAX_BACKOFF_DOUBLINGS) tokens.
 MAX_BACKOFF_DOUBLINGS = 10
-
-
-_FREE, _LOADING, _RESIDENT = SlotState.FREE.value, SlotState.LOADING.value, SlotState.RESIDENT.value
-
-
-def _group_starts(counts: np.ndarray) -> np.ndarray:
-    """Where each group begins among items sorted by group, from the groups' sizes."""
-    return np.cumsum(counts) - counts
-
-
-def _rank_within(groups: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """For each item, how many items of its group come before it (items in order); ``counts``: the
-    groups' sizes (``np.bincount(groups)``)."""
-    order = np.argsort(groups, kind="stable")
-    rank = np.empty(groups.size, np.int64)
-    rank[order] = np.arange(groups.size) - _group_starts(counts)[groups[order]]
-    return rank
-
-
-def _ranked_slots(mask: np.ndarray, priority: np.ndarray, owner: np.ndarray) -> np.ndarray:
-    """``[n, S]``: row i lists its slots where ``mask`` holds, by ascending (priority, owner), then -1s.
-
-    The masked slots' owners are distinct within a row (one slot per expert), so (priority, owner)
-    orders them totally.
-    """
-    order = np.lexsort((owner, np.where(mask, priority, np.inf)), axis=1)
-    return np.where(np.arange(mask.shape[1]) < mask.sum(axis=1, keepdims=True), order, -1)
 
 
 class _ReadBatch:
@@ -287,6 +256,21 @@ class ManagerBase:
         self.close()
 
 
+def _bookkeeping(impl: str):
+    """The module that keeps a manager's tables for ``impl`` (NumPy, or the same compiled by Numba)."""
+    if impl not in ("auto", "numpy", "numba"):
+        raise ValueError(f"ResidencyManager: impl must be 'auto', 'numpy' or 'numba', got {impl!r}")
+    if impl == "numpy":
+        return bookkeeping
+    try:
+        from kq_host import bookkeeping_numba
+    except ImportError as error:  # Numba missing, or refusing this NumPy
+        if impl == "numba":
+            raise ImportError(f"ResidencyManager: impl='numba' needs Numba (pip install 'kq[host]'): {error}") from error
+        return bookkeeping
+    return bookkeeping_numba
+
+
 class ResidencyManager(ManagerBase):
     """Per-layer slot tables, eviction policy, prestage reads and statistics.
 
@@ -311,55 +295,45 @@ class ResidencyManager(ManagerBase):
         queue_depth: concurrent loader threads; 0 runs loads inline (deterministic tests).
         bytes_per_expert: added to ``bytes_read`` per landed read when the loader
             returns no byte count (an int return value is taken as bytes read).
+        impl: who keeps the tables: ``"numpy"`` (array operations), ``"numba"`` (the
+            same decisions compiled; needs Numba, ``pip install 'kq[host]'``) or ``"auto"``
+            (Numba when it imports, else NumPy). :attr:`impl` says which one runs.
     """
 
     def __init__(self, num_layers: int, num_experts: int, num_slots: int, *, loader: Loader,
                  arena: Arena | None = None, policy: Literal["lfu", "lru"] = "lfu",
                  pinned: Mapping[int, Iterable[int]] | None = None, keep_mass: float = 0.9,
                  read_budget: int | None = None, decay_interval: int = 64, queue_depth: int = 8,
-                 bytes_per_expert: int = 0):
+                 bytes_per_expert: int = 0, impl: Literal["auto", "numpy", "numba"] = "auto"):
+        self._ops = _bookkeeping(impl)  # checked before the base class starts a thread pool
         super().__init__(num_layers, num_experts, num_slots, loader=loader, arena=arena, policy=policy,
                          pinned=pinned, keep_mass=keep_mass, read_budget=read_budget, decay_interval=decay_interval,
                          queue_depth=queue_depth, bytes_per_expert=bytes_per_expert)
-        shape_e, shape_s = (num_layers, num_experts), (num_layers, num_slots)
-        self._table = np.full(shape_e, -1, np.int32)  # the live tables (what the next snapshot copies)
-        self._owner = np.full(shape_s, -1, np.int32)  # expert in (or loading into) each slot, -1 free
-        self._state = np.zeros(shape_s, np.int8)  # SlotState
-        self._popularity = np.zeros(shape_e)  # LFU credit
-        self._last_used = np.full(shape_e, -1, np.int64)  # LRU clock
-        self._pinned = np.zeros(shape_e, bool)
-        self._held = np.zeros(shape_e, bool)  # the expert owns a slot (loading or resident)
-        self._retry_after = np.zeros(shape_e, np.int64)  # first token to read an expert again after failures
-        self._layer_offsets = np.arange(num_layers)[:, None] * num_experts  # [L, 1]: layer l's [L * E] offset
-        self._counts = {name: np.zeros(num_layers, np.float64 if name.endswith("mass") else np.int64)
-                        for name in _COUNTERS}
+        self.impl = "numpy" if self._ops is bookkeeping else "numba"
+        self._tables = Tables.empty(num_layers, num_experts, num_slots, policy, _COUNTERS)
         for layer, experts in self.pinned_experts.items():
-            self._pinned[layer, sorted(experts)] = True
+            self._tables.pinned[layer, sorted(experts)] = True
         self._snapshot = self.snapshot()
 
     # ---- tables -------------------------------------------------------------------------
 
     def snapshot(self) -> np.ndarray:
         """A copy of every layer's table, ``int32 [L, E]``: what the next graph may use."""
-        return self._table.copy()
+        return self._tables.table.copy()
 
     def resident(self, layer: int) -> dict[int, int]:
         """``{expert: slot}`` published in ``layer``."""
-        table = self._table[layer]
+        table = self._tables.table[layer]
         return {int(e): int(table[e]) for e in np.flatnonzero(table >= 0)}
 
     def slot_owner(self, layer: int) -> np.ndarray:
         """``int32 [S]``: the expert resident in or loading into each slot, -1 free."""
-        return self._owner[layer].copy()
+        return self._tables.owner[layer].copy()
 
     # ---- loading ------------------------------------------------------------------------
 
-    def _submit(self, layers: np.ndarray, experts: np.ndarray, slots: np.ndarray) -> None:
-        """Marks the slots LOADING for their experts and starts their reads, in order."""
-        self._owner[layers, slots] = experts
-        self._state[layers, slots] = _LOADING
-        self._held[layers, experts] = True
-        self._counts["reads_submitted"] += np.bincount(layers, minlength=self.num_layers)
+    def _start_reads(self, layers: np.ndarray, experts: np.ndarray, slots: np.ndarray) -> None:
+        """Starts the reads of claimed slots, in order."""
         batch = _ReadBatch(layers, experts, slots)
         if self._pool is None:
             batch.run(self.loader)
@@ -392,39 +366,25 @@ class ResidencyManager(ManagerBase):
                 for i in ready.tolist():
                     batch.outcomes[i] = None  # no payload kept alive past its publishing
             failed = batch.failed[ready]
+            layers, experts, slots = batch.layers[ready], batch.experts[ready], batch.slots[ready]
             if self.arena is not None and not failed.all():
                 written = np.flatnonzero(~failed)
-                refused = write_landed(self.arena, batch.layers[ready[written]], batch.slots[ready[written]],
+                refused = write_landed(self.arena, layers[written], slots[written],
                                        [picked[j] for j in written.tolist()])
                 for j, error in zip(written.tolist(), refused):
                     if error is not None:
                         failed[j], picked[j] = True, error
             for j in np.flatnonzero(failed).tolist():
                 error = picked[j]
-                self._record_failure(PendingRead(int(batch.layers[ready[j]]), int(batch.experts[ready[j]]),
-                                                 int(batch.slots[ready[j]])), error)
+                self._record_failure(PendingRead(int(layers[j]), int(experts[j]), int(slots[j])), error)
                 if isinstance(error, (KeyboardInterrupt, SystemExit)) and interrupt is None:
                     interrupt = error
-            lost, landed = ready[failed], ready[~failed]
-            if lost.size:
-                self._owner[batch.layers[lost], batch.slots[lost]] = -1
-                self._state[batch.layers[lost], batch.slots[lost]] = _FREE
-                self._held[batch.layers[lost], batch.experts[lost]] = False
-                self._counts["reads_failed"] += np.bincount(batch.layers[lost], minlength=self.num_layers)
-            if landed.size:  # published together: the tables point at their slots only now
-                layers, experts, slots = batch.layers[landed], batch.experts[landed], batch.slots[landed]
-                default = self.bytes_per_expert
-                nbytes = np.array([payload if isinstance(payload, int) else default
-                                   for payload, lost_read in zip(picked, failed.tolist()) if not lost_read], np.int64)
-                self._table[layers, experts] = slots
-                self._state[layers, slots] = _RESIDENT
-                self._counts["reads_landed"] += np.bincount(layers, minlength=self.num_layers)
-                self._counts["bytes_read"] += np.bincount(layers, weights=nbytes, minlength=self.num_layers).astype(
-                    np.int64)
-                self._retry_after[layers, experts] = 0
-                if self.failures:
-                    for key in zip(layers.tolist(), experts.tolist()):
-                        self.failures.pop(key, None)
+            default = self.bytes_per_expert
+            nbytes = np.array([payload if isinstance(payload, int) else default for payload in picked], np.int64)
+            self._ops.publish(self._tables, layers, experts, slots, failed, nbytes)  # tables point at slots now
+            if self.failures and not failed.all():
+                for key in zip(layers[~failed].tolist(), experts[~failed].tolist()):
+                    self.failures.pop(key, None)
         self._pending = [batch for batch in self._pending if batch.open.any()]
         if interrupt is not None:  # after the bookkeeping, so no later step sees this read again
             raise interrupt
@@ -435,7 +395,7 @@ class ResidencyManager(ManagerBase):
         count = 1 if record is None else record.count + 1
         self.failures[key] = FailedRead(read.layer, read.expert, read.slot, count, type(error).__name__, str(error),
                                         self.token)
-        self._retry_after[key] = self.token + 2 ** min(count, MAX_BACKOFF_DOUBLINGS)
+        self._tables.retry_after[key] = self.token + 2 ** min(count, MAX_BACKOFF_DOUBLINGS)
 
     def preload(self, layer: int, experts: Iterable[int]) -> None:
         """Loads experts into free slots now and publishes them (start-up, pinned sets).
@@ -444,14 +404,17 @@ class ResidencyManager(ManagerBase):
             ValueError: ``layer`` or an id of ``experts`` is out of range, or no slot is free.
         """
         experts = self._preload_experts(layer, experts)
+        tables = self._tables
         with self._exclusive("preload"):
             for expert in experts:
-                if self._table[layer, expert] >= 0 or expert in self._owner[layer]:
+                if tables.table[layer, expert] >= 0 or expert in tables.owner[layer]:
                     continue
-                free = np.flatnonzero(self._state[layer] == _FREE)
+                free = np.flatnonzero(tables.state[layer] == SlotState.FREE)
                 if free.size == 0:
                     raise ValueError(f"preload: layer {layer} has no free slot for expert {expert}")
-                self._submit(*(np.array([value], np.int64) for value in (layer, expert, free[0])))
+                read = tuple(np.array([value], np.int64) for value in (layer, expert, free[0]))
+                bookkeeping.claim(tables, *read)
+                self._start_reads(*read)
             self._publish_landed(timeout=None)
             self._snapshot = self.snapshot()
 
@@ -477,19 +440,20 @@ class ResidencyManager(ManagerBase):
                 manager. A manager serves one decode thread: concurrent calls are refused, never
                 interleaved.
         """
-        routed = self._gather(reports)  # every report checked before anything is credited
+        ids, scores, miss_ids, miss_scores = self._gather(reports)  # every report checked before any credit
+        tables = self._tables
         with self._exclusive("step"):
             if fence is not None:
                 fence()  # (1)
-            shielded = self._credit(*routed[:2])  # (2)
+            shielded = self._ops.credit(tables, ids, scores, self._snapshot, self.token, self.keep_mass)  # (2)
             self._publish_landed()  # (3)
-            self._schedule(*routed[2:], shielded)  # (4) and (5)
+            reads = self._ops.place(tables, miss_ids, miss_scores, shielded, token=self.token,  # (4)
+                                    read_budget=self.read_budget)
+            if reads[0].size:
+                self._start_reads(*reads)  # (5)
             if self.decay_interval and self.token % self.decay_interval == self.decay_interval - 1:
-                self._popularity *= 0.5
+                bookkeeping.decay(tables)
             self.token += 1
-            self._counts["reads_in_flight"][:] = sum(
-                (np.bincount(batch.layers[batch.open], minlength=self.num_layers) for batch in self._pending),
-                np.zeros(self.num_layers, np.int64))
             self._snapshot = self.snapshot()  # (6)
             return self._snapshot
 
@@ -526,108 +490,11 @@ class ResidencyManager(ManagerBase):
                              f"[-1, {self.num_experts})")
         return ids, scores, miss_ids, miss_scores
 
-    def _credit(self, ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
-        """(2): popularity, recency and statistics from the routed entries; returns the routed mask ``[L, E]``."""
-        num_experts = self.num_experts
-        valid = (ids >= 0) & (ids < num_experts)
-        flat_all = self._layer_offsets + np.where(valid, ids, 0)  # [L, n] into the [L * E] arrays
-        kept = valid & (self._snapshot.reshape(-1)[flat_all] >= 0)
-        flat = flat_all[valid]  # layer-major, in entry order
-        np.add.at(self._popularity.reshape(-1), flat, 1.0)
-        self._last_used.reshape(-1)[flat] = self.token
-        routed = np.zeros(self._table.shape, bool)
-        routed.reshape(-1)[flat] = True
-        numbers = np.where(np.isnan(scores), 0.0, scores)  # NaN counts as no mass (np.nansum's sums)
-        shed_mass = np.where(kept, 0.0, numbers).sum(axis=1)
-        routed_mass = numbers.sum(axis=1)
-        counts = self._counts
-        counts["lookups"] += valid.sum(axis=1)
-        counts["hits"] += kept.sum(axis=1)
-        counts["misses"] += (valid & ~kept).sum(axis=1)
-        counts["shed_count"] += (~kept).sum(axis=1)
-        counts["shed_mass"] += shed_mass
-        counts["routed_mass"] += routed_mass
-        counts["over_budget"] += shed_mass > (1.0 - self.keep_mass) * routed_mass
-        return routed
-
-    def _schedule(self, miss_ids: np.ndarray, miss_scores: np.ndarray, shielded: np.ndarray) -> None:
-        """(4) and (5): the token's misses, best first over all layers, each into a free slot or a victim's.
-
-        Works on the missed experts and the layers they are in, never on every [L, E] entry.
-        """
-        num_layers, num_experts = self.num_layers, self.num_experts
-        real = miss_ids >= 0
-        flat = (self._layer_offsets + miss_ids)[real]
-        if flat.size == 0:
-            return
-        # Each missed expert once, keyed by its best miss score (an expert missed only with NaN: +inf, last).
-        scores = miss_scores[real]
-        key = np.where(np.isnan(scores), np.inf, -scores.astype(np.float64))
-        order = np.lexsort((key, flat))  # by expert, its best entry first
-        flat, key = flat[order], key[order]
-        first = np.ones(flat.size, bool)
-        first[1:] = flat[1:] != flat[:-1]
-        missed, key = flat[first], key[first]
-        layers, experts = np.divmod(missed, num_experts)
-        wanted = ~self._held[layers, experts] & (self._retry_after[layers, experts] <= self.token)
-        if not wanted.any():
-            return
-        candidates = missed[wanted]
-        # Best miss score first, then lower layer, then lower id.
-        candidates = candidates[np.lexsort((candidates, key[wanted]))]
-        if self.read_budget is not None:
-            candidates = candidates[:self.read_budget]
-        layers, experts = np.divmod(candidates, num_experts)
-        # Within its layer, the r-th candidate takes the r-th free slot (ascending), and past the free
-        # ones the next victim: the resident, unpinned slots whose experts this token did not route,
-        # lowest priority first, ties by lower expert id (so traces are reproducible).
-        per_layer = np.bincount(layers, minlength=num_layers)
-        rank = _rank_within(layers, per_layer)
-        present = per_layer > 0
-        rows = np.flatnonzero(present)  # the layers with a candidate
-        row_of = (np.cumsum(present) - 1)[layers]
-        # Every row's free slots, ascending, row after row (nonzero runs row-major).
-        free_row, free_slot = np.nonzero(self._state[rows] == _FREE)
-        free_count = np.bincount(free_row, minlength=rows.size)
-        first_free = _group_starts(free_count)
-        free_count = free_count[row_of]
-        from_free = rank < free_count
-        slots = np.full(candidates.size, -1, np.int64)
-        slots[from_free] = free_slot[(first_free[row_of] + rank)[from_free]]
-        victims = ~from_free
-        if victims.any():
-            short = np.zeros(rows.size, bool)
-            short[row_of[victims]] = True  # only the layers that need victims are ranked
-            short_rows = rows[short]
-            owner = self._owner[short_rows]
-            owners = np.maximum(owner, 0)
-            layer_rows = short_rows[:, None]
-            priority = self._popularity if self.policy == "lfu" else self._last_used
-            eligible = ((self._state[short_rows] == _RESIDENT) & ~self._pinned[layer_rows, owners]
-                        & ~shielded[layer_rows, owners])
-            victim_at = np.full((rows.size, self.num_slots), -1, np.int64)
-            victim_at[short] = _ranked_slots(eligible, priority[layer_rows, owners], owner)
-            eligible_count = np.zeros(rows.size, np.int64)
-            eligible_count[short] = eligible.sum(axis=1)
-            victim_rank = rank - free_count
-            victims &= victim_rank < eligible_count[row_of]
-            slots[victims] = victim_at[row_of[victims], victim_rank[victims]]
-        placed = slots >= 0  # a candidate with no free slot and no victim in its layer waits
-        layers, experts, slots, victims = layers[placed], experts[placed], slots[placed], victims[placed]
-        # (4) the victims leave the tables before any read targets their slots.
-        evicted_layers, evicted_slots = layers[victims], slots[victims]
-        evicted_experts = self._owner[evicted_layers, evicted_slots]
-        self._table[evicted_layers, evicted_experts] = -1
-        self._held[evicted_layers, evicted_experts] = False
-        self._counts["evictions"] += np.bincount(evicted_layers, minlength=num_layers)
-        # (5) the reads, in order.
-        self._submit(layers, experts, slots)
-
     # ---- statistics ---------------------------------------------------------------------
 
     def stats(self) -> tuple[list[LayerStats], LayerStats]:
         """(per-layer counters, their sum)."""
-        per_layer = [LayerStats(**{name: self._counts[name][layer].item() for name in _COUNTERS})
+        per_layer = [LayerStats(**{name: self._tables.counts[name][layer].item() for name in _COUNTERS})
                      for layer in range(self.num_layers)]
         total = LayerStats()
         for layer_stats in per_layer:

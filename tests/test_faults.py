@@ -184,6 +184,7 @@ def test_jax_and_mlx_arenas_check_payloads_too():
     (dict(num_layers=0), "num_layers"), (dict(num_slots=-1), "num_slots"), (dict(num_experts=0), "num_experts"),
     (dict(read_budget=-1), "read_budget"), (dict(queue_depth=-2), "queue_depth"),
     (dict(pinned={0: [9]}), "pinned"), (dict(pinned={3: [1]}), "pinned"), (dict(decay_interval=-1), "decay_interval"),
+    (dict(impl="cython"), "impl"),
 ])
 def test_manager_arguments_are_checked(kwargs, argument):
     args = dict(num_layers=1, num_experts=8, num_slots=2) | kwargs

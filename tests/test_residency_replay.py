@@ -1,5 +1,7 @@
 """The vectorised residency manager replays routing traces exactly as the plainly written reference does."""
 
+import importlib.util
+
 import numpy as np
 import pytest
 from reference_manager import ReferenceManager
@@ -7,6 +9,8 @@ from reference_manager import ReferenceManager
 from kq import route_shed
 from kq_core.inputs import expert_popularity
 from kq_host.residency import LayerReport, ResidencyManager
+
+has_numba = importlib.util.find_spec("numba") is not None
 
 
 def recording_loader(log, failing=()):
@@ -47,18 +51,25 @@ CONFIGS = [
 ]
 
 
+IMPLS = ["numpy", pytest.param("numba", marks=pytest.mark.skipif(not has_numba, reason="Numba is not installed"))]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("stacked", [False, True], ids=["per-layer-reports", "stacked-report"])
 @pytest.mark.parametrize("config", CONFIGS, ids=["lfu", "lru", "lfu-budget-pinned", "lru-budget-pinned"])
 @pytest.mark.parametrize("layers, experts, slots, rows, top_k", [(3, 16, 6, 1, 4), (4, 32, 8, 4, 4), (2, 64, 16, 2, 8)])
-def test_replay_matches_the_reference(config, layers, experts, slots, rows, top_k, stacked):
+def test_replay_matches_the_reference(config, layers, experts, slots, rows, top_k, stacked, impl):
     """The reference takes one report per layer; the manager under test the same, or one report of
     [L, T, K] arrays."""
     rng = np.random.default_rng(layers * 100 + experts + rows)
     logs = ([], [])
     failing = {3, 11}
     config = dict(config, pinned={layer: ids for layer, ids in (config["pinned"] or {}).items() if layer < layers})
-    managers = [cls(layers, experts, slots, loader=recording_loader(log, failing), queue_depth=0, **config)
-                for cls, log in zip((ReferenceManager, ResidencyManager), logs)]
+    managers = [ReferenceManager(layers, experts, slots, loader=recording_loader(logs[0], failing), queue_depth=0,
+                                 **config),
+                ResidencyManager(layers, experts, slots, loader=recording_loader(logs[1], failing), queue_depth=0,
+                                 impl=impl, **config)]
+    assert managers[1].impl == impl
     for manager in managers:
         for layer, pinned in config["pinned"].items():
             manager.preload(layer, pinned)

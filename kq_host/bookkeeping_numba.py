@@ -1,0 +1,275 @@
+"""The residency manager's array bookkeeping compiled with Numba: :mod:`kq_host.bookkeeping`'s
+:func:`credit`, :func:`place` and :func:`publish`, written as loops over the routed entries, the
+missed experts and their layers' slots, with the same decisions.
+
+Imported only when a manager asks for it (``impl="numba"``, or ``"auto"`` with Numba installed). The
+kernels are compiled at their first call and cached on disk (``NUMBA_CACHE_DIR`` chooses where).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from kq_host.bookkeeping import FREE, LOADING, RESIDENT, Tables
+
+_jit = numba.njit(cache=True, nogil=True)
+
+
+@_jit
+def _run_sum(values, start, stop):
+    """NumPy's sum of a run of at most 128: eight running sums (under 8 values, one)."""
+    count = stop - start
+    if count < 8:
+        total = -0.0
+        for i in range(start, stop):
+            total += values[i]
+        return total
+    lanes = values[start:start + 8].copy()
+    i = start + 8
+    end = stop - count % 8
+    while i < end:
+        for lane in range(8):
+            lanes[lane] += values[i + lane]
+        i += 8
+    total = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
+    while i < stop:
+        total += values[i]
+        i += 1
+    return total
+
+
+@_jit
+def _numpy_sum(values):
+    """``values.sum()`` as NumPy adds a contiguous float64 array: runs of up to 128 by
+    :func:`_run_sum`, longer ones split in halves (a multiple of 8 first) and the halves' sums added.
+    Written with an explicit stack, since Numba's disk cache cannot hold a recursive function."""
+    if values.size <= 128:
+        return 0.0 + _run_sum(values, 0, values.size)  # NumPy's reduction starts from the identity
+    depth = 192
+    starts, stops, combine = np.empty(depth, np.int64), np.empty(depth, np.int64), np.empty(depth, np.bool_)
+    sums = np.empty(depth, np.float64)
+    top, done = 1, 0
+    starts[0], stops[0], combine[0] = 0, values.size, False
+    while top:
+        top -= 1
+        start, stop = starts[top], stops[top]
+        if combine[top]:  # both halves are summed: add them
+            done -= 1
+            sums[done - 1] += sums[done]
+        elif stop - start <= 128:
+            sums[done] = _run_sum(values, start, stop)
+            done += 1
+        else:
+            half = (stop - start) // 2
+            half -= half % 8
+            # Popped in reverse: the left half, the right half, then their sum.
+            starts[top], stops[top], combine[top] = start, stop, True
+            starts[top + 1], stops[top + 1], combine[top + 1] = start + half, stop, False
+            starts[top + 2], stops[top + 2], combine[top + 2] = start, start + half, False
+            top += 3
+    return 0.0 + sums[0]
+
+
+@_jit
+def _credit(ids, scores, snapshot, token, lfu, keep_mass, priority, routed, lookups, hits, misses, shed_count,
+            shed_mass, routed_mass, over_budget):
+    num_layers, entries = ids.shape
+    num_experts = snapshot.shape[1]
+    numbers = np.empty(entries, np.float64)
+    shed_numbers = np.empty(entries, np.float64)
+    for layer in range(num_layers):
+        for j in range(entries):
+            score = scores[layer, j]
+            numbers[j] = 0.0 if np.isnan(score) else score
+            shed_numbers[j] = numbers[j]
+            expert = ids[layer, j]
+            if expert < 0 or expert >= num_experts:
+                shed_count[layer] += 1
+                continue
+            if lfu:
+                priority[layer, expert] += 1.0
+            else:
+                priority[layer, expert] = token
+            routed[layer, expert] = True
+            lookups[layer] += 1
+            if snapshot[layer, expert] >= 0:
+                shed_numbers[j] = 0.0
+                hits[layer] += 1
+            else:
+                misses[layer] += 1
+                shed_count[layer] += 1
+        shed = _numpy_sum(shed_numbers)
+        total = _numpy_sum(numbers)
+        shed_mass[layer] += shed
+        routed_mass[layer] += total
+        if shed > (1.0 - keep_mass) * total:
+            over_budget[layer] += 1
+
+
+@_jit
+def _candidates(miss_ids, miss_scores, token, read_budget, held, retry_after):
+    """The missed experts to read, as flat ``layer * E + expert`` ids in read order."""
+    num_layers, width = miss_ids.shape
+    num_experts = held.shape[1]
+    flat = np.empty(num_layers * width, np.int64)
+    key = np.empty(num_layers * width, np.float64)
+    count = 0
+    for layer in range(num_layers):
+        for j in range(width):
+            expert = miss_ids[layer, j]
+            if expert >= 0:
+                score = miss_scores[layer, j]
+                flat[count] = layer * num_experts + expert
+                key[count] = np.inf if np.isnan(score) else -np.float64(score)
+                count += 1
+    flat, key = flat[:count], key[:count]
+    by_expert = np.argsort(flat)
+    # Each wanted expert once, with its best key, in ascending flat order.
+    unique_flat = np.empty(count, np.int64)
+    unique_key = np.empty(count, np.float64)
+    kept = 0
+    i = 0
+    while i < count:
+        this = flat[by_expert[i]]
+        best = key[by_expert[i]]
+        i += 1
+        while i < count and flat[by_expert[i]] == this:
+            if key[by_expert[i]] < best:
+                best = key[by_expert[i]]
+            i += 1
+        layer, expert = this // num_experts, this % num_experts
+        if not held[layer, expert] and retry_after[layer, expert] <= token:
+            unique_flat[kept] = this
+            unique_key[kept] = best
+            kept += 1
+    # Best key first; a stable sort keeps ties in ascending flat order (lower layer, then lower id).
+    order = np.argsort(unique_key[:kept], kind="mergesort")
+    if 0 <= read_budget < kept:
+        order = order[:read_budget]
+    return unique_flat[order]
+
+
+@_jit
+def _place(candidates, shielded, priority, table, owner, state, pinned, held, evictions, submitted, in_flight):
+    num_layers, num_experts = table.shape
+    num_slots = owner.shape[1]
+    # Each layer's slots for its candidates, in the order they are taken: free ones ascending, then
+    # victims by ascending (priority, expert id). One pass over a layer's slots finds both.
+    need = np.zeros(num_layers, np.int64)
+    for flat in candidates:
+        need[flat // num_experts] += 1
+    start = np.zeros(num_layers + 1, np.int64)
+    for layer in range(num_layers):
+        start[layer + 1] = start[layer] + need[layer]
+    offered = np.full(candidates.size, -1, np.int64)
+    found = np.zeros(num_layers, np.int64)
+    keys = np.empty(candidates.size, np.float64)  # the victims' priorities, kept sorted per layer
+    experts = np.empty(candidates.size, np.int64)
+    for layer in range(num_layers):
+        wanted = need[layer]
+        if wanted == 0:
+            continue
+        base = start[layer]
+        free = 0
+        for s in range(num_slots):
+            if free < wanted and state[layer, s] == FREE:
+                offered[base + free] = s
+                free += 1
+        victims = 0
+        if free < wanted:
+            first = base + free
+            room = wanted - free
+            for s in range(num_slots):
+                if state[layer, s] != RESIDENT:
+                    continue
+                resident = owner[layer, s]
+                if pinned[layer, resident] or shielded[layer, resident]:
+                    continue
+                key = priority[layer, resident]
+                at = first + victims
+                if victims == room:  # full: only a lower key gets in, the highest drops out
+                    last = at - 1
+                    if key > keys[last] or (key == keys[last] and resident > experts[last]):
+                        continue
+                    at = last
+                else:
+                    victims += 1
+                while at > first and (key < keys[at - 1] or (key == keys[at - 1] and resident < experts[at - 1])):
+                    keys[at], experts[at], offered[at] = keys[at - 1], experts[at - 1], offered[at - 1]
+                    at -= 1
+                keys[at], experts[at], offered[at] = key, resident, s
+        found[layer] = free + victims
+    # The candidates in order, each taking its layer's next offered slot; past the offers one waits.
+    reads = np.empty((3, candidates.size), np.int64)
+    count = 0
+    taken = np.zeros(num_layers, np.int64)
+    for flat in candidates:
+        layer, expert = flat // num_experts, flat % num_experts
+        if taken[layer] == found[layer]:
+            continue  # no free slot and no victim left in this layer: the expert waits
+        slot = offered[start[layer] + taken[layer]]
+        taken[layer] += 1
+        if state[layer, slot] == RESIDENT:  # a victim leaves the table before any read targets its slot
+            evicted = owner[layer, slot]
+            table[layer, evicted] = -1
+            held[layer, evicted] = False
+            evictions[layer] += 1
+        owner[layer, slot] = expert
+        state[layer, slot] = LOADING
+        held[layer, expert] = True
+        submitted[layer] += 1
+        in_flight[layer] += 1
+        reads[0, count], reads[1, count], reads[2, count] = layer, expert, slot
+        count += 1
+    return reads[:, :count]
+
+
+@_jit
+def _publish(layers, experts, slots, failed, nbytes, table, owner, state, held, retry_after, landed_count,
+             failed_count, bytes_read, in_flight):
+    for i in range(layers.size):
+        layer, expert, slot = layers[i], experts[i], slots[i]
+        in_flight[layer] -= 1
+        if failed[i]:
+            owner[layer, slot] = -1
+            state[layer, slot] = FREE
+            held[layer, expert] = False
+            failed_count[layer] += 1
+        else:
+            table[layer, expert] = slot
+            state[layer, slot] = RESIDENT
+            landed_count[layer] += 1
+            bytes_read[layer] += nbytes[i]
+            retry_after[layer, expert] = 0
+
+
+def credit(tables: Tables, ids: np.ndarray, scores: np.ndarray, snapshot: np.ndarray, token: int,
+           keep_mass: float) -> np.ndarray:
+    """:func:`kq_host.bookkeeping.credit`, compiled."""
+    routed = np.zeros(snapshot.shape, bool)
+    counts = tables.counts
+    _credit(ids, scores, snapshot, token, tables.policy == "lfu", keep_mass, tables.priority, routed,
+            counts["lookups"], counts["hits"], counts["misses"], counts["shed_count"], counts["shed_mass"],
+            counts["routed_mass"], counts["over_budget"])
+    return routed
+
+
+def place(tables: Tables, miss_ids: np.ndarray, miss_scores: np.ndarray, shielded: np.ndarray, *, token: int,
+          read_budget: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`kq_host.bookkeeping.place`, compiled."""
+    candidates = _candidates(miss_ids, miss_scores, token, -1 if read_budget is None else read_budget,
+                             tables.held, tables.retry_after)
+    counts = tables.counts
+    reads = _place(candidates, shielded, tables.priority, tables.table, tables.owner, tables.state, tables.pinned,
+                   tables.held, counts["evictions"], counts["reads_submitted"], counts["reads_in_flight"])
+    return reads[0], reads[1], reads[2]
+
+
+def publish(tables: Tables, layers: np.ndarray, experts: np.ndarray, slots: np.ndarray, failed: np.ndarray,
+            nbytes: np.ndarray) -> None:
+    """:func:`kq_host.bookkeeping.publish`, compiled."""
+    counts = tables.counts
+    _publish(layers, experts, slots, failed, nbytes, tables.table, tables.owner, tables.state, tables.held,
+             tables.retry_after, counts["reads_landed"], counts["reads_failed"], counts["bytes_read"],
+             counts["reads_in_flight"])
