@@ -111,15 +111,19 @@ class _ReadBatch:
 
     def __init__(self, layers: np.ndarray, experts: np.ndarray, slots: np.ndarray):
         self.layers, self.experts, self.slots = layers, experts, slots
+        self.size = self.open_count = layers.size  # open: not yet published
         self._reads = (layers.tolist(), experts.tolist(), slots.tolist())  # what the loader is called with
-        self.outcomes: list[Any] = [None] * layers.size
+        self.outcomes: list[Any] = [None] * self.size
         # Written by the workers byte by byte, read by the publisher as bool arrays (views, no copy).
-        self._failed, self._done = bytearray(layers.size), bytearray(layers.size)
+        self._failed, self._done = bytearray(self.size), bytearray(self.size)
         self.failed = np.frombuffer(self._failed, bool)
         self.done = np.frombuffer(self._done, bool)
-        self.open = np.ones(layers.size, bool)  # not yet published
+        self.open = np.ones(self.size, bool)
         self.futures: list[Future] = []
         self._claims = itertools.count()  # next() on it is atomic in CPython: each read is claimed once
+
+    def done_count(self) -> int:
+        return self._done.count(1)
 
     def run(self, loader: Loader, cancelled: threading.Event | None = None) -> None:
         layers, experts, slots = self._reads
@@ -355,18 +359,22 @@ class ResidencyManager(ManagerBase):
             wait_for_futures(futures, timeout=timeout)
         interrupt = None
         for batch in self._pending:
-            ready = np.flatnonzero(batch.done & batch.open)
-            if ready.size == 0:
-                continue
-            batch.open[ready] = False
-            if ready.size == len(batch.outcomes):  # the whole batch at once: the batch's list is handed over
-                picked, batch.outcomes = batch.outcomes, [None] * ready.size
+            if batch.open_count == batch.size and batch.done_count() == batch.size:  # all of it: no picking
+                picked, batch.outcomes = batch.outcomes, [None] * batch.size  # the list is handed over
+                batch.open[:] = False
+                failed = batch.failed.copy()
+                layers, experts, slots = batch.layers, batch.experts, batch.slots
             else:
+                ready = np.flatnonzero(batch.done & batch.open)
+                if ready.size == 0:
+                    continue
+                batch.open[ready] = False
                 picked = [batch.outcomes[i] for i in ready.tolist()]  # payloads, or the reads' exceptions
                 for i in ready.tolist():
                     batch.outcomes[i] = None  # no payload kept alive past its publishing
-            failed = batch.failed[ready]
-            layers, experts, slots = batch.layers[ready], batch.experts[ready], batch.slots[ready]
+                failed = batch.failed[ready]
+                layers, experts, slots = batch.layers[ready], batch.experts[ready], batch.slots[ready]
+            batch.open_count -= layers.size
             if self.arena is not None and not failed.all():
                 written = np.flatnonzero(~failed)
                 refused = write_landed(self.arena, layers[written], slots[written],
@@ -374,18 +382,23 @@ class ResidencyManager(ManagerBase):
                 for j, error in zip(written.tolist(), refused):
                     if error is not None:
                         failed[j], picked[j] = True, error
-            for j in np.flatnonzero(failed).tolist():
-                error = picked[j]
-                self._record_failure(PendingRead(int(layers[j]), int(experts[j]), int(slots[j])), error)
-                if isinstance(error, (KeyboardInterrupt, SystemExit)) and interrupt is None:
-                    interrupt = error
-            default = self.bytes_per_expert
-            nbytes = np.array([payload if isinstance(payload, int) else default for payload in picked], np.int64)
+            any_failed = failed.any()
+            if any_failed:
+                for j in np.flatnonzero(failed).tolist():
+                    error = picked[j]
+                    self._record_failure(PendingRead(int(layers[j]), int(experts[j]), int(slots[j])), error)
+                    if isinstance(error, (KeyboardInterrupt, SystemExit)) and interrupt is None:
+                        interrupt = error
+            if set(map(type, picked)) <= {int}:  # every read returned its byte count
+                nbytes = np.array(picked, np.int64)
+            else:
+                default = self.bytes_per_expert
+                nbytes = np.array([payload if isinstance(payload, int) else default for payload in picked], np.int64)
             self._ops.publish(self._tables, layers, experts, slots, failed, nbytes)  # tables point at slots now
             if self.failures and not failed.all():
                 for key in zip(layers[~failed].tolist(), experts[~failed].tolist()):
                     self.failures.pop(key, None)
-        self._pending = [batch for batch in self._pending if batch.open.any()]
+        self._pending = [batch for batch in self._pending if batch.open_count]
         if interrupt is not None:  # after the bookkeeping, so no later step sees this read again
             raise interrupt
 
