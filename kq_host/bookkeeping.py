@@ -143,7 +143,7 @@ def claim(tables: Tables, layers: np.ndarray, experts: np.ndarray, slots: np.nda
 
 
 def place(tables: Tables, miss_ids: np.ndarray, miss_scores: np.ndarray, shielded: np.ndarray, *, token: int,
-          read_budget: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+          read_budget: int | None, backing_off: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A token's missed experts, best first over all layers, each into a free slot or a victim's.
 
     Each missed expert counts once, by its best miss score (one missed only with NaN ranks last);
@@ -156,6 +156,8 @@ def place(tables: Tables, miss_ids: np.ndarray, miss_scores: np.ndarray, shielde
     Args:
         miss_ids: int64 ``[L, m]`` (-1 padded); miss_scores: float32 ``[L, m]``.
         shielded: bool ``[L, E]`` experts that may not be evicted this token (the routed ones).
+        backing_off: False when no expert is backing off after failed reads (``retry_after`` is
+            then not read).
 
     Returns:
         (layers, experts, slots): int64 ``[R]`` the reads to submit, in order.
@@ -175,7 +177,9 @@ def place(tables: Tables, miss_ids: np.ndarray, miss_scores: np.ndarray, shielde
     first[1:] = flat[1:] != flat[:-1]
     missed, key = flat[first], key[first]
     layers, experts = np.divmod(missed, num_experts)
-    wanted = ~tables.held[layers, experts] & (tables.retry_after[layers, experts] <= token)
+    wanted = ~tables.held[layers, experts]
+    if backing_off:
+        wanted &= tables.retry_after[layers, experts] <= token
     if not wanted.any():
         return none, none, none
     candidates = missed[wanted]

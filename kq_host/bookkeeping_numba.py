@@ -108,7 +108,7 @@ def _credit(ids, scores, snapshot, token, lfu, keep_mass, priority, routed, look
 
 
 @_jit
-def _candidates(miss_ids, miss_scores, token, read_budget, held, retry_after):
+def _candidates(miss_ids, miss_scores, token, read_budget, held, retry_after, backing_off):
     """The missed experts to read, as flat ``layer * E + expert`` ids in read order."""
     num_layers, width = miss_ids.shape
     num_experts = held.shape[1]
@@ -139,7 +139,7 @@ def _candidates(miss_ids, miss_scores, token, read_budget, held, retry_after):
                 best = key[by_expert[i]]
             i += 1
         layer, expert = this // num_experts, this % num_experts
-        if not held[layer, expert] and retry_after[layer, expert] <= token:
+        if not held[layer, expert] and not (backing_off and retry_after[layer, expert] > token):
             unique_flat[kept] = this
             unique_key[kept] = best
             kept += 1
@@ -165,7 +165,6 @@ def _place(candidates, shielded, priority, table, owner, state, pinned, held, ev
     offered = np.full(candidates.size, -1, np.int64)
     found = np.zeros(num_layers, np.int64)
     keys = np.empty(candidates.size, np.float64)  # the victims' priorities, kept sorted per layer
-    experts = np.empty(candidates.size, np.int64)
     for layer in range(num_layers):
         wanted = need[layer]
         if wanted == 0:
@@ -178,27 +177,28 @@ def _place(candidates, shielded, priority, table, owner, state, pinned, held, ev
                 free += 1
         victims = 0
         if free < wanted:
+            # Resident experts by id (their table entries point at their slots), so an equal
+            # priority never displaces an earlier one: ties go to the lower id.
             first = base + free
             room = wanted - free
-            for s in range(num_slots):
-                if state[layer, s] != RESIDENT:
+            worst = np.inf  # the key a resident expert must beat to get in: +inf until the room is full
+            for expert in range(num_experts):
+                slot = table[layer, expert]
+                eligible = (slot >= 0) & ~pinned[layer, expert] & ~shielded[layer, expert]
+                key = priority[layer, expert] if eligible else np.inf
+                if key >= worst:
                     continue
-                resident = owner[layer, s]
-                if pinned[layer, resident] or shielded[layer, resident]:
-                    continue
-                key = priority[layer, resident]
-                at = first + victims
-                if victims == room:  # full: only a lower key gets in, the highest drops out
-                    last = at - 1
-                    if key > keys[last] or (key == keys[last] and resident > experts[last]):
-                        continue
-                    at = last
-                else:
+                if victims < room:
+                    at = first + victims
                     victims += 1
-                while at > first and (key < keys[at - 1] or (key == keys[at - 1] and resident < experts[at - 1])):
-                    keys[at], experts[at], offered[at] = keys[at - 1], experts[at - 1], offered[at - 1]
+                else:  # full: the highest key drops out
+                    at = first + room - 1
+                while at > first and key < keys[at - 1]:
+                    keys[at], offered[at] = keys[at - 1], offered[at - 1]
                     at -= 1
-                keys[at], experts[at], offered[at] = key, resident, s
+                keys[at], offered[at] = key, slot
+                if victims == room:
+                    worst = keys[first + room - 1]
         found[layer] = free + victims
     # The candidates in order, each taking its layer's next offered slot; past the offers one waits.
     reads = np.empty((3, candidates.size), np.int64)
@@ -256,10 +256,10 @@ def credit(tables: Tables, ids: np.ndarray, scores: np.ndarray, snapshot: np.nda
 
 
 def place(tables: Tables, miss_ids: np.ndarray, miss_scores: np.ndarray, shielded: np.ndarray, *, token: int,
-          read_budget: int | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+          read_budget: int | None, backing_off: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`kq_host.bookkeeping.place`, compiled."""
     candidates = _candidates(miss_ids, miss_scores, token, -1 if read_budget is None else read_budget,
-                             tables.held, tables.retry_after)
+                             tables.held, tables.retry_after, backing_off)
     counts = tables.counts
     reads = _place(candidates, shielded, tables.priority, tables.table, tables.owner, tables.state, tables.pinned,
                    tables.held, counts["evictions"], counts["reads_submitted"], counts["reads_in_flight"])

@@ -26,7 +26,6 @@ again for 2, 4, 8, ... tokens (up to 1024) after each failure in a row.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -163,6 +162,23 @@ class LayerReport:
 _COUNTERS = tuple(f.name for f in fields(LayerStats))
 
 
+class _Exclusive:
+    """``with _Exclusive(lock, method):`` holds ``lock``, refusing a second thread instead of waiting."""
+
+    __slots__ = ("lock", "method")
+
+    def __init__(self, lock: threading.Lock, method: str):
+        self.lock, self.method = lock, method
+
+    def __enter__(self) -> None:
+        if not self.lock.acquire(blocking=False):
+            raise RuntimeError(f"ResidencyManager.{self.method}: called from two threads at once; a manager serves "
+                               f"one decode thread (call it from that thread, or give each thread its own manager)")
+
+    def __exit__(self, *exc) -> None:
+        self.lock.release()
+
+
 class ManagerBase:
     """What every residency manager shares: its arguments, checked; the read queue and its
     lifecycle (``pending``, ``drain``, ``close``); the one-thread guard.
@@ -217,15 +233,8 @@ class ManagerBase:
             raise ValueError(f"preload: experts must be ids in [0, {self.num_experts}), got {bad}")
         return experts
 
-    @contextlib.contextmanager
-    def _exclusive(self, method: str):
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError(f"ResidencyManager.{method}: called from two threads at once; a manager serves one "
-                               f"decode thread (call it from that thread, or give each thread its own manager)")
-        try:
-            yield
-        finally:
-            self._busy.release()
+    def _exclusive(self, method: str) -> "_Exclusive":
+        return _Exclusive(self._busy, method)
 
     def drain(self, timeout: float | None = None) -> list[PendingRead]:
         """Waits up to ``timeout`` seconds (None: no limit) for the reads in flight and publishes those done.
@@ -461,7 +470,7 @@ class ResidencyManager(ManagerBase):
             shielded = self._ops.credit(tables, ids, scores, self._snapshot, self.token, self.keep_mass)  # (2)
             self._publish_landed()  # (3)
             reads = self._ops.place(tables, miss_ids, miss_scores, shielded, token=self.token,  # (4)
-                                    read_budget=self.read_budget)
+                                    read_budget=self.read_budget, backing_off=bool(self.failures))
             if reads[0].size:
                 self._start_reads(*reads)  # (5)
             if self.decay_interval and self.token % self.decay_interval == self.decay_interval - 1:
@@ -496,8 +505,8 @@ class ResidencyManager(ManagerBase):
         if ids.shape != scores.shape or miss_ids.shape != miss_scores.shape:
             raise ValueError(f"step: scores must have the shape of indices and miss_scores that of miss_ids, got "
                              f"{scores.shape} / {ids.shape} and {miss_scores.shape} / {miss_ids.shape}")
-        bad = (miss_ids < -1) | (miss_ids >= self.num_experts)
-        if bad.any():
+        if miss_ids.size and (miss_ids.min() < -1 or miss_ids.max() >= self.num_experts):
+            bad = (miss_ids < -1) | (miss_ids >= self.num_experts)
             layer = int(np.argwhere(bad)[0, 0])
             raise ValueError(f"step: layer {layer}'s miss_ids hold {int(miss_ids[bad][0])}, outside "
                              f"[-1, {self.num_experts})")
