@@ -196,8 +196,14 @@ def test_bench_host_times_the_token_boundary(monkeypatch, tmp_path, capsys):
     json_path = tmp_path / "host.json"
     assert main(["bench", "--sets", "host", "--no-progress", "--json", str(json_path)]) == 0
     results = json.loads(json_path.read_text())["results"]
-    assert [(r["layers"], r["rows"]) for r in results] == [(2, 1), (2, 3)]
+    impls = host_bench.implementations()
+    assert impls[0] == "numpy" and len(results) == 2 * len(impls)
+    assert [(r["layers"], r["rows"], r["impl"]) for r in results] == [(2, rows, impl) for rows in (1, 3)
+                                                                     for impl in impls]
     assert all(r["median_ms"] > 0 and r["reads_per_token"] > 0 and 0 < r["hit_rate"] < 1 for r in results)
+    for shape in (results[:len(impls)], results[len(impls):]):  # same trace, same decisions: same reads
+        assert len({(r["reads_per_token"], r["hit_rate"]) for r in shape}) == 1
+        assert shape[0]["vs_numpy"] == 1.0
     assert "ms/token" in capsys.readouterr().out
 
 
