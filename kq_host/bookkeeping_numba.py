@@ -109,45 +109,47 @@ def _credit(ids, scores, snapshot, token, lfu, keep_mass, priority, routed, look
 
 @_jit
 def _candidates(miss_ids, miss_scores, token, read_budget, held, retry_after, backing_off):
-    """The missed experts to read, as flat ``layer * E + expert`` ids in read order."""
+    """The missed experts to read, as flat ``layer * E + expert`` ids in read order.
+
+    Every miss entry becomes one sortable integer: its score's order (higher first, NaN and -inf
+    last, signed zeros equal) above its flat id. One sort orders the entries by (score, layer, id);
+    an expert's first entry is its best.
+    """
     num_layers, width = miss_ids.shape
     num_experts = held.shape[1]
-    flat = np.empty(num_layers * width, np.int64)
-    key = np.empty(num_layers * width, np.float64)
+    entries = np.empty(num_layers * width, np.uint64)
     count = 0
     for layer in range(num_layers):
         for j in range(width):
             expert = miss_ids[layer, j]
-            if expert >= 0:
-                score = miss_scores[layer, j]
-                flat[count] = layer * num_experts + expert
-                key[count] = np.inf if np.isnan(score) else -np.float64(score)
-                count += 1
-    flat, key = flat[:count], key[:count]
-    by_expert = np.argsort(flat)
-    # Each wanted expert once, with its best key, in ascending flat order.
-    unique_flat = np.empty(count, np.int64)
-    unique_key = np.empty(count, np.float64)
-    kept = 0
-    i = 0
-    while i < count:
-        this = flat[by_expert[i]]
-        best = key[by_expert[i]]
-        i += 1
-        while i < count and flat[by_expert[i]] == this:
-            if key[by_expert[i]] < best:
-                best = key[by_expert[i]]
-            i += 1
-        layer, expert = this // num_experts, this % num_experts
+            if expert < 0:
+                continue
+            score = miss_scores[layer, j]
+            if np.isnan(score) or score == -np.inf:
+                order = np.uint64(0xFFFFFFFF)
+            else:
+                bits = np.uint64(np.float32(score + np.float32(0.0)).view(np.uint32))  # -0.0 + 0.0 is 0.0
+                ascending = (bits ^ np.uint64(0xFFFFFFFF)) if bits >> np.uint64(31) else (bits | np.uint64(0x80000000))
+                order = np.uint64(0xFFFFFFFF) - ascending  # descending score
+            entries[count] = (order << np.uint64(32)) | np.uint64(layer * num_experts + expert)
+            count += 1
+    entries = np.sort(entries[:count])
+    limit = count if read_budget < 0 else read_budget
+    seen = np.zeros(num_layers * num_experts, np.bool_)
+    chosen = np.empty(count, np.int64)
+    taken = 0
+    for entry in entries:
+        if taken == limit:
+            break
+        flat = np.int64(entry & np.uint64(0xFFFFFFFF))
+        if seen[flat]:
+            continue  # the expert's best entry came first
+        seen[flat] = True
+        layer, expert = flat // num_experts, flat % num_experts
         if not held[layer, expert] and not (backing_off and retry_after[layer, expert] > token):
-            unique_flat[kept] = this
-            unique_key[kept] = best
-            kept += 1
-    # Best key first; a stable sort keeps ties in ascending flat order (lower layer, then lower id).
-    order = np.argsort(unique_key[:kept], kind="mergesort")
-    if 0 <= read_budget < kept:
-        order = order[:read_budget]
-    return unique_flat[order]
+            chosen[taken] = flat
+            taken += 1
+    return chosen[:taken]
 
 
 @_jit
