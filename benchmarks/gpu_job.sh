@@ -6,7 +6,8 @@
 # BENCH_SETS), sweep (the Pallas launch sweeps), moe (the MoE arena overhead), sharding (the sharding
 # and expert-parallel tests: on a GPU mesh where there are two GPUs or more), compile (`kq bench --sets
 # compile`), expert_parallel (the expert-parallel layer over this machine's GPUs), decode_e2e (`kq bench
-# --sets decode-e2e`), host (`kq bench --sets host` on this machine's CPU); and MLX on CUDA, after
+# --sets decode-e2e`), host (`kq bench --sets host` on this machine's CPU), host_tests (the host side's
+# tests: the replayed traces and the compiled bookkeeping against NumPy); and MLX on CUDA, after
 # `source .mlxb/env.sh` (../shared/device/mlx-cuda-prepare.sh; with benchmarks/mlx_lm_wheels.sh, mlx-lm is
 # installed beside it): mlx_check (`kq check --backends mlx-cuda`), mlx_tests (tests/test_mlx.py, test_mlx_lm.py),
 # mlx_bench (`kq bench`: mlx-cuda beside mlx-ops-gpu, the pure-`mx` path on the GPU stream,
@@ -14,11 +15,17 @@
 # the arena, `python -m benchmarks mlx_decode`). Each part's log and
 # JSON go under $OUT, with the device and versions in device.txt and one line per part in
 # summary.txt; a part is cut at PART_TIMEOUT seconds (default 500). Exits non-zero if a part failed.
+# Wheels in WHEELS (default .whl, e.g. Numba's for the host side: `pip download numba`) are installed
+# first, without an index, where their packages are missing.
 set -uo pipefail
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false KQ_HYPOTHESIS_PROFILE=gpu
 export MLX_PTX_CACHE_DIR=${MLX_PTX_CACHE_DIR:-/tmp/mlx-ptx}  # MLX-CUDA: NVRTC's output reused by later parts
 OUT=${OUT:-out}
 mkdir -p "$OUT"
+WHEELS=${WHEELS:-.whl}
+if [ -d "$WHEELS" ] && ls "$WHEELS"/numba-*.whl >/dev/null 2>&1 && ! python3 -c "import numba" 2>/dev/null; then
+  PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --no-index --find-links "$WHEELS" numba
+fi
 if [ -d /tmp/mlxparts/wheels ] && ! python3 -c "import mlx_lm" 2>/dev/null; then  # benchmarks/mlx_lm_wheels.sh
   PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --no-index --find-links /tmp/mlxparts/wheels mlx-lm
 fi
@@ -26,6 +33,7 @@ fi
   date -u +%Y-%m-%dT%H:%MZ
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
   python3 -c "import sys, jax, numpy; print('python', sys.version.split()[0], 'jax', jax.__version__, 'numpy', numpy.__version__)"
+  python3 -c "import numba; print('numba', numba.__version__)" 2>/dev/null
   python3 -c "import mlx.core as mx; print('mlx', mx.__version__, mx.default_device())" 2>/dev/null
 } 2>&1 | tee "$OUT/device.txt"
 status=0
@@ -60,6 +68,8 @@ for name in ${PARTS:-tests check memcheck}; do
                 tests/test_expert_parallel.py ;;
     decode_e2e) part decode_e2e python3 -m kq bench --sets decode-e2e --no-progress --json "$OUT/decode_e2e.json" ;;
     host) part host python3 -m kq bench --sets host --no-progress --json "$OUT/host.json" ;;
+    host_tests) part host_tests python3 -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_residency_replay.py \
+                  tests/test_bookkeeping_numba.py tests/test_faults.py ;;
     compile) part compile python3 -m kq bench --sets compile --no-progress --json "$OUT/compile.json" ;;
     expert_parallel) part expert_parallel python3 -m benchmarks expert_parallel --json "$OUT/expert_parallel.json" ;;
     mlx_check) part mlx_check python3 -m kq check --backends mlx-cuda mlx-ops-gpu --random-rows "${ROWS:-50000}" ;;
