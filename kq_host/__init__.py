@@ -1,4 +1,5 @@
-"""The host side of an expert arena, in NumPy: what is resident, what to read next, and the reads.
+"""The host side of an expert arena, in NumPy (Numba, where installed, compiles the step's bookkeeping):
+what is resident, what to read next, and the reads.
 
 :class:`~kq_host.residency.ResidencyManager` keeps the per-layer slot tables
 and runs the token-boundary step; :func:`~kq_host.prestage.prestage_order`
