@@ -144,6 +144,10 @@ class ExpertStore:
         template: tensor-name template with ``{layer}``, ``{projection}`` and,
             for per-expert files, ``{expert}``. Defaults to the usual HF names.
         queue_depth: concurrent reads (worker threads) for :meth:`submit`.
+        host_allocator: ``(shape, dtype) -> array`` the reads land in, one call per projection read
+            (default: fresh memory per read). Give one that returns page-locked memory, e.g. CuPy's
+            ``cupyx.empty_pinned`` (its pool recycles the buffers once the arrays are freed), and a
+            GPU arena copies landed experts at the pinned rate rather than the pageable one.
 
     Raises:
         ExpertStoreError: no safetensors file found.
@@ -152,9 +156,13 @@ class ExpertStore:
     def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike], *,
                  layout: Literal["per_expert", "stacked"] = "per_expert",
                  projections: Sequence[str] = ("gate_proj", "up_proj", "down_proj"),
-                 template: str | None = None, queue_depth: int = 8):
+                 template: str | None = None, queue_depth: int = 8, host_allocator=None):
         if layout not in ("per_expert", "stacked"):
             raise ValueError(f"ExpertStore: layout must be 'per_expert' or 'stacked', got {layout!r}")
+        if host_allocator is not None and not callable(host_allocator):
+            raise ValueError(f"ExpertStore: host_allocator must be a callable (shape, dtype) -> array, got "
+                             f"{host_allocator!r}")
+        self.host_allocator = host_allocator
         self.layout = layout
         self.projections = tuple(projections)
         self.template = template or (PER_EXPERT_TEMPLATE if layout == "per_expert" else STACKED_TEMPLATE)
@@ -257,14 +265,31 @@ class ExpertStore:
                     raise ExpertStoreError(
                         f"{entry.path}: tensor {name} (expert {expert} of layer {layer}) is "
                         f"{entry.dtype.name}{list(shape)}, the arena expects {np.dtype(want_dtype).name}{list(want_shape)}")
-            data = os.pread(self._descriptor(entry), nbytes, offset)
-            if len(data) != nbytes:
+            if self.host_allocator is None:
+                data = os.pread(self._descriptor(entry), nbytes, offset)
+                count = len(data)
+                array = np.frombuffer(data, dtype=entry.dtype).reshape(shape)
+            else:
+                array = self._allocated(shape, entry.dtype)
+                count = os.preadv(self._descriptor(entry), [array.reshape(-1).view(np.uint8)], offset)
+            if count != nbytes:
                 raise ExpertStoreError(f"{entry.path}: tensor {name} (expert {expert} of layer {layer}): "
-                                       f"read {len(data)} of {nbytes} bytes; the file is truncated")
-            out[projection] = np.frombuffer(data, dtype=entry.dtype).reshape(shape)
+                                       f"read {count} of {nbytes} bytes; the file is truncated")
+            out[projection] = array
             with self._lock:
                 self.bytes_read += nbytes
         return out
+
+    def _allocated(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """A buffer from ``host_allocator``, checked to be a writable C-contiguous array of the read."""
+        array = self.host_allocator(shape, dtype)
+        if (not isinstance(array, np.ndarray) or array.shape != tuple(shape) or array.dtype != dtype
+                or not array.flags.c_contiguous or not array.flags.writeable):
+            got = (f"{array.dtype.name}{list(array.shape)}, c_contiguous={array.flags.c_contiguous}, "
+                   f"writeable={array.flags.writeable}") if isinstance(array, np.ndarray) else type(array).__name__
+            raise ExpertStoreError(f"ExpertStore: host_allocator({tuple(shape)}, {dtype.name}) must return a "
+                                   f"writable C-contiguous NumPy array of that shape and dtype, got {got}")
+        return array
 
     def submit(self, layer: int, expert: int, **kwargs) -> Future:
         """Queues :meth:`read_expert` on the reader pool; the future holds the arrays or the error."""

@@ -254,6 +254,44 @@ def test_store_reads_one_expert(tmp_path, dtype, layout, writer):
         assert store.expert_shapes(0)["down_proj"] == ((4, 6), np.dtype(dtype))
 
 
+@pytest.mark.parametrize("layout, writer", [("per_expert", write_per_expert), ("stacked", write_stacked)])
+def test_store_reads_into_the_host_allocators_buffers(tmp_path, dtype, layout, writer):
+    """With ``host_allocator`` each projection lands in the buffer it returned (as page-locked memory
+    would be handed in), with the bits of a plain read; the buffers are the arrays returned."""
+    writer(tmp_path, 2, 5, dtype)
+    handed_out = []
+
+    def allocate(shape, dtype):
+        handed_out.append(np.full(shape, 7, dtype))  # not zeros: every byte must be overwritten
+        return handed_out[-1]
+
+    with ExpertStore(tmp_path, layout=layout, projections=PROJECTIONS) as plain, \
+            ExpertStore(tmp_path, layout=layout, projections=PROJECTIONS, host_allocator=allocate) as store:
+        got = store.read_expert(1, 3)
+        want = plain.read_expert(1, 3)
+        assert len(handed_out) == 3 and all(got[p] is buffer for p, buffer in zip(PROJECTIONS, handed_out))
+        for p in PROJECTIONS:
+            assert got[p].dtype == want[p].dtype and got[p].shape == want[p].shape
+            assert got[p].tobytes() == want[p].tobytes()
+        assert store.bytes_read == plain.bytes_read == store.expert_nbytes(1)
+
+
+@pytest.mark.parametrize("allocate, why", [
+    (lambda shape, dtype: np.empty(shape[::-1] + (2,), dtype), "shape"),
+    (lambda shape, dtype: np.empty(shape, np.float64), "float64"),
+    (lambda shape, dtype: np.empty(shape, dtype).T, "c_contiguous=False"),
+    (lambda shape, dtype: np.broadcast_to(np.zeros(1, dtype), shape), "writeable=False"),
+    (lambda shape, dtype: bytearray(64), "bytearray"),
+])
+def test_store_refuses_a_host_buffer_that_is_not_the_read(tmp_path, allocate, why):
+    write_stacked(tmp_path, 1, 2, np.float32)
+    with ExpertStore(tmp_path, layout="stacked", host_allocator=allocate) as store:
+        with pytest.raises(ExpertStoreError, match=f"host_allocator.*{why}"):
+            store.read_expert(0, 1)
+    with pytest.raises(ValueError, match="host_allocator must be a callable"):
+        ExpertStore(tmp_path, layout="stacked", host_allocator=np.zeros((2, 2)))
+
+
 def test_store_concurrent_reads(tmp_path):
     write_stacked(tmp_path, 3, 16, np.float32)
     with ExpertStore(tmp_path, layout="stacked", queue_depth=8) as store:
