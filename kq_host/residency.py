@@ -287,9 +287,10 @@ def _bookkeeping(impl: str):
 class ResidencyManager(ManagerBase):
     """Per-layer slot tables, eviction policy, prestage reads and statistics.
 
-    The state of all layers lives in ``[L, E]`` and ``[L, S]`` arrays; each
-    token's bookkeeping is array operations over the routed entries, the missed
-    experts and their layers, and its reads go out as one batch.
+    The state of all layers lives in ``[L, E]`` and ``[L, S]`` arrays
+    (:class:`kq_host.bookkeeping.Tables`); each token's bookkeeping works over the
+    routed entries, the missed experts and their layers (:mod:`kq_host.bookkeeping`,
+    or the same compiled: ``impl``), and its reads go out as one batch.
 
     Args:
         num_layers, num_experts, num_slots: L, E and S (slots per layer).
