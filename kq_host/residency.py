@@ -392,13 +392,11 @@ class ResidencyManager(ManagerBase):
                 for j, error in zip(written.tolist(), refused):
                     if error is not None:
                         failed[j], picked[j] = True, error
-            any_failed = failed.any()
-            if any_failed:
-                for j in np.flatnonzero(failed).tolist():
-                    error = picked[j]
-                    self._record_failure(PendingRead(int(layers[j]), int(experts[j]), int(slots[j])), error)
-                    if isinstance(error, (KeyboardInterrupt, SystemExit)) and interrupt is None:
-                        interrupt = error
+            for j in np.flatnonzero(failed).tolist():
+                error = picked[j]
+                self._record_failure(PendingRead(int(layers[j]), int(experts[j]), int(slots[j])), error)
+                if isinstance(error, (KeyboardInterrupt, SystemExit)) and interrupt is None:
+                    interrupt = error
             if set(map(type, picked)) <= {int}:  # every read returned its byte count
                 nbytes = np.array(picked, np.int64)
             else:
