@@ -239,12 +239,12 @@ def publish(tables: Tables, layers: np.ndarray, experts: np.ndarray, slots: np.n
     """
     num_layers = tables.table.shape[0]
     tables.counts["reads_in_flight"] -= np.bincount(layers, minlength=num_layers)
-    lost, landed = failed, ~failed
-    if lost.any():
-        tables.owner[layers[lost], slots[lost]] = -1
-        tables.state[layers[lost], slots[lost]] = FREE
-        tables.held[layers[lost], experts[lost]] = False
-        tables.counts["reads_failed"] += np.bincount(layers[lost], minlength=num_layers)
+    if failed.any():
+        tables.owner[layers[failed], slots[failed]] = -1
+        tables.state[layers[failed], slots[failed]] = FREE
+        tables.held[layers[failed], experts[failed]] = False
+        tables.counts["reads_failed"] += np.bincount(layers[failed], minlength=num_layers)
+    landed = ~failed
     if landed.any():
         layers, experts, slots = layers[landed], experts[landed], slots[landed]
         tables.table[layers, experts] = slots
