@@ -56,6 +56,24 @@ def expert_popularity(rng: np.random.Generator, num_experts: int, skew: float = 
     return rng.permutation(weights / weights.sum())
 
 
+def _expert_bias(rng: np.random.Generator, num_experts: int) -> np.ndarray:
+    """Integer Zipf-like log-popularity per expert, in a random order of experts.
+
+    ``-0.2 * log2(rank)`` in units of ``2**16``, with log2 piecewise linear between powers of two
+    (integers only, so every platform computes the same bias).
+    """
+    rank = np.arange(1, num_experts + 1, dtype=np.int64)
+    octave = np.array([int(r).bit_length() - 1 for r in rank], np.int64)
+    log2_rank = (octave << 16) + ((rank << 16) >> octave) - (1 << 16)
+    return rng.permutation(-log2_rank // 5)
+
+
+def _binary32(rng: np.random.Generator, shape, low_exponent: int, high_exponent: int) -> np.ndarray:
+    """Positive float32 values ``m * 2**e`` (24-bit ``m`` in [0.5, 1), integer ``e`` in [low, high)), exactly."""
+    mantissas = rng.integers(1 << 23, 1 << 24, shape).astype(np.float32)
+    return np.ldexp(mantissas, rng.integers(low_exponent, high_exponent, shape) - 24).astype(np.float32)
+
+
 def router_inputs(
     rng: np.random.Generator,
     rows: int,
@@ -67,26 +85,36 @@ def router_inputs(
     score_dtype: str = "float32",
     normalized: bool = True,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Realistic router output: distinct ids per row (when ``top_k <= E``), softmax scores.
+    """Realistic router output: distinct ids per row (when ``top_k <= E``), softmax-like scores.
+
+    Built from integers and correctly rounded arithmetic only (no ``exp``, ``log`` or ``pow``,
+    whose last bit differs across NumPy builds and CPUs), so a seed gives the same bits everywhere.
 
     Returns:
         ``(indices [rows, top_k], scores [rows, top_k], slot_table [E])``.
     """
-    probs = expert_popularity(rng, num_experts)
-    # Gumbel top-k samples distinct experts without replacement, per row.
-    keys = np.log(probs)[None, :] + rng.gumbel(size=(rows, num_experts))
     if top_k <= num_experts:
-        ids = np.argsort(-keys, axis=1)[:, :top_k]
+        # Gumbel-like top-k in integers: a popularity bias plus triangular noise; the expert id
+        # in the low digits makes every key distinct, so the order has no ties to break.
+        noise = rng.integers(0, 1 << 16, (rows, num_experts)) + rng.integers(0, 1 << 16, (rows, num_experts))
+        keys = (noise + _expert_bias(rng, num_experts)[None, :]) * num_experts + np.arange(num_experts)
+        ids = np.empty((rows, top_k), np.int64)
+        every_row = np.arange(rows)
+        for k in range(top_k):
+            ids[:, k] = keys.argmax(axis=1)
+            keys[every_row, ids[:, k]] = np.iinfo(np.int64).min
     else:
         ids = rng.integers(0, num_experts, (rows, top_k))
-    logits = rng.normal(0.0, 1.5, (rows, top_k))
-    scores = np.exp(logits - logits.max(axis=1, keepdims=True))
+    scores = _binary32(rng, (rows, top_k), -8, 1)
     if normalized:
-        scores = scores / scores.sum(axis=1, keepdims=True)
+        total = np.zeros(rows, np.float32)
+        for k in range(top_k):  # one rounding per addition, in k order
+            total = total + scores[:, k]
+        scores = scores / total[:, None]
     scores = np.sort(scores, axis=1)[:, ::-1]
     return (
         ids.astype(NUMPY_DTYPES[index_dtype]),
-        scores.astype(np.float32).astype(NUMPY_DTYPES[score_dtype]),
+        scores.astype(NUMPY_DTYPES[score_dtype]),
         slot_table(rng, num_experts, resident_fraction),
     )
 
@@ -113,8 +141,8 @@ def adversarial_inputs(
     picks = _SPECIAL_SCORE_BITS[rng.integers(0, len(_SPECIAL_SCORE_BITS), shape)]
     scores = np.where(special, picks.view(np.float32), scores)
     wide = rng.random(shape) < edge_fraction / 2
-    magnitudes = rng.uniform(-40, 40, shape).astype(np.float32)
-    scores = np.where(wide, (np.exp2(magnitudes) * rng.choice([-1, 1], shape)).astype(np.float32), scores)
+    magnitudes = _binary32(rng, shape, -40, 41) * rng.choice(np.array([-1, 1], np.float32), shape)
+    scores = np.where(wide, magnitudes, scores)
 
     bad_id = rng.random(shape) < edge_fraction / 2
     if index_dtype == "uint32":

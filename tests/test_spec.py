@@ -81,5 +81,50 @@ def test_make_spec_reproduces_the_file():
     assert make_spec.dump(make_spec.build()) == default_spec_path().read_text()
 
 
+# NumPy functions whose last bit depends on the build and the CPU (SIMD libm variants), and the
+# Generator methods that are exact: integers and doubles made from integers by exact operations.
+_PLATFORM_ROUNDED = {"exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "power", "float_power",
+                     "sin", "cos", "tan", "tanh", "arctan", "sinh", "cosh", "cbrt"}
+_EXACT_DRAWS = {"integers", "random", "permutation", "choice", "uniform"}
+
+
+class _ExactOnlyGenerator:
+    def __init__(self, rng):
+        self._rng = rng
+
+    def __getattr__(self, name):
+        assert name in _EXACT_DRAWS, f"rng.{name} goes through libm: its bits differ across platforms"
+        method = getattr(self._rng, name)
+        if name != "choice":
+            return method
+
+        def choice(*args, **kwargs):
+            assert kwargs.get("p") is None, "rng.choice(p=...) draws through float cumulative sums"
+            return method(*args, **kwargs)
+        return choice
+
+
+class _ExactOnlyNumpy:
+    def __init__(self):
+        self.random = self  # np.random.default_rng is the only np.random name the generators use
+
+    def default_rng(self, seed=None):
+        return _ExactOnlyGenerator(np.random.default_rng(seed))
+
+    def __getattr__(self, name):
+        assert name not in _PLATFORM_ROUNDED, f"np.{name} rounds differently across NumPy builds and CPUs"
+        return getattr(np, name)
+
+
+def test_golden_inputs_use_only_exactly_rounded_operations(monkeypatch):
+    """Any NumPy on any CPU must regenerate the golden inputs bit for bit."""
+    from kq_core import inputs, make_spec
+
+    monkeypatch.setattr(inputs, "np", _ExactOnlyNumpy())
+    monkeypatch.setattr(make_spec, "np", _ExactOnlyNumpy())
+    names = [name for name, _, _ in make_spec.cases()]
+    assert set(names) == set(CASES)
+
+
 def test_result_fields_are_the_contract_outputs():
     assert RouteShedResult._fields == ("slots", "mix", "miss_ids", "miss_scores")
