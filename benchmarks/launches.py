@@ -21,7 +21,8 @@ import numpy as np
 from kq_core.compare import first_mismatch
 from kq_core.inputs import adversarial_inputs, router_inputs
 from kq_core.oracle import route_shed_oracle
-from kq_jax.pallas import MAX_UNROLLED_K, KernelConfig, route_shed_pallas
+from kq_jax.pallas_config import MAX_UNROLLED_K, KernelConfig
+from kq_jax.route_shed_pallas import route_shed_pallas
 
 # --variants words, joined by "+": the kernel path and the rounding, each forced.
 VARIANT_WORDS = {"strided": dict(tiled_io=False, entry_lanes=False), "tiled": dict(tiled_io=True),

@@ -29,7 +29,8 @@ from kq.bench import SHAPE_SETS, jax_kernel_us, parse_shape
 from kq_core.compare import first_mismatch
 from kq_core.inputs import router_inputs
 from kq_core.oracle import route_shed_oracle
-from kq_jax.pallas import MAX_UNROLLED_K, KernelConfig, block_config, route_shed_pallas
+from kq_jax.pallas_config import MAX_UNROLLED_K, KernelConfig, block_config
+from kq_jax.route_shed_pallas import route_shed_pallas
 
 # (block_rows, num_warps): one row per thread, and fewer warps than rows / 32 (rows per thread > 1);
 # for entry_lanes (a row per K lanes) also blocks of a few rows.

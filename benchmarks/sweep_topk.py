@@ -26,8 +26,9 @@ import numpy as np
 from kq.bench import jax_kernel_us, parse_shape
 from kq_core.compare import first_mismatch
 from kq_core.oracle import topk_route_shed_oracle
-from kq_jax.pallas import (KernelConfig, route_shed_pallas, topk_block_config,
-                                      topk_route_shed_pallas)
+from kq_jax.pallas_config import KernelConfig, topk_block_config
+from kq_jax.route_shed_pallas import route_shed_pallas
+from kq_jax.topk_route_shed_pallas import topk_route_shed_pallas
 
 BLOCKS = ((1, 1), (2, 1), (4, 1), (8, 1), (8, 2), (8, 4), (16, 2), (16, 4), (32, 4), (32, 8))
 DEFAULT_SHAPES = ("1x8x64", "8x8x64", "1x8x256", "8x8x256", "1x8x128", "4096x8x128", "65536x8x256")

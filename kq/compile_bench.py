@@ -104,7 +104,7 @@ def _op_inputs(op: str, rows: int, rng):
 
 def _op_fn(op: str, impl: str, buckets: bool):
     import kq_jax
-    from kq_jax.pallas import KernelConfig
+    from kq_jax.pallas_config import KernelConfig
 
     config = None if buckets else KernelConfig(row_buckets=False)
     if op == "route_shed":
@@ -121,10 +121,11 @@ def _reference_fn(op: str):
 
 
 def _launch_cache_size(op: str) -> int:
-    from kq_jax.pallas import ops
+    from kq_jax import route_shed_pallas, topk_route_shed_pallas
 
     # The jitted row-wise op an eager call dispatches to (kq_jax.partition.rowwise), one executable per shape.
-    return (ops._route_shed_rows if op == "route_shed" else ops._topk_rows)._cache_size()
+    rows_op = route_shed_pallas._route_shed_rows if op == "route_shed" else topk_route_shed_pallas._topk_rows
+    return rows_op._cache_size()
 
 
 def first_call(op: str, rows: int, *, impl: str, buckets: bool, mode: str, rng) -> FirstCall:
@@ -169,7 +170,7 @@ def _chained_us(fn, args, float_arg: int, repeats: int, calls: int = 16) -> floa
 def boundary_times(op: str, rows_list=BOUNDARY_ROWS, *, impl: str, repeats: int = 7,
                    seed: int = 0) -> list[BoundaryTime]:
     """Time per call one row past a bucket boundary: bucketed against exact size."""
-    from kq_jax.pallas.config import row_bucket
+    from kq_jax.pallas_config import row_bucket
 
     rng = np.random.default_rng(seed)
     float_arg = 1 if op == "route_shed" else 0

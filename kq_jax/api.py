@@ -1,7 +1,7 @@
 """The public entry points of kq_jax: arguments checked here, once, then one implementation runs.
 
 ``route_shed`` and ``topk_route_shed`` dispatch over the Pallas kernels
-(:mod:`kq_jax.pallas`, imported on first use) and the jnp reference
+(:mod:`kq_jax.route_shed_pallas`, imported on first use) and the jnp reference
 (:mod:`kq_jax.reference`); neither checks again.
 """
 
@@ -16,7 +16,7 @@ from kq_core.validate import check_route_shed_args, check_topk_route_shed_args
 from kq_jax.reference import route_shed_ref, topk_route_shed_ref
 
 if TYPE_CHECKING:
-    from kq_jax.pallas.config import KernelConfig
+    from kq_jax.pallas_config import KernelConfig
 
 Impl = Literal["auto", "pallas", "pallas_interpret", "reference"]
 IMPLS = ("auto", "pallas", "pallas_interpret", "reference")
@@ -62,7 +62,7 @@ def route_shed(indices, scores, slot_table, *, num_slots: int | None = None, imp
             (the same kernel in Pallas' interpreter: any backend, slow),
             ``"reference"`` (pure jnp), or ``"auto"`` (:func:`default_impl`:
             the kernel on a GPU, else the reference).
-        config: the kernel's launch parameters (:class:`kq_jax.pallas.KernelConfig`),
+        config: the kernel's launch parameters (:class:`kq_jax.pallas_config.KernelConfig`),
             for the Pallas impls only; ``None`` fields are chosen by shape.
 
     Returns:
@@ -81,7 +81,7 @@ def route_shed(indices, scores, slot_table, *, num_slots: int | None = None, imp
     impl = _resolve("route_shed", impl, config)
     if impl == "reference":
         return route_shed_ref(indices, scores, slot_table, num_slots)
-    from kq_jax.pallas.ops import route_shed_pallas
+    from kq_jax.route_shed_pallas import route_shed_pallas
 
     return route_shed_pallas(indices, scores, slot_table, interpret=impl == "pallas_interpret", config=config,
                              num_slots=num_slots)
@@ -136,7 +136,7 @@ def topk_route_shed(probs, slot_table, *, top_k: int, normalize: bool = True, on
     if not kernel_options:
         raise ValueError(f"topk_route_shed: the Pallas kernel implements normalize=True, on_miss='shed'; "
                          f"got normalize={normalize}, on_miss={on_miss!r} (use impl='reference' or 'auto')")
-    from kq_jax.pallas.ops import topk_route_shed_pallas
+    from kq_jax.topk_route_shed_pallas import topk_route_shed_pallas
 
     return topk_route_shed_pallas(probs, slot_table, top_k=int(top_k), interpret=impl == "pallas_interpret",
                                   config=config, num_slots=num_slots)

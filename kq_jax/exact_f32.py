@@ -13,7 +13,7 @@ Integer arithmetic has no such latitude on any backend, so the two operations
 the contract rounds (``s * scale`` and ``total / kept``) are computed here on
 the mantissas as uint32, rounded to nearest even, and flushed exactly like
 ``flush(x)`` in the contract. (The Pallas kernel on a CUDA GPU uses PTX's IEEE
-``mul.rn.f32`` / ``div.rn.f32`` instead; see :mod:`kq_jax.pallas.route_shed_kernel`.)
+``mul.rn.f32`` / ``div.rn.f32`` instead; see :mod:`kq_jax.route_shed_pallas`.)
 Addition needs no such care: a sum of two normal floats that lands below
 2**-126 is exact, so hardware FTZ and the contract's flush agree on it.
 

@@ -210,7 +210,7 @@ def test_bench_host_times_the_token_boundary(monkeypatch, tmp_path, capsys):
 def test_bench_compile_counts_kernels_per_bucket(monkeypatch, tmp_path, capsys):
     pytest.importorskip("jax")
     from kq import compile_bench
-    from kq_jax.pallas.config import row_bucket
+    from kq_jax.pallas_config import row_bucket
 
     monkeypatch.setattr(compile_bench, "INTERPRETER_SIZES", dict(count=3, max_rows=16, boundary_rows=(9,)))
     monkeypatch.setattr(compile_bench, "OPS", ("route_shed",))

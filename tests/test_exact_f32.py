@@ -40,7 +40,7 @@ def in_pallas_kernel(op):
 
 
 def implementations():
-    from kq_jax.pallas.route_shed_kernel import ptx_div_flush, ptx_mul_flush
+    from kq_jax.route_shed_pallas import ptx_div_flush, ptx_mul_flush
 
     gpu_only = pytest.mark.skipif(not ON_GPU, reason="inline PTX runs on a CUDA GPU only")
     return [

@@ -160,7 +160,8 @@ def test_kq_route_shed_dispatches_jax_arrays(rng):
 @pytest.mark.parametrize("block_rows, num_warps, tiled_io", [(1, 1, False), (2, 1, False), (8, 2, False),
                                                        (1, 1, True), (8, 2, True)])
 def test_pallas_launch_config_overrides_keep_the_bits(rng, block_rows, num_warps, tiled_io):
-    from kq_jax.pallas import KernelConfig, route_shed_pallas
+    from kq_jax.pallas_config import KernelConfig
+    from kq_jax.route_shed_pallas import route_shed_pallas
 
     inputs = adversarial_inputs(rng, 11, 6, 40)  # 11 rows: a ragged last block for every block size
     config = KernelConfig(block_rows, num_warps, tiled_io)
@@ -183,7 +184,7 @@ VARIANTS = [
 
 
 def variant_takes(variant, top_k):
-    from kq_jax.pallas import MAX_UNROLLED_K
+    from kq_jax.pallas_config import MAX_UNROLLED_K
 
     return not variant.get("tiled_io") or top_k <= MAX_UNROLLED_K
 
@@ -192,7 +193,8 @@ def variant_takes(variant, top_k):
 def test_pallas_variant_keeps_the_bits_on_every_golden_case(variant):
     from conftest import SPEC
 
-    from kq_jax.pallas import KernelConfig, route_shed_pallas
+    from kq_jax.pallas_config import KernelConfig
+    from kq_jax.route_shed_pallas import route_shed_pallas
 
     if ON_GPU and not variant["ptx_arith"]:
         pytest.skip("integer rounding on the golden cases: in Pallas' interpreter on the CPU (CI); on a GPU the "
@@ -211,7 +213,8 @@ def test_pallas_variant_keeps_the_bits_on_every_golden_case(variant):
     (65, 16, 4096, "uint32", "float32"), (40, 33, 256, "int32", "bfloat16"), (9, 64, 1024, "uint32", "float32")])
 def test_pallas_variant_keeps_the_bits_on_adversarial_rows(rng, variant, rows, top_k, experts, index_dtype,
                                                            score_dtype):
-    from kq_jax.pallas import KernelConfig, route_shed_pallas
+    from kq_jax.pallas_config import KernelConfig
+    from kq_jax.route_shed_pallas import route_shed_pallas
 
     if not variant_takes(variant, top_k):
         pytest.skip("tiled I/O is for K <= MAX_UNROLLED_K")
@@ -222,7 +225,7 @@ def test_pallas_variant_keeps_the_bits_on_adversarial_rows(rng, variant, rows, t
 
 
 def test_pallas_entry_lanes_and_tiled_io_are_exclusive():
-    from kq_jax.pallas import KernelConfig, block_config
+    from kq_jax.pallas_config import KernelConfig, block_config
 
     with pytest.raises(ValueError, match="entry_lanes"):
         block_config(100, 8, KernelConfig(tiled_io=True, entry_lanes=True))
@@ -232,7 +235,8 @@ def test_pallas_entry_lanes_and_tiled_io_are_exclusive():
 @gpu_only
 def test_pallas_ptx_arith_keeps_the_bits_on_rounding_edges(rng):
     """Scales and products that round at ties, overflow, or land on and under 2**-126."""
-    from kq_jax.pallas import KernelConfig, route_shed_pallas
+    from kq_jax.pallas_config import KernelConfig
+    from kq_jax.route_shed_pallas import route_shed_pallas
 
     inputs = adversarial_inputs(rng, 20000, 8, 64, edge_fraction=0.5)
     got = jax.jit(lambda i, s, t: route_shed_pallas(i, s, t, config=KernelConfig(ptx_arith=True)))(*inputs)
@@ -240,7 +244,8 @@ def test_pallas_ptx_arith_keeps_the_bits_on_rounding_edges(rng):
 
 
 def test_pallas_ptx_arith_is_refused_by_the_interpreter():
-    from kq_jax.pallas import KernelConfig, route_shed_pallas
+    from kq_jax.pallas_config import KernelConfig
+    from kq_jax.route_shed_pallas import route_shed_pallas
 
     with pytest.raises(ValueError, match="interpreter"):
         route_shed_pallas(*router_inputs(np.random.default_rng(0), 2, 8, 16), interpret=True,
@@ -248,7 +253,7 @@ def test_pallas_ptx_arith_is_refused_by_the_interpreter():
 
 
 def test_pallas_default_path_follows_the_rows():
-    from kq_jax.pallas import KernelConfig, block_config
+    from kq_jax.pallas_config import KernelConfig, block_config
 
     paths = {rows: block_config(rows, 8) for rows in (1, 8, 9, 4096, 4097)}
     assert [c.entry_lanes for c in paths.values()] == [True, True, False, False, False]
@@ -258,7 +263,7 @@ def test_pallas_default_path_follows_the_rows():
 
 
 def test_pallas_tiled_io_is_for_k_up_to_16():
-    from kq_jax.pallas import KernelConfig, block_config
+    from kq_jax.pallas_config import KernelConfig, block_config
 
     assert block_config(8192, 16).tiled_io and not block_config(8192, 17).tiled_io
     assert not block_config(4096, 8).tiled_io  # small grids: the strided kernel (see block_config)
@@ -268,7 +273,7 @@ def test_pallas_tiled_io_is_for_k_up_to_16():
 
 
 def test_pallas_block_rows_must_be_a_power_of_two():
-    from kq_jax.pallas import KernelConfig, block_config
+    from kq_jax.pallas_config import KernelConfig, block_config
 
     with pytest.raises(ValueError, match="power of two"):
         block_config(100, 8, KernelConfig(block_rows=48))

@@ -38,3 +38,19 @@ def test_the_graph_was_read():
     assert ("kq", "kq/backends.py", "kq_jax") in EDGES  # an import inside a function counts
     assert any(p == "kq_jax" and t == "kq_core" for p, _, t in EDGES)
     assert any(p == "kq" and t == "kq_jax" for p, _, t in EDGES)
+
+
+# The files the project's specification names.
+SPECIFIED_PATHS = ("pyproject.toml", "kq_jax/route_shed_pallas.py", "kq_jax/reference.py",
+                   "kq_mlx/route_shed.metal", "shared/spec.json", "tests")
+
+
+@pytest.mark.parametrize("path", SPECIFIED_PATHS)
+def test_specified_path_exists(path):
+    assert (ROOT / path).exists(), f"{path} is named by the specification"
+
+
+def test_route_shed_pallas_holds_the_kernel():
+    tree = ast.parse((ROOT / "kq_jax/route_shed_pallas.py").read_text())
+    defined = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+    assert {"route_shed_kernel", "route_shed_lanes_kernel", "route_shed_pallas"} <= defined

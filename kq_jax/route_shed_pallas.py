@@ -1,4 +1,4 @@
-"""The two ``route_shed`` kernels (Pallas, Triton lowering) and the row arithmetic they share.
+"""``route_shed`` in Pallas (Triton lowering): the two kernels, the row arithmetic they share, their launch.
 
 * The row kernel (:func:`route_shed_kernel`), one thread per row like the
   Metal kernel: a program handles ``block_rows`` rows, and every value in the
@@ -13,7 +13,7 @@
   sums carried in the same loop.
 
 :func:`shed_rows` is the row kernel's arithmetic and stores, which the
-``topk_route_shed`` kernel (:mod:`kq_jax.pallas.topk_kernel`) runs on its
+``topk_route_shed`` kernel (:mod:`kq_jax.topk_route_shed_pallas`) runs on its
 picks. Misses go straight to their rank's position and padding to the
 positions past the row's last miss, so every output element is written once;
 loads and stores are masked, so a ragged last block never touches memory
@@ -29,11 +29,17 @@ The remaining float ops are adds, compares and selects, each followed by the
 contract's flush. ``tests/test_pallas_lowering.py`` lowers the kernels to
 Triton IR for CUDA and checks that no other float multiply or divide is there.
 Why Triton rather than Mosaic GPU: docs/kernels.md.
+
+:func:`route_shed_pallas` launches them (the launch configuration is
+:mod:`kq_jax.pallas_config`'s) and trusts its arguments: ``kq_jax.route_shed``
+checks them first.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -41,10 +47,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kq_core.contract import NOT_A_MISS_KEY
+from kq_core.contract import NOT_A_MISS_KEY, RouteShedResult
 from kq_jax.exact_f32 import canonicalize_nan, div_flush_raw, flush, mul_flush_raw
-from kq_jax.pallas.config import MAX_UNROLLED_K, next_power_of_two
-from kq_jax.reference import score_order_key
+from kq_jax.pallas_config import MAX_UNROLLED_K, KernelConfig, block_config, next_power_of_two, row_bucket
+from kq_jax.partition import rowwise
+from kq_jax.reference import route_shed_ref, score_order_key
 
 
 def _ptx_rn(opcode: str, a, b):
@@ -265,3 +272,134 @@ def route_shed_lanes_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, 
     _store_misses(miss_ids_ref, miss_scores_ref, ids, scores, miss, base[:, None] + rank,
                   in_tile & (lane >= miss_count[:, None]), at)
 
+
+# The launch.
+
+def rows_launched(rows: int, config: KernelConfig | None) -> int:
+    """The rows a launch covers: :func:`row_bucket`'s, unless ``config`` asks for the exact count."""
+    return rows if config is not None and config.row_buckets is False else row_bucket(rows)
+
+
+def pad_rows(x, rows: int):
+    """``x`` ``[n, X]`` with zero rows appended up to ``rows``."""
+    return x if x.shape[0] == rows else jnp.pad(x, ((0, rows - x.shape[0]), (0, 0)))
+
+
+def on_row_bucket(op, row_args, config: KernelConfig | None):
+    """``op(*row_args)``; called eagerly, on the rows padded to their bucket (and the padding dropped after).
+
+    An eager call then reuses the executable compiled for its bucket instead
+    of compiling the kernel for its exact row count. Traced (under a jit),
+    ``op`` runs as it is, and each device pads its own rows in ``_pallas_forward``.
+    """
+    if any(isinstance(a, jax.core.Tracer) for a in row_args):
+        return op(*row_args)
+    shape = row_args[0].shape
+    rows = math.prod(shape[:-1])
+    padded_rows = rows_launched(rows, config)
+    outputs = op(*(pad_rows(jnp.reshape(a, (rows, a.shape[-1])), padded_rows) for a in row_args))
+    return jax.tree.map(lambda o: o[:rows].reshape(shape[:-1] + o.shape[-1:]), outputs)
+
+
+def _pallas_forward(indices, scores, slot_table, *, interpret: bool, config: KernelConfig | None,
+                    num_slots: int | None) -> RouteShedResult:
+    top_k = indices.shape[-1]
+    rows = indices.size // top_k
+    padded_rows = rows_launched(rows, config)
+    outputs = _route_shed_launch(pad_rows(indices.reshape(rows, top_k), padded_rows),
+                                 pad_rows(scores.reshape(rows, top_k), padded_rows), slot_table,
+                                 interpret=interpret, config=config, num_slots=num_slots)
+    return RouteShedResult(*(o[:rows].reshape(indices.shape) for o in outputs))
+
+
+# Jitted on the launch's [rows, K], so that every row count of one bucket, and
+# a program calling the op once per MoE layer, trace and lower the kernel once.
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "num_slots"))
+def _route_shed_launch(indices, scores, slot_table, *, interpret: bool, config: KernelConfig | None,
+                       num_slots: int | None) -> RouteShedResult:
+    rows, top_k = indices.shape
+    num_experts = slot_table.shape[0]
+    shapes = (
+        jax.ShapeDtypeStruct((rows * top_k,), indices.dtype),
+        jax.ShapeDtypeStruct((rows * top_k,), jnp.float32),
+        jax.ShapeDtypeStruct((rows * top_k,), jnp.int32),
+        jax.ShapeDtypeStruct((rows * top_k,), jnp.float32),
+    )
+    if rows == 0:
+        return RouteShedResult(*(jnp.zeros(indices.shape, s.dtype) for s in shapes))
+    block_rows, num_warps, tiled_io, ptx_arith, entry_lanes, _ = block_config(rows, top_k, config,
+                                                                             interpret=interpret)
+    params = dict(rows=rows, top_k=top_k, num_experts=num_experts, block_rows=block_rows,
+                  unsigned_ids=indices.dtype == jnp.uint32, ptx_arith=ptx_arith, num_slots=num_slots)
+    if entry_lanes:
+        kernel = functools.partial(route_shed_lanes_kernel, **params)
+    else:
+        kernel = functools.partial(route_shed_kernel, tiled_io=tiled_io, **params)
+    outputs = launch(kernel, shapes, (indices.reshape(-1), scores.reshape(-1), slot_table),
+                      name=f"route_shed_k{top_k}", programs=pl.cdiv(rows, block_rows), num_warps=num_warps,
+                      interpret=interpret)
+    return RouteShedResult(*(o.reshape(indices.shape) for o in outputs))
+
+
+def launch(kernel, out_shapes, args, *, name: str, programs: int, num_warps: int, interpret: bool):
+    """One ``pallas_call`` of ``kernel`` over a 1-D grid of ``programs``, through the Triton lowering."""
+    call = pl.pallas_call(
+        kernel,
+        out_shape=out_shapes,
+        grid=(programs,),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name=name,
+    )
+    with warnings.catch_warnings():
+        # JAX 0.11 deprecates the Triton lowering in favour of Mosaic GPU; see
+        # the module docstring for why these kernels still need it.
+        warnings.filterwarnings("ignore", message=".*[Tt]riton.*", category=DeprecationWarning)
+        return call(*args)
+
+
+@functools.partial(rowwise, num_row_args=2)
+def _route_shed_rows(indices, scores, slot_table, interpret, config, num_slots):
+    return _pallas_forward(indices, scores, slot_table, interpret=interpret, config=config, num_slots=num_slots)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _route_shed_diff(indices, scores, slot_table, interpret, config, num_slots):
+    return _route_shed_rows(indices, scores, slot_table, interpret, config, num_slots)
+
+
+def _route_shed_fwd(indices, scores, slot_table, interpret, config, num_slots):
+    outputs = _route_shed_rows(indices, scores, slot_table, interpret, config, num_slots)
+    return outputs, (indices, scores, slot_table)
+
+
+def _route_shed_bwd(interpret, config, num_slots, residuals, cotangents):
+    # The backward pass is autodiff of the pure-jnp reference, so the kernel's
+    # gradient is the reference's gradient bit for bit; it launches no kernel.
+    del interpret, config
+    indices, scores, slot_table = residuals
+    _, pullback = jax.vjp(lambda s: route_shed_ref(indices, s, slot_table, num_slots).mix, scores)
+    (d_scores,) = pullback(cotangents.mix)
+    return None, d_scores, None
+
+
+_route_shed_diff.defvjp(_route_shed_fwd, _route_shed_bwd)
+
+
+def route_shed_pallas(indices, scores, slot_table, *, interpret: bool = False, config: KernelConfig | None = None,
+                      num_slots: int | None = None) -> RouteShedResult:
+    """``route_shed`` in one fused Pallas kernel launch.
+
+    Args:
+        indices: int32 or uint32 ``[..., K]`` router top-k ids, ``1 <= K <= 64``.
+        scores: float32, bfloat16 or float16 ``[..., K]``.
+        slot_table: int32 ``[E]``; negative = not resident.
+        interpret: run the kernel in Pallas' interpreter (any backend, slow).
+        config: launch parameters overriding :func:`block_config`'s choice.
+
+    Returns:
+        ``RouteShedResult(slots, mix, miss_ids, miss_scores)`` shaped like ``indices``;
+        ``mix`` is differentiable with respect to ``scores``.
+    """
+    return on_row_bucket(lambda i, s: _route_shed_diff(i, s, slot_table, interpret, config, num_slots),
+                          (indices, scores), config)
