@@ -74,12 +74,25 @@ def check_payload(payload, slot_layout: Mapping[str, tuple[tuple[int, ...], Any]
                                  f"unexpected {sorted(extra)}")
     for name, (shape, dtype) in slot_layout.items():
         value = payload[name]
-        got_shape, got_dtype = tuple(np.shape(value)), np.dtype(getattr(value, "dtype", type(value)))
+        got_shape, got_dtype = tuple(np.shape(value)), _numpy_dtype(name, value)
         if got_shape != tuple(shape):
             raise ExpertPayloadError(f"payload {name} has shape {list(got_shape)}, the slot {list(shape)}")
         if not np.can_cast(got_dtype, np.dtype(dtype), casting="safe"):
             raise ExpertPayloadError(f"payload {name} has dtype {got_dtype.name}, which does not cast to the "
                                      f"slot's {np.dtype(dtype).name} without loss")
+
+
+def _numpy_dtype(name: str, value) -> np.dtype:
+    """The NumPy dtype of an array of any framework (NumPy, JAX, MLX: ``mlx.core.float32`` is ``float32``)."""
+    dtype = getattr(value, "dtype", type(value))
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        pass
+    try:
+        return np.dtype(str(dtype).rsplit(".", 1)[-1])
+    except TypeError:
+        raise ExpertPayloadError(f"payload {name} has dtype {dtype}, which is no NumPy dtype") from None
 
 
 class NumpyArena:

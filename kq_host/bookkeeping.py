@@ -250,6 +250,5 @@ def publish(tables: Tables, layers: np.ndarray, experts: np.ndarray, slots: np.n
         tables.table[layers, experts] = slots
         tables.state[layers, slots] = RESIDENT
         tables.counts["reads_landed"] += np.bincount(layers, minlength=num_layers)
-        tables.counts["bytes_read"] += np.bincount(layers, weights=nbytes[landed], minlength=num_layers).astype(
-            np.int64)
+        np.add.at(tables.counts["bytes_read"], layers, nbytes[landed])  # in int64: counts past 2**53 stay exact
         tables.retry_after[layers, experts] = 0

@@ -18,17 +18,27 @@ A slot being written is never mapped in any snapshot: its old expert was
 cleared in (4) before the read was submitted, and its new expert is published
 in (3) only after the read (and the write, if the loader writes) completed.
 
-A read that fails (the loader raises, or the arena refuses its payload) leaves its
-slot free and its expert unpublished; :attr:`ResidencyManager.failures` keeps one
-record per expert (a count and the last error's text), and the expert is not read
-again for 2, 4, 8, ... tokens (up to 1024) after each failure in a row.
+A read that fails leaves its slot free and its expert unpublished; :attr:`ResidencyManager.failures`
+keeps one record per expert (a count and the last error's text), and the expert is not read
+again for 2, 4, 8, ... tokens (up to 1024) after each failure in a row. A read fails when the
+loader raises, returns an int that is no byte count (negative, or 2**62 and more), or returns a
+payload the arena refuses or whose arrays share memory with another payload not yet published
+(a staging buffer reused before its expert was written), or when the arena's write raises.
+Publishing is all or nothing per read: whatever raises, every slot ends free, loading or
+resident for exactly one expert, and the tables point only at resident slots.
+
+Loader threads are daemon threads: a loader that never returns does not keep the process
+from exiting after :meth:`ManagerBase.close`.
 """
 
 from __future__ import annotations
 
 import itertools
+import numbers
+import queue
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Mapping as MappingABC
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
@@ -41,8 +51,11 @@ from kq_host.bookkeeping import SlotState, Tables
 
 Loader = Callable[[int, int, int], Any]  # (layer, expert, slot) -> payload for the arena, or None
 
-__all__ = ["MAX_BACKOFF_DOUBLINGS", "FailedRead", "LayerReport", "LayerStats", "Loader", "ManagerBase", "PendingRead",
-           "ResidencyManager", "SlotState"]
+__all__ = ["MAX_BACKOFF_DOUBLINGS", "MAX_BYTE_COUNT", "FailedRead", "LayerReport", "LayerStats", "Loader", "ManagerBase",
+           "PendingRead", "PreloadError", "ResidencyManager", "SlotState"]
+
+# The largest int a loader may return as the bytes it read.
+MAX_BYTE_COUNT = 2**62 - 1
 
 @dataclass
 class LayerStats:
@@ -100,6 +113,70 @@ class PendingRead:
 
 # A read that failed n times in a row is not submitted again for 2**min(n, MAX_BACKOFF_DOUBLINGS) tokens.
 MAX_BACKOFF_DOUBLINGS = 10
+
+
+class PreloadError(RuntimeError):
+    """:meth:`ResidencyManager.preload` could not publish every expert it was given.
+
+    Attributes:
+        failed: the :class:`FailedRead` records of the reads that failed (their slots are free again).
+        pending: the reads still out when the timeout ran out (they publish at a later step).
+    """
+
+    def __init__(self, message: str, failed: list[FailedRead], pending: list[PendingRead]):
+        super().__init__(message)
+        self.failed, self.pending = failed, pending
+
+
+def describe_error(error: BaseException) -> str:
+    """``str(error)``, or a stand-in when the exception's own ``__str__`` raises."""
+    try:
+        return str(error)
+    except Exception:  # noqa: BLE001 - a broken __str__ must not break the bookkeeping
+        return f"<{type(error).__name__} whose message could not be formed>"
+
+
+class _DaemonPool:
+    """A few daemon threads running submitted calls in order of submission.
+
+    Unlike ``ThreadPoolExecutor``'s workers, they are not joined at interpreter exit, so a call
+    that never returns (a loader stuck on a dead disk) does not keep the process alive.
+    """
+
+    def __init__(self, workers: int, name: str):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(workers)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable, *args) -> Future:
+        future: Future = Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn, args = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(error)
+
+    def shutdown(self, wait_seconds: float = 0.0) -> None:
+        """Cancels the calls not started and stops the threads (waiting up to ``wait_seconds`` for each)."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join(wait_seconds)
 
 
 class _ReadBatch:
@@ -215,10 +292,10 @@ class ManagerBase:
                 raise ValueError(f"ResidencyManager: layer {layer} pins {len(set(experts))} experts into "
                                  f"{num_slots} slots")
             self.pinned_experts[layer] = set(experts)
-        self._pool = (ThreadPoolExecutor(max_workers=queue_depth, thread_name_prefix="kq-prestage") if queue_depth
-                      else None)
+        self._pool = _DaemonPool(queue_depth, "kq-prestage") if queue_depth else None
         self._pending: list = []
         self._cancelled = threading.Event()  # set by close: pooled workers start no further read
+        self._closed = False
         self.failures: dict[tuple[int, int], FailedRead] = {}
         self._busy = threading.Lock()
         self.token = 0
@@ -235,6 +312,11 @@ class ManagerBase:
 
     def _exclusive(self, method: str) -> "_Exclusive":
         return _Exclusive(self._busy, method)
+
+    def _check_open(self, method: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{type(self).__name__}.{method}: the manager was closed; it starts no read "
+                               f"(make a new manager to decode again)")
 
     def drain(self, timeout: float | None = None) -> list[PendingRead]:
         """Waits up to ``timeout`` seconds (None: no limit) for the reads in flight and publishes those done.
@@ -257,9 +339,10 @@ class ManagerBase:
             The reads that were still out.
         """
         out = self.drain(timeout)
+        self._closed = True
         self._cancelled.set()
         if self._pool is not None:
-            self._pool.shutdown(wait=not out, cancel_futures=True)
+            self._pool.shutdown(wait_seconds=0.0 if out else 1.0)
         return out
 
     def __enter__(self):
@@ -267,6 +350,45 @@ class ManagerBase:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _array_extent(value) -> tuple[int, int] | None:
+    """``(first, last + 1)`` byte addresses of a NumPy array's memory, or None for anything else."""
+    if not isinstance(value, np.ndarray) or value.size == 0:
+        return None
+    first = last = value.__array_interface__["data"][0]
+    for extent, stride in zip(value.shape, value.strides):
+        if stride < 0:
+            first += (extent - 1) * stride
+        else:
+            last += (extent - 1) * stride
+    return first, last + value.itemsize
+
+
+def _refuse_shared_buffers(picked: list, failed: np.ndarray) -> None:
+    """Fails every landed read whose payload shares memory with another payload's array, or another
+    projection of its own (a staging buffer or payload dict reused before its expert was written)."""
+    arrays = []  # (first byte, last byte + 1, read, array)
+    for j, payload in enumerate(picked):
+        if not failed[j] and isinstance(payload, MappingABC):
+            for value in payload.values():
+                extent = _array_extent(value)
+                if extent is not None:
+                    arrays.append((*extent, j, value))
+    if len(arrays) < 2:
+        return
+    arrays.sort(key=lambda entry: entry[0])
+    shared, active = set(), []  # active: the arrays whose memory reaches past the current start
+    for entry in arrays:
+        active = [other for other in active if other[1] > entry[0]]
+        for other in active:
+            if np.shares_memory(entry[3], other[3]):
+                shared.update((entry[2], other[2]))
+        active.append(entry)
+    for j in shared:
+        failed[j], picked[j] = True, ValueError(
+            "the payload's arrays share memory with another payload not yet published (or with each other): "
+            "a loader or host_allocator must hand each read buffers of its own until the step that publishes it")
 
 
 def _bookkeeping(impl: str):
@@ -363,46 +485,47 @@ class ResidencyManager(ManagerBase):
                                                 batch.slots[batch.open])]
 
     def _publish_landed(self, *, timeout: float | None = 0.0) -> None:
-        """Publishes the reads done within ``timeout`` seconds (0: those done now; None: all)."""
+        """Publishes the reads done within ``timeout`` seconds (0: those done now; None: all).
+
+        Each batch's landed reads are settled first (byte counts, shared buffers, the arena's
+        write), with every error caught and made that read's failure; only then are the reads
+        closed and the tables changed, so no exception leaves a slot loading for a read that is gone.
+        """
         futures = [future for batch in self._pending for future in batch.futures]
         if futures and timeout != 0.0:
             wait_for_futures(futures, timeout=timeout)
         interrupt = None
         for batch in self._pending:
             if batch.open_count == batch.size and batch.done_count() == batch.size:  # all of it: no picking
-                picked, batch.outcomes = batch.outcomes, [None] * batch.size  # the list is handed over
-                batch.open[:] = False
-                failed = batch.failed.copy()
+                ready = None
+                picked, failed = list(batch.outcomes), batch.failed.copy()
                 layers, experts, slots = batch.layers, batch.experts, batch.slots
             else:
                 ready = np.flatnonzero(batch.done & batch.open)
                 if ready.size == 0:
                     continue
-                batch.open[ready] = False
                 picked = [batch.outcomes[i] for i in ready.tolist()]  # payloads, or the reads' exceptions
-                for i in ready.tolist():
-                    batch.outcomes[i] = None  # no payload kept alive past its publishing
                 failed = batch.failed[ready]
                 layers, experts, slots = batch.layers[ready], batch.experts[ready], batch.slots[ready]
-            batch.open_count -= layers.size
+            nbytes = self._byte_counts(picked, failed)
             if self.arena is not None and not failed.all():
-                written = np.flatnonzero(~failed)
-                refused = write_landed(self.arena, layers[written], slots[written],
-                                       [picked[j] for j in written.tolist()])
-                for j, error in zip(written.tolist(), refused):
-                    if error is not None:
-                        failed[j], picked[j] = True, error
+                _refuse_shared_buffers(picked, failed)
+                self._write(layers, slots, picked, failed)
+            # Settled: close the reads, then the bookkeeping (neither raises).
+            if ready is None:
+                batch.open[:] = False
+                batch.outcomes = [None] * batch.size
+            else:
+                batch.open[ready] = False
+                for i in ready.tolist():
+                    batch.outcomes[i] = None  # no payload kept alive past its publishing
+            batch.open_count -= layers.size
+            self._ops.publish(self._tables, layers, experts, slots, failed, nbytes)  # tables point at slots now
             for j in np.flatnonzero(failed).tolist():
                 error = picked[j]
                 self._record_failure(PendingRead(int(layers[j]), int(experts[j]), int(slots[j])), error)
                 if isinstance(error, (KeyboardInterrupt, SystemExit)) and interrupt is None:
                     interrupt = error
-            if set(map(type, picked)) <= {int}:  # every read returned its byte count
-                nbytes = np.array(picked, np.int64)
-            else:
-                default = self.bytes_per_expert
-                nbytes = np.array([payload if isinstance(payload, int) else default for payload in picked], np.int64)
-            self._ops.publish(self._tables, layers, experts, slots, failed, nbytes)  # tables point at slots now
             if self.failures and not failed.all():
                 for key in zip(layers[~failed].tolist(), experts[~failed].tolist()):
                     self.failures.pop(key, None)
@@ -410,23 +533,68 @@ class ResidencyManager(ManagerBase):
         if interrupt is not None:  # after the bookkeeping, so no later step sees this read again
             raise interrupt
 
+    def _byte_counts(self, picked: list, failed: np.ndarray) -> np.ndarray:
+        """int64 ``[R]``: the bytes each landed read counts (an int it returned, else ``bytes_per_expert``).
+
+        An int outside ``[0, MAX_BYTE_COUNT]`` makes its read failed (``picked`` then holds the error).
+        """
+        if set(map(type, picked)) <= {int}:  # every read returned its byte count: the common case
+            if min(picked) >= 0 and max(picked) <= MAX_BYTE_COUNT:
+                return np.array(picked, np.int64)
+        counts = np.full(len(picked), self.bytes_per_expert, np.int64)
+        for j, outcome in enumerate(picked):
+            if failed[j] or not isinstance(outcome, numbers.Integral) or isinstance(outcome, (bool, np.bool_)):
+                continue
+            if 0 <= outcome <= MAX_BYTE_COUNT:
+                counts[j] = int(outcome)
+            else:
+                failed[j], picked[j], counts[j] = True, ValueError(
+                    f"the loader returned {outcome} as the bytes it read; a byte count is an int in "
+                    f"[0, {MAX_BYTE_COUNT}]"), 0
+        return counts
+
+    def _write(self, layers: np.ndarray, slots: np.ndarray, picked: list, failed: np.ndarray) -> None:
+        """Writes the landed payloads into the arena; a refused or raising write makes its read failed."""
+        written = np.flatnonzero(~failed)
+        try:
+            refused = write_landed(self.arena, layers[written], slots[written], [picked[j] for j in written.tolist()])
+            if len(refused) != written.size:
+                raise RuntimeError(f"the arena's write_slots returned {len(refused)} outcomes for "
+                                   f"{written.size} writes")
+        except BaseException as error:  # noqa: BLE001 - the whole write failed: none of its slots is published
+            refused = [error] * written.size
+        for j, error in zip(written.tolist(), refused):
+            if error is not None:
+                failed[j], picked[j] = True, error
+
     def _record_failure(self, read: PendingRead, error: BaseException) -> None:
         key = (read.layer, read.expert)
         record = self.failures.get(key)
         count = 1 if record is None else record.count + 1
-        self.failures[key] = FailedRead(read.layer, read.expert, read.slot, count, type(error).__name__, str(error),
-                                        self.token)
+        self.failures[key] = FailedRead(read.layer, read.expert, read.slot, count, type(error).__name__,
+                                        describe_error(error), self.token)
         self._tables.retry_after[key] = self.token + 2 ** min(count, MAX_BACKOFF_DOUBLINGS)
 
-    def preload(self, layer: int, experts: Iterable[int]) -> None:
+    def preload(self, layer: int, experts: Iterable[int], *, timeout: float | None = None) -> None:
         """Loads experts into free slots now and publishes them (start-up, pinned sets).
+
+        Args:
+            layer: the layer; experts: expert ids of it (already resident or loading ones are skipped).
+            timeout: seconds to wait for the reads (None: no limit).
 
         Raises:
             ValueError: ``layer`` or an id of ``experts`` is out of range, or no slot is free.
+            PreloadError: a read failed (its slot is free again; the others are published), or reads
+                were still out after ``timeout`` (they publish at a later step); ``.failed`` and
+                ``.pending`` list them.
+            RuntimeError: the manager was closed.
         """
+        self._check_open("preload")
         experts = self._preload_experts(layer, experts)
         tables = self._tables
         with self._exclusive("preload"):
+            failures_before = {key: record.count for key, record in self.failures.items()}
+            requested = set()
             for expert in experts:
                 if tables.table[layer, expert] >= 0 or expert in tables.owner[layer]:
                     continue
@@ -436,8 +604,16 @@ class ResidencyManager(ManagerBase):
                 read = tuple(np.array([value], np.int64) for value in (layer, expert, free[0]))
                 bookkeeping.claim(tables, *read)
                 self._start_reads(*read)
-            self._publish_landed(timeout=None)
+                requested.add((layer, expert))
+            self._publish_landed(timeout=timeout)
             self._snapshot = self.snapshot()
+            failed = [record for key, record in self.failures.items()
+                      if key in requested and record.count != failures_before.get(key, 0)]
+            out = [read for read in self.pending() if (read.layer, read.expert) in requested]
+        if failed or out:
+            raise PreloadError(f"preload: layer {layer}: {len(failed)} read(s) failed "
+                               f"({', '.join(f'expert {r.expert}: {r.error_type}: {r.message}' for r in failed[:3])})"
+                               f" and {len(out)} still out after {timeout} s", failed, out)
 
     # ---- the token boundary -------------------------------------------------------------
 
@@ -457,10 +633,11 @@ class ResidencyManager(ManagerBase):
 
         Raises:
             ValueError: the reports are malformed (nothing is credited then, so a retry counts once).
-            RuntimeError: another thread is inside ``step``, ``preload`` or ``drain`` of this
+            RuntimeError: the manager was closed, or another thread is inside ``step``, ``preload`` or ``drain`` of this
                 manager. A manager serves one decode thread: concurrent calls are refused, never
                 interleaved.
         """
+        self._check_open("step")
         ids, scores, miss_ids, miss_scores = self._gather(reports)  # every report checked before any credit
         tables = self._tables
         with self._exclusive("step"):
