@@ -63,8 +63,49 @@ GPU_MODULES = {"test_jax.py", "test_topk_route_shed.py", "test_moe_jax.py", "tes
 GPU_BACKENDS = {"jax-pallas", "jax-reference", "cuda-source-cupy", "mlx-cuda"}
 
 
+# Exhaustive cases (`pytest -m exhaustive`; .ci/run runs them after the README's command): every Pallas
+# kernel variant over every golden case through the interpreter, the longest interpreted top-k case,
+# full hypothesis runs of the backends that compile per shape on the CPU (a short run of each stays in
+# the default suite: test_random_rows.py), and the compile benchmark end to end.
+EXHAUSTIVE = (
+    "test_jax.py::test_pallas_variant_keeps_the_bits_on_every_golden_case",
+    "test_topk_route_shed.py::test_matches_the_oracle[6x40-k16-res0.5-pallas_interpret]",
+    "test_random_rows.py::test_backend_matches_oracle[jax-pallas-interpret]",
+    "test_random_rows.py::test_backend_matches_oracle[jax-reference]",
+    "test_random_rows.py::test_backend_matches_oracle[mlx-ops]",
+    "test_cli.py::test_bench_compile_counts_kernels_per_bucket",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         params = getattr(item, "callspec", None)
         if item.path.name in GPU_MODULES or (params and params.params.get("runner") in GPU_BACKENDS):
             item.add_marker(pytest.mark.gpu)
+        if any(pattern in item.nodeid for pattern in EXHAUSTIVE):
+            item.add_marker(pytest.mark.exhaustive)
+
+
+def _skip_kind(reason: str) -> str:
+    """A skip reason, grouped: what the skipped tests need that this machine lacks."""
+    lowered = reason.lower()
+    for needle, kind in (("cupy", "need CuPy"), ("metal", "need a Metal GPU"), ("mlx with a", "need an MLX GPU"),
+                         ("mlx gpu", "need an MLX GPU"), ("cuda", "need a CUDA GPU"), ("gpu", "need a GPU"),
+                         ("ptx", "need a CUDA GPU")):
+        if needle in lowered:
+            return kind
+    return reason.split(": ", 1)[-1]
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line saying why tests were skipped, e.g. ``skipped 180: 120 need a CUDA GPU, ...``."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    kinds: dict[str, int] = {}
+    for report in skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        kind = _skip_kind(reason.removeprefix("Skipped: "))
+        kinds[kind] = kinds.get(kind, 0) + 1
+    ranked = sorted(kinds.items(), key=lambda item: -item[1])
+    terminalreporter.write_line(f"skipped {len(skipped)}: " + ", ".join(f"{n} {kind}" for kind, n in ranked))
