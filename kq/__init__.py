@@ -54,8 +54,8 @@ def route_shed(indices, scores, slot_table, **options):
         indices: int32/uint32 ``[..., K]`` router top-k ids.
         scores: float32/bfloat16/float16 ``[..., K]`` gate scores.
         slot_table: int32 ``[E]``, negative = not resident.
-        **options: passed to the framework's implementation (``impl=`` for
-            JAX, ``stream=`` for MLX); NumPy takes none.
+        **options: passed to the framework's implementation: ``num_slots=``
+            on every framework, ``impl=`` for JAX, ``stream=`` for MLX.
 
     Returns:
         ``(slots, mix, miss_ids, miss_scores)`` as a NamedTuple of arrays of
@@ -70,6 +70,7 @@ def route_shed(indices, scores, slot_table, **options):
         import kq_mlx
 
         return kq_mlx.route_shed(indices, scores, slot_table, **options)
-    if options:
-        raise TypeError(f"route_shed: the NumPy oracle takes no options, got {sorted(options)}")
-    return route_shed_oracle(indices, scores, slot_table)
+    unknown = set(options) - {"num_slots"}
+    if unknown:
+        raise TypeError(f"route_shed: the NumPy oracle takes only num_slots, got {sorted(unknown)}")
+    return route_shed_oracle(indices, scores, slot_table, **options)

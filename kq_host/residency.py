@@ -676,6 +676,11 @@ class ResidencyManager(ManagerBase):
                 stacked = None
             if stacked is None or stacked.dtype == object or stacked.ndim == 0 or stacked.shape[0] != self.num_layers:
                 raise ValueError(f"step: every layer's {field_name} must have one shape")
+            integers = field_name.endswith(("indices", "ids"))
+            kinds = "iu" if integers else "fiu"
+            if stacked.dtype.kind not in kinds and not (not integers and stacked.dtype.name == "bfloat16"):
+                raise ValueError(f"step: {field_name} must be {'integers' if integers else 'numbers'}, got "
+                                 f"dtype {stacked.dtype}")
             arrays.append(stacked.reshape(self.num_layers, -1).astype(dtype, copy=False))
         ids, scores, miss_ids, miss_scores = arrays
         if ids.shape != scores.shape or miss_ids.shape != miss_scores.shape:

@@ -40,3 +40,13 @@ def entry_points():
 def test_bad_arguments_name_the_argument(entry_name, entry, case, args, error, argument):
     with pytest.raises(error, match=argument):
         entry(*args)
+
+
+def test_num_slots_works_on_numpy_arrays_as_on_every_framework():
+    table = np.array([0, 5, 1, -1, 2, 3, 6, 4], np.int32)
+    got = kq.route_shed(IDS + np.arange(4, dtype=np.int32), SCORES, table, num_slots=4)
+    expected = kq.route_shed(IDS + np.arange(4, dtype=np.int32), SCORES, np.where(table < 4, table, -1))
+    for a, b in zip(got, expected):
+        assert a.tobytes() == b.tobytes()
+    with pytest.raises(TypeError, match="takes only num_slots, got \\['impl'\\]"):
+        kq.route_shed(IDS, SCORES, TABLE, impl="pallas")

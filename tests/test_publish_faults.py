@@ -345,3 +345,18 @@ class PublishingUnderFaults(RuleBasedStateMachine):
 TestPublishingUnderFaults = PublishingUnderFaults.TestCase
 TestPublishingUnderFaults.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
                                               suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.mark.parametrize("field, value", [("indices", np.array([[1.7]], np.float32)),
+                                          ("indices", np.array([["1"]])),
+                                          ("miss_ids", np.array([[np.nan]])),
+                                          ("scores", np.array([["0.5"]]))],
+                         ids=["float-ids", "string-ids", "nan-miss-id", "string-scores"])
+def test_reports_of_the_wrong_kind_are_refused_not_converted(field, value):
+    manager = ResidencyManager(1, 8, 4, loader=lambda l, e, s: 1, queue_depth=0, impl="numpy")
+    good = dict(indices=np.array([[1]], np.int32), scores=np.array([[1.0]], np.float32),
+                miss_ids=np.array([[1]], np.int32), miss_scores=np.array([[1.0]], np.float32))
+    good[field] = value
+    with pytest.raises(ValueError, match=f"step: {field} must be"):
+        manager.step([LayerReport(**good)])
+    assert manager.stats()[1].lookups == 0 and manager.pending() == []
