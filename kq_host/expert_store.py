@@ -17,6 +17,7 @@ bytes, so a thread pool of ``queue_depth`` readers keeps an SSD's queue full.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import threading
@@ -82,7 +83,11 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorEntry]:
         ExpertStoreError: naming the file, and the tensor where there is one.
     """
     path = Path(path)
-    with open(path, "rb") as handle:
+    try:
+        handle = open(path, "rb")
+    except OSError as error:  # a directory, a dangling link, a link loop, no permission
+        raise ExpertStoreError(f"{path}: cannot be opened as a safetensors file ({error.strerror or error})") from None
+    with handle:
         identity = _file_identity(os.fstat(handle.fileno()))
         size = identity[1]
         raw = handle.read(8)
@@ -93,7 +98,8 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorEntry]:
             raise ExpertStoreError(f"{path}: header length {length} does not fit the file's {size} bytes "
                                    f"(or the format's {MAX_HEADER_BYTES}-byte cap)")
         try:
-            header = json.loads(handle.read(length), object_pairs_hook=_unique_keys)
+            # The format's header is UTF-8 JSON (json.loads would also take UTF-16 and UTF-32 bytes).
+            header = json.loads(handle.read(length).decode("utf-8"), object_pairs_hook=_unique_keys)
         except ValueError as error:
             raise ExpertStoreError(f"{path}: unreadable safetensors header ({error})") from error
     if not isinstance(header, dict):
@@ -120,14 +126,15 @@ def _entry(path: Path, name: str, info, data_start: int, data_size: int, identit
     shape, offsets = info["shape"], info["data_offsets"]
     if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
         raise ExpertStoreError(f"{where}: shape must be a list of non-negative ints, got {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+    if not (isinstance(offsets, list) and len(offsets) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
             and 0 <= offsets[0] <= offsets[1]):
         raise ExpertStoreError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, got {offsets!r}")
     begin, end = offsets
     if end > data_size:
         raise ExpertStoreError(f"{where}: data_offsets {offsets} run past the end of the file's {data_size} data bytes")
     dtype = SAFETENSORS_DTYPES[info["dtype"]]
-    want = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    want = math.prod(shape) * dtype.itemsize  # Python ints: a huge shape cannot wrap around
     if end - begin != want:
         raise ExpertStoreError(f"{where}: {info['dtype']}{shape} takes {want} bytes, its data_offsets span "
                                f"{end - begin}")
@@ -166,6 +173,11 @@ class ExpertStore:
         self.layout = layout
         self.projections = tuple(projections)
         self.template = template or (PER_EXPERT_TEMPLATE if layout == "per_expert" else STACKED_TEMPLATE)
+        fields = ("{layer}", "{expert}", "{projection}") if layout == "per_expert" else ("{layer}", "{projection}")
+        missing = [f for f in fields if f not in self.template]
+        if missing:
+            raise ValueError(f"ExpertStore: a {layout} template must name {', '.join(fields)}; "
+                             f"{self.template!r} lacks {', '.join(missing)}")
         files = self._files(paths)
         self.tensors: dict[str, TensorEntry] = {}
         for path in files:
@@ -196,9 +208,15 @@ class ExpertStore:
             if entry.path not in self._descriptors:
                 self._descriptors[entry.path] = os.open(entry.path, os.O_RDONLY)
             descriptor = self._descriptors[entry.path]
-        if _file_identity(os.fstat(descriptor)) != entry.identity:
+        try:
+            # The open file, and the file now at its path (a checkpoint saved again replaces the file).
+            changed = (_file_identity(os.fstat(descriptor)) != entry.identity
+                       or _file_identity(os.stat(entry.path)) != entry.identity)
+        except OSError:
+            changed = True
+        if changed:
             raise ExpertStoreError(f"{entry.path} changed after its header was read (inode, size or modification "
-                                   f"time differ); open a new ExpertStore on the new file")
+                                   f"time differ, or the file is gone); open a new ExpertStore on the new file")
         return descriptor
 
     def _locate(self, layer: int, expert: int, projection: str) -> tuple[TensorEntry, int, int, tuple[int, ...]]:

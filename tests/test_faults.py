@@ -273,8 +273,14 @@ F32_4 = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
     (b'{"t": ' + b'{"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, "t": '
      b'{"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}', bytes(16), None, "twice"),
     ({"t": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}}, bytes(16), None, "shape"),
+    ({"t": {"dtype": "F32", "shape": [2**62, 4], "data_offsets": [0, 0]}}, bytes(16), None, "takes"),
+    ({"t": {"dtype": "F32", "shape": [10**30], "data_offsets": [0, 16]}}, bytes(16), None, "takes"),
+    ({"t": {"dtype": "F32", "shape": [0], "data_offsets": [False, False]}}, bytes(16), None, "data_offsets"),
+    ('{"t": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}'.encode("utf-16"), bytes(16), None,
+     "unreadable"),
 ], ids=["length-2^63", "length-2^40", "json-list", "no-dtype", "begin-after-end", "negative-offset",
-        "f16-over-f32-bytes", "past-the-end", "overlap", "duplicate-key", "negative-shape"])
+        "f16-over-f32-bytes", "past-the-end", "overlap", "duplicate-key", "negative-shape", "shape-wraps-int64",
+        "shape-past-int64", "boolean-offsets", "utf16-header"])
 def test_store_refuses_a_malformed_header_naming_the_file(tmp_path, header, data, length, message):
     from kq_host.expert_store import ExpertStoreError, read_safetensors_header
 
@@ -317,6 +323,45 @@ def test_store_notices_a_file_changed_after_its_header_was_read(tmp_path):
     with pytest.raises(ExpertStoreError, match="changed"):
         store.read_expert(0, 1)
     store.close()
+
+
+@pytest.mark.parametrize("make", ["directory", "dangling-link", "link-loop"])
+def test_store_refuses_what_is_no_file_with_its_own_error(tmp_path, make):
+    from kq_host.expert_store import ExpertStore, ExpertStoreError
+
+    expert_file(tmp_path / "good.safetensors")
+    bad = tmp_path / "bad.safetensors"
+    if make == "directory":
+        bad.mkdir()
+    elif make == "dangling-link":
+        bad.symlink_to(tmp_path / "gone.safetensors")
+    else:
+        bad.symlink_to(bad)
+    with pytest.raises(ExpertStoreError, match="bad.safetensors: cannot be opened"):
+        ExpertStore(tmp_path)
+
+
+def test_store_notices_a_file_replaced_after_its_first_read(tmp_path):
+    import os
+
+    from kq_host.expert_store import ExpertStore, ExpertStoreError
+
+    path = expert_file(tmp_path / "experts.safetensors")
+    store = ExpertStore(tmp_path)
+    store.read_expert(0, 0)  # the file's descriptor is open now
+    replacement = expert_file(tmp_path / "new.tmp")
+    os.replace(replacement, path)  # what a save through a temporary file does
+    with pytest.raises(ExpertStoreError, match="changed"):
+        store.read_expert(0, 1)
+    store.close()
+
+
+def test_a_per_expert_template_must_name_the_expert(tmp_path):
+    from kq_host.expert_store import ExpertStore
+
+    expert_file(tmp_path / "experts.safetensors")
+    with pytest.raises(ValueError, match="template.*lacks \\{expert\\}"):
+        ExpertStore(tmp_path, template="model.layers.{layer}.mlp.experts.0.{projection}.weight")
 
 
 def test_store_catches_a_tensor_declared_with_another_dtype(tmp_path):
