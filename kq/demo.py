@@ -45,6 +45,7 @@ class DemoConfig:
     read_budget: int | None = None
     drift: float = 0.05
     seed: int = 0
+    queue_depth: int = 8
     frameworks: tuple[str, ...] = ("jax", "mlx")
 
     def __post_init__(self):
@@ -63,6 +64,9 @@ class DemoConfig:
             raise ValueError(f"--keep-mass must be in [0, 1], got {self.keep_mass}")
         if self.read_budget is not None and self.read_budget < 0:
             raise ValueError(f"--read-budget must be at least 0 reads per step, got {self.read_budget}")
+        if self.queue_depth < 0:
+            raise ValueError(f"queue_depth is the number of loader threads, at least 0 (0 reads inline); "
+                             f"got {self.queue_depth}")
         if self.policy not in ("lfu", "lru"):
             raise ValueError(f"--policy must be lfu or lru, got {self.policy!r}")
 
@@ -252,7 +256,8 @@ def run_framework(stack, cfg: DemoConfig, store: ExpertStore, states) -> RunTrac
     trace = RunTrace(stack.name)
     manager = ResidencyManager(cfg.layers, cfg.experts, cfg.slots, loader=lambda l, e, s: store.read_expert(l, e),
                                arena=stack.arena, policy=cfg.policy, keep_mass=cfg.keep_mass,
-                               read_budget=cfg.read_budget, bytes_per_expert=store.expert_nbytes(0))
+                               read_budget=cfg.read_budget, queue_depth=cfg.queue_depth,
+                               bytes_per_expert=store.expert_nbytes(0))
     tables = manager.snapshot()
     stack.resident_step(states[0])
     stack.streamed_step(states[0], tables)  # compiles; the manager sees none of it

@@ -129,9 +129,11 @@ def test_demo_runs_both_frameworks_small(tmp_path, capsys):
 def test_demo_with_every_expert_resident_does_not_diverge():
     from kq.demo import DemoConfig, run
 
-    cfg = DemoConfig(layers=2, experts=8, top_k=2, hidden=16, ffn=8, steps=6, residency=1.0, frameworks=("jax",))
+    cfg = DemoConfig(layers=2, experts=8, top_k=2, hidden=16, ffn=8, steps=6, residency=1.0, frameworks=("jax",),
+                     queue_depth=0)
     (trace,) = run(cfg)
-    # Cold arena first; once every expert has landed, streamed == resident bit for bit.
+    # Cold arena first; once every expert has landed, streamed == resident bit for bit. Reads run inline
+    # (queue_depth=0), so when they land does not depend on how busy the machine is.
     assert trace.hit_rate[-1] == 1.0 and trace.divergence[-1] == 0.0
 
 
