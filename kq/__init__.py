@@ -55,7 +55,9 @@ def route_shed(indices, scores, slot_table, **options):
         scores: float32/bfloat16/float16 ``[..., K]`` gate scores.
         slot_table: int32 ``[E]``, negative = not resident.
         **options: passed to the framework's implementation: ``num_slots=``
-            on every framework, ``impl=`` for JAX, ``stream=`` for MLX.
+            and ``on_miss=`` (``"shed"``, or ``"tier"``: misses served from a
+            low-precision tier at slot ``num_slots + id``) on every framework,
+            ``impl=`` for JAX, ``stream=`` for MLX.
 
     Returns:
         ``(slots, mix, miss_ids, miss_scores)`` as a NamedTuple of arrays of
@@ -70,7 +72,7 @@ def route_shed(indices, scores, slot_table, **options):
         import kq_mlx
 
         return kq_mlx.route_shed(indices, scores, slot_table, **options)
-    unknown = set(options) - {"num_slots"}
+    unknown = set(options) - {"num_slots", "on_miss"}
     if unknown:
-        raise TypeError(f"route_shed: the NumPy oracle takes only num_slots, got {sorted(unknown)}")
+        raise TypeError(f"route_shed: the NumPy oracle takes only num_slots and on_miss, got {sorted(unknown)}")
     return route_shed_oracle(indices, scores, slot_table, **options)

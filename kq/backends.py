@@ -18,7 +18,7 @@ from kq_core.contract import RouteShedResult
 from kq_core.oracle import route_shed_oracle
 from kq_core.validate import check_route_shed_args
 
-# runner(indices, scores, slot_table, num_slots=None) -> RouteShedResult of NumPy arrays
+# runner(indices, scores, slot_table, num_slots=None, on_miss="shed") -> RouteShedResult of NumPy arrays
 Runner = Callable[..., RouteShedResult]
 
 
@@ -73,12 +73,12 @@ def _jax_probe(impl: str, *, needs_gpu: bool):
 
         if needs_gpu and jax.default_backend() != "gpu":
             raise Unavailable(f"needs a CUDA GPU; jax's default backend is {jax.default_backend()}")
-        fn = jax.jit(functools.partial(kq_jax.route_shed, impl=impl), static_argnames=("num_slots",))
+        fn = jax.jit(functools.partial(kq_jax.route_shed, impl=impl), static_argnames=("num_slots", "on_miss"))
 
-        def run(indices, scores, slot_table, num_slots=None):
+        def run(indices, scores, slot_table, num_slots=None, on_miss="shed"):
             # NumPy inputs are checked before jit canonicalises their dtypes (int64 to int32).
-            check_route_shed_args(indices, scores, slot_table, num_slots)
-            return _as_numpy(fn(indices, scores, slot_table, num_slots=num_slots))
+            check_route_shed_args(indices, scores, slot_table, num_slots, on_miss)
+            return _as_numpy(fn(indices, scores, slot_table, num_slots=num_slots, on_miss=on_miss))
 
         return run, _jax_device()
 
@@ -96,9 +96,10 @@ def _mlx_probe(*, compiled: bool, on_gpu: bool = False):
         if on_gpu and not mx.is_available(mx.gpu):
             raise Unavailable("needs MLX with a GPU")
 
-        def run(indices, scores, slot_table, num_slots=None):
+        def run(indices, scores, slot_table, num_slots=None, on_miss="shed"):
             with mx.stream(device):
-                return _as_numpy(route_shed_ops(indices, scores, slot_table, num_slots=num_slots, compiled=compiled))
+                return _as_numpy(route_shed_ops(indices, scores, slot_table, num_slots=num_slots, on_miss=on_miss,
+                                                compiled=compiled))
 
         return run, f"{'gpu' if on_gpu else 'cpu'}, mlx {mx.__version__}"
 
@@ -115,8 +116,9 @@ def _mlx_gpu_probe(kind: str):
         if implementation_for(mx.gpu) != kind:
             raise Unavailable(f"needs MLX with a {kind} GPU")
 
-        def run(indices, scores, slot_table, num_slots=None):
-            return _as_numpy(route_shed(indices, scores, slot_table, num_slots=num_slots, stream=mx.gpu))
+        def run(indices, scores, slot_table, num_slots=None, on_miss="shed"):
+            return _as_numpy(route_shed(indices, scores, slot_table, num_slots=num_slots, on_miss=on_miss,
+                                        stream=mx.gpu))
 
         return run, f"gpu ({kind}), mlx {mx.__version__}"
 

@@ -17,8 +17,11 @@ MAX_TOP_K = 64
 INDEX_DTYPES = ("int32", "uint32")
 SCORE_DTYPES = ("float32", "bfloat16", "float16")
 SLOT_TABLE_DTYPES = ("int32",)
-# What topk_route_shed does with a routed expert that is not resident.
-ON_MISS = ("shed", "substitute")
+# What route_shed does with a routed expert that is not resident: drop it and rescale the kept
+# weights ("shed"), or serve it from the low-precision tier that holds every expert ("tier").
+ROUTE_SHED_ON_MISS = ("shed", "tier")
+# topk_route_shed can also serve a miss by the best resident expert the row did not choose.
+ON_MISS = ("shed", "substitute", "tier")
 # The NumPy dtype of each name above (bfloat16 from ml_dtypes).
 NUMPY_DTYPES = {name: np.dtype(ml_dtypes.bfloat16 if name == "bfloat16" else name)
                 for name in (*INDEX_DTYPES, *SCORE_DTYPES)}
@@ -41,7 +44,9 @@ class RouteShedResult(NamedTuple):
     Attributes:
         slots: arena slot per entry, dtype of ``indices`` (uint32 from an mlx-lm
             router, ready for ``gather_mm(..., rhs_indices=slots)``); a shed
-            entry holds the row's first kept slot (0 if none).
+            entry holds the row's first kept slot (0 if none). With
+            ``on_miss="tier"`` a miss holds ``num_slots + id``: past the arena's
+            S slots, its expert's place in the tier.
         mix: float32 gate weight per entry, 0.0 for shed entries.
         miss_ids: int32 ids of shed, valid experts, front-packed by descending
             score, -1 padded.

@@ -15,7 +15,7 @@ from kq_core.inputs import adversarial_inputs, router_inputs
 from kq_core.oracle import route_shed_oracle
 from kq_core.spec import encode_array
 
-VERSION = "1.1.0"
+VERSION = "1.2.0"
 CONTRACT = [
     "Inputs: indices int32|uint32 [..., K]; scores float32|bfloat16|float16 [..., K] (same shape); "
     "slot_table int32 [E] (slot_table[e] >= 0: arena slot of resident expert e; negative: not resident). "
@@ -36,6 +36,11 @@ CONTRACT = [
     "7. Every NaN written to mix or miss_scores is the quiet NaN 0x7FC00000.",
     "Option num_slots = S (a case's \"options\"): in step 2 a slot_k >= S is -1 too: an entry the arena cannot "
     "hold is not resident (shed, and a miss when the id is valid).",
+    "Option on_miss = \"tier\" (with num_slots = S): a miss is served by a low-precision tier holding every "
+    "expert instead of being shed. Steps 3-5 become: every valid entry keeps its score, mix_k = s_k (no rescale); "
+    "kept: slots_k = slot_k; a miss: slots_k = S + e_k (one index space: the arena's S slots, then the tier's E "
+    "experts); an invalid entry: slots_k = slot of the first kept entry (0 if none), mix_k = +0.0. Steps 6-7 as "
+    "written. S + E must be at most 2^31 - 1.",
 ]
 
 F32 = np.float32
@@ -146,6 +151,51 @@ def cases():
     tab = np.where(rng.random(tab.shape) < 0.3, rng.integers(64, 2**31 - 1, tab.shape), tab).astype(np.int32)
     yield "num_slots_k64", "K=64 with table entries past num_slots = 64, adversarial rows", (
         ids, sc, tab, {"num_slots": 64})
+    yield from tier_cases(rng, table16, bounded, (ids, sc, tab))
+
+
+def tier_cases(rng, table16, bounded, k64_inputs):
+    """Cases of on_miss = "tier": misses keep their scores and take slot num_slots + id."""
+    tier = {"on_miss": "tier"}
+
+    def gen(**kw):
+        return router_inputs(rng, **kw)
+
+    yield "tier_decode", "tier: K=8, E=64, about 70% resident in an arena of 48 slots", (
+        *gen(rows=4, top_k=8, num_experts=64), {"num_slots": 48, **tier})
+    yield "tier_uint32", "tier: uint32 ids, K=8, E=128, 50% resident", (
+        *gen(rows=4, top_k=8, num_experts=128, index_dtype="uint32", resident_fraction=0.5),
+        {"num_slots": 128, **tier})
+    yield "tier_none_resident", "tier: no entry kept: every valid id a tier slot, full weight", (
+        *gen(rows=4, top_k=8, num_experts=64, resident_fraction=0.0), {"num_slots": 16, **tier})
+    yield "tier_special_scores", "tier: zero, subnormal, negative, inf and NaN scores keep their (flushed) value", (
+        *row([[2, 1, 0, 3], [1, 2, 3, 0], [0, 1, 2, 3], [3, 1, 2, 0]],
+             f32_bits([[0x80000000, 0x00000001, 0xBF000000, 0x7F800000],
+                       [0x7FC00000, 0xFFC00001, 0x3F000000, 0xFF800000],
+                       [0x7F7FFFFF, 0x7F7FFFFF, 0x007FFFFF, 0x3E800000],
+                       [0x7F800001, 0x00800000, 0x3F800000, 0x80800000]]), table16), {"num_slots": 8, **tier})
+    yield "tier_ids_out_of_range", "tier: out-of-range ids (int32 and uint32) are shed, not served", (
+        *row([[-1, 0, 16, 2], [-2147483648, 2147483647, 1, 7], [17, -5, 3, 13]],
+             [[0.4, 0.3, 0.2, 0.1], [0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]], table16), {"num_slots": 8, **tier})
+    yield "tier_ids_out_of_range_uint32", "tier: uint32 ids >= 2^31 and >= E are shed", (
+        *row([[2**31, 1, 16, 2], [2**32 - 1, 2**31 - 1, 1, 13]],
+             [[0.4, 0.3, 0.2, 0.1], [0.1, 0.2, 0.3, 0.4]], table16, index_dtype=np.uint32), {"num_slots": 8, **tier})
+    yield "tier_num_slots_bound", "tier: table entries past num_slots = 6 are served by the tier", (
+        *row([[0, 1, 2, 3, 4, 5, 6, 7], [9, 2, 4, 8, 11, 5, 1, 0]],
+             [[0.3, 0.2, 0.1, 0.1, 0.1, 0.1, 0.05, 0.05], [0.25, 0.25, 0.125, 0.125, 0.125, 0.0625, 0.0625, 0.0]],
+             bounded), {"num_slots": 6, **tier})
+    yield "tier_largest_slot", "tier: num_slots + E = 2^31 - 1, the largest tier slot an int32 holds", (
+        *row([[0, 1, 2], [3, 2, 1]], [[0.5, 0.3, 0.2], [0.6, 0.3, 0.1]], [0, -1, 1, -1]),
+        {"num_slots": 2**31 - 5, **tier})
+    yield "tier_scores_bfloat16", "tier: bf16 scores, plus a row of subnormal, NaN, -inf and signed-zero values", (
+        *with_raw_row(gen(rows=5, top_k=8, num_experts=64, score_dtype="bfloat16"),
+                      [0x0001, 0x8001, 0x7FC1, 0x3F00, 0x0080, 0xFF80, 0x0000, 0x8000]), {"num_slots": 64, **tier})
+    ids, sc, tab = k64_inputs
+    yield "tier_k64", "tier: K=64, adversarial rows, table entries past num_slots = 64", (
+        ids, sc, tab, {"num_slots": 64, **tier})
+    ids, sc, tab = gen(rows=2, top_k=8, num_experts=32)
+    yield "tier_zero_rows", "tier: no rows at all", (
+        np.zeros((0, 8), np.int32), np.zeros((0, 8), np.float32), tab, {"num_slots": 32, **tier})
 
 
 def build() -> dict:

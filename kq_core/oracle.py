@@ -23,6 +23,13 @@ binary32, round to nearest even, in exactly this order):
    (the id and ``s_k``) by descending ``s_k``, NaN below every number, ties by
    lower k; the remaining positions hold -1 and +0.0.
 7. Every NaN written to ``mix`` or ``miss_scores`` is 0x7FC00000.
+8. With ``on_miss="tier"`` (``num_slots = S`` required) a miss is served by
+   the low-precision tier, which holds every expert, instead of being shed:
+   every valid entry keeps its score, ``mix_k = s_k`` (steps 3-4 unused:
+   nothing is rescaled), and a miss's ``slots_k = S + e_k``, its place after
+   the arena's S slots in one index space over arena and tier. An invalid
+   entry is as in step 5 (the first kept slot, ``mix_k = +0.0``), and the
+   misses are reported as in step 6, for prestaging.
 
 ``topk_route_shed(probs, slot_table, top_k, normalize=True, on_miss="shed")``
 routes as well, so a MoE layer on an arena needs one launch after its
@@ -47,6 +54,7 @@ softmax. Per row of ``E`` values:
    substituted entry's ``slots_j`` is its candidate's slot, and an entry left
    without a candidate keeps ``shed``'s slot with ``mix_j = +0.0``.
    ``miss_ids`` / ``miss_scores`` still list the misses, for prestaging.
+   With ``on_miss="tier"``, step 3 is ``route_shed``'s step 8.
 """
 
 from __future__ import annotations
@@ -74,7 +82,8 @@ def canonicalize_nan(x: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(x), np.uint32(CANONICAL_NAN_BITS).view(np.float32), x)
 
 
-def route_shed_oracle(indices, scores, slot_table, *, num_slots: int | None = None) -> RouteShedResult:
+def route_shed_oracle(indices, scores, slot_table, *, num_slots: int | None = None,
+                      on_miss: str = "shed") -> RouteShedResult:
     """Remaps routed experts to arena slots, sheds the non-resident ones.
 
     This is the reference definition of the op (see the module docstring for
@@ -89,6 +98,9 @@ def route_shed_oracle(indices, scores, slot_table, *, num_slots: int | None = No
         num_slots: the arena's slot count S; a table entry outside ``[0, S)``
             then counts as not resident (shed, a miss if the id is valid), so no
             gather after the op can read past the arena. None: no bound.
+        on_miss: ``"shed"``, or ``"tier"`` (step 8: a miss keeps its score
+            and gets slot ``num_slots + id``, served by the low-precision tier;
+            needs ``num_slots``).
 
     Returns:
         ``RouteShedResult(slots, mix, miss_ids, miss_scores)``, each shaped
@@ -96,11 +108,12 @@ def route_shed_oracle(indices, scores, slot_table, *, num_slots: int | None = No
         ``miss_scores`` are float32, ``miss_ids`` is int32.
 
     Raises:
-        TypeError / ValueError: a wrong dtype or shape, naming the argument.
+        TypeError / ValueError: a wrong dtype, shape or option, naming the argument.
     """
     indices, scores, slot_table = np.asarray(indices), np.asarray(scores), np.asarray(slot_table)
-    check_route_shed_args(indices, scores, slot_table, num_slots)
-    return _route_shed(indices, scores, bounded_table(slot_table, num_slots))
+    check_route_shed_args(indices, scores, slot_table, num_slots, on_miss)
+    return _route_shed(indices, scores, bounded_table(slot_table, num_slots),
+                       tier_base=num_slots if on_miss == "tier" else None)
 
 
 def bounded_table(slot_table: np.ndarray, num_slots: int | None) -> np.ndarray:
@@ -108,7 +121,9 @@ def bounded_table(slot_table: np.ndarray, num_slots: int | None) -> np.ndarray:
     return slot_table if num_slots is None else np.where(slot_table >= num_slots, -1, slot_table).astype(np.int32)
 
 
-def _route_shed(indices: np.ndarray, scores: np.ndarray, slot_table: np.ndarray) -> RouteShedResult:
+def _route_shed(indices: np.ndarray, scores: np.ndarray, slot_table: np.ndarray,
+                tier_base: int | None = None) -> RouteShedResult:
+    """Steps 1-7; with ``tier_base`` (= S), step 8 instead of the rescaling."""
     out_shape = indices.shape
     top_k = out_shape[-1]
     ids = indices.reshape(-1, top_k).astype(np.int64)  # [rows, k]
@@ -138,6 +153,9 @@ def _route_shed(indices: np.ndarray, scores: np.ndarray, slot_table: np.ndarray)
     slots = np.where(keep, slot, fallback[:, None])
 
     miss = valid & ~keep
+    if tier_base is not None:
+        slots = np.where(miss, tier_base + ids, slots)
+        mix = np.where(valid, s, np.float32(0.0))
     is_nan = np.isnan(s)
     neg_score = np.where(is_nan, np.float32(0.0), -s)
     position = np.broadcast_to(np.arange(top_k), ids.shape)
@@ -217,8 +235,10 @@ def topk_route_shed_oracle(probs, slot_table, top_k: int, *, normalize: bool = T
         top_k: experts per row, ``1 <= top_k <= min(E, 64)``.
         normalize: renormalise the top-k values to sum to 1 (routers with
             ``norm_topk_prob``); otherwise they are the scores as they are.
-        on_miss: ``"shed"`` (``route_shed``), or ``"substitute"``: each miss
-            served by the best resident expert the row did not choose (step 4).
+        on_miss: ``"shed"`` (``route_shed``), ``"substitute"``: each miss
+            served by the best resident expert the row did not choose (step 4),
+            or ``"tier"``: each miss served by the low-precision tier
+            (``route_shed``'s step 8; needs ``num_slots``).
         num_slots: as for :func:`route_shed_oracle` (substitutes too are taken
             only from entries inside the arena).
 
@@ -229,7 +249,7 @@ def topk_route_shed_oracle(probs, slot_table, top_k: int, *, normalize: bool = T
     check_topk_route_shed_args(probs, slot_table, top_k, normalize=normalize, on_miss=on_miss, num_slots=num_slots)
     slot_table = bounded_table(slot_table, num_slots)
     indices, scores = topk_normalized_oracle(probs, top_k, normalize)
-    shed = _route_shed(indices, scores, slot_table)
+    shed = _route_shed(indices, scores, slot_table, tier_base=num_slots if on_miss == "tier" else None)
     if on_miss == "substitute":
         shed = _substitute(probs, indices, scores, slot_table, shed)
     return TopkRouteShedResult(indices, scores, shed)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kq_core.contract import INDEX_DTYPES, MAX_TOP_K, ON_MISS, SCORE_DTYPES, SLOT_TABLE_DTYPES
+from kq_core.contract import INDEX_DTYPES, MAX_TOP_K, ON_MISS, ROUTE_SHED_ON_MISS, SCORE_DTYPES, SLOT_TABLE_DTYPES
 
 
 class RouteShedArgumentError(ValueError):
@@ -74,16 +74,32 @@ def check_num_slots(num_slots) -> None:
                                                   f"got {num_slots!r}")
 
 
-def check_route_shed_args(indices, scores, slot_table, num_slots=None) -> None:
+def check_tier(op: str, on_miss: str, num_slots, num_experts: int) -> None:
+    """``on_miss="tier"`` needs ``num_slots``, and ``num_slots + E`` must fit an int32 (the tier's slots)."""
+    if on_miss != "tier":
+        return
+    if num_slots is None:
+        raise RouteShedArgumentError("num_slots", f"{op}: on_miss='tier' needs num_slots, the arena's slot count "
+                                                  f"(a miss's slot is num_slots + its id)")
+    if num_slots + num_experts > np.iinfo(np.int32).max:
+        raise RouteShedArgumentError("num_slots", f"{op}: with on_miss='tier', num_slots + E must be at most "
+                                                  f"2**31 - 1, got {num_slots} + {num_experts}")
+
+
+def check_route_shed_args(indices, scores, slot_table, num_slots=None, on_miss: str = "shed") -> None:
     """Raises :class:`RouteShedArgumentError` naming the argument on a wrong dtype, shape or option.
 
     Args:
         indices: ``[..., K]`` int32/uint32, ``1 <= K <= 64``.
         scores: same shape as ``indices``; float32, bfloat16 or float16.
         slot_table: ``[E]`` int32, ``E >= 1``.
-        num_slots: None, or the arena's slot count S (an int >= 1).
+        num_slots: None, or the arena's slot count S (an int >= 1); required with ``on_miss="tier"``.
+        on_miss: one of :data:`~kq_core.contract.ROUTE_SHED_ON_MISS`.
     """
     check_num_slots(num_slots)
+    if not isinstance(on_miss, str) or on_miss not in ROUTE_SHED_ON_MISS:
+        raise RouteShedArgumentError("on_miss", f"route_shed: on_miss must be one of {ROUTE_SHED_ON_MISS}, "
+                                                f"got {on_miss!r}")
     _check_dtype("indices", indices, INDEX_DTYPES)
     _check_dtype("scores", scores, SCORE_DTYPES)
     _check_dtype("slot_table", slot_table, SLOT_TABLE_DTYPES)
@@ -101,6 +117,7 @@ def check_route_shed_args(indices, scores, slot_table, num_slots=None) -> None:
     if tshape[0] < 1:
         raise RouteShedArgumentError("slot_table", "route_shed: slot_table must hold at least one expert (E >= 1), "
                                                    "got E = 0")
+    check_tier("route_shed", on_miss, num_slots, tshape[0])
 
 
 def check_topk_route_shed_args(probs, slot_table, top_k: int, *, normalize: bool = True,
@@ -113,12 +130,12 @@ def check_topk_route_shed_args(probs, slot_table, top_k: int, *, normalize: bool
         top_k: ``1 <= top_k <= min(E, 64)``.
         normalize: a bool.
         on_miss: one of :data:`~kq_core.contract.ON_MISS`.
-        num_slots: None, or the arena's slot count S.
+        num_slots: None, or the arena's slot count S; required with ``on_miss="tier"``.
     """
     check_num_slots(num_slots)
     if not isinstance(normalize, (bool, np.bool_)):
         raise RouteShedDtypeError("normalize", f"topk_route_shed: normalize must be a bool, got {normalize!r}")
-    if on_miss not in ON_MISS:
+    if not isinstance(on_miss, str) or on_miss not in ON_MISS:
         raise RouteShedArgumentError("on_miss", f"topk_route_shed: on_miss must be one of {ON_MISS}, got {on_miss!r}")
     _check_dtype("probs", probs, SCORE_DTYPES)
     _check_dtype("slot_table", slot_table, SLOT_TABLE_DTYPES)
@@ -133,6 +150,7 @@ def check_topk_route_shed_args(probs, slot_table, top_k: int, *, normalize: bool
             and 1 <= top_k <= min(pshape[-1], MAX_TOP_K)):
         raise RouteShedArgumentError("top_k", f"topk_route_shed: top_k must be an int in [1, min(E, {MAX_TOP_K})] "
                          f"with E = {pshape[-1]}, got {top_k!r}")
+    check_tier("topk_route_shed", on_miss, num_slots, pshape[-1])
 
 
 def _first(mask: np.ndarray) -> tuple[int, ...] | None:

@@ -42,9 +42,9 @@ def _resolve(op: str, impl: str, config) -> str:
     return impl
 
 
-def route_shed(indices, scores, slot_table, *, num_slots: int | None = None, impl: Impl = "auto",
-               config: KernelConfig | None = None) -> RouteShedResult:
-    """Remaps routed experts to arena slots and sheds the non-resident ones.
+def route_shed(indices, scores, slot_table, *, num_slots: int | None = None, on_miss: str = "shed",
+               impl: Impl = "auto", config: KernelConfig | None = None) -> RouteShedResult:
+    """Remaps routed experts to arena slots and sheds the non-resident ones (or serves them from a tier).
 
     Bit-exact with ``shared/spec.json`` on every backend. Traceable under
     ``jax.jit``, ``jax.vmap`` and ``lax.scan``; ``mix`` is differentiable with
@@ -58,6 +58,9 @@ def route_shed(indices, scores, slot_table, *, num_slots: int | None = None, imp
         num_slots: the arena's slot count S (a Python int): a table entry
             outside ``[0, S)`` then counts as not resident, so the gathers after
             the op never read past the arena. None: no bound (today's tables).
+        on_miss: ``"shed"``, or ``"tier"``: a miss keeps its score and gets slot
+            ``num_slots + id``, its expert's place in a low-precision tier of
+            every expert placed after the arena's slots (needs ``num_slots``).
         impl: ``"pallas"`` (the fused kernel, GPU), ``"pallas_interpret"``
             (the same kernel in Pallas' interpreter: any backend, slow),
             ``"reference"`` (pure jnp), or ``"auto"`` (:func:`default_impl`:
@@ -76,15 +79,15 @@ def route_shed(indices, scores, slot_table, *, num_slots: int | None = None, imp
     """
     # Checked before anything converts: jnp.asarray would silently turn an
     # int64 NumPy array into int32 when x64 is off.
-    check_route_shed_args(indices, scores, slot_table, num_slots)
+    check_route_shed_args(indices, scores, slot_table, num_slots, on_miss)
     num_slots = None if num_slots is None else int(num_slots)
     impl = _resolve("route_shed", impl, config)
     if impl == "reference":
-        return route_shed_ref(indices, scores, slot_table, num_slots)
+        return route_shed_ref(indices, scores, slot_table, num_slots, on_miss)
     from kq_jax.route_shed_pallas import route_shed_pallas
 
     return route_shed_pallas(indices, scores, slot_table, interpret=impl == "pallas_interpret", config=config,
-                             num_slots=num_slots)
+                             num_slots=num_slots, on_miss=on_miss)
 
 
 def topk_route_shed(probs, slot_table, *, top_k: int, normalize: bool = True, on_miss: str = "shed",
@@ -109,12 +112,13 @@ def topk_route_shed(probs, slot_table, *, top_k: int, normalize: bool = True, on
             takes up to 16, past that the top-k runs in XLA before it.
         normalize: renormalise the top-k values to sum to 1, as routers with
             ``norm_topk_prob`` do; ``False`` keeps them as they are.
-        on_miss: ``"shed"`` (``route_shed``), or ``"substitute"``: each miss
+        on_miss: ``"shed"`` (``route_shed``), ``"substitute"``: each miss
             served by the best resident expert the row did not choose, at the
-            miss's weight (kq_core.oracle, step 4).
+            miss's weight (kq_core.oracle, step 4), or ``"tier"``: as for
+            :func:`route_shed` (needs ``num_slots``).
         num_slots: as for :func:`route_shed`.
         impl: as for :func:`route_shed`. The Pallas kernel implements
-            ``normalize=True, on_miss="shed"``; other options run the
+            ``normalize=True`` with ``on_miss`` ``"shed"`` or ``"tier"``; other options run the
             reference (``"auto"``) or are refused (``"pallas"``).
         config: the kernel's ``block_rows`` / ``num_warps`` / ``ptx_arith``, for
             the Pallas impls only.
@@ -126,7 +130,7 @@ def topk_route_shed(probs, slot_table, *, top_k: int, normalize: bool = True, on
     """
     check_topk_route_shed_args(probs, slot_table, top_k, normalize=normalize, on_miss=on_miss, num_slots=num_slots)
     num_slots = None if num_slots is None else int(num_slots)
-    kernel_options = normalize and on_miss == "shed"
+    kernel_options = normalize and on_miss in ("shed", "tier")
     if impl == "auto" and not kernel_options:
         impl = "reference"
     impl = _resolve("topk_route_shed", impl, config)
@@ -134,17 +138,18 @@ def topk_route_shed(probs, slot_table, *, top_k: int, normalize: bool = True, on
         return topk_route_shed_ref(probs, slot_table, top_k=top_k, normalize=bool(normalize), on_miss=on_miss,
                                    num_slots=num_slots)
     if not kernel_options:
-        raise ValueError(f"topk_route_shed: the Pallas kernel implements normalize=True, on_miss='shed'; "
+        raise ValueError(f"topk_route_shed: the Pallas kernel implements normalize=True, on_miss 'shed' or 'tier'; "
                          f"got normalize={normalize}, on_miss={on_miss!r} (use impl='reference' or 'auto')")
     from kq_jax.topk_route_shed_pallas import topk_route_shed_pallas
 
     return topk_route_shed_pallas(probs, slot_table, top_k=int(top_k), interpret=impl == "pallas_interpret",
-                                  config=config, num_slots=num_slots)
+                                  config=config, num_slots=num_slots, on_miss=on_miss)
 
 
-def route_shed_reference(indices, scores, slot_table, *, num_slots: int | None = None) -> RouteShedResult:
+def route_shed_reference(indices, scores, slot_table, *, num_slots: int | None = None,
+                         on_miss: str = "shed") -> RouteShedResult:
     """:func:`route_shed` with ``impl="reference"``: the pure-jnp version, on any backend."""
-    return route_shed(indices, scores, slot_table, num_slots=num_slots, impl="reference")
+    return route_shed(indices, scores, slot_table, num_slots=num_slots, on_miss=on_miss, impl="reference")
 
 
 def topk_route_shed_reference(probs, slot_table, *, top_k: int, normalize: bool = True, on_miss: str = "shed",

@@ -71,14 +71,16 @@ def bounded_table(slot_table, num_slots: int | None):
     return slot_table if num_slots is None else jnp.where(slot_table >= num_slots, -1, slot_table)
 
 
-def route_shed_ref(indices, scores, slot_table, num_slots: int | None = None) -> RouteShedResult:
-    """Remaps routed experts to arena slots and sheds the non-resident ones.
+def route_shed_ref(indices, scores, slot_table, num_slots: int | None = None,
+                   on_miss: str = "shed") -> RouteShedResult:
+    """Remaps routed experts to arena slots and sheds the non-resident ones (or serves them from the tier).
 
     Args:
         indices: int32 or uint32 ``[..., K]`` router top-k ids, ``1 <= K <= 64``.
         scores: float32, bfloat16 or float16 ``[..., K]`` gate scores.
         slot_table: int32 ``[E]``; ``>= 0`` is the slot of a resident expert.
         num_slots: entries ``>= num_slots`` count as not resident (None: no bound).
+        on_miss: ``"shed"``, or ``"tier"``: a miss keeps its score, at slot ``num_slots + id``.
 
     Returns:
         ``RouteShedResult(slots, mix, miss_ids, miss_scores)`` shaped like ``indices``.
@@ -107,6 +109,9 @@ def route_shed_ref(indices, scores, slot_table, num_slots: int | None = None) ->
     slots = jnp.where(keep, slot, fallback[:, None])
 
     miss = valid & ~keep
+    if on_miss == "tier":
+        slots = jnp.where(miss, num_slots + ids.astype(jnp.int32), slots)
+        mix = jnp.where(valid, s, 0.0)
     position = lax.broadcasted_iota(jnp.int32, ids.shape, 1)
     key = jnp.where(miss, score_order_key(s), NOT_A_MISS_KEY)
     _, _, packed_ids, packed_scores = lax.sort(
@@ -204,7 +209,7 @@ def topk_route_shed_ref(probs, slot_table, *, top_k: int, normalize: bool = True
     """
     slot_table = bounded_table(slot_table, num_slots)
     indices, scores = topk_normalized_ref(probs, top_k=top_k, normalize=normalize)
-    shed = route_shed_ref(indices, scores, slot_table)
+    shed = route_shed_ref(indices, scores, slot_table, num_slots, on_miss="tier" if on_miss == "tier" else "shed")
     if on_miss == "substitute":
         shed = substitute_ref(probs, indices, scores, slot_table, shed)
     return TopkRouteShedResult(indices, scores, shed)

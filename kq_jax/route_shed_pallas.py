@@ -117,6 +117,19 @@ def _scale(total, kept, divide):
     return jnp.where(has_mass, divide(total, jnp.where(has_mass, kept, 1.0)), 0.0)
 
 
+def served(id_k, s_k, slot_k, miss_k, fallback, scale, multiply, tier_base: int | None):
+    """Entries' ``(slot, mix)``: kept at their slot with ``s * scale``, shed at ``fallback`` with +0.0.
+
+    With ``tier_base`` (``on_miss="tier"``: the arena's slot count S) nothing is rescaled: a miss takes
+    slot ``S + id`` and every served entry (kept or missed) its score.
+    """
+    keep_k = slot_k >= 0
+    if tier_base is None:
+        return jnp.where(keep_k, slot_k, fallback), canonicalize_nan(jnp.where(keep_k, multiply(s_k, scale), 0.0))
+    slot = jnp.where(keep_k, slot_k, jnp.where(miss_k, tier_base + id_k.astype(jnp.int32), fallback))
+    return slot, canonicalize_nan(jnp.where(keep_k | miss_k, s_k, 0.0))
+
+
 def _store_misses(miss_ids_ref, miss_scores_ref, ids, scores, miss, rank_at, padding, padding_at):
     """Each miss at its rank's position; padding (-1, +0.0) where ``padding`` holds: each position once."""
     plgpu.store(miss_ids_ref.at[rank_at], ids.astype(jnp.int32), mask=miss)
@@ -127,7 +140,7 @@ def _store_misses(miss_ids_ref, miss_scores_ref, ids, scores, miss, rank_at, pad
 
 def route_shed_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_ids_ref, miss_scores_ref,
                        *, rows: int, top_k: int, num_experts: int, block_rows: int, unsigned_ids: bool,
-                       tiled_io: bool, ptx_arith: bool, num_slots: int | None):
+                       tiled_io: bool, ptx_arith: bool, num_slots: int | None, on_miss: str):
     # Every value in the arithmetic is a [block_rows] vector holding one entry
     # k of each row: the K entries of a row sit in one thread's registers, as
     # in the Metal kernel's one-thread-per-row loop, so the sequential sums are
@@ -155,14 +168,21 @@ def route_shed_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_i
                         num_slots=num_slots)
 
     shed_rows(load_entry, (slots_ref, mix_ref, miss_ids_ref, miss_scores_ref), live, base,
-               top_k=top_k, ptx_arith=ptx_arith, tile=tile)
+               top_k=top_k, ptx_arith=ptx_arith, tile=tile, tier_base=tier_base(num_slots, on_miss))
 
 
-def shed_rows(load_entry, out_refs, live, base, *, top_k: int, ptx_arith: bool, tile=None):
-    """The row kernel's arithmetic and stores, from entry k's ``_classify`` tuple ``load_entry(k)``.
+def tier_base(num_slots: int | None, on_miss: str) -> int | None:
+    """The first tier slot (S) with ``on_miss="tier"``, None when misses are shed."""
+    return num_slots if on_miss == "tier" else None
+
+
+def shed_rows(load_entry, out_refs, live, base, *, top_k: int, ptx_arith: bool, tile=None,
+              tier_base: int | None = None):
+    """The row kernel's arithmetic and stores, from entry k's ``classify`` tuple ``load_entry(k)``.
 
     ``live`` and ``base`` are the program's ``[block_rows]`` row vectors;
-    ``tile`` is ``(col, tile_at, in_tile)`` for tiled stores, None for strided.
+    ``tile`` is ``(col, tile_at, in_tile)`` for tiled stores, None for strided;
+    ``tier_base`` as for :func:`served`.
     """
     slots_ref, mix_ref, miss_ids_ref, miss_scores_ref = out_refs
     block_rows = live.shape[0]
@@ -180,11 +200,10 @@ def shed_rows(load_entry, out_refs, live, base, *, top_k: int, ptx_arith: bool, 
     keys = [key_k for *_, key_k in entries]
     miss_count = sum(miss_k.astype(jnp.int32) for *_, miss_k, _ in entries)
 
-    def entry_outputs(k, s_k, slot_k, key_k):
+    def entry_outputs(k, id_k, s_k, slot_k, miss_k, key_k):
         """Entry k's slot and mix, and its rank among the row's misses."""
-        keep_k = slot_k >= 0
-        slot_out = jnp.where(keep_k, slot_k, fallback).astype(slots_ref.dtype)
-        mix_out = canonicalize_nan(jnp.where(keep_k, multiply(s_k, scale), 0.0))
+        slot_out, mix_out = served(id_k, s_k, slot_k, miss_k, fallback, scale, multiply, tier_base)
+        slot_out = slot_out.astype(slots_ref.dtype)
         rank = jnp.zeros((block_rows,), jnp.int32)
         for j, key_j in enumerate(keys):
             rank = rank + ((key_j < key_k) | ((key_j == key_k) & (j < k))).astype(jnp.int32)
@@ -199,7 +218,7 @@ def shed_rows(load_entry, out_refs, live, base, *, top_k: int, ptx_arith: bool, 
         miss_ids_tile = jnp.full(col.shape, -1, jnp.int32)
         miss_scores_tile = jnp.zeros(col.shape, jnp.float32)
         for k, (id_k, s_k, slot_k, miss_k, key_k) in enumerate(entries):
-            slot_out, mix_out, rank = entry_outputs(k, s_k, slot_k, key_k)
+            slot_out, mix_out, rank = entry_outputs(k, id_k, s_k, slot_k, miss_k, key_k)
             slots_tile = jnp.where(col == k, slot_out[:, None], slots_tile)
             mix_tile = jnp.where(col == k, mix_out[:, None], mix_tile)
             lands = (col == rank[:, None]) & miss_k[:, None]
@@ -212,7 +231,7 @@ def shed_rows(load_entry, out_refs, live, base, *, top_k: int, ptx_arith: bool, 
 
     def store_entry(k, id_k, s_k, slot_k, miss_k, key_k):
         at = base + k
-        slot_out, mix_out, rank = entry_outputs(k, s_k, slot_k, key_k)
+        slot_out, mix_out, rank = entry_outputs(k, id_k, s_k, slot_k, miss_k, key_k)
         plgpu.store(slots_ref.at[at], slot_out, mask=live)
         plgpu.store(mix_ref.at[at], mix_out, mask=live)
         # Padding fills the positions past the row's last miss.
@@ -233,7 +252,7 @@ def shed_rows(load_entry, out_refs, live, base, *, top_k: int, ptx_arith: bool, 
 
 def route_shed_lanes_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, miss_ids_ref, miss_scores_ref,
                              *, rows: int, top_k: int, num_experts: int, block_rows: int, unsigned_ids: bool,
-                             ptx_arith: bool, num_slots: int | None):
+                             ptx_arith: bool, num_slots: int | None, on_miss: str):
     # One lane per entry: a [block_rows, KP] tile holds a program's rows, and
     # each lane counts its own entry's rank in one loop over the row's entries
     # (K compares per lane instead of K^2 in sequence per thread). The same loop
@@ -263,11 +282,11 @@ def route_shed_lanes_kernel(ids_ref, scores_ref, table_ref, slots_ref, mix_ref, 
     start = (vector_zeros, vector_zeros, jnp.zeros((block_rows,), jnp.int32), jnp.zeros((block_rows,), jnp.bool_),
              jnp.zeros((block_rows,), jnp.int32), jnp.zeros(lane.shape, jnp.int32))
     total, kept, fallback, _, miss_count, rank = lax.fori_loop(0, top_k, step, start)
-    scale = _scale(total, kept, divide)
-    keep = slots >= 0
-    plgpu.store(slots_ref.at[at], jnp.where(keep, slots, fallback[:, None]).astype(slots_ref.dtype), mask=in_tile)
-    mix = multiply(scores, jnp.broadcast_to(scale[:, None], scores.shape))
-    plgpu.store(mix_ref.at[at], canonicalize_nan(jnp.where(keep, mix, 0.0)), mask=in_tile)
+    scale = jnp.broadcast_to(_scale(total, kept, divide)[:, None], scores.shape)
+    slot_out, mix = served(ids, scores, slots, miss, fallback[:, None], scale, multiply,
+                           tier_base(num_slots, on_miss))
+    plgpu.store(slots_ref.at[at], slot_out.astype(slots_ref.dtype), mask=in_tile)
+    plgpu.store(mix_ref.at[at], mix, mask=in_tile)
     # Padding fills the positions past the row's last miss.
     _store_misses(miss_ids_ref, miss_scores_ref, ids, scores, miss, base[:, None] + rank,
                   in_tile & (lane >= miss_count[:, None]), at)
@@ -302,21 +321,21 @@ def on_row_bucket(op, row_args, config: KernelConfig | None):
 
 
 def _pallas_forward(indices, scores, slot_table, *, interpret: bool, config: KernelConfig | None,
-                    num_slots: int | None) -> RouteShedResult:
+                    num_slots: int | None, on_miss: str) -> RouteShedResult:
     top_k = indices.shape[-1]
     rows = indices.size // top_k
     padded_rows = rows_launched(rows, config)
     outputs = _route_shed_launch(pad_rows(indices.reshape(rows, top_k), padded_rows),
                                  pad_rows(scores.reshape(rows, top_k), padded_rows), slot_table,
-                                 interpret=interpret, config=config, num_slots=num_slots)
+                                 interpret=interpret, config=config, num_slots=num_slots, on_miss=on_miss)
     return RouteShedResult(*(o[:rows].reshape(indices.shape) for o in outputs))
 
 
 # Jitted on the launch's [rows, K], so that every row count of one bucket, and
 # a program calling the op once per MoE layer, trace and lower the kernel once.
-@functools.partial(jax.jit, static_argnames=("interpret", "config", "num_slots"))
+@functools.partial(jax.jit, static_argnames=("interpret", "config", "num_slots", "on_miss"))
 def _route_shed_launch(indices, scores, slot_table, *, interpret: bool, config: KernelConfig | None,
-                       num_slots: int | None) -> RouteShedResult:
+                       num_slots: int | None, on_miss: str) -> RouteShedResult:
     rows, top_k = indices.shape
     num_experts = slot_table.shape[0]
     shapes = (
@@ -330,7 +349,8 @@ def _route_shed_launch(indices, scores, slot_table, *, interpret: bool, config: 
     block_rows, num_warps, tiled_io, ptx_arith, entry_lanes, _ = block_config(rows, top_k, config,
                                                                              interpret=interpret)
     params = dict(rows=rows, top_k=top_k, num_experts=num_experts, block_rows=block_rows,
-                  unsigned_ids=indices.dtype == jnp.uint32, ptx_arith=ptx_arith, num_slots=num_slots)
+                  unsigned_ids=indices.dtype == jnp.uint32, ptx_arith=ptx_arith, num_slots=num_slots,
+                  on_miss=on_miss)
     if entry_lanes:
         kernel = functools.partial(route_shed_lanes_kernel, **params)
     else:
@@ -359,26 +379,27 @@ def launch(kernel, out_shapes, args, *, name: str, programs: int, num_warps: int
 
 
 @functools.partial(rowwise, num_row_args=2)
-def _route_shed_rows(indices, scores, slot_table, interpret, config, num_slots):
-    return _pallas_forward(indices, scores, slot_table, interpret=interpret, config=config, num_slots=num_slots)
+def _route_shed_rows(indices, scores, slot_table, interpret, config, num_slots, on_miss):
+    return _pallas_forward(indices, scores, slot_table, interpret=interpret, config=config, num_slots=num_slots,
+                           on_miss=on_miss)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _route_shed_diff(indices, scores, slot_table, interpret, config, num_slots):
-    return _route_shed_rows(indices, scores, slot_table, interpret, config, num_slots)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _route_shed_diff(indices, scores, slot_table, interpret, config, num_slots, on_miss):
+    return _route_shed_rows(indices, scores, slot_table, interpret, config, num_slots, on_miss)
 
 
-def _route_shed_fwd(indices, scores, slot_table, interpret, config, num_slots):
-    outputs = _route_shed_rows(indices, scores, slot_table, interpret, config, num_slots)
+def _route_shed_fwd(indices, scores, slot_table, interpret, config, num_slots, on_miss):
+    outputs = _route_shed_rows(indices, scores, slot_table, interpret, config, num_slots, on_miss)
     return outputs, (indices, scores, slot_table)
 
 
-def _route_shed_bwd(interpret, config, num_slots, residuals, cotangents):
+def _route_shed_bwd(interpret, config, num_slots, on_miss, residuals, cotangents):
     # The backward pass is autodiff of the pure-jnp reference, so the kernel's
     # gradient is the reference's gradient bit for bit; it launches no kernel.
     del interpret, config
     indices, scores, slot_table = residuals
-    _, pullback = jax.vjp(lambda s: route_shed_ref(indices, s, slot_table, num_slots).mix, scores)
+    _, pullback = jax.vjp(lambda s: route_shed_ref(indices, s, slot_table, num_slots, on_miss).mix, scores)
     (d_scores,) = pullback(cotangents.mix)
     return None, d_scores, None
 
@@ -387,7 +408,7 @@ _route_shed_diff.defvjp(_route_shed_fwd, _route_shed_bwd)
 
 
 def route_shed_pallas(indices, scores, slot_table, *, interpret: bool = False, config: KernelConfig | None = None,
-                      num_slots: int | None = None) -> RouteShedResult:
+                      num_slots: int | None = None, on_miss: str = "shed") -> RouteShedResult:
     """``route_shed`` in one fused Pallas kernel launch.
 
     Args:
@@ -396,10 +417,11 @@ def route_shed_pallas(indices, scores, slot_table, *, interpret: bool = False, c
         slot_table: int32 ``[E]``; negative = not resident.
         interpret: run the kernel in Pallas' interpreter (any backend, slow).
         config: launch parameters overriding :func:`block_config`'s choice.
+        num_slots, on_miss: as for ``kq_jax.route_shed``.
 
     Returns:
         ``RouteShedResult(slots, mix, miss_ids, miss_scores)`` shaped like ``indices``;
         ``mix`` is differentiable with respect to ``scores``.
     """
-    return on_row_bucket(lambda i, s: _route_shed_diff(i, s, slot_table, interpret, config, num_slots),
+    return on_row_bucket(lambda i, s: _route_shed_diff(i, s, slot_table, interpret, config, num_slots, on_miss),
                           (indices, scores), config)

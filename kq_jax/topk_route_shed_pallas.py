@@ -23,7 +23,7 @@ from kq_jax.pallas_config import MAX_UNROLLED_K, KernelConfig, next_power_of_two
 from kq_jax.partition import rowwise
 from kq_jax.reference import score_from_order_key, score_order_key, topk_normalized_ref, topk_route_shed_ref
 from kq_jax.route_shed_pallas import (classify, launch, on_row_bucket, pad_rows, program_rows,
-                                      roundings, route_shed_pallas, rows_launched, shed_rows)
+                                      roundings, route_shed_pallas, rows_launched, shed_rows, tier_base)
 
 # A lane that holds no value or was already picked.
 _RETIRED_KEY = 2**31 - 1
@@ -31,7 +31,7 @@ _RETIRED_KEY = 2**31 - 1
 
 def topk_route_shed_kernel(probs_ref, table_ref, indices_ref, scores_ref, slots_ref, mix_ref, miss_ids_ref,
                             miss_scores_ref, *, rows: int, num_experts: int, top_k: int, block_rows: int,
-                            ptx_arith: bool, num_slots: int | None):
+                            ptx_arith: bool, num_slots: int | None, on_miss: str):
     # A [block_rows, EP] tile holds the program's rows of probabilities as
     # order keys; each of the top_k steps takes the row's smallest key (the
     # best value), lowest lane first, and retires it. The picks then feed the
@@ -61,23 +61,23 @@ def topk_route_shed_kernel(probs_ref, table_ref, indices_ref, scores_ref, slots_
         entries.append(classify(table_ref, pick, score, live, num_experts=num_experts, unsigned_ids=False,
                                 num_slots=num_slots))
     shed_rows(entries.__getitem__, (slots_ref, mix_ref, miss_ids_ref, miss_scores_ref), live, base,
-               top_k=top_k, ptx_arith=ptx_arith)
+               top_k=top_k, ptx_arith=ptx_arith, tier_base=tier_base(num_slots, on_miss))
 
 
 # The launch.
 
 def _topk_forward(probs, slot_table, *, top_k: int, interpret: bool, config: KernelConfig | None,
-                  num_slots: int | None) -> TopkRouteShedResult:
+                  num_slots: int | None, on_miss: str) -> TopkRouteShedResult:
     num_experts = probs.shape[-1]
     rows = probs.size // num_experts
     outputs = _topk_launch(pad_rows(probs.reshape(rows, num_experts), rows_launched(rows, config)), slot_table,
-                           top_k=top_k, interpret=interpret, config=config, num_slots=num_slots)
+                           top_k=top_k, interpret=interpret, config=config, num_slots=num_slots, on_miss=on_miss)
     return jax.tree.map(lambda o: o[:rows].reshape(probs.shape[:-1] + (top_k,)), outputs)
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "interpret", "config", "num_slots"))
+@functools.partial(jax.jit, static_argnames=("top_k", "interpret", "config", "num_slots", "on_miss"))
 def _topk_launch(probs, slot_table, *, top_k: int, interpret: bool, config: KernelConfig | None,
-                 num_slots: int | None) -> TopkRouteShedResult:
+                 num_slots: int | None, on_miss: str) -> TopkRouteShedResult:
     rows, num_experts = probs.shape
     out_shape = (rows, top_k)
     dtypes = (jnp.int32, jnp.float32, jnp.int32, jnp.float32, jnp.int32, jnp.float32)
@@ -86,7 +86,7 @@ def _topk_launch(probs, slot_table, *, top_k: int, interpret: bool, config: Kern
     else:
         block_rows, num_warps, _, ptx_arith, _, _ = topk_block_config(rows, num_experts, config, interpret=interpret)
         kernel = functools.partial(topk_route_shed_kernel, rows=rows, num_experts=num_experts, top_k=top_k,
-                                   block_rows=block_rows, ptx_arith=ptx_arith, num_slots=num_slots)
+                                   block_rows=block_rows, ptx_arith=ptx_arith, num_slots=num_slots, on_miss=on_miss)
         outputs = launch(kernel, [jax.ShapeDtypeStruct((rows * top_k,), d) for d in dtypes],
                           (probs.reshape(-1), slot_table), name=f"topk_route_shed_k{top_k}",
                           programs=pl.cdiv(rows, block_rows), num_warps=num_warps, interpret=interpret)
@@ -96,27 +96,28 @@ def _topk_launch(probs, slot_table, *, top_k: int, interpret: bool, config: Kern
 
 
 @functools.partial(rowwise, num_row_args=1)
-def _topk_rows(probs, slot_table, top_k, interpret, config, num_slots):
-    return _topk_forward(probs, slot_table, top_k=top_k, interpret=interpret, config=config, num_slots=num_slots)
+def _topk_rows(probs, slot_table, top_k, interpret, config, num_slots, on_miss):
+    return _topk_forward(probs, slot_table, top_k=top_k, interpret=interpret, config=config, num_slots=num_slots,
+                         on_miss=on_miss)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def _topk_route_shed_diff(probs, slot_table, top_k, interpret, config, num_slots):
-    return _topk_rows(probs, slot_table, top_k, interpret, config, num_slots)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _topk_route_shed_diff(probs, slot_table, top_k, interpret, config, num_slots, on_miss):
+    return _topk_rows(probs, slot_table, top_k, interpret, config, num_slots, on_miss)
 
 
-def _topk_route_shed_fwd(probs, slot_table, top_k, interpret, config, num_slots):
-    outputs = _topk_rows(probs, slot_table, top_k, interpret, config, num_slots)
+def _topk_route_shed_fwd(probs, slot_table, top_k, interpret, config, num_slots, on_miss):
+    outputs = _topk_rows(probs, slot_table, top_k, interpret, config, num_slots, on_miss)
     return outputs, (probs, slot_table)
 
 
-def _topk_route_shed_bwd(top_k, interpret, config, num_slots, residuals, cotangents):
+def _topk_route_shed_bwd(top_k, interpret, config, num_slots, on_miss, residuals, cotangents):
     # As for route_shed: the reference's autodiff, bit for bit, and no kernel.
     del interpret, config
     probs, slot_table = residuals
 
     def differentiable(p):
-        routed = topk_route_shed_ref(p, slot_table, top_k=top_k, num_slots=num_slots)
+        routed = topk_route_shed_ref(p, slot_table, top_k=top_k, num_slots=num_slots, on_miss=on_miss)
         return routed.scores, routed.shed.mix
 
     _, pullback = jax.vjp(differentiable, probs)
@@ -128,7 +129,8 @@ _topk_route_shed_diff.defvjp(_topk_route_shed_fwd, _topk_route_shed_bwd)
 
 
 def topk_route_shed_pallas(probs, slot_table, *, top_k: int, interpret: bool = False,
-                           config: KernelConfig | None = None, num_slots: int | None = None) -> TopkRouteShedResult:
+                           config: KernelConfig | None = None, num_slots: int | None = None,
+                           on_miss: str = "shed") -> TopkRouteShedResult:
     """``topk_route_shed`` in one fused Pallas kernel launch (``top_k <= 16``).
 
     Past 16 the per-row selection would unroll too far; the top-k and its
@@ -142,6 +144,7 @@ def topk_route_shed_pallas(probs, slot_table, *, top_k: int, interpret: bool = F
         interpret: run the kernel in Pallas' interpreter (any backend, slow).
         config: ``block_rows`` / ``num_warps`` / ``ptx_arith`` overriding
             :func:`topk_block_config`'s choice.
+        num_slots, on_miss: as for ``kq_jax.topk_route_shed`` (``"shed"`` or ``"tier"``).
 
     Returns:
         ``TopkRouteShedResult(indices, scores, shed)``, each array ``[..., top_k]``;
@@ -149,7 +152,9 @@ def topk_route_shed_pallas(probs, slot_table, *, top_k: int, interpret: bool = F
     """
     if top_k > MAX_UNROLLED_K:
         indices, scores = topk_normalized_ref(probs, top_k=top_k)
-        shed = route_shed_pallas(indices, scores, slot_table, interpret=interpret, config=config, num_slots=num_slots)
+        shed = route_shed_pallas(indices, scores, slot_table, interpret=interpret, config=config, num_slots=num_slots,
+                                 on_miss=on_miss)
         return TopkRouteShedResult(indices, scores, shed)
-    return on_row_bucket(lambda p: _topk_route_shed_diff(p, slot_table, int(top_k), interpret, config, num_slots),
-                          (probs,), config)
+    return on_row_bucket(
+        lambda p: _topk_route_shed_diff(p, slot_table, int(top_k), interpret, config, num_slots, on_miss),
+        (probs,), config)

@@ -39,14 +39,15 @@ def compiler() -> str:
     return found
 
 
-def translation_unit(index_dtype: str, score_dtype: str, top_k: int, bound: int = sources.NO_SLOT_BOUND) -> str:
+def translation_unit(index_dtype: str, score_dtype: str, top_k: int, bound: int = sources.NO_SLOT_BOUND,
+                     tier: bool = False) -> str:
     source = sources.load("route_shed.metal")
-    name = sources.kernel_name(index_dtype, score_dtype, top_k)
+    name = sources.kernel_name(index_dtype, score_dtype, top_k, tier)
     id_t = sources.METAL_TYPES[index_dtype]
     score_t = sources.METAL_TYPES[score_dtype]
     return f"""#include "metal_shim.h"
 {source.header}
-{sources.metal_signature(index_dtype, score_dtype, top_k)} {{
+{sources.metal_signature(index_dtype, score_dtype, top_k, tier)} {{
 {source.body}
 }}
 
@@ -54,7 +55,7 @@ extern "C" void kq_run(const {id_t}* indices, const int* indices_shape, const {s
                        const int32_t* slot_table, const int* slot_table_shape, {id_t}* slots, float* mix,
                        int32_t* miss_ids, float* miss_scores) {{
   for (int row = 0; row < indices_shape[0] + {EXTRA_THREADS}; row++) {{
-    custom_kernel_{name}<{id_t}, {score_t}, {top_k}, {bound}>(indices, indices_shape, scores, slot_table,
+    custom_kernel_{name}<{id_t}, {score_t}, {top_k}, {bound}, {int(tier)}>(indices, indices_shape, scores, slot_table,
         slot_table_shape, slots, mix, miss_ids, miss_scores, uint3{{uint(row), 0u, 0u}});
   }}
 }}
@@ -70,12 +71,13 @@ def _cache_dir() -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def build(index_dtype: str, score_dtype: str, top_k: int, bound: int = sources.NO_SLOT_BOUND) -> ctypes.CDLL:
+def build(index_dtype: str, score_dtype: str, top_k: int, bound: int = sources.NO_SLOT_BOUND,
+          tier: bool = False) -> ctypes.CDLL:
     """Compiles (once per variant and source) and loads the harness library."""
-    unit = translation_unit(index_dtype, score_dtype, top_k, bound)
+    unit = translation_unit(index_dtype, score_dtype, top_k, bound, tier)
     shim = (resources.files("kq_mlx") / "harness" / "metal_shim.h").read_text()
     digest = hashlib.sha256((unit + shim + " ".join(COMPILE_FLAGS)).encode()).hexdigest()[:16]
-    library = _cache_dir() / f"route_shed_metal_{index_dtype}_{score_dtype}_k{top_k}_s{bound}_{digest}.so"
+    library = _cache_dir() / f"route_shed_metal_{index_dtype}_{score_dtype}_k{top_k}_s{bound}_t{int(tier)}_{digest}.so"
     if not library.exists():
         with tempfile.TemporaryDirectory() as work:
             src = Path(work) / "route_shed_metal.cpp"
@@ -90,7 +92,7 @@ def build(index_dtype: str, score_dtype: str, top_k: int, bound: int = sources.N
     return ctypes.CDLL(str(library))
 
 
-def prepare(indices, scores, slot_table, num_slots: int | None = None):
+def prepare(indices, scores, slot_table, num_slots: int | None = None, on_miss: str = "shed"):
     """Builds the variant and the buffers; returns ``(launch, collect)``.
 
     ``launch()`` runs the kernel over every row (and past the last one);
@@ -98,9 +100,9 @@ def prepare(indices, scores, slot_table, num_slots: int | None = None):
     ``kq bench`` can time the native loop alone.
     """
     out_shape = np.shape(indices)
-    indices, scores, slot_table, index_dtype, score_dtype, top_k, rows, bound = sources.host_inputs(
-        indices, scores, slot_table, num_slots)
-    run = build(index_dtype, score_dtype, top_k, bound).kq_run
+    host = sources.host_inputs(indices, scores, slot_table, num_slots, on_miss)
+    indices, scores, slot_table, index_dtype, score_dtype, top_k, rows = host[:7]
+    run = build(index_dtype, score_dtype, top_k, host.slot_bound, host.tier).kq_run
 
     # Outputs get a guard band on both sides: a thread past the last row that
     # wrote anything would change it.
@@ -131,16 +133,18 @@ def prepare(indices, scores, slot_table, num_slots: int | None = None):
     return launch, collect
 
 
-def route_shed_metal_cpu(indices, scores, slot_table, *, num_slots: int | None = None) -> RouteShedResult:
+def route_shed_metal_cpu(indices, scores, slot_table, *, num_slots: int | None = None,
+                         on_miss: str = "shed") -> RouteShedResult:
     """Runs the Metal kernel source on the CPU, one call per row (NumPy in, NumPy out).
 
     Args:
         indices: int32/uint32 ``[..., K]``; scores: float32/bfloat16/float16
-            ``[..., K]``; slot_table: int32 ``[E]``; num_slots: the arena's slot count, or None.
+            ``[..., K]``; slot_table: int32 ``[E]``; num_slots: the arena's slot count, or None;
+            on_miss: ``"shed"`` or ``"tier"``.
 
     Returns:
         ``RouteShedResult`` as the kernel wrote it.
     """
-    launch, collect = prepare(indices, scores, slot_table, num_slots)
+    launch, collect = prepare(indices, scores, slot_table, num_slots, on_miss)
     launch()
     return collect()

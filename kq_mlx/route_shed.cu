@@ -16,6 +16,7 @@
 //       float* miss_scores) {
 //     constexpr int K = 8;
 //     constexpr int S = ...;  // the arena's slot count, 2^31 - 1 for none
+//     constexpr int TIER = 0;  // 1: on_miss="tier"
 //     <body>
 //   }
 //

@@ -5,7 +5,7 @@
 // CPU. For indices uint32 [rows, K], scores bfloat16, MLX generates around
 // the body:
 //
-//   template <typename IdT, typename ScoreT, int K, int S>
+//   template <typename IdT, typename ScoreT, int K, int S, int TIER>
 //   [[kernel]] void custom_kernel_kq_route_shed_uint32_bfloat16_k8(
 //     const device uint32_t* indices [[buffer(0)]],
 //     const constant int* indices_shape [[buffer(1)]],

@@ -60,7 +60,7 @@ def _over_k(reduce, x, *, axis: int = -1, keepdims: bool = False):
     return out.astype(mx.int32) if reduce is mx.sum and x.dtype == mx.bool_ else out
 
 
-def _route_shed_ops_impl(indices, scores, slot_table):
+def _route_shed_ops_impl(indices, scores, slot_table, tier_base: int | None = None):
     # Every op works along the last axis, on rows of any rank, and is one MLX can compile shapeless
     # (no reshape, slice, bit view or constant of the row count), so mx.compile(..., shapeless=True)
     # around the op serves every row count.
@@ -102,6 +102,9 @@ def _route_shed_ops_impl(indices, scores, slot_table):
     # (misses first, by descending score, NaN after every number, ties by position), compared in pairs
     # on the floats: no bit view, and no reliance on a stable sort.
     miss = valid & ~keep
+    if tier_base is not None:  # on_miss="tier": a miss at slot S + id, every served entry at its score
+        slots = mx.where(miss, tier_base + safe, slots)
+        mix = mx.where(valid, s, 0.0)
     group = mx.where(miss, mx.where(mx.isnan(s), 1, 0), 2)  # 0: a miss with a number, 1: a NaN miss, 2: no miss
     g_i, g_j = mx.expand_dims(group, -1), mx.expand_dims(group, -2)
     s_i, s_j = mx.expand_dims(s, -1), mx.expand_dims(s, -2)
@@ -119,56 +122,61 @@ def _route_shed_ops_impl(indices, scores, slot_table):
 
 
 @functools.lru_cache(maxsize=None)
-def _route_shed_ops_compiled(top_k: int, num_experts: int):
-    """The op compiled shapeless, once per (K, E): one compile serves every row count.
+def _route_shed_ops_compiled(top_k: int, num_experts: int, tier_base: int | None):
+    """The op compiled shapeless, once per (K, E, tier base): one compile serves every row count.
 
     A shapeless compile is traced again only when a dtype or a rank changes, so the trace, which holds
-    K and E, gets a compiled function (and a function object, the key of MLX's compile cache) of its
-    own per (K, E).
+    K, E and the tier base, gets a compiled function (and a function object, the key of MLX's compile
+    cache) of its own per variant.
     """
     def route_shed_rows(indices, scores, slot_table):
-        return _route_shed_ops_impl(indices, scores, slot_table)
+        return _route_shed_ops_impl(indices, scores, slot_table, tier_base)
 
     return mx.compile(route_shed_rows, shapeless=True)
 
 
-def route_shed_ops(indices, scores, slot_table, *, num_slots: int | None = None,
+def route_shed_ops(indices, scores, slot_table, *, num_slots: int | None = None, on_miss: str = "shed",
                    compiled: bool = True) -> RouteShedResult:
     """The pure ``mlx.core`` implementation (any device; the CPU path).
 
     Args:
-        indices, scores, slot_table: as :func:`route_shed`.
+        indices, scores, slot_table, num_slots, on_miss: as :func:`route_shed`.
         compiled: run through ``mx.compile`` (the default; measured faster on
             the CPU, see docs/benchmarks.md) or op by op.
     """
-    check_route_shed_args(indices, scores, slot_table, num_slots)
-    return _ops(*_as_mx(indices, scores, slot_table), num_slots=num_slots, compiled=compiled)
+    check_route_shed_args(indices, scores, slot_table, num_slots, on_miss)
+    return _ops(*_as_mx(indices, scores, slot_table), num_slots=num_slots, on_miss=on_miss, compiled=compiled)
 
 
 def _bounded(slot_table, num_slots: int | None):
     return slot_table if num_slots is None else mx.where(slot_table >= int(num_slots), -1, slot_table)
 
 
-def _ops(indices, scores, slot_table, *, num_slots: int | None = None, compiled: bool = True) -> RouteShedResult:
+def _ops(indices, scores, slot_table, *, num_slots: int | None = None, on_miss: str = "shed",
+         compiled: bool = True) -> RouteShedResult:
     slot_table = _bounded(slot_table, num_slots)
-    fn = _route_shed_ops_compiled(indices.shape[-1], slot_table.shape[0]) if compiled else _route_shed_ops_impl
+    tier_base = sources.tier_base(num_slots, on_miss)
+    if compiled:
+        fn = _route_shed_ops_compiled(indices.shape[-1], slot_table.shape[0], tier_base)
+    else:
+        fn = functools.partial(_route_shed_ops_impl, tier_base=tier_base)
     return RouteShedResult(*fn(indices, scores, slot_table))
 
 
-def _kernel_spec(filename: str, index_dtype: str, score_dtype: str, top_k: int) -> dict:
+def _kernel_spec(filename: str, index_dtype: str, score_dtype: str, top_k: int, tier: bool) -> dict:
     """The arguments both mx.fast kernel factories take, for one variant."""
     source = sources.load(filename)
-    return dict(name=sources.kernel_name(index_dtype, score_dtype, top_k), input_names=list(sources.INPUT_NAMES),
+    return dict(name=sources.kernel_name(index_dtype, score_dtype, top_k, tier), input_names=list(sources.INPUT_NAMES),
                 output_names=list(sources.OUTPUT_NAMES), source=source.body, header=source.header,
                 ensure_row_contiguous=True)
 
 
 @functools.lru_cache(maxsize=None)
-def metal_kernel(index_dtype: str, score_dtype: str, top_k: int):
+def metal_kernel(index_dtype: str, score_dtype: str, top_k: int, tier: bool = False):
     """Builds (once per variant) the Metal kernel; raises where Metal is unavailable."""
     if not mx.metal.is_available():
         raise RuntimeError("route_shed: the Metal kernel needs MLX with a Metal GPU")
-    return mx.fast.metal_kernel(**_kernel_spec("route_shed.metal", index_dtype, score_dtype, top_k),
+    return mx.fast.metal_kernel(**_kernel_spec("route_shed.metal", index_dtype, score_dtype, top_k, tier),
                                 compile_options={"math_mode": "safe"})
 
 
@@ -177,11 +185,11 @@ def _cuda_available() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def cuda_kernel(index_dtype: str, score_dtype: str, top_k: int):
+def cuda_kernel(index_dtype: str, score_dtype: str, top_k: int, tier: bool = False):
     """Builds (once per variant) the CUDA twin; raises on an MLX build without CUDA."""
     if not _cuda_available():
         raise RuntimeError("route_shed: the CUDA kernel needs MLX built with its CUDA backend")
-    return mx.fast.cuda_kernel(**_kernel_spec("route_shed.cu", index_dtype, score_dtype, top_k))
+    return mx.fast.cuda_kernel(**_kernel_spec("route_shed.cu", index_dtype, score_dtype, top_k, tier))
 
 
 def from_numpy(array: np.ndarray) -> mx.array:
@@ -230,8 +238,9 @@ def implementation_for(stream=None) -> str:
     return "ops"
 
 
-def route_shed(indices, scores, slot_table, *, num_slots: int | None = None, stream=None) -> RouteShedResult:
-    """Remaps routed experts to arena slots and sheds the non-resident ones (lazily).
+def route_shed(indices, scores, slot_table, *, num_slots: int | None = None, on_miss: str = "shed",
+               stream=None) -> RouteShedResult:
+    """Remaps routed experts to arena slots and sheds the non-resident ones, or serves them from a tier (lazily).
 
     A drop-in for mlx_kquant's ``route_shed``: builds into the caller's graph
     and evaluates nothing.
@@ -245,6 +254,9 @@ def route_shed(indices, scores, slot_table, *, num_slots: int | None = None, str
         num_slots: the arena's slot count S: a table entry outside ``[0, S)``
             then counts as not resident, so the gathers after the op never read
             past the arena. None: no bound.
+        on_miss: ``"shed"``, or ``"tier"``: a miss keeps its score and gets
+            slot ``num_slots + id``, its expert's place in a low-precision tier
+            of every expert placed after the arena's slots (needs ``num_slots``).
         stream: MLX stream or device to run on (default: the default stream).
 
     Returns:
@@ -254,20 +266,22 @@ def route_shed(indices, scores, slot_table, *, num_slots: int | None = None, str
     Raises:
         TypeError / ValueError: a wrong dtype or shape, naming the argument.
     """
-    check_route_shed_args(indices, scores, slot_table, num_slots)
+    check_route_shed_args(indices, scores, slot_table, num_slots, on_miss)
     indices, scores, slot_table = _as_mx(indices, scores, slot_table)
     impl = implementation_for(stream)
     if impl == "ops":
         with mx.stream(stream if stream is not None else mx.default_stream(mx.default_device())):
-            return _ops(indices, scores, slot_table, num_slots=num_slots)
+            return _ops(indices, scores, slot_table, num_slots=num_slots, on_miss=on_miss)
     variant = (dtype_name(indices), dtype_name(scores), indices.shape[-1])
+    tier = on_miss == "tier"
     build = metal_kernel if impl == "metal" else cuda_kernel
     template = [(name, MX_DTYPES.get(value, value))
-                for name, value in sources.template_args(*variant, sources.slot_bound(num_slots))]
-    return _launch(build(*variant), indices, scores, slot_table, template=template, stream=stream)
+                for name, value in sources.template_args(*variant, sources.slot_bound(num_slots), tier)]
+    return _launch(build(*variant, tier), indices, scores, slot_table, template=template, stream=stream)
 
 
-def _topk_route_shed_ops_impl(probs, slot_table, *, top_k: int, normalize: bool, on_miss: str):
+def _topk_route_shed_ops_impl(probs, slot_table, *, top_k: int, normalize: bool, on_miss: str,
+                              tier_base: int | None):
     """``probs``: ``[rows, E]``; the six outputs ``[rows, top_k]``."""
     num_experts = probs.shape[-1]
     values = probs.astype(mx.float32)
@@ -282,7 +296,7 @@ def _topk_route_shed_ops_impl(probs, slot_table, *, top_k: int, normalize: bool,
             total = _flush(total + scores[:, j])
         scores = _flush(scores / total[:, None])
     scores = _canonical_nan(scores)
-    shed = _route_shed_ops_impl(indices, scores, slot_table)
+    shed = _route_shed_ops_impl(indices, scores, slot_table, tier_base)
     if on_miss == "substitute":
         shed = _substitute_ops(order, indices, scores, slot_table, shed)
     return (indices, scores, *shed)
@@ -319,8 +333,8 @@ def topk_route_shed(probs, slot_table, *, top_k: int, normalize: bool = True, on
         slot_table: int32 ``[E]``; ``>= 0`` is the arena slot of a resident expert.
         top_k: experts per row, ``1 <= top_k <= min(E, 64)``.
         normalize: renormalise the top-k values to sum to 1 (``norm_topk_prob``); otherwise keep them.
-        on_miss: ``"shed"``, or ``"substitute"`` (each miss served by the best resident expert the
-            row did not choose, at the miss's weight).
+        on_miss: ``"shed"``, ``"substitute"`` (each miss served by the best resident expert the
+            row did not choose, at the miss's weight), or ``"tier"`` (as for :func:`route_shed`).
         num_slots: as for :func:`route_shed`.
         stream: MLX stream or device to run on.
 
@@ -336,7 +350,8 @@ def topk_route_shed(probs, slot_table, *, top_k: int, normalize: bool = True, on
         rows = probs.reshape(-1, num_experts)
         step = rows_per_sort(stream)
         parts = [_topk_route_shed_ops_impl(rows[start:start + step], slot_table, top_k=int(top_k),
-                                           normalize=bool(normalize), on_miss=on_miss)
+                                           normalize=bool(normalize), on_miss=on_miss,
+                                           tier_base=sources.tier_base(num_slots, on_miss))
                  for start in range(0, max(rows.shape[0], 1), step)]
         out_shape = probs.shape[:-1] + (int(top_k),)
         indices, scores, *shed = (mx.concatenate(list(outputs)).reshape(out_shape) for outputs in zip(*parts))

@@ -48,6 +48,11 @@ def slot_bound(num_slots: int | None) -> int:
     return NO_SLOT_BOUND if num_slots is None else int(num_slots)
 
 
+def tier_base(num_slots: int | None, on_miss: str) -> int | None:
+    """The first tier slot (S) with ``on_miss="tier"``; None when misses are shed."""
+    return int(num_slots) if on_miss == "tier" else None
+
+
 class HostInputs(NamedTuple):
     """Checked, contiguous host inputs of a harness launch, with the variant they select."""
 
@@ -59,18 +64,19 @@ class HostInputs(NamedTuple):
     top_k: int
     rows: int
     slot_bound: int
+    tier: bool
 
 
-def host_inputs(indices, scores, slot_table, num_slots: int | None = None) -> HostInputs:
+def host_inputs(indices, scores, slot_table, num_slots: int | None = None, on_miss: str = "shed") -> HostInputs:
     """Checks the arguments (before any conversion) and lays them out for a kernel harness."""
     indices, scores, slot_table = (np.asarray(a) for a in (indices, scores, slot_table))
-    check_route_shed_args(indices, scores, slot_table, num_slots)
+    check_route_shed_args(indices, scores, slot_table, num_slots, on_miss)
     index_dtype, score_dtype = dtype_name(indices), dtype_name(scores)
     top_k = indices.shape[-1]
     return HostInputs(np.ascontiguousarray(indices),
                       np.ascontiguousarray(scores).view(HOST_TYPES[score_dtype]),
                       np.ascontiguousarray(slot_table), index_dtype, score_dtype, top_k, indices.size // top_k,
-                      slot_bound(num_slots))
+                      slot_bound(num_slots), on_miss == "tier")
 
 
 @dataclass(frozen=True)
@@ -97,16 +103,16 @@ def load(filename: str) -> KernelSource:
     return KernelSource(header=header, body=body)
 
 
-def kernel_name(index_dtype: str, score_dtype: str, top_k: int) -> str:
+def kernel_name(index_dtype: str, score_dtype: str, top_k: int, tier: bool = False) -> str:
     """One name per variant: MLX caches compiled libraries by name."""
-    return f"kq_route_shed_{index_dtype}_{score_dtype}_k{top_k}"
+    return f"kq_route_shed_{index_dtype}_{score_dtype}_k{top_k}{'_tier' if tier else ''}"
 
 
 def output_dtypes(index_dtype: str) -> tuple[str, ...]:
     return (index_dtype, "float32", "int32", "float32")
 
 
-def metal_signature(index_dtype: str, score_dtype: str, top_k: int) -> str:
+def metal_signature(index_dtype: str, score_dtype: str, top_k: int, tier: bool = False) -> str:
     """The function MLX's metal_kernel generates around the body (template form)."""
     types = dict(zip(INPUT_NAMES, (index_dtype, score_dtype, "int32")))
     params, buffer = [], 0
@@ -121,16 +127,18 @@ def metal_signature(index_dtype: str, score_dtype: str, top_k: int) -> str:
         buffer += 1
     params.append("uint3 thread_position_in_grid [[thread_position_in_grid]]")
     joined = ",\n  ".join(params)
-    return (f"template <typename IdT, typename ScoreT, int K, int S>\n"
-            f"[[kernel]] void custom_kernel_{kernel_name(index_dtype, score_dtype, top_k)}(\n  {joined})")
+    return (f"template <typename IdT, typename ScoreT, int K, int S, int TIER>\n"
+            f"[[kernel]] void custom_kernel_{kernel_name(index_dtype, score_dtype, top_k, tier)}(\n  {joined})")
 
 
-def template_args(index_dtype: str, score_dtype: str, top_k: int, bound: int = NO_SLOT_BOUND):
-    """Template arguments for either kernel, as (name, dtype name or int) pairs; ``bound`` is S."""
-    return (("IdT", index_dtype), ("ScoreT", score_dtype), ("K", top_k), ("S", bound))
+def template_args(index_dtype: str, score_dtype: str, top_k: int, bound: int = NO_SLOT_BOUND, tier: bool = False):
+    """Template arguments for either kernel, as (name, dtype name or int) pairs; ``bound`` is S, ``tier``
+    (``on_miss="tier"``) TIER = 1."""
+    return (("IdT", index_dtype), ("ScoreT", score_dtype), ("K", top_k), ("S", bound), ("TIER", int(tier)))
 
 
-def cuda_harness_signature(index_dtype: str, score_dtype: str, top_k: int, bound: int = NO_SLOT_BOUND) -> str:
+def cuda_harness_signature(index_dtype: str, score_dtype: str, top_k: int, bound: int = NO_SLOT_BOUND,
+                           tier: bool = False) -> str:
     """MLX's cuda_kernel signature, with each ``Shape`` passed as a device pointer.
 
     MLX passes ``<name>_shape`` by value as a ``__grid_constant__ Shape``; the
@@ -147,6 +155,6 @@ def cuda_harness_signature(index_dtype: str, score_dtype: str, top_k: int, bound
         params.append(f"{CUDA_TYPES[dtype]}* {name}")
     constants = "".join(
         f"  constexpr int {n} = {v};\n" if isinstance(v, int) else f"  using {n} = {CUDA_TYPES[v]};\n"
-        for n, v in template_args(index_dtype, score_dtype, top_k, bound))
+        for n, v in template_args(index_dtype, score_dtype, top_k, bound, tier))
     joined = ",\n    ".join(params)
     return f'extern "C" __global__ void kq_route_shed(\n    {joined}) {{\n{constants}'

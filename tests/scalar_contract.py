@@ -15,7 +15,7 @@ def flush(x):
     return np.float32(0.0) if abs(x) < TINY else x
 
 
-def route_shed_row(ids, scores, table):
+def route_shed_row(ids, scores, table, tier_base=None):
     top_k = len(ids)
     s = [flush(np.float32(v)) for v in scores]
     slot = []
@@ -35,6 +35,12 @@ def route_shed_row(ids, scores, table):
         slots = [slot[k] if keep[k] else first for k in range(top_k)]
         mix = [flush(s[k] * scale) if keep[k] else np.float32(0.0) for k in range(top_k)]
     misses = [k for k in range(top_k) if not keep[k] and 0 <= int(ids[k]) < len(table)]
+    if tier_base is not None:  # on_miss="tier": misses served past the arena, nothing rescaled
+        for k in range(top_k):
+            if keep[k] or k in misses:
+                mix[k] = s[k]
+            if k in misses:
+                slots[k] = tier_base + int(ids[k])
     misses.sort(key=lambda k: (bool(np.isnan(s[k])), 0.0 if np.isnan(s[k]) else -float(s[k]), k))
     miss_ids = [int(ids[k]) for k in misses] + [-1] * (top_k - len(misses))
     miss_scores = [s[k] for k in misses] + [np.float32(0.0)] * (top_k - len(misses))
@@ -42,11 +48,11 @@ def route_shed_row(ids, scores, table):
     return slots, [canon(v) for v in mix], miss_ids, [canon(v) for v in miss_scores]
 
 
-def route_shed_scalar(indices, scores, table):
+def route_shed_scalar(indices, scores, table, tier_base=None):
     top_k = indices.shape[-1]
     ids = indices.reshape(-1, top_k)
     sc = scores.reshape(-1, top_k).astype(np.float32)
-    rows = [route_shed_row(ids[r], sc[r], table) for r in range(ids.shape[0])]
+    rows = [route_shed_row(ids[r], sc[r], table, tier_base) for r in range(ids.shape[0])]
     shape = indices.shape
     cols = list(zip(*rows)) if rows else [[], [], [], []]
     return (

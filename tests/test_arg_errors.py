@@ -48,5 +48,22 @@ def test_num_slots_works_on_numpy_arrays_as_on_every_framework():
     expected = kq.route_shed(IDS + np.arange(4, dtype=np.int32), SCORES, np.where(table < 4, table, -1))
     for a, b in zip(got, expected):
         assert a.tobytes() == b.tobytes()
-    with pytest.raises(TypeError, match="takes only num_slots, got \\['impl'\\]"):
+    with pytest.raises(TypeError, match="takes only num_slots and on_miss, got \\['impl'\\]"):
         kq.route_shed(IDS, SCORES, TABLE, impl="pallas")
+
+
+BAD_OPTIONS = [
+    ("unknown_on_miss", {"on_miss": "drop"}, "on_miss"),
+    ("on_miss_not_a_string", {"on_miss": ["tier"]}, "on_miss"),
+    ("substitute_needs_probs", {"on_miss": "substitute"}, "on_miss"),
+    ("tier_without_num_slots", {"on_miss": "tier"}, "num_slots"),
+    ("tier_slots_past_int32", {"on_miss": "tier", "num_slots": 2**31 - 8}, "num_slots"),
+]
+
+
+@pytest.mark.parametrize("entry_name, entry", [e for e in entry_points() if e[0] != "kq.validate"],
+                         ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize("case, options, argument", BAD_OPTIONS, ids=[b[0] for b in BAD_OPTIONS])
+def test_bad_options_name_the_argument(entry_name, entry, case, options, argument):
+    with pytest.raises(ValueError, match=argument):
+        entry(IDS, SCORES, TABLE, **options)

@@ -59,6 +59,20 @@ def test_matches_the_oracle(impl, rows, experts, top_k, resident_fraction, rng):
     assert_same_bits(topk_route_shed_oracle(probs, table, top_k), got)
 
 
+TIER_CASES = [(3, 64, 8, 0.5, 48), (9, 40, 16, 0.25, 40), (2, 64, 20, 0.5, 64), (6, 16, 4, 0.0, 4)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("rows, experts, top_k, resident_fraction, num_slots", TIER_CASES,
+                         ids=[f"{r}x{e}-k{k}-res{f}-s{s}" for r, e, k, f, s in TIER_CASES])
+def test_tier_matches_the_oracle(impl, rows, experts, top_k, resident_fraction, num_slots, rng):
+    probs = router_probs(rng, rows, experts)
+    table = slot_table(rng, experts, resident_fraction)
+    options = dict(on_miss="tier", num_slots=num_slots)
+    got = jax.jit(lambda p, t: kq_jax.topk_route_shed(p, t, top_k=top_k, impl=impl, **options))(probs, table)
+    assert_same_bits(topk_route_shed_oracle(probs, table, top_k, **options), got)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_bfloat16_probs_with_leading_dims(impl, rng):
     probs = router_probs(rng, 12, 32).reshape(2, 6, 32).astype(jnp.bfloat16)
