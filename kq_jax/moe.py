@@ -1,5 +1,9 @@
 """A jittable MoE feed-forward that runs on a bounded expert arena through ``route_shed``.
 
+:func:`moe_ffn_tiered` is the arena layer that serves misses from the low-precision tier
+(:mod:`kq_host.tier`) instead of dropping them: a hit is computed with the arena's weights,
+a miss with its tier copy, dequantized in the gather, in one graph.
+
 Routing follows Qwen3-MoE (softmax over experts, top-k, renormalised); experts
 are SwiGLU (``down(silu(gate(x)) * up(x))``). :func:`moe_ffn_resident` is the
 same layer with every expert in memory; with every expert resident in the
@@ -21,6 +25,57 @@ from jax import lax
 from kq_core.contract import TopkRouteShedResult
 from kq_jax.api import topk_route_shed
 from kq_jax.reference import normalize_topk_ref
+
+
+class TierWeights(NamedTuple):
+    """One projection of the tier on the device (:class:`kq_host.tier.QuantizedWeight`'s arrays).
+
+    Attributes:
+        packed: uint32 ``[E, out, in * bits / 32]``; scales, biases: ``[E, out, in / group_size]``.
+    """
+
+    packed: jax.Array
+    scales: jax.Array
+    biases: jax.Array
+
+
+class TierExperts(NamedTuple):
+    """The tier of one layer: every expert's gate, up and down, quantized (``bits``, ``group_size``)."""
+
+    gate: TierWeights
+    up: TierWeights
+    down: TierWeights
+    bits: int
+    group_size: int
+
+
+def tier_experts(layer: dict, *, bits: int, group_size: int, names=("gate_proj", "up_proj", "down_proj")):
+    """:class:`TierExperts` from ``kq_host.tier.Tier.layer(l)``'s ``{projection: QuantizedWeight}``."""
+    return TierExperts(*(TierWeights(*(jnp.asarray(a) for a in layer[name])) for name in names),
+                       bits=bits, group_size=group_size)
+
+
+def dequantize_rows(weights: TierWeights, rows, *, bits: int, group_size: int, dtype):
+    """The experts ``rows`` ``[...]`` of one tier projection, dequantized: ``[..., out, in]`` of ``dtype``.
+
+    ``scale * q + bias`` in float32 per group (:func:`kq_host.tier.dequantize`'s bits), the q read out of the gathered words as the little-endian bit stream they were packed in.
+    """
+    packed = weights.packed[rows]  # [..., out, words]
+    words = packed.shape[-1]
+    values = words * 32 // bits
+    position = jnp.arange(values, dtype=jnp.uint32) * bits  # each value's first bit in the row's stream
+    word, shift = position // 32, position % 32
+    low = jnp.take(packed, word, axis=-1) >> shift
+    # A value that straddles two words (3 bits) takes its high bits from the next one.
+    spill = jnp.where(shift + bits > 32, jnp.take(packed, jnp.minimum(word + 1, words - 1), axis=-1)
+                      << ((32 - shift) % 32), 0)
+    q = ((low | spill) & ((1 << bits) - 1)).astype(jnp.float32)
+    groups = q.reshape(*q.shape[:-1], -1, group_size)
+    scales = weights.scales[rows].astype(jnp.float32)[..., None]
+    biases = weights.biases[rows].astype(jnp.float32)[..., None]
+    # scale * q is exact (kq_host.tier.SCALE_SIGNIFICANT_BITS), so XLA contracting it with the add into
+    # an FMA, as it does on the CPU, rounds exactly as the host reference.
+    return (groups * scales + biases).reshape(q.shape).astype(dtype)
 
 
 class Experts(NamedTuple):
@@ -89,4 +144,37 @@ def moe_ffn_arena(x, router_w, arena: Experts, slot_table, *, top_k: int, impl: 
     routing: TopkRouteShedResult = topk_route_shed(router_probs(x, router_w), slot_table, top_k=top_k,
                                                    num_slots=arena.gate.shape[0], impl=impl)
     y = experts_apply(x, arena, routing.shed.slots)
+    return jnp.einsum("tkd,tk->td", y, routing.shed.mix.astype(y.dtype)), routing
+
+
+def moe_ffn_tiered(x, router_w, arena: Experts, tier: TierExperts, slot_table, *, top_k: int,
+                   impl: str = "auto"):
+    """The MoE layer on an arena of S slots whose misses the tier serves (``on_miss="tier"``).
+
+    Each routed entry keeps its router weight; a hit (slot < S) gathers the arena's expert, a miss
+    (slot S + e) expert e of the tier, dequantized in the gather to the arena's dtype. With every
+    routed expert resident the output is :func:`moe_ffn_resident`'s, bit for bit.
+
+    Args:
+        x: ``[T, D]``; router_w: ``[D, E]``; arena: :class:`Experts` with ``N = S``;
+        tier: :class:`TierExperts` of all E experts; slot_table: int32 ``[E]`` (-1 = not resident);
+        impl: ``topk_route_shed``'s.
+
+    Returns:
+        ``(y [T, D], TopkRouteShedResult)``, as :func:`moe_ffn_arena`.
+    """
+    num_slots = arena.gate.shape[0]
+    routing: TopkRouteShedResult = topk_route_shed(router_probs(x, router_w), slot_table, top_k=top_k,
+                                                   num_slots=num_slots, on_miss="tier", impl=impl)
+    slots = routing.shed.slots
+    from_tier = slots >= num_slots  # [T, k]
+    arena_rows, tier_rows = jnp.where(from_tier, 0, slots), jnp.where(from_tier, slots - num_slots, 0)
+
+    def weights(full, quantized):
+        low = dequantize_rows(quantized, tier_rows, bits=tier.bits, group_size=tier.group_size, dtype=full.dtype)
+        return jnp.where(from_tier[..., None, None], low, full[arena_rows])  # [T, k, out, in]
+
+    gate = jnp.einsum("td,tkfd->tkf", x, weights(arena.gate, tier.gate))
+    up = jnp.einsum("td,tkfd->tkf", x, weights(arena.up, tier.up))
+    y = jnp.einsum("tkf,tkdf->tkd", jax.nn.silu(gate) * up, weights(arena.down, tier.down))
     return jnp.einsum("tkd,tk->td", y, routing.shed.mix.astype(y.dtype)), routing

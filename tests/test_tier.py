@@ -1,0 +1,194 @@
+"""The low-precision tier: its format (MLX's layout), its cache, and the JAX layer that serves misses from it."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from kq_host.tier import (BITS, QuantizedWeight, TierOptionError, build_tier, dequantize, pack, quantize,
+                          unpack)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_pack_is_a_little_endian_bit_stream_and_unpacks(rng, bits):
+    q = rng.integers(0, 1 << bits, (3, 64), dtype=np.uint32)
+    packed = pack(q, bits)
+    assert packed.dtype == np.uint32 and packed.shape == (3, 64 * bits // 32)
+    np.testing.assert_array_equal(unpack(packed, bits), q)
+    # Value i occupies bits [i * bits, (i + 1) * bits) of the row's stream.
+    stream = np.unpackbits(packed.view(np.uint8), axis=-1, bitorder="little")
+    first = sum(int(stream[0, j]) << j for j in range(bits))
+    assert first == q[0, 0]
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("group_size", [32, 64])
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_quantize_error_is_within_half_a_step(rng, bits, group_size, dtype):
+    weight = (rng.normal(size=(5, 128)) * rng.uniform(0.01, 3, (5, 1))).astype(dtype)
+    quantized = quantize(weight, bits=bits, group_size=group_size)
+    assert quantized.scales.dtype == weight.dtype and quantized.scales.shape == (5, 128 // group_size)
+    back = dequantize(quantized, bits=bits, group_size=group_size)
+    step = np.repeat(quantized.scales.astype(np.float32), group_size, axis=-1)
+    # Half a step, plus what rounding the bias to the weight's dtype can move the grid.
+    slack = np.repeat(np.abs(quantized.biases.astype(np.float32)), group_size, axis=-1) * 2.0**-7
+    assert np.all(np.abs(back - weight.astype(np.float32)) <= step / 2 + slack + 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16])
+def test_scale_times_q_is_exact_in_float32(rng, dtype):
+    """So a backend that fuses dequantization's multiply and add into an FMA gets the same weights."""
+    weight = (rng.normal(size=(64, 128)) * 0.37).astype(dtype)
+    quantized = quantize(weight, bits=8, group_size=32)
+    q = unpack(quantized.packed, 8).reshape(64, 4, 32).astype(np.float64)
+    product = q * quantized.scales.astype(np.float64)[..., None]
+    assert np.array_equal(product.astype(np.float32).astype(np.float64), product)
+
+
+def test_a_constant_group_comes_back_exactly():
+    weight = np.full((2, 32), 0.375, np.float32)
+    quantized = quantize(weight, bits=2, group_size=32)
+    np.testing.assert_array_equal(dequantize(quantized, bits=2, group_size=32), weight)
+
+
+def test_mlx_reads_the_format_as_it_is(rng):
+    mx = pytest.importorskip("mlx.core")
+    weight = rng.normal(size=(8, 128)).astype(np.float32)
+    for bits in (2, 3, 4, 8):
+        quantized = quantize(weight, bits=bits, group_size=32)
+        theirs = mx.dequantize(*(mx.array(a) for a in quantized), group_size=32, bits=bits)
+        np.testing.assert_allclose(np.array(theirs), dequantize(quantized, bits=bits, group_size=32),
+                                   rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("options, argument", [({"bits": 5, "group_size": 32}, "bits"),
+                                               ({"bits": True, "group_size": 32}, "bits"),
+                                               ({"bits": 4, "group_size": 48}, "group_size")])
+def test_bad_options_name_the_argument(options, argument):
+    with pytest.raises(TierOptionError, match=argument):
+        quantize(np.zeros((2, 96), np.float32), **options)
+
+
+def test_bad_weights_are_refused():
+    with pytest.raises(TierOptionError, match="multiple of group_size"):
+        quantize(np.zeros((2, 40), np.float32), bits=4, group_size=32)
+    with pytest.raises(TierOptionError, match="inf or NaN"):
+        quantize(np.full((1, 32), np.nan, np.float32), bits=4, group_size=32)
+
+
+def _write_checkpoint(path, rng, layers=2, experts=4, hidden=64, ffn=32):
+    from safetensors.numpy import save_file
+
+    tensors = {}
+    for layer in range(layers):
+        for expert in range(experts):
+            prefix = f"model.layers.{layer}.mlp.experts.{expert}"
+            tensors[f"{prefix}.gate_proj.weight"] = rng.normal(size=(ffn, hidden)).astype(np.float32)
+            tensors[f"{prefix}.up_proj.weight"] = rng.normal(size=(ffn, hidden)).astype(np.float32)
+            tensors[f"{prefix}.down_proj.weight"] = rng.normal(size=(hidden, ffn)).astype(np.float32)
+    save_file(tensors, str(path / "model.safetensors"))
+    return tensors
+
+
+def test_build_tier_quantizes_every_expert_and_caches_it(tmp_path, rng):
+    from kq_host.expert_store import ExpertStore
+
+    (tmp_path / "ckpt").mkdir()
+    tensors = _write_checkpoint(tmp_path / "ckpt", rng)
+    cache = tmp_path / "cache"
+    with ExpertStore(tmp_path / "ckpt") as store:
+        tier = build_tier(store, 2, 4, bits=3, group_size=32, cache_dir=cache)
+        assert tier.num_layers == 2 and tier.num_experts == 4
+        down = tier.weights["down_proj"]
+        want = quantize(tensors["model.layers.1.mlp.experts.2.down_proj.weight"], bits=3, group_size=32)
+        for got, expected in zip(QuantizedWeight(*(a[1, 2] for a in down)), want):
+            assert got.dtype == expected.dtype and got.tobytes() == expected.tobytes()
+        assert len(list(cache.iterdir())) == 1
+        again = build_tier(store, 2, 4, bits=3, group_size=32, cache_dir=cache)
+        for name in tier.weights:
+            for a, b in zip(tier.weights[name], again.weights[name]):
+                assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+        build_tier(store, 2, 4, bits=2, group_size=32, cache_dir=cache)
+        assert len(list(cache.iterdir())) == 2  # other options, another entry
+    assert tier.nbytes == sum(w.nbytes for w in tier.weights.values())
+
+
+def test_build_tier_refuses_bad_counts(tmp_path, rng):
+    from kq_host.expert_store import ExpertStore
+
+    _write_checkpoint(tmp_path, rng)
+    with ExpertStore(tmp_path) as store:
+        with pytest.raises(TierOptionError, match="num_experts"):
+            build_tier(store, 2, 0, cache_dir=tmp_path / "c")
+
+
+# ---- the JAX layer ------------------------------------------------------------------------------
+
+
+def _layer(rng, experts=16, hidden=64, ffn=32, tokens=5):
+    jnp = pytest.importorskip("jax.numpy")
+    from kq_jax.moe import Experts
+
+    full = Experts(*(jnp.asarray(rng.normal(size=shape).astype(np.float32) * 0.2)
+                     for shape in ((experts, ffn, hidden), (experts, ffn, hidden), (experts, hidden, ffn))))
+    x = jnp.asarray(rng.normal(size=(tokens, hidden)).astype(np.float32))
+    router = jnp.asarray(rng.normal(size=(hidden, experts)).astype(np.float32))
+    return x, router, full
+
+
+def _tier_of(full, bits, group_size):
+    from kq_jax.moe import tier_experts
+
+    names = ("gate_proj", "up_proj", "down_proj")
+    layer = {name: quantize(np.asarray(w), bits=bits, group_size=group_size) for name, w in zip(names, full)}
+    return layer, tier_experts(layer, bits=bits, group_size=group_size)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_jax_dequantize_in_the_gather_matches_the_host_reference(rng, bits):
+    jnp = pytest.importorskip("jax.numpy")
+    from kq_jax.moe import dequantize_rows
+
+    _, _, full = _layer(rng)
+    layer, tier = _tier_of(full, bits, 32)
+    rows = jnp.asarray([[3, 0], [15, 7]])
+    got = np.asarray(dequantize_rows(tier.down, rows, bits=bits, group_size=32, dtype=jnp.float32))
+    want = dequantize(layer["down_proj"], bits=bits, group_size=32)[np.asarray(rows)]
+    assert got.tobytes() == want.tobytes()
+
+
+def test_tiered_layer_with_every_expert_resident_is_the_resident_layer(rng):
+    jax = pytest.importorskip("jax")
+    from kq_jax.moe import moe_ffn_resident, moe_ffn_tiered
+
+    x, router, full = _layer(rng)
+    _, tier = _tier_of(full, 3, 32)
+    table = np.arange(16, dtype=np.int32)[::-1].copy()  # every expert resident, slots permuted
+    arena = type(full)(*(w[np.argsort(table)] for w in full))  # slot s holds the expert whose table entry is s
+    want = np.asarray(jax.jit(lambda x: moe_ffn_resident(x, router, full, top_k=4))(x))
+    got, routing = jax.jit(lambda x: moe_ffn_tiered(x, router, arena, tier, table, top_k=4))(x)
+    assert np.asarray(got).tobytes() == want.tobytes()
+    assert int(np.asarray(routing.shed.miss_ids).max()) == -1
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_tiered_layer_serves_misses_with_their_dequantized_copy(rng, bits):
+    """Per expert the tiered layer equals the resident layer over a mixed set: full weights where resident,
+    the tier's dequantized copy elsewhere; bit for bit, since the same values meet the same einsums."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    from kq_jax.moe import Experts, moe_ffn_resident, moe_ffn_tiered
+
+    x, router, full = _layer(rng)
+    layer, tier = _tier_of(full, bits, 32)
+    resident = np.array([0, 2, 3, 5, 8, 13], np.int32)  # six of 16 experts, in slots 0..5
+    table = np.full(16, -1, np.int32)
+    table[resident] = np.arange(resident.size, dtype=np.int32)
+    arena = Experts(*(w[resident] for w in full))
+    names = ("gate_proj", "up_proj", "down_proj")
+    mixed = Experts(*(jnp.where(jnp.asarray(table >= 0)[:, None, None], w,
+                                jnp.asarray(dequantize(layer[name], bits=bits, group_size=32)))
+                      for w, name in zip(full, names)))
+    want = np.asarray(jax.jit(lambda x: moe_ffn_resident(x, router, mixed, top_k=4))(x))
+    got, routing = jax.jit(lambda x: moe_ffn_tiered(x, router, arena, tier, table, top_k=4))(x)
+    assert (np.asarray(routing.shed.miss_ids) >= 0).any(), "the case must have misses"
+    assert np.asarray(got).tobytes() == want.tobytes()
