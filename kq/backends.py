@@ -73,6 +73,8 @@ def _jax_probe(impl: str, *, needs_gpu: bool):
 
         if needs_gpu and jax.default_backend() != "gpu":
             raise Unavailable(f"needs a CUDA GPU; jax's default backend is {jax.default_backend()}")
+        if impl == "pallas_interpret" and jax.default_backend() == "gpu":
+            raise Unavailable("the interpreter runs on the CPU backend; on a GPU jax-pallas is checked")
         fn = jax.jit(functools.partial(kq_jax.route_shed, impl=impl), static_argnames=("num_slots", "on_miss"))
 
         def run(indices, scores, slot_table, num_slots=None, on_miss="shed"):

@@ -117,9 +117,14 @@ def route(x, router_w, *, top_k: int):
 
 def experts_apply(x, experts: Experts, rows):
     """Each token's k experts on it: x ``[T, D]``, rows ``[T, k]`` slot ids -> ``[T, k, D]``."""
-    gate = jnp.einsum("td,tkfd->tkf", x, experts.gate[rows])
-    up = jnp.einsum("td,tkfd->tkf", x, experts.up[rows])
-    return jnp.einsum("tkf,tkdf->tkd", jax.nn.silu(gate) * up, experts.down[rows])
+    return _apply_gathered(x, Experts(experts.gate[rows], experts.up[rows], experts.down[rows]))
+
+
+def _apply_gathered(x, gathered: Experts):
+    """SwiGLU of each token's gathered experts: x ``[T, D]``, weights ``[T, k, out, in]`` -> ``[T, k, D]``."""
+    gate = jnp.einsum("td,tkfd->tkf", x, gathered.gate)
+    up = jnp.einsum("td,tkfd->tkf", x, gathered.up)
+    return jnp.einsum("tkf,tkdf->tkd", jax.nn.silu(gate) * up, gathered.down)
 
 
 def moe_ffn_resident(x, router_w, experts: Experts, *, top_k: int):
@@ -170,11 +175,12 @@ def moe_ffn_tiered(x, router_w, arena: Experts, tier: TierExperts, slot_table, *
     from_tier = slots >= num_slots  # [T, k]
     arena_rows, tier_rows = jnp.where(from_tier, 0, slots), jnp.where(from_tier, slots - num_slots, 0)
 
-    def weights(full, quantized):
-        low = dequantize_rows(quantized, tier_rows, bits=tier.bits, group_size=tier.group_size, dtype=full.dtype)
-        return jnp.where(from_tier[..., None, None], low, full[arena_rows])  # [T, k, out, in]
-
-    gate = jnp.einsum("td,tkfd->tkf", x, weights(arena.gate, tier.gate))
-    up = jnp.einsum("td,tkfd->tkf", x, weights(arena.up, tier.up))
-    y = jnp.einsum("tkf,tkdf->tkd", jax.nn.silu(gate) * up, weights(arena.down, tier.down))
+    # The hits' outputs come from experts_apply on the arena, the graph moe_ffn_arena and the resident
+    # layer run, so that with no miss the bits are theirs on every backend (an einsum over a select of
+    # the two weight sets fuses differently on a GPU); the misses' from the dequantized tier rows.
+    hits = experts_apply(x, arena, arena_rows)
+    low = Experts(*(dequantize_rows(quantized, tier_rows, bits=tier.bits, group_size=tier.group_size,
+                                    dtype=full.dtype) for full, quantized in zip(arena, (tier.gate, tier.up, tier.down))))
+    misses = _apply_gathered(x, low)
+    y = jnp.where(from_tier[..., None], misses, hits)
     return jnp.einsum("tkd,tk->td", y, routing.shed.mix.astype(y.dtype)), routing

@@ -172,11 +172,12 @@ def test_tiered_layer_with_every_expert_resident_is_the_resident_layer(rng):
 
 @pytest.mark.parametrize("bits", [2, 4])
 def test_tiered_layer_serves_misses_with_their_dequantized_copy(rng, bits):
-    """Per expert the tiered layer equals the resident layer over a mixed set: full weights where resident,
-    the tier's dequantized copy elsewhere; bit for bit, since the same values meet the same einsums."""
+    """The tiered layer is the resident layer over a mixed set of experts: full weights where resident, the
+    tier's dequantized copy elsewhere. The same weights meet the same einsums, though XLA may fuse them
+    otherwise (on a GPU it does), so the bound is float32 rounding, far below what dropping the misses costs."""
     jax = pytest.importorskip("jax")
     jnp = jax.numpy
-    from kq_jax.moe import Experts, moe_ffn_resident, moe_ffn_tiered
+    from kq_jax.moe import Experts, moe_ffn_arena, moe_ffn_resident, moe_ffn_tiered
 
     x, router, full = _layer(rng)
     layer, tier = _tier_of(full, bits, 32)
@@ -191,4 +192,7 @@ def test_tiered_layer_serves_misses_with_their_dequantized_copy(rng, bits):
     want = np.asarray(jax.jit(lambda x: moe_ffn_resident(x, router, mixed, top_k=4))(x))
     got, routing = jax.jit(lambda x: moe_ffn_tiered(x, router, arena, tier, table, top_k=4))(x)
     assert (np.asarray(routing.shed.miss_ids) >= 0).any(), "the case must have misses"
-    assert np.asarray(got).tobytes() == want.tobytes()
+    error = np.abs(np.asarray(got) - want).max() / np.abs(want).max()
+    assert error < 1e-6
+    dropped, _ = jax.jit(lambda x: moe_ffn_arena(x, router, arena, table, top_k=4))(x)
+    assert np.abs(np.asarray(dropped) - want).max() / np.abs(want).max() > 1e-3
