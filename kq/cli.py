@@ -166,7 +166,8 @@ def _study(args, parser) -> int:
     try:
         config = study.StudyConfig(checkpoint=args.checkpoint, text=args.text, tokens=args.tokens, warmup=args.warmup,
                                    residencies=tuple(args.residency), policies=tuple(args.policies),
-                                   rules=tuple(args.rules), framework=args.framework)
+                                   rules=tuple(args.rules), framework=args.framework, tier_bits=args.tier_bits,
+                                   tier_group_size=args.tier_group_size)
     except ValueError as error:
         parser.error(str(error))
     resident, results = study.run_study(config, progress=not args.no_progress)
@@ -266,6 +267,11 @@ def main(argv: list[str] | None = None) -> int:
                               help="fractions of each layer's experts in the arena (default: 1 .75 .5 .25 .125)")
     study_parser.add_argument("--policies", nargs="+", choices=study.POLICIES, default=list(study.POLICIES))
     study_parser.add_argument("--rules", nargs="+", choices=study.RULES, default=list(study.RULES))
+    study_parser.add_argument("--tier-bits", type=int, default=3,
+                              help="bits per weight of the tier rule's low-precision copy of every expert (2, 3, 4 "
+                                   "or 8; default 3)")
+    study_parser.add_argument("--tier-group-size", type=int, default=32,
+                              help="weights sharing one scale and bias in the tier (32, 64 or 128; default 32)")
     study_parser.add_argument("--json", metavar="PATH", help="write every run's numbers as JSON")
     study_parser.add_argument("--plot", metavar="PATH", help="write perplexity and hit rate against residency (PNG)")
     study_parser.add_argument("--no-progress", action="store_true")

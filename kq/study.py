@@ -14,11 +14,14 @@ Rules for a routed expert that is not resident (``RULES``):
 * ``substitute``: serve it with the most probable resident expert the row has not chosen, at the
   missed expert's weight (misses in k order take substitutes in descending probability; a miss
   left without one is shed);
+* ``tier``: serve it, at its own weight, with its copy in a low-precision tier of every expert
+  (``route_shed(..., on_miss="tier")``; :mod:`kq_host.tier`, ``tier_bits`` and ``tier_group_size``);
 * ``stall``: wait for it: the exact output, every miss a read on the token's critical path.
 
 Per run: perplexity and bits per byte of the scored tokens, hit rate, shed mass per token (the
 routed mass the rule did not serve with the routed expert), reads and MiB read per token, and for
-``stall`` the reads on the critical path per token.
+``stall`` the reads on the critical path per token; and the memory the experts take (the arena's
+slots, plus the tier for ``tier``), in the checkpoint's dtype.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import numpy as np
 
 from kq.terminal import progress_bar, render_table
 
-RULES = ("route_shed", "shed", "renormalize", "substitute", "stall")
+RULES = ("route_shed", "shed", "renormalize", "substitute", "tier", "stall")
 POLICIES = ("lfu", "lru")
 RESIDENCIES = (1.0, 0.75, 0.5, 0.25, 0.125)
 SHIPPED_MODEL = Path(__file__).resolve().parents[1] / "models" / "stdlib-moe"
@@ -49,6 +52,8 @@ class StudyConfig:
     policies: tuple[str, ...] = POLICIES
     rules: tuple[str, ...] = RULES
     framework: str = "jax"
+    tier_bits: int = 3
+    tier_group_size: int = 32
 
     def __post_init__(self):
         if self.framework not in ("jax", "mlx"):
@@ -63,6 +68,11 @@ class StudyConfig:
         for name, values, known in (("--policies", self.policies, POLICIES), ("--rules", self.rules, RULES)):
             if not set(values) <= set(known):
                 raise ValueError(f"{name} must be among {known}, got {values}")
+        from kq_host.tier import BITS, GROUP_SIZES
+
+        if self.tier_bits not in BITS or self.tier_group_size not in GROUP_SIZES:
+            raise ValueError(f"--tier-bits must be among {BITS} and --tier-group-size among {GROUP_SIZES}, "
+                             f"got {self.tier_bits}, {self.tier_group_size}")
 
 
 @dataclass
@@ -81,6 +91,7 @@ class RunResult:
     reads: int = 0
     bytes_read: int = 0
     critical_reads: int = 0
+    memory_bytes: int = 0  # the experts' memory: arena slots of every layer, plus the tier for "tier"
     seconds: float = 0.0
     trace: dict = field(default_factory=dict)
 
@@ -98,7 +109,8 @@ class RunResult:
                    hit_rate=self.hits / self.lookups if self.lookups else 1.0,
                    shed_mass_per_token=self.shed_mass / self.tokens, reads_per_token=self.reads / self.tokens,
                    mib_per_token=self.bytes_read / self.tokens / 2**20,
-                   critical_reads_per_token=self.critical_reads / self.tokens)
+                   critical_reads_per_token=self.critical_reads / self.tokens,
+                   memory_mib=self.memory_bytes / 2**20)
         return out
 
 
@@ -134,36 +146,56 @@ def serve(rule: str, indices, scores, probs, slot_table, shed, *, normalize: boo
     raise ValueError(f"unknown rule {rule!r}; known: {RULES}")
 
 
-def make_step(cfg, rule: str):
-    """A jitted decode step under ``rule``: ``(params, arena, tables, token, position, cache) ->
+def make_step(cfg, rule: str, tier_options: tuple[int, int] = (3, 32)):
+    """A jitted decode step under ``rule``: ``(params, arena, tables, token, position, cache, tier=None) ->
     (logits [1, V], cache, reports)``, a report per layer ``(indices, scores, miss_ids, miss_scores,
-    served)`` with ``served`` the scores of the entries served by their routed expert (or a substitute)."""
+    served)`` with ``served`` the scores of the entries served by their routed expert (or a substitute,
+    or its tier copy). ``tier``: ``{projection: (packed, scales, biases)}`` ``[L, E, ...]`` for the
+    ``tier`` rule, quantized with ``tier_options`` ``(bits, group_size)``."""
     import jax
     import jax.numpy as jnp
 
     import kq_jax
     from kq_jax import qwen3_moe
-    from kq_jax.moe import Experts
+    from kq_jax.moe import Experts, TierExperts, TierWeights, experts_apply, tiered_apply
 
-    def step(params, arena, tables, token, position, cache):
+    bits, group_size = tier_options
+
+    def step(params, arena, tables, token, position, cache, tier=None):
         def moe(layer, p, x):
             indices, scores, probs = qwen3_moe.route(p, x, cfg)
             num_slots = None if arena is None else arena[qwen3_moe.PROJECTIONS[0]].shape[1]
-            shed = kq_jax.route_shed(indices, scores, tables[layer], num_slots=num_slots)
+            on_miss = "tier" if rule == "tier" and arena is not None else "shed"
+            shed = kq_jax.route_shed(indices, scores, tables[layer], num_slots=num_slots, on_miss=on_miss)
             if rule == "stall" or arena is None:  # every routed expert served: the resident layer
                 weights = Experts(p["gate_proj"], p["up_proj"], p["down_proj"])
-                slots, mix = indices, scores
+                y = experts_apply(x, weights, indices)
+                mix = scores
+            elif on_miss == "tier":
+                weights = Experts(*(arena[name][layer] for name in qwen3_moe.PROJECTIONS))
+                low = TierExperts(*(TierWeights(*(a[layer] for a in tier[name])) for name in qwen3_moe.PROJECTIONS),
+                                  bits=bits, group_size=group_size)
+                y, mix = tiered_apply(x, weights, low, shed.slots), shed.mix
             else:
                 weights = Experts(*(arena[name][layer] for name in qwen3_moe.PROJECTIONS))
                 slots, mix = serve(rule, indices, scores, probs, tables[layer], shed, normalize=cfg.norm_topk_prob,
                                    num_slots=num_slots)
-            out = jnp.einsum("tkd,tk->td", qwen3_moe.experts_apply(x, weights, slots), mix)
+                y = experts_apply(x, weights, slots)
+            out = jnp.einsum("tkd,tk->td", y, mix)
             served = jnp.where(mix > 0, scores, 0.0) if rule != "stall" else scores
             return out, (indices, scores, shed.miss_ids, shed.miss_scores, served)
 
         return qwen3_moe.decode_step(params, token, position, cache, cfg, moe)
 
     return jax.jit(step)
+
+
+def tier_arrays(tier) -> dict:
+    """A :class:`kq_host.tier.Tier` as the step's ``tier`` argument: ``{projection: (packed, scales, biases)}``
+    on the device."""
+    import jax.numpy as jnp
+
+    return {name: tuple(jnp.asarray(a) for a in weight) for name, weight in tier.weights.items()}
 
 
 # ---- runs --------------------------------------------------------------------------------------
@@ -186,6 +218,7 @@ class JaxStudy:
         self.params = qwen3_moe.load_params(checkpoint, self.cfg, experts=False)
         self._full_params = None
         self._steps = {}
+        self._tier = None
 
     def full_params(self):
         from kq_jax import qwen3_moe
@@ -196,8 +229,18 @@ class JaxStudy:
 
     def step(self, rule: str):
         if rule not in self._steps:
-            self._steps[rule] = make_step(self.cfg, rule)
+            self._steps[rule] = make_step(self.cfg, rule, (self.config.tier_bits, self.config.tier_group_size))
         return self._steps[rule]
+
+    def tier(self, store):
+        """The checkpoint's tier (``config.tier_bits``, ``config.tier_group_size``): built once, cached on disk."""
+        from kq_host.tier import build_tier
+
+        if self._tier is None:
+            tier = build_tier(store, self.cfg.num_hidden_layers, self.cfg.num_experts, bits=self.config.tier_bits,
+                              group_size=self.config.tier_group_size)
+            self._tier = tier, tier_arrays(tier)
+        return self._tier
 
     def resident(self) -> RunResult:
         """Every expert in memory, no arena: the model as trained."""
@@ -209,6 +252,7 @@ class JaxStudy:
         tables = jnp.tile(jnp.arange(cfg.num_experts, dtype=jnp.int32), (cfg.num_hidden_layers, 1))
         cache = qwen3_moe.empty_cache(cfg, 1, self.tokens.size)
         result = RunResult(1.0, cfg.num_experts, "-", "resident", self.config.tokens, 0.0, self.scored_bytes)
+        result.memory_bytes = cfg.num_hidden_layers * cfg.num_experts * _expert_nbytes(self.config.checkpoint)
         step = self.step("stall")
         start = time.perf_counter()
         for position in range(self.tokens.size - 1):
@@ -240,13 +284,19 @@ class JaxStudy:
             manager = ResidencyManager(layers, experts, slots, loader=lambda l, e, s: store.read_expert(l, e),
                                        arena=arena, policy=policy, queue_depth=0,
                                        bytes_per_expert=store.expert_nbytes(0))
+            result.memory_bytes = layers * slots * store.expert_nbytes(0)
+            tier = None
+            if rule == "tier":
+                built, tier = self.tier(store)
+                result.memory_bytes += built.nbytes
             tokens, warmup = _tokens(self.tokens, config.warmup, prompt)
             state = {"cache": qwen3_moe.empty_cache(cfg, 1, len(tokens) + generate)}
             step = self.step(rule)
 
             def token(position, token_id, tables):
                 logits, state["cache"], reports = step(params, arena.arrays, jnp.asarray(tables),
-                                                       jnp.asarray([token_id], jnp.int32), position, state["cache"])
+                                                       jnp.asarray([token_id], jnp.int32), position, state["cache"],
+                                                       tier)
                 return logits, [tuple(np.asarray(a) for a in r) for r in reports]
 
             return decode_through_arena(tokens, warmup, result, manager, token, generate=generate)
@@ -279,7 +329,8 @@ class MlxStudy:
             raise ValueError(f"--checkpoint: model_type {model_type!r}; kq study runs {sorted(CHECKPOINT_LAYOUTS)}")
         self.template, self.projections, experts_key = CHECKPOINT_LAYOUTS[model_type]
         self.num_experts = self.cfg_json[experts_key]
-        self.rules = RULES if model_type == "qwen3_moe" else tuple(r for r in RULES if r != "substitute")
+        # The tier is a JAX-study rule (its MLX layer is not written yet); substitute needs Qwen3-MoE's router.
+        self.rules = tuple(r for r in RULES if r != "tier" and (model_type == "qwen3_moe" or r != "substitute"))
         tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
         self.tokens, self.scored_bytes = _text_tokens(config, tokenizer)
 
@@ -350,6 +401,15 @@ class MlxStudy:
 
             tokens, warmup = _tokens(self.tokens, self.config.warmup, prompt)
             return decode_through_arena(tokens, warmup, result, manager, token, generate=generate)
+
+
+def _expert_nbytes(checkpoint) -> int:
+    """One expert's bytes in the checkpoint (every projection, the file's dtype)."""
+    from kq_host.expert_store import ExpertStore
+    from kq_jax import qwen3_moe
+
+    with ExpertStore(checkpoint, layout="per_expert", projections=qwen3_moe.PROJECTIONS) as store:
+        return store.expert_nbytes(0)
 
 
 def _tokens(text_tokens, warmup: int, prompt) -> tuple[list[int], int]:
@@ -450,16 +510,21 @@ def run_study(config: StudyConfig, *, progress: bool = True) -> tuple[RunResult,
 
 def format_table(resident: RunResult, results: list[RunResult]) -> str:
     header = ("residency", "slots", "policy", "rule", "perplexity", "vs resident", "bits/byte", "hit rate",
-              "shed mass/token", "reads/token", "MiB/token", "critical reads/token")
+              "shed mass/token", "reads/token", "MiB/token", "critical reads/token", "expert MiB")
     rows = [("100%", resident.slots, "-", "resident", f"{resident.perplexity:.3f}", "-",
-             f"{resident.bits_per_byte:.4f}", "-", "-", "-", "-", "-")]
+             f"{resident.bits_per_byte:.4f}", "-", "-", "-", "-", "-", _mib(resident.memory_bytes))]
     for r in results:
         s = r.summary()
         rows.append((f"{r.residency:.1%}", r.slots, r.policy, r.rule, f"{r.perplexity:.3f}",
                      f"{r.perplexity / resident.perplexity - 1:+.1%}", f"{r.bits_per_byte:.4f}",
                      f"{s['hit_rate']:.3f}", f"{s['shed_mass_per_token']:.3f}", f"{s['reads_per_token']:.2f}",
-                     f"{s['mib_per_token']:.3f}", f"{s['critical_reads_per_token']:.2f}" if r.rule == "stall" else "-"))
+                     f"{s['mib_per_token']:.3f}", f"{s['critical_reads_per_token']:.2f}" if r.rule == "stall" else "-",
+                     _mib(r.memory_bytes)))
     return render_table(header, rows, left=(2, 3))
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f}" if nbytes else "-"
 
 
 def write_json(config: StudyConfig, resident: RunResult, results: list[RunResult], path) -> None:

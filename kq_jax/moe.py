@@ -152,6 +152,21 @@ def moe_ffn_arena(x, router_w, arena: Experts, slot_table, *, top_k: int, impl: 
     return jnp.einsum("tkd,tk->td", y, routing.shed.mix.astype(y.dtype)), routing
 
 
+def tiered_apply(x, arena: Experts, tier: TierExperts, slots):
+    """Each token's k experts on it, from the arena or the tier: ``slots`` ``[T, k]`` as ``route_shed``'s
+    with ``on_miss="tier"`` (``< S``: an arena slot; ``S + e``: expert e of the tier) -> ``[T, k, D]``."""
+    num_slots = arena.gate.shape[0]
+    from_tier = slots >= num_slots  # [T, k]
+    arena_rows, tier_rows = jnp.where(from_tier, 0, slots), jnp.where(from_tier, slots - num_slots, 0)
+    # The hits' outputs come from experts_apply on the arena, the graph moe_ffn_arena and the resident
+    # layer run, so that with no miss the bits are theirs on every backend (an einsum over a select of
+    # the two weight sets fuses differently on a GPU); the misses' from the dequantized tier rows.
+    hits = experts_apply(x, arena, arena_rows)
+    low = Experts(*(dequantize_rows(quantized, tier_rows, bits=tier.bits, group_size=tier.group_size,
+                                    dtype=full.dtype) for full, quantized in zip(arena, (tier.gate, tier.up, tier.down))))
+    return jnp.where(from_tier[..., None], _apply_gathered(x, low), hits)
+
+
 def moe_ffn_tiered(x, router_w, arena: Experts, tier: TierExperts, slot_table, *, top_k: int,
                    impl: str = "auto"):
     """The MoE layer on an arena of S slots whose misses the tier serves (``on_miss="tier"``).
@@ -171,16 +186,5 @@ def moe_ffn_tiered(x, router_w, arena: Experts, tier: TierExperts, slot_table, *
     num_slots = arena.gate.shape[0]
     routing: TopkRouteShedResult = topk_route_shed(router_probs(x, router_w), slot_table, top_k=top_k,
                                                    num_slots=num_slots, on_miss="tier", impl=impl)
-    slots = routing.shed.slots
-    from_tier = slots >= num_slots  # [T, k]
-    arena_rows, tier_rows = jnp.where(from_tier, 0, slots), jnp.where(from_tier, slots - num_slots, 0)
-
-    # The hits' outputs come from experts_apply on the arena, the graph moe_ffn_arena and the resident
-    # layer run, so that with no miss the bits are theirs on every backend (an einsum over a select of
-    # the two weight sets fuses differently on a GPU); the misses' from the dequantized tier rows.
-    hits = experts_apply(x, arena, arena_rows)
-    low = Experts(*(dequantize_rows(quantized, tier_rows, bits=tier.bits, group_size=tier.group_size,
-                                    dtype=full.dtype) for full, quantized in zip(arena, (tier.gate, tier.up, tier.down))))
-    misses = _apply_gathered(x, low)
-    y = jnp.where(from_tier[..., None], misses, hits)
+    y = tiered_apply(x, arena, tier, routing.shed.slots)
     return jnp.einsum("tkd,tk->td", y, routing.shed.mix.astype(y.dtype)), routing

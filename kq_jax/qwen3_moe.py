@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kq_jax.moe import Experts
+from kq_jax.moe import Experts, experts_apply
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -185,13 +185,6 @@ def route(p, x, cfg: Qwen3MoeConfig):
     if cfg.norm_topk_prob:
         scores = scores / jnp.sum(scores, axis=-1, keepdims=True)
     return indices, scores, probs
-
-
-def experts_apply(x, experts: Experts, rows):
-    """SwiGLU experts ``rows`` ``[T, k]`` (expert or slot ids) on x ``[T, D]`` -> ``[T, k, D]``."""
-    gate = jnp.einsum("td,tkfd->tkf", x, experts.gate[rows])
-    up = jnp.einsum("td,tkfd->tkf", x, experts.up[rows])
-    return jnp.einsum("tkf,tkdf->tkd", jax.nn.silu(gate) * up, experts.down[rows])
 
 
 def moe_resident(p, x, cfg: Qwen3MoeConfig):

@@ -38,6 +38,23 @@ def test_stall_is_exact_and_pays_its_misses_on_the_critical_path(study):
     assert stall.critical_reads == stall.lookups - stall.hits > 0
 
 
+def test_the_tier_at_full_residency_is_the_resident_model_to_the_bit(study):
+    if "tier" not in study.rules:
+        pytest.skip("the tier rule runs in the JAX study")
+    assert study.run(1.0, "lfu", "tier").bits == study.resident().bits
+
+
+def test_the_tier_serves_misses_at_less_cost_than_shedding(study):
+    if "tier" not in study.rules:
+        pytest.skip("the tier rule runs in the JAX study")
+    resident, tier, shed = study.resident(), study.run(0.25, "lfu", "tier"), study.run(0.25, "lfu", "shed")
+    assert tier.hits < tier.lookups and tier.reads > 0  # misses happen and are still prestaged
+    assert tier.shed_mass == 0.0  # every miss served by its tier copy
+    assert abs(tier.bits - resident.bits) < abs(shed.bits - resident.bits)
+    slots_only = shed.memory_bytes
+    assert slots_only < tier.memory_bytes < resident.memory_bytes  # the arena plus a 3-bit copy of every expert
+
+
 @pytest.mark.parametrize("rule", ["route_shed", "shed", "renormalize", "substitute"])
 def test_a_small_arena_sheds_and_reads(study, rule):
     run = study.run(0.125, "lfu", rule)
