@@ -117,7 +117,7 @@ def route(x, router_w, *, top_k: int):
 
 def experts_apply(x, experts: Experts, rows):
     """Each token's k experts on it: x ``[T, D]``, rows ``[T, k]`` slot ids -> ``[T, k, D]``."""
-    return _apply_gathered(x, Experts(experts.gate[rows], experts.up[rows], experts.down[rows]))
+    return _apply_gathered(x, Experts(*(jnp.asarray(w)[rows] for w in experts)))
 
 
 def _apply_gathered(x, gathered: Experts):
