@@ -329,10 +329,20 @@ class MlxStudy:
             raise ValueError(f"--checkpoint: model_type {model_type!r}; kq study runs {sorted(CHECKPOINT_LAYOUTS)}")
         self.template, self.projections, experts_key = CHECKPOINT_LAYOUTS[model_type]
         self.num_experts = self.cfg_json[experts_key]
-        # The tier is a JAX-study rule (its MLX layer is not written yet); substitute needs Qwen3-MoE's router.
-        self.rules = tuple(r for r in RULES if r != "tier" and (model_type == "qwen3_moe" or r != "substitute"))
+        self.rules = RULES if model_type == "qwen3_moe" else tuple(r for r in RULES if r != "substitute")
+        self._tier = None
         tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
         self.tokens, self.scored_bytes = _text_tokens(config, tokenizer)
+
+    def tier(self, store, layers: int, arena_names: dict):
+        """The checkpoint's tier, its projections under the arena's names: built once, cached on disk."""
+        from kq_host.tier import Tier, build_tier
+
+        if self._tier is None:
+            built = build_tier(store, layers, self.num_experts, bits=self.config.tier_bits,
+                               group_size=self.config.tier_group_size)
+            self._tier = Tier({arena_names[name]: w for name, w in built.weights.items()}, built.bits, built.group_size)
+        return self._tier
 
     def _model(self):
         import mlx.core as mx
@@ -356,6 +366,8 @@ class MlxStudy:
         model = self._model()
         cache = make_prompt_cache(model)
         result = RunResult(1.0, self.num_experts, "-", "resident", self.config.tokens, 0.0, self.scored_bytes)
+        result.memory_bytes = self.cfg_json["num_hidden_layers"] * self.num_experts * _expert_nbytes(
+            self.config.checkpoint, self.projections, self.template)
         start = time.perf_counter()
         for position in range(self.tokens.size - 1):
             logits = self._logits(model, cache, int(self.tokens[position]))
@@ -370,7 +382,7 @@ class MlxStudy:
 
         from kq_host.expert_store import ExpertStore
         from kq_host.residency import ResidencyManager
-        from kq_mlx.mlx_lm_adapter import PROJECTIONS, SwitchGLUArena, attach_arena, set_tables
+        from kq_mlx.mlx_lm_adapter import PROJECTIONS, SwitchGLUArena, attach_arena, attach_tier, set_tables
 
         layers, experts = self.cfg_json["num_hidden_layers"], self.num_experts
         slots = max(self.cfg_json["num_experts_per_tok"], round(residency * experts))
@@ -388,6 +400,11 @@ class MlxStudy:
 
             manager = ResidencyManager(layers, experts, slots, loader=load, arena=SwitchGLUArena(blocks),
                                        policy=policy, queue_depth=0, bytes_per_expert=store.expert_nbytes(0))
+            result.memory_bytes = layers * slots * store.expert_nbytes(0)
+            if rule == "tier":
+                tier = self.tier(store, layers, {name: arena for arena, name in zip(PROJECTIONS, self.projections)})
+                attach_tier(blocks, tier)
+                result.memory_bytes += tier.nbytes
 
             def token(position, token_id, tables):
                 set_tables(blocks, tables)
@@ -403,12 +420,11 @@ class MlxStudy:
             return decode_through_arena(tokens, warmup, result, manager, token, generate=generate)
 
 
-def _expert_nbytes(checkpoint) -> int:
+def _expert_nbytes(checkpoint, projections=("gate_proj", "up_proj", "down_proj"), template=None) -> int:
     """One expert's bytes in the checkpoint (every projection, the file's dtype)."""
     from kq_host.expert_store import ExpertStore
-    from kq_jax import qwen3_moe
 
-    with ExpertStore(checkpoint, layout="per_expert", projections=qwen3_moe.PROJECTIONS) as store:
+    with ExpertStore(checkpoint, layout="per_expert", projections=projections, template=template) as store:
         return store.expert_nbytes(0)
 
 

@@ -14,6 +14,11 @@ mlx-lm's ``gather_qmm`` runs on ``slots``.
 
 With every expert resident the wrapped model produces the original model's
 bits: an all-kept row's ``mix`` equals its scores exactly.
+
+:func:`attach_tier` gives each block a low-precision copy of all its experts
+(:class:`kq_host.tier.Tier`, MLX's quantized layout, run by ``gather_qmm``);
+with rule ``"tier"`` a miss is computed with its copy at its full weight
+(``route_shed(..., on_miss="tier")``) instead of being shed.
 """
 
 from __future__ import annotations
@@ -59,8 +64,9 @@ ROUTERS: dict[str, Callable] = {
 # What a block does with a routed expert that is not resident (kq study compares them):
 # route_shed (shed, the kept weights keep the routed mass), shed (kept weights as they are),
 # renormalize (kept weights to sum 1), substitute (the best resident expert the row did not
-# choose, at the miss's weight; Qwen3-MoE only), stall (the wrapped block's own experts: exact).
-MISS_RULES = ("route_shed", "shed", "renormalize", "substitute", "stall")
+# choose, at the miss's weight; Qwen3-MoE only), tier (the miss's low-precision copy, at its weight;
+# after attach_tier), stall (the wrapped block's own experts: exact).
+MISS_RULES = ("route_shed", "shed", "renormalize", "substitute", "tier", "stall")
 
 
 class ArenaMoeBlock(nn.Module):
@@ -96,6 +102,7 @@ class ArenaMoeBlock(nn.Module):
         self.keeps_experts = keep_experts
         self.slot_table = mx.full((self.num_experts,), -1, mx.int32)
         self.rule = "route_shed"
+        self.tier = None  # a SwitchGLU of every expert at low precision (attach_tier)
         self.last = None
         self.last_mix = None
 
@@ -126,6 +133,8 @@ class ArenaMoeBlock(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         if self.rule == "substitute":
             inds, scores, shed = self._substitute(x)
+        elif self.rule == "tier":
+            return self._tiered(x)
         else:
             inds, scores = self._route(self.block, x)
             shed = kq_mlx.route_shed(inds.astype(mx.uint32), scores, self.slot_table, num_slots=self.num_slots)
@@ -138,6 +147,21 @@ class ArenaMoeBlock(nn.Module):
         self.last_mix = mix
         y = self.arena(x, shed.slots)
         return (y * mix.astype(scores.dtype)[..., None]).sum(axis=-2).astype(y.dtype)
+
+    def _tiered(self, x):
+        """Hits from the arena, misses from the tier at their full weights, in one graph."""
+        if self.tier is None:
+            raise ValueError("ArenaMoeBlock: rule 'tier' needs a tier: call attach_tier(blocks, tier) first")
+        inds, scores = self._route(self.block, x)
+        shed = kq_mlx.route_shed(inds.astype(mx.uint32), scores, self.slot_table, num_slots=self.num_slots,
+                                 on_miss="tier")
+        self.last, self.last_mix = (inds, scores, shed), shed.mix
+        from_tier = shed.slots >= self.num_slots
+        # The hits through the arena exactly as route_shed's graph runs them: with no miss, the model's bits.
+        hits = self.arena(x, mx.where(from_tier, 0, shed.slots))
+        misses = self.tier(x, mx.where(from_tier, shed.slots - self.num_slots, 0))
+        y = mx.where(from_tier[..., None], misses, hits)
+        return (y * shed.mix.astype(scores.dtype)[..., None]).sum(axis=-2).astype(y.dtype)
 
     def _substitute(self, x):
         """The routing and its substitutes in one op (kq_mlx.topk_route_shed; Qwen3-MoE routers)."""
@@ -255,6 +279,40 @@ def attach_arena(model: nn.Module, num_slots: int, *, keep_experts: bool = True)
     if not blocks:
         raise TypeError("attach_arena: the model has no supported MoE block")
     return blocks
+
+
+def attach_tier(blocks: list[ArenaMoeBlock], tier) -> None:
+    """Gives every block the low-precision copy of its layer's experts, for rule ``"tier"``.
+
+    Args:
+        blocks: :func:`attach_arena`'s wrappers, one per layer.
+        tier: a :class:`kq_host.tier.Tier` of ``len(blocks)`` layers and the blocks' expert count,
+            projections named ``gate_proj``, ``up_proj``, ``down_proj`` (mlx-lm's, and the
+            ``ExpertStore`` default); its scales and biases go to the device in the arena's float dtype.
+
+    Raises:
+        ValueError: the tier's layers, experts or projections do not match the blocks.
+    """
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    if tier.num_layers != len(blocks) or any(tier.num_experts != b.num_experts for b in blocks):
+        raise ValueError(f"attach_tier: the tier holds {tier.num_layers} layers of {tier.num_experts} experts, the "
+                         f"model {len(blocks)} MoE layers of {blocks[0].num_experts}")
+    if set(tier.weights) != set(PROJECTIONS):
+        raise ValueError(f"attach_tier: the tier's projections are {sorted(tier.weights)}, the blocks' {PROJECTIONS}")
+    for layer, block in enumerate(blocks):
+        low = copy.copy(block.arena)
+        for projection, weight in tier.layer(layer).items():
+            arena_weight = _slot_arrays(block.arena)[PROJECTIONS.index(projection)][1]
+            float_dtype = arena_weight.dtype if mx.issubdtype(arena_weight.dtype, mx.floating) else mx.float32
+            out_dims, words = weight.packed.shape[1:]
+            linear = QuantizedSwitchLinear(words * 32 // tier.bits, out_dims, tier.num_experts, bias=False,
+                                           group_size=tier.group_size, bits=tier.bits)
+            linear["weight"] = mx.array(weight.packed)
+            linear["scales"], linear["biases"] = (mx.array(np.asarray(a, np.float32)).astype(float_dtype)
+                                                  for a in (weight.scales, weight.biases))
+            setattr(low, projection, linear)
+        block.tier = low
 
 
 def set_tables(blocks: list[ArenaMoeBlock], tables: np.ndarray) -> None:

@@ -248,3 +248,68 @@ def test_lazy_checkpoint_never_materialises_its_experts(tmp_path):
         growth = growth_of(dropped)
         assert growth < other_mib + arena_mib + 64, (name, growth, other_mib, arena_mib)
         assert growth_of(kept) > growth + 0.75 * expert_mib, (name, kept, dropped)
+
+
+def _tier_of(blocks, bits=4):
+    from kq_host.tier import Tier, quantize
+
+    weights = {}
+    for projection in ("gate_proj", "up_proj", "down_proj"):
+        per_layer = [[quantize(block.expert_weights(e)[projection], bits=bits, group_size=32)
+                      for e in range(EXPERTS)] for block in blocks]
+        weights[projection] = type(per_layer[0][0])(*(np.stack([np.stack([getattr(w, f) for w in layer])
+                                                                for layer in per_layer])
+                                                      for f in ("packed", "scales", "biases")))
+    return Tier(weights, bits, 32)
+
+
+def test_tier_with_every_expert_resident_reproduces_the_model_bit_for_bit():
+    from kq_mlx.mlx_lm_adapter import attach_tier
+
+    mx.random.seed(3)
+    model = qwen3_model()
+    mx.eval(model.parameters())
+    want_tokens, want_logits = greedy(model, [1, 2, 3], 6)
+    blocks = attach_arena(model, EXPERTS)
+    _fill_every_expert(blocks, SwitchGLUArena(blocks), lambda layer, e: blocks[layer].expert_weights(e))
+    attach_tier(blocks, _tier_of(blocks))
+    for block in blocks:
+        block.rule = "tier"
+    got_tokens, got_logits = greedy(model, [1, 2, 3], 6)
+    assert got_tokens == want_tokens
+    for want, got in zip(want_logits, got_logits):
+        np.testing.assert_array_equal(want.view(np.uint32), got.view(np.uint32))
+
+
+def test_tier_serves_misses_closer_to_the_model_than_shedding():
+    from kq_mlx.mlx_lm_adapter import attach_tier
+
+    mx.random.seed(4)
+    model = qwen3_model()
+    mx.eval(model.parameters())
+    _, want = greedy(model, [1, 2, 3], 1)
+    blocks = attach_arena(model, 4)
+    arena = SwitchGLUArena(blocks)
+    tables = np.full((LAYERS, EXPERTS), -1, np.int32)
+    for layer, block in enumerate(blocks):
+        for slot, expert in enumerate((0, 5, 9, 12)):
+            tables[layer, expert] = slot
+            arena.write_slot(layer, slot, block.expert_weights(expert))
+    set_tables(blocks, tables)
+    attach_tier(blocks, _tier_of(blocks, bits=4))
+    errors = {}
+    for rule in ("shed", "tier"):
+        for block in blocks:
+            block.rule = rule
+        _, got = greedy(model, [1, 2, 3], 1)
+        errors[rule] = float(np.linalg.norm(got[0] - want[0]) / np.linalg.norm(want[0]))
+    assert int(np.array(blocks[0].last[2].miss_ids).max()) >= 0, "the case must have misses"
+    assert errors["tier"] < 0.25 * errors["shed"], errors
+
+
+def test_tier_rule_without_a_tier_names_the_call():
+    model = qwen3_model()
+    blocks = attach_arena(model, 4)
+    blocks[0].rule = "tier"
+    with pytest.raises(ValueError, match="attach_tier"):
+        blocks[0](mx.zeros((1, 1, 64)))
