@@ -46,6 +46,14 @@ def greedy(model, prompt, steps, after_step=None):
     return tokens, logits_seen
 
 
+def assert_greedy_matches(model, prompt, steps, want_tokens, want_logits):
+    """Greedy decoding of ``model`` gives ``want_tokens`` and ``want_logits`` bit for bit."""
+    got_tokens, got_logits = greedy(model, prompt, steps)
+    assert got_tokens == want_tokens
+    for want, got in zip(want_logits, got_logits):
+        np.testing.assert_array_equal(want.view(np.uint32), got.view(np.uint32))
+
+
 @pytest.mark.parametrize("make_model", [qwen3_model, mixtral_model], ids=["qwen3_moe", "mixtral"])
 def test_every_expert_resident_reproduces_the_model_bit_for_bit(make_model):
     mx.random.seed(0)
@@ -63,10 +71,7 @@ def test_every_expert_resident_reproduces_the_model_bit_for_bit(make_model):
         for expert in range(EXPERTS):
             arena.write_slot(layer, int(slots[expert]), block.expert_weights(expert))
     set_tables(blocks, tables)
-    got_tokens, got_logits = greedy(model, [1, 2, 3], 10)
-    assert got_tokens == want_tokens
-    for want, got in zip(want_logits, got_logits):
-        np.testing.assert_array_equal(want.view(np.uint32), got.view(np.uint32))
+    assert_greedy_matches(model, [1, 2, 3], 10, want_tokens, want_logits)
 
 
 def test_partial_arena_runs_with_the_residency_manager():
@@ -125,10 +130,7 @@ def test_quantized_experts_resident_reproduce_the_quantized_model(make_model, qu
     assert type(blocks[0].arena.gate_proj).__name__ == "QuantizedSwitchLinear"
     assert blocks[0].arena.gate_proj.bits == quantization["bits"]
     _fill_every_expert(blocks, SwitchGLUArena(blocks), lambda layer, expert: blocks[layer].expert_weights(expert))
-    got_tokens, got_logits = greedy(model, [1, 2, 3], 10)
-    assert got_tokens == want_tokens
-    for want, got in zip(want_logits, got_logits):
-        np.testing.assert_array_equal(want.view(np.uint32), got.view(np.uint32))
+    assert_greedy_matches(model, [1, 2, 3], 10, want_tokens, want_logits)
 
 
 def test_quantized_experts_stream_from_an_mlx_community_checkpoint(tmp_path):
@@ -152,10 +154,7 @@ def test_quantized_experts_stream_from_an_mlx_community_checkpoint(tmp_path):
     store = ExpertStore(tmp_path, layout="stacked", template="model.layers.{layer}.mlp.switch_mlp.{projection}",
                         projections=tuple(blocks[0].slot_layout()))
     _fill_every_expert(blocks, SwitchGLUArena(blocks), store.read_expert)
-    got_tokens, got_logits = greedy(model, [4, 5], 8)
-    assert got_tokens == want_tokens
-    for want, got in zip(want_logits, got_logits):
-        np.testing.assert_array_equal(want.view(np.uint32), got.view(np.uint32))
+    assert_greedy_matches(model, [4, 5], 8, want_tokens, want_logits)
 
 
 _LAZY_RUN = r"""
@@ -275,10 +274,7 @@ def test_tier_with_every_expert_resident_reproduces_the_model_bit_for_bit():
     attach_tier(blocks, _tier_of(blocks))
     for block in blocks:
         block.rule = "tier"
-    got_tokens, got_logits = greedy(model, [1, 2, 3], 6)
-    assert got_tokens == want_tokens
-    for want, got in zip(want_logits, got_logits):
-        np.testing.assert_array_equal(want.view(np.uint32), got.view(np.uint32))
+    assert_greedy_matches(model, [1, 2, 3], 6, want_tokens, want_logits)
 
 
 def test_tier_serves_misses_closer_to_the_model_than_shedding():
