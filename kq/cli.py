@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -126,18 +127,23 @@ def _demo_model(args, parser) -> int:
     if not 0.0 < args.residency <= 1.0:
         parser.error(f"--residency is the fraction of each layer's experts in the arena, in (0, 1]; "
                      f"got {args.residency}")
+    misses = {"tier": f"each miss served by its {args.tier_bits}-bit copy", "route_shed": "misses shed, kept weights rescaled",
+              "shed": "misses shed"}[args.rule]
     print(f"{args.checkpoint}: greedy text after {args.prompt!r}, {args.tokens} tokens, experts served from an arena "
-          f"of {args.residency:.0%} of each layer's experts (route_shed, {args.policy}), beside the model with every "
+          f"of {args.residency:.0%} of each layer's experts ({misses}; {args.policy}), beside the model with every "
           f"expert in memory")
+    layers = json.loads((Path(args.checkpoint) / "config.json").read_text())["num_hidden_layers"]
     for framework in frameworks:
         streamed, result, resident = study.generate(framework, args.checkpoint, args.prompt, args.tokens,
-                                                    args.residency, args.policy)
+                                                    args.residency, args.policy, args.rule, args.tier_bits)
         s = result.summary()
+        same = "the same text" if streamed == resident else "a different text"
         print(f"\n== {framework}: through the arena ({result.slots} slots per layer)\n{args.prompt}{streamed}")
-        print(f"== {framework}: every expert resident\n{args.prompt}{resident}")
-        print(f"== {framework}: hit rate {s['hit_rate']:.3f}, shed mass {s['shed_mass_per_token']:.3f} per token "
-              f"(of {result.routed_mass / result.tokens:.3f} routed), {s['reads_per_token']:.1f} expert reads and "
-              f"{s['mib_per_token']:.2f} MiB per token, {result.tokens / result.seconds:.1f} tokens/s")
+        print(f"== {framework}: every expert resident ({same})\n{args.prompt}{resident}")
+        print(f"== {framework}: hit rate {s['hit_rate']:.3f}; routed gate weight not served, summed over the "
+              f"{layers} layers: {s['shed_mass_per_token']:.3f} per token of {result.routed_mass / result.tokens:.3f}; "
+              f"{s['reads_per_token']:.1f} expert reads and {s['mib_per_token']:.2f} MiB per token; experts in memory "
+              f"{s['memory_mib']:.1f} MiB; {result.tokens / result.seconds:.1f} tokens/s")
     return 0
 
 
@@ -239,6 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--residency", type=float, default=0.25,
                       help="fraction of each layer's experts in the arena, in (0, 1] (default 0.25)")
     demo.add_argument("--policy", choices=["lfu", "lru"], default="lfu", help="eviction policy (default lfu)")
+    demo.add_argument("--rule", choices=["tier", "route_shed", "shed"], default="tier",
+                      help="the shipped model's misses: served by a low-precision copy of every expert (tier, the "
+                           "default), or shed (route_shed rescales the kept weights, shed does not)")
+    demo.add_argument("--tier-bits", type=int, choices=[2, 3, 4, 8], default=4,
+                      help="bits per weight of the tier (default 4: the shipped model's greedy text through a 25%% "
+                           "arena then matches the resident model's for its first 20 tokens; 8: all 48)")
     demo.add_argument("--keep-mass", type=float, default=0.9,
                       help="shed-mass budget: a layer-step shedding more than 1 - this of its routed mass "
                            "counts as over-budget (default 0.9)")

@@ -583,8 +583,8 @@ def write_plot(resident: RunResult, results: list[RunResult], path) -> None:
 
 
 def generate(framework: str, checkpoint: Path, prompt: str, tokens: int, residency: float,
-             policy: str = "lfu") -> tuple[str, RunResult, str]:
-    """Greedy text after ``prompt`` through an arena of ``residency`` (route_shed), and with every expert.
+             policy: str = "lfu", rule: str = "tier", tier_bits: int = 4) -> tuple[str, RunResult, str]:
+    """Greedy text after ``prompt`` through an arena of ``residency`` (misses under ``rule``), and with every expert.
 
     Returns:
         ``(text through the arena, its RunResult, text of the resident model)``.
@@ -593,10 +593,10 @@ def generate(framework: str, checkpoint: Path, prompt: str, tokens: int, residen
 
     tokenizer = Tokenizer.from_file(str(Path(checkpoint) / "tokenizer.json"))
     ids = tokenizer.encode(prompt).ids
-    study = make_study(StudyConfig(checkpoint=checkpoint, tokens=1, warmup=0, framework=framework))
+    study = make_study(StudyConfig(checkpoint=checkpoint, tokens=1, warmup=0, framework=framework, tier_bits=tier_bits))
     texts = []
     for run_residency in (residency, 1.0):
-        result = study.run(run_residency, policy, "route_shed", prompt=ids, generate=tokens)
+        result = study.run(run_residency, policy, rule, prompt=ids, generate=tokens)
         result.tokens = tokens
         texts.append((tokenizer.decode(result.trace["tokens"][len(ids):]), result))
     (streamed, result), (resident, _) = texts

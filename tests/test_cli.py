@@ -190,6 +190,11 @@ def test_demo_generates_with_the_shipped_model_through_a_quarter_arena(capsys):
     assert main(["demo", "--frameworks", "jax", "--tokens", "6"]) == 0
     out = capsys.readouterr().out
     assert "through the arena (16 slots per layer)" in out and "every expert resident" in out and "hit rate" in out
+    assert "4-bit copy" in out and "experts in memory" in out
+    # With the tier no routed weight goes unserved; shedding leaves some.
+    assert "4 layers: 0.000 per token" in out
+    assert main(["demo", "--frameworks", "jax", "--tokens", "6", "--rule", "shed"]) == 0
+    assert "4 layers: 0.000 per token" not in capsys.readouterr().out
 
 
 def test_bench_host_times_the_token_boundary(monkeypatch, tmp_path, capsys):
