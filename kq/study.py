@@ -495,14 +495,15 @@ def _bits(logits, target: int) -> float:
 
 
 def grid(config: StudyConfig, rules=RULES) -> list[tuple[float, str, str]]:
-    """The runs, for the configured rules among ``rules``; at 100% residency a single one (no miss: every
-    policy and rule the same)."""
+    """The runs, for the configured rules among ``rules``. At 100% residency each rule runs once, with the
+    first policy: no expert is ever evicted, so the policies agree, but a rule may still change the output
+    with no miss at all (``renormalize`` scales every row's weights to 1)."""
     runs = []
     for residency in config.residencies:
         for policy in config.policies:
             for rule in (r for r in config.rules if r in rules):
-                if residency == 1.0 and (policy != config.policies[0] or rule != config.rules[0]):
-                    continue  # every expert resident: no miss, every policy and rule the same
+                if residency == 1.0 and policy != config.policies[0]:
+                    continue
                 runs.append((residency, policy, rule))
     return runs
 
@@ -564,7 +565,7 @@ def write_plot(resident: RunResult, results: list[RunResult], path) -> None:
     for policy in sorted({r.policy for r in results}):
         for rule in RULES:
             line = sorted((r.residency, r.perplexity, r.hits / max(r.lookups, 1)) for r in results
-                          if (r.policy == policy and r.rule == rule) or (r.residency == 1.0 and r.rule == RULES[0]))
+                          if r.rule == rule and (r.policy == policy or r.residency == 1.0))
             if len(line) < 2 or not any(r.rule == rule and r.policy == policy for r in results):
                 continue
             style = "-" if policy == "lfu" else "--"

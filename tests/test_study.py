@@ -163,3 +163,17 @@ def test_mixtral_checkpoints_run_through_mlx_lm(mixtral_checkpoint):
 def test_the_jax_model_refuses_a_mixtral_checkpoint(mixtral_checkpoint):
     with pytest.raises(ValueError, match="--framework mlx"):
         make_study(StudyConfig(checkpoint=mixtral_checkpoint, tokens=10, warmup=3, framework="jax"))
+
+
+def test_the_grid_runs_every_rule_at_full_residency_once():
+    from kq.study import RULES, grid
+
+    config = StudyConfig(residencies=(1.0, 0.5), policies=("lfu", "lru"))
+    runs = grid(config)
+    assert [(p, r) for x, p, r in runs if x == 1.0] == [("lfu", rule) for rule in RULES]
+    assert len([run for run in runs if run[0] == 0.5]) == 2 * len(RULES)
+
+
+def test_renormalize_changes_the_output_with_every_expert_resident(study):
+    """With norm_topk_prob false a row's routed mass is below 1: scaling it to 1 is a cost with no miss."""
+    assert study.run(1.0, "lfu", "renormalize").bits != study.resident().bits
