@@ -60,10 +60,10 @@ def dtype_name(array) -> str:
         return str(dtype).rsplit(".", 1)[-1]
 
 
-def _check_dtype(name: str, array, allowed: tuple[str, ...]) -> None:
+def _check_dtype(name: str, array, allowed: tuple[str, ...], op: str = "route_shed") -> None:
     got = dtype_name(array)
     if got not in allowed:
-        raise RouteShedDtypeError(name, f"route_shed: {name} must have dtype {' or '.join(allowed)}, got {got}")
+        raise RouteShedDtypeError(name, f"{op}: {name} must have dtype {' or '.join(allowed)}, got {got}")
 
 
 def check_num_slots(num_slots) -> None:
@@ -137,8 +137,8 @@ def check_topk_route_shed_args(probs, slot_table, top_k: int, *, normalize: bool
         raise RouteShedDtypeError("normalize", f"topk_route_shed: normalize must be a bool, got {normalize!r}")
     if not isinstance(on_miss, str) or on_miss not in ON_MISS:
         raise RouteShedArgumentError("on_miss", f"topk_route_shed: on_miss must be one of {ON_MISS}, got {on_miss!r}")
-    _check_dtype("probs", probs, SCORE_DTYPES)
-    _check_dtype("slot_table", slot_table, SLOT_TABLE_DTYPES)
+    _check_dtype("probs", probs, SCORE_DTYPES, "topk_route_shed")
+    _check_dtype("slot_table", slot_table, SLOT_TABLE_DTYPES, "topk_route_shed")
     pshape, tshape = tuple(probs.shape), tuple(slot_table.shape)
     if len(pshape) < 1 or pshape[-1] < 1:
         raise RouteShedArgumentError("probs", f"topk_route_shed: probs must have shape [..., E] with E >= 1, "

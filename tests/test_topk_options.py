@@ -94,3 +94,10 @@ def test_the_kernel_refuses_options_it_does_not_implement():
     with pytest.raises(ValueError, match="implements normalize=True"):
         kq_jax.topk_route_shed(np.ones((1, 4), np.float32), np.zeros(4, np.int32), top_k=2, on_miss="substitute",
                                impl="pallas_interpret")
+
+
+def test_dtype_errors_name_the_op_that_was_called():
+    with pytest.raises(TypeError, match=r"^topk_route_shed: probs must have dtype"):
+        topk_route_shed_oracle(np.ones((1, 4), np.float64), np.zeros(4, np.int32), 2)
+    with pytest.raises(TypeError, match=r"^topk_route_shed: slot_table must have dtype"):
+        topk_route_shed_oracle(np.ones((1, 4), np.float32), np.zeros(4, np.int64), 2)
