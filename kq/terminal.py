@@ -2,14 +2,16 @@
 
 Tables go to stdout and never wrap: on a terminal they take its width, piped
 or captured they are laid out on a wide page. Progress goes to stderr: a live
-bar on a terminal, nothing elsewhere (the commands print their own
-per-step lines where a log should show them).
+bar on a terminal; elsewhere (a pipe, a log) plain lines, one for the first
+step, then one whenever a step ends 10 s or more after the last line, and one
+for the last step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from typing import Iterator, Sequence
 
 from rich import box
@@ -47,9 +49,17 @@ def render_table(header: Sequence[str], rows: Sequence[Sequence[object]], *, tit
     return "\n".join(line.rstrip() for line in captured.get().splitlines())
 
 
+# Piped progress: the least time between two plain lines (the first and the last step always print).
+PLAIN_LINE_SECONDS = 10.0
+
+
 @contextlib.contextmanager
 def progress_bar(total: int, *, enabled: bool = True, description: str = "") -> Iterator:
-    """Yields ``advance(label)``: one step done, ``label`` shown beside the bar (stderr, terminals only)."""
+    """Yields ``advance(label)``: one step done, ``label`` shown beside the bar on a terminal, in a plain
+    line on stderr elsewhere (see the module docstring)."""
+    if enabled and not sys.stderr.isatty():
+        yield _plain_lines(total, description)
+        return
     live = enabled and sys.stderr.isatty()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[label]}"), console=_console(sys.stderr), transient=True,
@@ -60,3 +70,19 @@ def progress_bar(total: int, *, enabled: bool = True, description: str = "") -> 
             progress.update(task, advance=1, label=label)
 
         yield advance
+
+
+def _plain_lines(total: int, description: str):
+    start = time.monotonic()
+    state = {"done": 0, "printed": None}
+
+    def advance(label: str = "") -> None:
+        state["done"] += 1
+        now = time.monotonic()
+        last = state["printed"]
+        if last is None or now - last >= PLAIN_LINE_SECONDS or state["done"] == total:
+            state["printed"] = now
+            step = f"{state['done']}/{total}" + (f" {label}" if label else "")
+            print(f"{description}: {step} ({now - start:.0f} s)", file=sys.stderr, flush=True)
+
+    return advance
