@@ -330,6 +330,8 @@ def run(sets=("decode",), backends=None, *, shapes=(), repeats: int = 7, residen
     """
     from kq_core.oracle import route_shed_oracle
 
+    if not 0.0 <= resident_fraction <= 1.0:
+        raise ValueError(f"resident_fraction must be a fraction in [0, 1], got {resident_fraction}")
     # name -> (call, timer, device, floor key: the launch floor measured once per key)
     timers: dict[str, tuple[Callable, Callable, str, str | None]] = {
         "numpy-oracle": (route_shed_oracle, _numpy_timer, "cpu (numpy)", None)}

@@ -71,6 +71,26 @@ def _count(minimum: int):
     return parse
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= value <= 1.0:  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"must be a fraction in [0, 1], got {text}")
+    return value
+
+
+def _output_path(text: str) -> Path | None:
+    """A file to write at the end of a run (``''``: none), its directory checked before the run starts."""
+    if not text:
+        return None
+    path = Path(text)
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{path.parent} is not a directory to write {path.name} into")
+    return path
+
+
 def _bench(args) -> int:
     from kq import bench
 
@@ -103,6 +123,26 @@ def _bench(args) -> int:
     return 0
 
 
+# `kq demo`'s options that apply to one of its two runs only, with their defaults: given to the other, refused.
+DEMO_RANDOM_ONLY = {"layers": 8, "experts": 64, "top_k": 8, "hidden": 256, "ffn": 128, "rows": 1, "steps": 200,
+                    "keep_mass": 0.9, "read_budget": None, "seed": 0, "plot": Path("kq_demo.png")}
+DEMO_MODEL_ONLY = {"checkpoint": None, "prompt": "def read_config(path):\n", "tokens": 48, "rule": "tier",
+                   "tier_bits": 4}
+
+
+def _demo_options(args, parser) -> None:
+    """Refuses an option of the other run; fills in the defaults of this one's."""
+    own, other = (DEMO_RANDOM_ONLY, DEMO_MODEL_ONLY) if args.random else (DEMO_MODEL_ONLY, DEMO_RANDOM_ONLY)
+    for name in other:
+        if hasattr(args, name):
+            flag = "--" + name.replace("_", "-")
+            parser.error(f"{flag} does not apply with --random" if args.random else
+                         f"{flag} only applies with --random")
+    for name, default in own.items():
+        if not hasattr(args, name):
+            setattr(args, name, default)
+
+
 def _demo_config(args, parser):
     from kq import demo
 
@@ -127,12 +167,17 @@ def _demo_model(args, parser) -> int:
     if not 0.0 < args.residency <= 1.0:
         parser.error(f"--residency is the fraction of each layer's experts in the arena, in (0, 1]; "
                      f"got {args.residency}")
+    if not args.prompt:
+        parser.error("--prompt is empty: give the model some text to continue")
+    try:
+        layers = study.checkpoint_config(args.checkpoint, frameworks[0])["num_hidden_layers"]
+    except ValueError as error:
+        parser.error(str(error))
     misses = {"tier": f"each miss served by its {args.tier_bits}-bit copy", "route_shed": "misses shed, kept weights rescaled",
               "shed": "misses shed"}[args.rule]
     print(f"{args.checkpoint}: greedy text after {args.prompt!r}, {args.tokens} tokens, experts served from an arena "
           f"of {args.residency:.0%} of each layer's experts ({misses}; {args.policy}), beside the model with every "
           f"expert in memory")
-    layers = json.loads((Path(args.checkpoint) / "config.json").read_text())["num_hidden_layers"]
     for framework in frameworks:
         streamed, result, resident = study.generate(framework, args.checkpoint, args.prompt, args.tokens,
                                                     args.residency, args.policy, args.rule, args.tier_bits)
@@ -148,9 +193,11 @@ def _demo_model(args, parser) -> int:
 
 
 def _demo(args, parser) -> int:
-    from kq import demo
+    from kq import demo, study
 
+    _demo_options(args, parser)
     if not args.random:
+        args.checkpoint = args.checkpoint or study.SHIPPED_MODEL
         return _demo_model(args, parser)
     cfg = _demo_config(args, parser)
     missing = [m for m in ("safetensors", "matplotlib") if importlib.util.find_spec(m) is None]
@@ -174,9 +221,10 @@ def _study(args, parser) -> int:
                                    residencies=tuple(args.residency), policies=tuple(args.policies),
                                    rules=tuple(args.rules), framework=args.framework, tier_bits=args.tier_bits,
                                    tier_group_size=args.tier_group_size)
+        runner = study.make_study(config)  # reads and checks the text
     except ValueError as error:
         parser.error(str(error))
-    resident, results = study.run_study(config, progress=not args.no_progress)
+    resident, results = study.run_study(runner, progress=not args.no_progress)
     print(study.format_table(resident, results))
     for path, write in ((args.json, study.write_json), (args.plot, None)):
         if path:
@@ -215,9 +263,10 @@ def main(argv: list[str] | None = None) -> int:
                        help="shapes of your own model, e.g. 1x8x128 (rows x top-k x experts)")
     bench.add_argument("--backends", nargs="+", metavar="NAME", help="subset of the backends found here")
     bench.add_argument("--repeats", type=_count(1), default=7)
-    bench.add_argument("--resident-fraction", type=float, default=0.7)
-    bench.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    bench.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")
+    bench.add_argument("--resident-fraction", type=_fraction, default=0.7,
+                       help="fraction of the experts resident in the random rows, in [0, 1]")
+    bench.add_argument("--json", metavar="PATH", type=_output_path, help="write the results as JSON")
+    bench.add_argument("--plot", metavar="PATH", type=_output_path, help="write a PNG plot (needs matplotlib)")
     bench.add_argument("--no-progress", action="store_true")
     bench.set_defaults(func=_bench)
 
@@ -228,35 +277,37 @@ def main(argv: list[str] | None = None) -> int:
                           formatter_class=argparse.RawDescriptionHelpFormatter, epilog=DEMO_COLUMNS)
     demo.add_argument("--frameworks", nargs="+", choices=["jax", "mlx"],
                       help="frameworks to run (default: every one installed)")
-    demo.add_argument("--checkpoint", type=Path, default=study.SHIPPED_MODEL,
+    demo.add_argument("--checkpoint", type=Path, default=argparse.SUPPRESS,
                       help="a qwen3_moe checkpoint directory (default: the shipped models/stdlib-moe)")
-    demo.add_argument("--prompt", default="def read_config(path):\n", help="text to continue")
-    demo.add_argument("--tokens", type=_count(1), default=48, help="tokens to generate (default 48)")
+    demo.add_argument("--prompt", default=argparse.SUPPRESS, help="text to continue (default: a function header)")
+    demo.add_argument("--tokens", type=_count(1), default=argparse.SUPPRESS, help="tokens to generate (default 48)")
     demo.add_argument("--random", action="store_true",
                       help="instead: a random MoE stack of the sizes below, decoded resident and streamed (the "
                            "columns are explained below)")
-    demo.add_argument("--layers", type=int, default=8, help="MoE layers (default 8)")
-    demo.add_argument("--experts", type=int, default=64, help="experts per layer (default 64)")
-    demo.add_argument("--top-k", type=int, default=8, help="experts routed per token, <= experts and 64 (default 8)")
-    demo.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
-    demo.add_argument("--ffn", type=int, default=128, help="expert width (default 128)")
-    demo.add_argument("--rows", type=int, default=1, help="tokens decoded per step (default 1)")
-    demo.add_argument("--steps", type=int, default=200, help="decode steps (default 200)")
+    demo.add_argument("--layers", type=int, default=argparse.SUPPRESS, help="MoE layers (default 8)")
+    demo.add_argument("--experts", type=int, default=argparse.SUPPRESS, help="experts per layer (default 64)")
+    demo.add_argument("--top-k", type=int, default=argparse.SUPPRESS,
+                      help="experts routed per token, <= experts and 64 (default 8)")
+    demo.add_argument("--hidden", type=int, default=argparse.SUPPRESS, help="hidden size (default 256)")
+    demo.add_argument("--ffn", type=int, default=argparse.SUPPRESS, help="expert width (default 128)")
+    demo.add_argument("--rows", type=int, default=argparse.SUPPRESS, help="tokens decoded per step (default 1)")
+    demo.add_argument("--steps", type=int, default=argparse.SUPPRESS, help="decode steps (default 200)")
     demo.add_argument("--residency", type=float, default=0.25,
                       help="fraction of each layer's experts in the arena, in (0, 1] (default 0.25)")
     demo.add_argument("--policy", choices=["lfu", "lru"], default="lfu", help="eviction policy (default lfu)")
-    demo.add_argument("--rule", choices=["tier", "route_shed", "shed"], default="tier",
+    demo.add_argument("--rule", choices=["tier", "route_shed", "shed"], default=argparse.SUPPRESS,
                       help="the shipped model's misses: served by a low-precision copy of every expert (tier, the "
                            "default), or shed (route_shed rescales the kept weights, shed does not)")
-    demo.add_argument("--tier-bits", type=int, choices=[2, 3, 4, 8], default=4,
+    demo.add_argument("--tier-bits", type=int, choices=[2, 3, 4, 8], default=argparse.SUPPRESS,
                       help="bits per weight of the tier (default 4: the shipped model's greedy text through a 25%% "
                            "arena then matches the resident model's for its first 20 tokens; 8: all 48)")
-    demo.add_argument("--keep-mass", type=float, default=0.9,
+    demo.add_argument("--keep-mass", type=float, default=argparse.SUPPRESS,
                       help="shed-mass budget: a layer-step shedding more than 1 - this of its routed mass "
                            "counts as over-budget (default 0.9)")
-    demo.add_argument("--read-budget", type=int, default=None, help="expert reads per step (default: no limit)")
-    demo.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (default 0)")
-    demo.add_argument("--plot", metavar="PATH", default="kq_demo.png",
+    demo.add_argument("--read-budget", type=int, default=argparse.SUPPRESS,
+                      help="expert reads per step (default: no limit)")
+    demo.add_argument("--seed", type=int, default=argparse.SUPPRESS, help="seed of weights and inputs (default 0)")
+    demo.add_argument("--plot", metavar="PATH", type=_output_path, default=argparse.SUPPRESS,
                       help="where to write the PNG of hit rate and shed mass per step (default kq_demo.png; "
                            "'' for none)")
     demo.set_defaults(func=lambda args: _demo(args, demo))
@@ -284,8 +335,9 @@ def main(argv: list[str] | None = None) -> int:
                                    "or 8; default 3)")
     study_parser.add_argument("--tier-group-size", type=int, default=32,
                               help="weights sharing one scale and bias in the tier (32, 64 or 128; default 32)")
-    study_parser.add_argument("--json", metavar="PATH", help="write every run's numbers as JSON")
-    study_parser.add_argument("--plot", metavar="PATH", help="write perplexity and hit rate against residency (PNG)")
+    study_parser.add_argument("--json", metavar="PATH", type=_output_path, help="write every run's numbers as JSON")
+    study_parser.add_argument("--plot", metavar="PATH", type=_output_path,
+                              help="write perplexity and hit rate against residency (PNG)")
     study_parser.add_argument("--no-progress", action="store_true")
     study_parser.set_defaults(func=lambda args: _study(args, study_parser))
     args = parser.parse_args(argv)

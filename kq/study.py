@@ -58,9 +58,7 @@ class StudyConfig:
     def __post_init__(self):
         if self.framework not in ("jax", "mlx"):
             raise ValueError(f"--framework must be jax or mlx, got {self.framework!r}")
-        if not (Path(self.checkpoint) / "config.json").is_file():
-            raise ValueError(f"--checkpoint: {self.checkpoint} holds no config.json (a qwen3_moe checkpoint "
-                             f"directory, as mlx_lm.convert or models/train.py writes)")
+        checkpoint_config(self.checkpoint, self.framework)
         if self.tokens < 1 or self.warmup < 0:
             raise ValueError(f"--tokens must be at least 1 and --warmup at least 0, got {self.tokens}, {self.warmup}")
         if not all(0.0 < r <= 1.0 for r in self.residencies):
@@ -73,6 +71,47 @@ class StudyConfig:
         if self.tier_bits not in BITS or self.tier_group_size not in GROUP_SIZES:
             raise ValueError(f"--tier-bits must be among {BITS} and --tier-group-size among {GROUP_SIZES}, "
                              f"got {self.tier_bits}, {self.tier_group_size}")
+
+
+def checkpoint_config(checkpoint, framework: str = "jax") -> dict:
+    """The checkpoint's ``config.json``, checked to be one ``framework`` can run; errors name ``--checkpoint``."""
+    directory = Path(checkpoint)
+    path = directory / "config.json"
+    if not path.is_file():
+        raise ValueError(f"--checkpoint: {directory} holds no config.json (a qwen3_moe checkpoint directory, as "
+                         f"mlx_lm.convert or models/train.py writes)")
+    try:
+        raw = json.loads(path.read_bytes())
+    except (ValueError, OSError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"--checkpoint: {path} is not JSON ({error})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"--checkpoint: {path} holds {type(raw).__name__}, not a JSON object")
+    model_types = ("qwen3_moe",) if framework == "jax" else tuple(sorted(CHECKPOINT_LAYOUTS))
+    model_type = raw.get("model_type")
+    if model_type not in model_types:
+        also = " (--framework mlx also runs mixtral)" if framework == "jax" else ""
+        raise ValueError(f"--checkpoint: {path} has model_type {model_type!r}; kq study --framework {framework} "
+                         f"runs {', '.join(model_types)}{also}")
+    missing = [key for key in _required_keys(model_type, framework) if key not in raw]
+    if missing:
+        raise ValueError(f"--checkpoint: {path} lacks {', '.join(missing)}")
+    if not (directory / "tokenizer.json").is_file():
+        raise ValueError(f"--checkpoint: {directory} holds no tokenizer.json")
+    return raw
+
+
+def _required_keys(model_type: str, framework: str) -> list[str]:
+    """The ``config.json`` fields the framework's model of ``model_type`` cannot do without."""
+    import dataclasses
+    import importlib
+
+    if framework == "jax":
+        from kq_jax.qwen3_moe import Qwen3MoeConfig as args
+    else:
+        args = importlib.import_module(f"mlx_lm.models.{model_type}").ModelArgs
+    required = [f.name for f in dataclasses.fields(args)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    return required + [key for key in ("num_hidden_layers", CHECKPOINT_LAYOUTS[model_type][2]) if key not in required]
 
 
 @dataclass
@@ -323,10 +362,8 @@ class MlxStudy:
 
         self.config = config
         checkpoint = Path(config.checkpoint)
-        self.cfg_json = json.loads((checkpoint / "config.json").read_text())
-        model_type = self.cfg_json.get("model_type")
-        if model_type not in CHECKPOINT_LAYOUTS:
-            raise ValueError(f"--checkpoint: model_type {model_type!r}; kq study runs {sorted(CHECKPOINT_LAYOUTS)}")
+        self.cfg_json = json.loads((checkpoint / "config.json").read_text())  # checked by StudyConfig
+        model_type = self.cfg_json["model_type"]
         self.template, self.projections, experts_key = CHECKPOINT_LAYOUTS[model_type]
         self.num_experts = self.cfg_json[experts_key]
         self.rules = RULES if model_type == "qwen3_moe" else tuple(r for r in RULES if r != "substitute")
@@ -437,11 +474,19 @@ def _tokens(text_tokens, warmup: int, prompt) -> tuple[list[int], int]:
 
 def _text_tokens(config: StudyConfig, tokenizer) -> tuple[np.ndarray, int]:
     """The text's first ``warmup + tokens + 1`` tokens, and the bytes of the scored ones."""
-    text = Path(config.text or Path(config.checkpoint) / "heldout.txt").read_text()
+    path = Path(config.text or Path(config.checkpoint) / "heldout.txt")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as error:
+        raise ValueError(f"--text: cannot read {path} ({error.strerror or error})") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"--text: {path} is not UTF-8 text (byte {error.start})") from None
+    if "\0" in text:
+        raise ValueError(f"--text: {path} holds NUL characters, not text")
     needed = config.warmup + config.tokens + 1
     tokens = np.array(tokenizer.encode(text).ids, np.int32)
     if tokens.size < needed:
-        raise ValueError(f"the text has {tokens.size} tokens; --warmup + --tokens + 1 = {needed}")
+        raise ValueError(f"--text: {path} has {tokens.size} tokens; --warmup + --tokens + 1 = {needed}")
     tokens = tokens[:needed]
     return tokens, len(tokenizer.decode(tokens[config.warmup + 1:].tolist()).encode())
 
@@ -512,9 +557,9 @@ def make_study(config: StudyConfig):
     return JaxStudy(config) if config.framework == "jax" else MlxStudy(config)
 
 
-def run_study(config: StudyConfig, *, progress: bool = True) -> tuple[RunResult, list[RunResult]]:
-    study = make_study(config)
-    runs = grid(config, study.rules)
+def run_study(study, *, progress: bool = True) -> tuple[RunResult, list[RunResult]]:
+    """The resident run and every run of the study's grid; ``study`` from :func:`make_study`."""
+    runs = grid(study.config, study.rules)
     results = []
     with progress_bar(len(runs) + 1, enabled=progress, description="kq study") as advance:
         resident = study.resident()
@@ -594,6 +639,8 @@ def generate(framework: str, checkpoint: Path, prompt: str, tokens: int, residen
 
     tokenizer = Tokenizer.from_file(str(Path(checkpoint) / "tokenizer.json"))
     ids = tokenizer.encode(prompt).ids
+    if not ids:
+        raise ValueError(f"prompt {prompt!r} has no tokens: give generate at least one")
     study = make_study(StudyConfig(checkpoint=checkpoint, tokens=1, warmup=0, framework=framework, tier_bits=tier_bits))
     texts = []
     for run_residency in (residency, 1.0):

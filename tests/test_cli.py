@@ -263,3 +263,85 @@ def test_bench_decode_e2e_runs_resident_and_streamed(monkeypatch, tmp_path, caps
         assert row["hit_rate"] < 1.0 and row["mib_read_per_token"] > 0.0
         assert 0.0 <= row["publish_ms"] <= row["boundary_ms"] and row["tokens"] == 6
     assert all(row["tokens_per_s"] > 0 for row in rows)
+
+
+@pytest.fixture(scope="module")
+def broken_inputs(tmp_path_factory):
+    """Checkpoints and texts a user may hand `kq study` and `kq demo` by mistake, by name."""
+    from kq.study import SHIPPED_MODEL
+
+    root = tmp_path_factory.mktemp("broken")
+    config = json.loads((SHIPPED_MODEL / "config.json").read_text())
+    for name, text in {"not-json": "{model_type: qwen3_moe", "a-list": "[1, 2]",
+                       "no-model-type": json.dumps({k: v for k, v in config.items() if k != "model_type"}),
+                       "no-num-experts": json.dumps({k: v for k, v in config.items() if k != "num_experts"}),
+                       "no-tokenizer": json.dumps(config)}.items():
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(text)
+        if name != "no-tokenizer":
+            (root / name / "tokenizer.json").symlink_to(SHIPPED_MODEL / "tokenizer.json")
+    (root / "empty.txt").write_text("")
+    (root / "short.txt").write_text("x = 1")
+    (root / "binary.txt").write_bytes(bytes(range(256)) * 4)
+    (root / "a-directory.txt").mkdir()
+    return root
+
+
+STUDY_RUN = ["study", "--tokens", "4", "--warmup", "2", "--residency", "1", "--rules", "shed", "--policies", "lfu",
+             "--no-progress"]
+RANDOM_DEMO = ["demo", "--random", "--frameworks", "jax", "--steps", "2"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    pytest.param(["demo", "--checkpoint", "{root}/nope"], "--checkpoint", id="demo-missing-checkpoint"),
+    pytest.param(["demo", "--checkpoint", "{root}/not-json"], "--checkpoint", id="demo-malformed-config"),
+    pytest.param(["demo", "--prompt", ""], "--prompt", id="demo-empty-prompt"),
+    pytest.param(["demo", "--top-k", "100"], "--top-k only applies with --random", id="demo-top-k-without-random"),
+    pytest.param(["demo", "--steps", "0"], "--steps only applies with --random", id="demo-steps-without-random"),
+    pytest.param(["demo", "--random", "--tier-bits", "3"], "--tier-bits does not apply with --random",
+                 id="demo-tier-bits-with-random"),
+    pytest.param([*RANDOM_DEMO, "--plot", "{root}/nodir/demo.png"], "--plot", id="demo-plot-into-missing-dir"),
+    pytest.param([*STUDY_RUN, "--checkpoint", "{root}/not-json"], "not JSON", id="study-malformed-config"),
+    pytest.param([*STUDY_RUN, "--checkpoint", "{root}/a-list"], "a JSON object", id="study-config-not-an-object"),
+    pytest.param([*STUDY_RUN, "--checkpoint", "{root}/no-model-type"], "model_type", id="study-no-model-type"),
+    pytest.param([*STUDY_RUN, "--checkpoint", "{root}/no-num-experts"], "num_experts", id="study-missing-key"),
+    pytest.param([*STUDY_RUN, "--checkpoint", "{root}/no-tokenizer"], "tokenizer.json", id="study-no-tokenizer"),
+    pytest.param([*STUDY_RUN, "--text", "{root}/nope.txt"], "--text", id="study-missing-text"),
+    pytest.param([*STUDY_RUN, "--text", "{root}/a-directory.txt"], "--text", id="study-text-is-a-directory"),
+    pytest.param([*STUDY_RUN, "--text", "{root}/empty.txt"], "--text", id="study-empty-text"),
+    pytest.param([*STUDY_RUN, "--text", "{root}/short.txt"], "--text", id="study-short-text"),
+    pytest.param([*STUDY_RUN, "--text", "{root}/binary.txt"], "--text", id="study-binary-text"),
+    pytest.param([*STUDY_RUN, "--json", "{root}/nodir/study.json"], "--json", id="study-json-into-missing-dir"),
+    pytest.param([*STUDY_RUN, "--plot", "{root}/empty.txt/study.png"], "--plot", id="study-plot-under-a-file"),
+    pytest.param(["bench", "--backends", "numpy-oracle", "--json", "{root}/nodir/b.json"], "--json",
+                 id="bench-json-into-missing-dir"),
+    pytest.param(["bench", "--backends", "numpy-oracle", "--resident-fraction", "2"], "--resident-fraction",
+                 id="bench-resident-fraction-above-one"),
+    pytest.param(["bench", "--backends", "numpy-oracle", "--resident-fraction", "nan"], "--resident-fraction",
+                 id="bench-resident-fraction-nan"),
+])
+def test_bad_inputs_are_refused_naming_them_before_any_run(argv, message, broken_inputs, capsys):
+    pytest.importorskip("jax")
+    pytest.importorskip("tokenizers")
+    with pytest.raises(SystemExit) as exit_info:
+        main([arg.format(root=broken_inputs) for arg in argv])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err, err
+    assert "Traceback" not in err
+
+
+def test_the_bench_refuses_a_resident_fraction_outside_zero_one():
+    from kq.bench import run
+
+    for fraction in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="resident_fraction"):
+            run(backends=["numpy-oracle"], resident_fraction=fraction, progress=False)
+
+
+def test_generate_refuses_a_prompt_without_tokens():
+    pytest.importorskip("jax")
+    pytest.importorskip("tokenizers")
+    from kq.study import SHIPPED_MODEL, generate
+
+    with pytest.raises(ValueError, match="prompt"):
+        generate("jax", SHIPPED_MODEL, "", 2, 0.5)
