@@ -110,8 +110,8 @@ def route_shed_oracle(indices, scores, slot_table, *, num_slots: int | None = No
     Raises:
         TypeError / ValueError: a wrong dtype, shape or option, naming the argument.
     """
-    indices, scores, slot_table = np.asarray(indices), np.asarray(scores), np.asarray(slot_table)
     check_route_shed_args(indices, scores, slot_table, num_slots, on_miss)
+    indices, scores, slot_table = np.asarray(indices), np.asarray(scores), np.asarray(slot_table)
     return _route_shed(indices, scores, bounded_table(slot_table, num_slots),
                        tier_base=num_slots if on_miss == "tier" else None)
 
@@ -245,8 +245,8 @@ def topk_route_shed_oracle(probs, slot_table, top_k: int, *, normalize: bool = T
     Returns:
         ``TopkRouteShedResult(indices, scores, shed)``, shaped ``[..., top_k]``.
     """
-    probs, slot_table = np.asarray(probs), np.asarray(slot_table)
     check_topk_route_shed_args(probs, slot_table, top_k, normalize=normalize, on_miss=on_miss, num_slots=num_slots)
+    probs, slot_table = np.asarray(probs), np.asarray(slot_table)
     slot_table = bounded_table(slot_table, num_slots)
     indices, scores = topk_normalized_oracle(probs, top_k, normalize)
     shed = _route_shed(indices, scores, slot_table, tier_base=num_slots if on_miss == "tier" else None)

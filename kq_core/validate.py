@@ -61,6 +61,10 @@ def dtype_name(array) -> str:
 
 
 def _check_dtype(name: str, array, allowed: tuple[str, ...], op: str = "route_shed") -> None:
+    if not (hasattr(array, "dtype") and hasattr(array, "shape")):
+        raise RouteShedDtypeError(name, f"{op}: {name} must be an array (NumPy, JAX or MLX) of dtype "
+                                        f"{' or '.join(allowed)}, got {type(array).__name__}; convert it with "
+                                        f"np.asarray({name}, np.{allowed[0]})")
     got = dtype_name(array)
     if got not in allowed:
         raise RouteShedDtypeError(name, f"{op}: {name} must have dtype {' or '.join(allowed)}, got {got}")
@@ -179,8 +183,8 @@ def validate(indices, scores, slot_table, num_slots: int | None = None) -> None:
         RouteShedInputError: a value rule is broken (a ``ValueError``).
         TypeError / ValueError: a dtype or shape is wrong.
     """
-    indices, scores, slot_table = (np.asarray(a) for a in (indices, scores, slot_table))
     check_route_shed_args(indices, scores, slot_table)
+    indices, scores, slot_table = (np.asarray(a) for a in (indices, scores, slot_table))
     num_experts = slot_table.shape[0]
     ids = indices.astype(np.int64)
 

@@ -69,8 +69,8 @@ class HostInputs(NamedTuple):
 
 def host_inputs(indices, scores, slot_table, num_slots: int | None = None, on_miss: str = "shed") -> HostInputs:
     """Checks the arguments (before any conversion) and lays them out for a kernel harness."""
-    indices, scores, slot_table = (np.asarray(a) for a in (indices, scores, slot_table))
     check_route_shed_args(indices, scores, slot_table, num_slots, on_miss)
+    indices, scores, slot_table = (np.asarray(a) for a in (indices, scores, slot_table))
     index_dtype, score_dtype = dtype_name(indices), dtype_name(scores)
     top_k = indices.shape[-1]
     return HostInputs(np.ascontiguousarray(indices),

@@ -42,6 +42,22 @@ def test_bad_arguments_name_the_argument(entry_name, entry, case, args, error, a
         entry(*args)
 
 
+NOT_ARRAYS = [
+    ("list_ids", (IDS.tolist(), SCORES, TABLE), "indices"),
+    ("list_scores", (IDS, SCORES.tolist(), TABLE), "scores"),
+    ("tuple_table", (IDS, SCORES, tuple(TABLE.tolist())), "slot_table"),
+    ("int_table", (IDS, SCORES, 3), "slot_table"),
+]
+
+
+@pytest.mark.parametrize("entry_name, entry", list(entry_points()), ids=lambda x: x if isinstance(x, str) else "")
+@pytest.mark.parametrize("case, args, argument", NOT_ARRAYS, ids=[b[0] for b in NOT_ARRAYS])
+def test_what_is_no_array_is_refused_naming_the_argument(entry_name, entry, case, args, argument):
+    """Python lists and scalars are refused, not converted: their dtype (int64, float64) is not the op's."""
+    with pytest.raises(TypeError, match=f"{argument} must be an array"):
+        entry(*args)
+
+
 def test_num_slots_works_on_numpy_arrays_as_on_every_framework():
     table = np.array([0, 5, 1, -1, 2, 3, 6, 4], np.int32)
     got = kq.route_shed(IDS + np.arange(4, dtype=np.int32), SCORES, table, num_slots=4)

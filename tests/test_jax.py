@@ -277,3 +277,19 @@ def test_pallas_block_rows_must_be_a_power_of_two():
 
     with pytest.raises(ValueError, match="power of two"):
         block_config(100, 8, KernelConfig(block_rows=48))
+
+
+def test_jit_narrows_64_bit_inputs_before_the_op_sees_them(rng):
+    """Defined, not refused: with 64-bit types off, jax.jit turns int64 ids and tables into int32 and float64
+    scores into float32 (round to nearest) at its boundary, and the op runs on those; eagerly they are refused."""
+    if jax.config.jax_enable_x64:
+        pytest.skip("64-bit types are on: the op sees int64 and float64 and refuses them")
+    indices, scores, table = router_inputs(rng, 64, 8, 32)
+    wide = (indices.astype(np.int64) + (1 << 32), scores.astype(np.float64) * (1 + 2.0 ** -40),
+            table.astype(np.int64))
+    got = jax.jit(kq_jax.route_shed)(*wide)
+    narrowed = (wide[0].astype(np.int32), wide[1].astype(np.float32), wide[2].astype(np.int32))
+    assert (narrowed[0] == indices).all() and (narrowed[1] == scores).all()
+    assert_same_bits(got, route_shed_oracle(*narrowed))
+    with pytest.raises(TypeError, match="indices must have dtype"):
+        kq_jax.route_shed(*wide)
