@@ -139,6 +139,9 @@ def route_shed_ops(indices, scores, slot_table, *, num_slots: int | None = None,
                    compiled: bool = True) -> RouteShedResult:
     """The pure ``mlx.core`` implementation (any device; the CPU path).
 
+    Its memory grows as rows x K^2 (about 3 GB at 65,536 x 64; docs/benchmarks.md): call it in
+    blocks of rows at prefill sizes with large K.
+
     Args:
         indices, scores, slot_table, num_slots, on_miss: as :func:`route_shed`.
         compiled: run through ``mx.compile`` (the default; measured faster on
