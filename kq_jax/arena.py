@@ -50,6 +50,14 @@ class JaxArena:
     def __init__(self, num_layers: int, num_slots: int, shapes: Mapping[str, tuple[tuple[int, ...], Any]]):
         self.arrays = {name: jnp.zeros((num_layers, num_slots, *shape), dtype=dtype)
                        for name, (shape, dtype) in shapes.items()}
+        # On the CPU, XLA takes a host array into the write without a copy and runs the write after the
+        # call returns, so a caller reusing the buffer at once (a recycling host allocator) would change
+        # the slot. There the payload is copied first; a GPU's transfer has copied it when the call returns.
+        self._copy_payloads = any(device.platform == "cpu" for array in self.arrays.values()
+                                  for device in array.devices())
+
+    def _host(self, value) -> np.ndarray:
+        return np.array(value, copy=True) if self._copy_payloads else np.asarray(value)
 
     @property
     def slot_layout(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -64,7 +72,7 @@ class JaxArena:
         check_payload(payload, self.slot_layout)
         # Host arrays and indices go to the jitted write as they are: one transfer each, no eager ops.
         self.arrays = _write_slot(self.arrays, np.int32(layer), np.int32(slot),
-                                  {name: np.asarray(payload[name]) for name in self.arrays})
+                                  {name: self._host(payload[name]) for name in self.arrays})
 
     def write_slots(self, layers, slots, payloads) -> list[BaseException | None]:
         """Writes n experts at once: each projection's n arrays go to the device as they are and in one
@@ -82,7 +90,7 @@ class JaxArena:
             keep += [keep[-1]] * (_write_bucket(len(keep)) - len(keep))
             self.arrays = _write_slots(
                 self.arrays, np.asarray(layers, np.int32)[keep], np.asarray(slots, np.int32)[keep],
-                {name: tuple(np.asarray(payloads[i][name]) for i in keep) for name in self.arrays})
+                {name: tuple(self._host(payloads[i][name]) for i in keep) for name in self.arrays})
         return errors
 
 

@@ -198,6 +198,47 @@ def test_disjoint_views_of_one_buffer_are_not_aliasing():
     check_invariants(manager)
     assert sorted(manager.resident(0)) == [1, 2, 3] and not manager.failures
 
+def _arena(kind: str, shapes):
+    if kind == "numpy":
+        return NumpyArena(2, 3, shapes)
+    if kind == "jax":
+        pytest.importorskip("jax")
+        from kq_jax.arena import JaxArena
+
+        return JaxArena(2, 3, shapes)
+    pytest.importorskip("mlx.core")
+    from kq_mlx.arena import MlxArena
+
+    return MlxArena(2, 3, shapes)
+
+
+@pytest.mark.parametrize("kind, batch", [("numpy", False), ("jax", False), ("jax", True), ("mlx", False),
+                                         ("mlx", True)], ids=lambda x: {False: "write_slot", True: "write_slots"}.get(x, x))
+def test_an_arena_keeps_what_was_written_when_the_buffer_is_reused_at_once(kind, batch):
+    """A write has taken the payload's bytes when it returns: the staging buffer may be filled with the
+    next expert at once (what a host allocator that recycles its buffers does), never changing the slot."""
+    shapes = {"gate_proj": ((256, 256), np.float32), "down_proj": ((256, 128), np.float32)}
+    arena = _arena(kind, shapes)
+    staging = {name: np.empty(shape, dtype) for name, (shape, dtype) in shapes.items()}
+    rng = np.random.default_rng(5)
+    written = {}
+    for trial in range(24):
+        layer, slot = trial % 2, trial % 3
+        for buffer in staging.values():
+            buffer[...] = rng.standard_normal(buffer.shape, np.float32)
+        written[layer, slot] = {name: buffer.copy() for name, buffer in staging.items()}
+        if batch:
+            assert arena.write_slots(np.array([layer]), np.array([slot]), [staging]) == [None]
+        else:
+            arena.write_slot(layer, slot, staging)
+        for buffer in staging.values():  # the next read lands in the same buffers
+            buffer[...] = np.float32(np.nan)
+    for (layer, slot), want in written.items():
+        for name, value in want.items():
+            got = np.asarray(arena.arrays[name][layer, slot])
+            assert got.tobytes() == value.tobytes(), f"{kind}: slot ({layer}, {slot}) {name} changed after the write"
+
+
 
 @pytest.mark.parametrize("queue_depth", [0, 2])
 def test_step_and_preload_after_close_are_refused_before_touching_state(queue_depth):
