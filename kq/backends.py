@@ -30,10 +30,13 @@ class Backend:
         name: short id used in test ids and on the command line.
         probe: returns ``(runner, device description)``, or raises
             :class:`Unavailable` with the reason it cannot run here.
+        interpreted: runs the kernel through an interpreter that traces and compiles every new
+            shape slowly; ``kq check`` gives it fewer random shapes unless ``--thorough``.
     """
 
     name: str
     probe: Callable[[], tuple[Runner, str]]
+    interpreted: bool = False
 
 
 class Unavailable(RuntimeError):
@@ -152,7 +155,7 @@ def _cuda_source_probe():
 BACKENDS: tuple[Backend, ...] = (
     Backend("numpy-oracle", _numpy_probe),
     Backend("jax-reference", _jax_probe("reference", needs_gpu=False)),
-    Backend("jax-pallas-interpret", _jax_probe("pallas_interpret", needs_gpu=False)),
+    Backend("jax-pallas-interpret", _jax_probe("pallas_interpret", needs_gpu=False), interpreted=True),
     Backend("jax-pallas", _jax_probe("pallas", needs_gpu=True)),
     Backend("mlx-ops", _mlx_probe(compiled=True)),
     Backend("mlx-ops-eager", _mlx_probe(compiled=False)),

@@ -40,12 +40,12 @@ def _check(args) -> int:
     from kq.check import format_table, run_checks
 
     chosen = tuple(backend(n) for n in args.backends) if args.backends else all_backends()
-    reports = run_checks(chosen, random_rows=args.random_rows, seed=args.seed, progress=True)
+    random_rows = args.random_rows if args.random_rows is not None else (16384 if args.thorough else 4096)
+    reports = run_checks(chosen, random_rows=random_rows, seed=args.seed, thorough=args.thorough, progress=True)
     print(format_table(reports))
     failed = [r for r in reports if not r.skipped and not r.ok]
     ran = [r for r in reports if not r.skipped]
-    print(f"\n{len(ran)} backends ran ({reports[0].random_rows} random rows each, besides the golden cases), "
-          f"{len(failed)} with mismatches, {len(reports) - len(ran)} skipped")
+    print(f"\n{len(ran)} backends ran, {len(failed)} with mismatches, {len(reports) - len(ran)} skipped")
     return 1 if failed or not ran else 0
 
 
@@ -245,8 +245,12 @@ def main(argv: list[str] | None = None) -> int:
                            formatter_class=defaults)
     check.add_argument("--backends", nargs="+", metavar="NAME", choices=names,
                        help=f"subset of: {', '.join(names)} (default: all)")
-    check.add_argument("--random-rows", type=_count(0), default=4096,
-                       help="random rows per backend, besides the golden cases")
+    check.add_argument("--random-rows", type=_count(0), default=None,
+                       help="random rows per backend, besides the golden cases (default 4096; with --thorough "
+                            "16384); the Pallas interpreter takes at most 512 of them, over one dtype pair per "
+                            "shape, unless --thorough")
+    check.add_argument("--thorough", action="store_true",
+                       help="every backend, the interpreter too, over every random shape and dtype pair")
     check.add_argument("--seed", type=int, default=0)
     check.set_defaults(func=_check)
 

@@ -158,11 +158,40 @@ def test_bench_refuses_an_unknown_backend_listing_the_names():
     assert "jax-reference" in str(error.value) and "mlx-ops" in str(error.value)
 
 
+@pytest.mark.parametrize("every_dtype", [True, False])
 @pytest.mark.parametrize("rows", [0, 1, 7, 4096])
-def test_check_runs_exactly_the_random_rows_asked_for(rows):
+def test_check_runs_exactly_the_random_rows_asked_for(rows, every_dtype):
     from kq.check import random_cases
 
-    assert sum(inputs[0].shape[0] for _, inputs in random_cases(0, rows)) == rows
+    assert sum(inputs[0].shape[0] for _, inputs in random_cases(0, rows, every_dtype=every_dtype)) == rows
+
+
+def test_check_gives_an_interpreted_backend_fewer_random_shapes_unless_thorough():
+    from kq import backends
+    from kq.check import QUICK_RANDOM_ROWS, random_cases, run_checks
+    from kq_core.spec import load_spec
+
+    seen = {}
+
+    def counting_probe(name):
+        def probe():
+            def run(indices, scores, slot_table, **options):
+                seen[name].add((indices.shape[-1], indices.dtype.name, scores.dtype.name, slot_table.shape[0]))
+                return kq.route_shed_oracle(indices, scores, slot_table, **options)
+            seen[name] = set()
+            return run, "cpu"
+        return probe
+
+    chosen = (backends.Backend("compiled", counting_probe("compiled")),
+              backends.Backend("interpreted", counting_probe("interpreted"), interpreted=True))
+    golden = len(load_spec().cases)
+    quick = run_checks(chosen, random_rows=4096)
+    assert [r.random_rows for r in quick] == [4096, QUICK_RANDOM_ROWS]
+    assert quick[0].run == golden + len(list(random_cases(0, 4096)))
+    assert quick[1].run == golden + len(list(random_cases(0, QUICK_RANDOM_ROWS, every_dtype=False))) < quick[0].run
+    assert all(r.ok for r in quick)
+    thorough = run_checks(chosen, random_rows=4096, thorough=True)
+    assert [r.random_rows for r in thorough] == [4096, 4096] and thorough[0].run == thorough[1].run
 
 
 @pytest.mark.parametrize("argv, message", [
