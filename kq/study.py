@@ -508,9 +508,11 @@ def decode_through_arena(tokens: list[int], warmup: int, result: RunResult, mana
     tables = manager.snapshot()
     given = len(tokens)
     start = time.perf_counter()
+    token_seconds = []
     for position in range(given - 1 + generate):
         if position == warmup:
             _, before = manager.stats()
+        token_start = time.perf_counter()
         logits, reports = token(position, tokens[position], tables)
         if position + 1 >= given:
             tokens.append(int(np.argmax(np.asarray(logits)[0])))
@@ -523,6 +525,7 @@ def decode_through_arena(tokens: list[int], warmup: int, result: RunResult, mana
                 if result.rule == "stall":  # each missing expert read before the token goes on
                     result.critical_reads += int((tables[layer][indices.astype(np.int64)] < 0).sum())
         tables = manager.step([LayerReport(*r[:4]) for r in reports])
+        token_seconds.append(time.perf_counter() - token_start)
     _, after = manager.stats()
     manager.close()
     since = after.since(before)
@@ -530,6 +533,7 @@ def decode_through_arena(tokens: list[int], warmup: int, result: RunResult, mana
     result.reads, result.bytes_read = since.reads_landed, since.bytes_read
     result.seconds = time.perf_counter() - start
     result.trace["tokens"] = tokens
+    result.trace["token_seconds"] = token_seconds  # each token's graph, readback and manager step
     return result
 
 
