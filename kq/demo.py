@@ -173,9 +173,9 @@ class JaxStack:
     def readback(out):
         """Waits for a dispatched step: its output and every layer's report, in one transfer each."""
         y, packed = out
-        from kq_jax.arena import unpack_reports
+        from kq_host.residency import LayerReport
 
-        return np.asarray(y), unpack_reports(np.asarray(packed))
+        return np.asarray(y), LayerReport.from_packed(np.asarray(packed))
 
     def streamed_step(self, h, tables):
         """Returns the output (evaluated: the fence) and the layers' reports (one LayerReport, [L, T, K])."""

@@ -230,6 +230,19 @@ class LayerReport:
     miss_scores: np.ndarray
 
     @classmethod
+    def from_packed(cls, packed: np.ndarray) -> "LayerReport":
+        """The stacked report from one int32 ``[4, L, T, K]`` array: ids, scores' float32 bits, miss ids,
+        miss scores' float32 bits (what ``kq_jax.arena.pack_reports`` and
+        ``kq_mlx.mlx_lm_adapter.pack_reports`` build in the graph, so a token's reports come back in one
+        transfer)."""
+        packed = np.asarray(packed)
+        if packed.dtype != np.int32 or packed.ndim != 4 or packed.shape[0] != 4:
+            raise ValueError(f"LayerReport.from_packed: packed must be int32 [4, L, T, K], got {packed.dtype} "
+                             f"{packed.shape}")
+        ids, score_bits, miss_ids, miss_bits = packed
+        return cls(ids, score_bits.view(np.float32), miss_ids, miss_bits.view(np.float32))
+
+    @classmethod
     def stacked(cls, reports: Sequence["LayerReport"]) -> "LayerReport":
         """One report of ``[L, T, K]`` arrays from one report per layer (what :meth:`ResidencyManager.step`
         takes in one piece)."""

@@ -18,7 +18,6 @@ import numpy as np
 from jax import lax
 
 from kq_host.arena import check_payload, checked_payloads
-from kq_host.residency import LayerReport
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -102,7 +101,8 @@ def pack_reports(routings):
         routings: one ``TopkRouteShedResult`` per layer (``moe_ffn_arena``'s second output), ``[T, K]``.
 
     Returns:
-        int32 ``[4, L, T, K]``: ids, scores (float32 bits), miss ids, miss scores (float32 bits).
+        int32 ``[4, L, T, K]``: ids, scores (float32 bits), miss ids, miss scores (float32 bits); on the
+        host, ``LayerReport.from_packed`` reads it.
     """
     def as_bits(scores):
         return lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.int32)
@@ -111,9 +111,3 @@ def pack_reports(routings):
                       jnp.stack([as_bits(r.scores) for r in routings]),
                       jnp.stack([r.shed.miss_ids.astype(jnp.int32) for r in routings]),
                       jnp.stack([as_bits(r.shed.miss_scores) for r in routings])])
-
-
-def unpack_reports(packed: np.ndarray) -> LayerReport:
-    """:func:`pack_reports`' array, on the host, as the one ``LayerReport`` ``ResidencyManager.step`` takes."""
-    ids, score_bits, miss_ids, miss_bits = packed
-    return LayerReport(ids, score_bits.view(np.float32), miss_ids, miss_bits.view(np.float32))

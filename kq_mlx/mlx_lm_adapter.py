@@ -316,6 +316,83 @@ def attach_tier(blocks: list[ArenaMoeBlock], tier) -> None:
 
 
 def set_tables(blocks: list[ArenaMoeBlock], tables: np.ndarray) -> None:
-    """Hands each block its layer's slot table for the next forward pass."""
-    for block, table in zip(blocks, tables):
-        block.slot_table = mx.array(np.asarray(table, np.int32))
+    """Hands each block its layer's slot table for the next forward pass (``tables``: int ``[L, E]``).
+
+    One host-to-device transfer; each block takes its row.
+    """
+    on_device = mx.array(np.asarray(tables, np.int32))
+    for layer, block in enumerate(blocks):
+        block.slot_table = on_device[layer]
+
+
+def pack_reports(blocks: list[ArenaMoeBlock]) -> mx.array:
+    """Every block's last routing and misses in one array of the graph, so the host reads a token's
+    reports back in one transfer (:meth:`kq_host.residency.LayerReport.from_packed`).
+
+    Returns:
+        int32 ``[4, L, T, K]``: ids, scores (float32 bits), miss ids, miss scores (float32 bits); ``T``
+        the rows of the last pass.
+    """
+    def rows(a):
+        return a.reshape(-1, a.shape[-1])
+
+    def bits(scores):
+        return rows(scores.astype(mx.float32)).view(mx.int32)
+
+    lasts = [block.last for block in blocks]
+    return mx.stack([mx.stack([rows(inds.astype(mx.int32)) for inds, _, _ in lasts]),
+                     mx.stack([bits(scores) for _, scores, _ in lasts]),
+                     mx.stack([rows(shed.miss_ids.astype(mx.int32)) for _, _, shed in lasts]),
+                     mx.stack([bits(shed.miss_scores) for _, _, shed in lasts])])
+
+
+def generate_greedy(model: nn.Module, blocks: list[ArenaMoeBlock], manager, prompt: list[int], max_tokens: int,
+                    *, overlap: bool = True) -> list[int]:
+    """Greedy decode through the arenas as an engine runs it: one readback per token, the host's boundary
+    overlapped with the next token.
+
+    Each token's graph ends in its greedy token and :func:`pack_reports`, evaluated together with
+    ``mx.async_eval``; the next token's input is that token, on the device. With ``overlap`` the next
+    token's graph is built and dispatched before this token's boundary (``manager.step`` on its reports,
+    :func:`set_tables`), so it runs with the tables of the boundary before; a slot the boundary writes
+    while a token is in flight is copied, not changed under it (MLX arrays are never mutated while a
+    graph holds them). Without ``overlap`` each boundary comes before the next token.
+
+    Args:
+        model: the mlx-lm model, its blocks wrapped by :func:`attach_arena` (``blocks``).
+        manager: the :class:`~kq_host.residency.ResidencyManager` filling the blocks' arenas.
+        prompt: the prompt's token ids (at least one); max_tokens: tokens to generate (at least one).
+
+    Returns:
+        The ``max_tokens`` generated ids.
+    """
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kq_host.residency import LayerReport
+
+    if not prompt or max_tokens < 1:
+        raise ValueError(f"generate_greedy: needs a prompt of at least one token and max_tokens >= 1, got "
+                         f"{len(prompt)} prompt tokens and max_tokens={max_tokens}")
+    cache = make_prompt_cache(model)
+    set_tables(blocks, manager.snapshot())
+    tokens: list[int] = []
+
+    def boundary(token, packed):
+        tokens.append(int(token.item()))
+        set_tables(blocks, manager.step(LayerReport.from_packed(np.array(packed))))
+
+    x, pending = mx.array([prompt]), None
+    for _ in range(max_tokens):
+        token = mx.argmax(model(x, cache=cache)[0, -1], axis=-1)
+        packed = pack_reports(blocks)
+        mx.async_eval(token, packed)
+        if pending is not None:
+            boundary(*pending)
+        pending = (token, packed)
+        if not overlap:
+            boundary(*pending)
+            pending = None
+        x = token.reshape(1, 1)
+    if pending is not None:
+        boundary(*pending)
+    return tokens

@@ -309,3 +309,98 @@ def test_tier_rule_without_a_tier_names_the_call():
     blocks[0].rule = "tier"
     with pytest.raises(ValueError, match="attach_tier"):
         blocks[0](mx.zeros((1, 1, 64)))
+
+
+def test_packed_reports_are_the_blocks_reports_bit_for_bit():
+    from kq_host.residency import LayerReport
+    from kq_mlx.mlx_lm_adapter import pack_reports
+
+    mx.random.seed(4)
+    model = qwen3_model()
+    mx.eval(model.parameters())
+    blocks = attach_arena(model, num_slots=6)
+    rng = np.random.default_rng(4)
+    set_tables(blocks, np.where(rng.random((LAYERS, EXPERTS)) < 0.4, rng.integers(0, 6, (LAYERS, EXPERTS)), -1))
+    model(mx.array([[3, 1, 4, 1, 5]]), cache=make_prompt_cache(model))
+    for score_dtype in (mx.float32, mx.bfloat16):  # bf16 scores (a bf16 model's) are widened exactly
+        for block in blocks:
+            inds, scores, shed = block.last
+            block.last = (inds, scores.astype(score_dtype), shed._replace(miss_scores=shed.miss_scores.astype(
+                score_dtype)))
+        got = LayerReport.from_packed(np.array(pack_reports(blocks)))
+        want = LayerReport.stacked([block.report() for block in blocks])
+        for name in ("indices", "scores", "miss_ids", "miss_scores"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert a.shape == b.shape == (LAYERS, 5, 4) and a.tobytes() == b.tobytes(), name
+    with pytest.raises(ValueError, match="packed must be int32"):
+        LayerReport.from_packed(np.zeros((4, 2, 5, 4), np.float32))
+
+
+def _manager_over(blocks, slots, **options):
+    return ResidencyManager(LAYERS, EXPERTS, slots, loader=lambda l, e, s: blocks[l].expert_weights(e),
+                            arena=SwitchGLUArena(blocks), **options)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "serial"])
+def test_generate_greedy_with_every_expert_resident_is_the_model(overlap):
+    from kq_mlx.mlx_lm_adapter import generate_greedy
+
+    mx.random.seed(2)
+    model = qwen3_model()
+    mx.eval(model.parameters())
+    want, _ = greedy(model, [1, 2, 3], 12)
+    blocks = attach_arena(model, EXPERTS)
+    manager = _manager_over(blocks, EXPERTS, queue_depth=0)
+    for layer in range(LAYERS):
+        manager.preload(layer, range(EXPERTS))
+    assert generate_greedy(model, blocks, manager, [1, 2, 3], 12, overlap=overlap) == want[3:]
+    _, total = manager.stats()
+    assert total.hits == total.lookups > 0  # every token's reports reached the manager
+    manager.close()
+
+
+def test_generate_greedy_serial_is_the_per_layer_loop_at_partial_residency():
+    """One packed readback instead of a report per layer: the same tokens, the same reads."""
+    from kq_mlx.mlx_lm_adapter import generate_greedy
+
+    runs = []
+    for packed in (False, True):
+        mx.random.seed(3)
+        model = qwen3_model()
+        mx.eval(model.parameters())
+        blocks = attach_arena(model, num_slots=6)
+        manager = _manager_over(blocks, 6, queue_depth=0)
+        if packed:
+            tokens = generate_greedy(model, blocks, manager, [5, 6, 7], 14, overlap=False)
+        else:
+            set_tables(blocks, manager.snapshot())
+            tokens, _ = greedy(model, [5, 6, 7], 14, after_step=lambda: set_tables(
+                blocks, manager.step([block.report() for block in blocks])))
+            tokens = tokens[3:]
+        _, total = manager.stats()
+        runs.append((tokens, total.hits, total.misses, total.reads_landed))
+        manager.close()
+    assert runs[0] == runs[1] and runs[0][2] > 0
+
+
+def test_a_slot_written_while_a_token_is_in_flight_does_not_change_that_token():
+    """The overlapped loop writes arena slots while the next token's graph is dispatched: the graph
+    computes with the arena as it was when the graph was built."""
+    mx.random.seed(5)
+    model = qwen3_model()
+    mx.eval(model.parameters())
+    blocks = attach_arena(model, EXPERTS)
+    arena = SwitchGLUArena(blocks)
+    tables = np.tile(np.arange(EXPERTS, dtype=np.int32), (LAYERS, 1))
+    for layer, block in enumerate(blocks):
+        for expert in range(EXPERTS):
+            arena.write_slot(layer, expert, block.expert_weights(expert))
+    set_tables(blocks, tables)
+    prompt = mx.array([[1, 2, 3]])
+    want = np.array(model(prompt, cache=make_prompt_cache(model)))
+    logits = model(prompt, cache=make_prompt_cache(model))
+    mx.async_eval(logits)
+    zeros = {key: np.zeros(shape, dtype) for key, (shape, dtype) in blocks[0].slot_layout().items()}
+    arena.write_slots(np.zeros(EXPERTS, np.int64), np.arange(EXPERTS), [zeros] * EXPERTS)
+    assert np.array(logits).tobytes() == want.tobytes()
+    assert not np.array_equal(np.array(model(prompt, cache=make_prompt_cache(model))), want)

@@ -55,9 +55,10 @@ def test_partial_arena_uses_only_resident_experts_renormalised(layer):
 
 
 def test_packed_reports_are_the_layers_reports_bit_for_bit():
-    """pack_reports (inside the jit) and unpack_reports (on the host): the layers' ids, scores and
-    misses, one transfer, every bit kept (bf16 scores widened exactly)."""
-    from kq_jax.arena import pack_reports, unpack_reports
+    """pack_reports (inside the jit) and LayerReport.from_packed (on the host): the layers' ids, scores
+    and misses, one transfer, every bit kept (bf16 scores widened exactly)."""
+    from kq_host.residency import LayerReport
+    from kq_jax.arena import pack_reports
 
     rng = np.random.default_rng(7)
     T, D, F, E, S, K = 5, 16, 8, 12, 4, 3
@@ -66,7 +67,7 @@ def test_packed_reports_are_the_layers_reports_bit_for_bit():
     arena = Experts(*(jnp.asarray(rng.normal(size=shape), jnp.bfloat16) for shape in ((S, F, D), (S, F, D), (S, D, F))))
     tables = [np.where(rng.random(E) < 0.4, rng.integers(0, S, E), -1).astype(np.int32) for _ in range(2)]
     routings = [moe_ffn_arena(x, w, arena, t, top_k=K)[1] for w, t in zip(routers, tables)]
-    stacked = unpack_reports(np.asarray(jax.jit(pack_reports)(routings)))
+    stacked = LayerReport.from_packed(np.asarray(jax.jit(pack_reports)(routings)))
     for layer, routing in enumerate(routings):
         for name, got in (("indices", stacked.indices), ("miss_ids", stacked.miss_ids)):
             want = np.asarray(routing.indices if name == "indices" else routing.shed.miss_ids)
