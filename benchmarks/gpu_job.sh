@@ -7,7 +7,8 @@
 # and expert-parallel tests: on a GPU mesh where there are two GPUs or more), compile (`kq bench --sets
 # compile`), expert_parallel (the expert-parallel layer over this machine's GPUs), decode_e2e (`kq bench
 # --sets decode-e2e`), host (`kq bench --sets host` on this machine's CPU), host_tests (the host side's
-# tests: the replayed traces and the compiled bookkeeping against NumPy), h2d (landed experts' copies to the
+# tests: the replayed traces and the compiled bookkeeping against NumPy), arena_tests (publishing's faults and the
+# arenas, JAX's on the GPU), h2d (landed experts' copies to the
 # device: pageable against pinned staging); and MLX on CUDA, after
 # `source .mlxb/env.sh` (../shared/device/mlx-cuda-prepare.sh; with benchmarks/mlx_lm_wheels.sh, mlx-lm is
 # installed beside it): mlx_check (`kq check --backends mlx-cuda`), mlx_tests (tests/test_mlx.py, test_mlx_lm.py),
@@ -70,6 +71,8 @@ for name in ${PARTS:-tests check memcheck}; do
     decode_e2e) part decode_e2e python3 -m kq bench --sets decode-e2e --no-progress --json "$OUT/decode_e2e.json" ;;
     host) part host python3 -m kq bench --sets host --no-progress --json "$OUT/host.json" ;;
     h2d) part h2d python3 -m benchmarks h2d_staging --json "$OUT/h2d_staging.json" ;;
+    arena_tests) part arena_tests python3 -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_publish_faults.py \
+                   tests/test_arena.py ;;
     host_tests) part host_tests python3 -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_residency_replay.py \
                   tests/test_bookkeeping_numba.py tests/test_faults.py ;;
     compile) part compile python3 -m kq bench --sets compile --no-progress --json "$OUT/compile.json" ;;
@@ -92,6 +95,7 @@ for name in ${PARTS:-tests check memcheck}; do
                done ;;
     mlx_decode) part mlx_decode python3 -m benchmarks mlx_decode --json "$OUT/mlx_decode.json" ;;
     *) echo "unknown part: $name (tests check memcheck bench sweep moe sharding compile expert_parallel decode_e2e host" \
+            "host_tests arena_tests h2d" \
             "mlx_check mlx_tests mlx_bench mlx_decode)"
        status=2 ;;
   esac
