@@ -4,9 +4,8 @@ The top of the house. ``kq.route_shed`` dispatches on the array type: NumPy
 arrays go to the oracle, JAX arrays to :mod:`kq_jax`, MLX arrays to
 :mod:`kq_mlx`; frameworks are imported only when an array of theirs arrives.
 The contract lives in :mod:`kq_core`, the host side of an arena in
-:mod:`kq_host` (also reachable as ``kq.residency``, ``kq.expert_store`` and
-``kq.prestage``), and the applications here: the backend registry
-(:mod:`kq.backends`), ``kq check``, ``kq bench`` and ``kq demo``.
+:mod:`kq_host`, and the applications here: the backend registry
+(:mod:`kq.backends`), ``kq check``, ``kq bench``, ``kq demo`` and ``kq study``.
 """
 
 from __future__ import annotations
