@@ -124,35 +124,35 @@ def _bench(args) -> int:
     return 0
 
 
-# `kq demo`'s options that apply to one of its two runs only, with their defaults: given to the other, refused.
-DEMO_RANDOM_ONLY = {"layers": 8, "experts": 64, "top_k": 8, "hidden": 256, "ffn": 128, "rows": 1, "steps": 200,
-                    "keep_mass": 0.9, "read_budget": None, "seed": 0, "plot": Path("kq_demo.png")}
-DEMO_MODEL_ONLY = {"checkpoint": None, "prompt": "def read_config(path):\n", "tokens": 48, "rule": "tier",
-                   "tier_bits": 4}
+# `kq demo`'s options that apply to one of its two runs only: given to the other, refused. The random
+# stack's sizes default to DemoConfig's; the rest to these.
+DEMO_RANDOM_ONLY = ("layers", "experts", "top_k", "hidden", "ffn", "rows", "steps", "keep_mass", "read_budget",
+                    "seed", "plot")
+DEMO_DEFAULTS = {"plot": Path("kq_demo.png"), "checkpoint": None, "prompt": "def read_config(path):\n",
+                 "tokens": 48, "rule": "tier", "tier_bits": 4}
+DEMO_MODEL_ONLY = ("checkpoint", "prompt", "tokens", "rule", "tier_bits")
 
 
 def _demo_options(args, parser) -> None:
-    """Refuses an option of the other run; fills in the defaults of this one's."""
+    """Refuses an option of the other run; fills in this run's defaults that DemoConfig does not hold."""
     own, other = (DEMO_RANDOM_ONLY, DEMO_MODEL_ONLY) if args.random else (DEMO_MODEL_ONLY, DEMO_RANDOM_ONLY)
     for name in other:
         if hasattr(args, name):
             flag = "--" + name.replace("_", "-")
             parser.error(f"{flag} does not apply with --random" if args.random else
                          f"{flag} only applies with --random")
-    for name, default in own.items():
-        if not hasattr(args, name):
-            setattr(args, name, default)
+    for name in own:
+        if not hasattr(args, name) and name in DEMO_DEFAULTS:
+            setattr(args, name, DEMO_DEFAULTS[name])
 
 
 def _demo_config(args, parser):
     from kq import demo
 
     frameworks = tuple(args.frameworks) if args.frameworks else demo.available_frameworks()
+    given = {name: getattr(args, name) for name in DEMO_RANDOM_ONLY if name != "plot" and hasattr(args, name)}
     try:
-        return demo.DemoConfig(layers=args.layers, experts=args.experts, top_k=args.top_k, hidden=args.hidden,
-                               ffn=args.ffn, rows=args.rows, steps=args.steps, residency=args.residency,
-                               policy=args.policy, keep_mass=args.keep_mass, read_budget=args.read_budget,
-                               seed=args.seed, frameworks=frameworks)
+        return demo.DemoConfig(**given, residency=args.residency, policy=args.policy, frameworks=frameworks)
     except ValueError as error:
         parser.error(str(error))
 

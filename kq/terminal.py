@@ -60,10 +60,9 @@ def progress_bar(total: int, *, enabled: bool = True, description: str = "") -> 
     if enabled and not sys.stderr.isatty():
         yield _plain_lines(total, description)
         return
-    live = enabled and sys.stderr.isatty()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.fields[label]}"), console=_console(sys.stderr), transient=True,
-                  disable=not live) as progress:
+                  disable=not enabled) as progress:
         task = progress.add_task(description, total=total, label="")
 
         def advance(label: str = "") -> None:
