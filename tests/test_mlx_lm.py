@@ -31,6 +31,19 @@ def mixtral_model():
     return mixtral.Model(args)
 
 
+def evaluated(make_model, *, seed: int):
+    """A model of random weights drawn from ``seed``, its parameters evaluated."""
+    mx.random.seed(seed)
+    model = make_model()
+    mx.eval(model.parameters())
+    return model
+
+
+def _manager_over(blocks, slots, **options):
+    return ResidencyManager(LAYERS, EXPERTS, slots, loader=lambda l, e, s: blocks[l].expert_weights(e),
+                            arena=SwitchGLUArena(blocks), **options)
+
+
 def greedy(model, prompt, steps, after_step=None):
     """Greedy decoding; returns (tokens, last-position logits per step)."""
     cache = make_prompt_cache(model)
@@ -56,9 +69,7 @@ def assert_greedy_matches(model, prompt, steps, want_tokens, want_logits):
 
 @pytest.mark.parametrize("make_model", [qwen3_model, mixtral_model], ids=["qwen3_moe", "mixtral"])
 def test_every_expert_resident_reproduces_the_model_bit_for_bit(make_model):
-    mx.random.seed(0)
-    model = make_model()
-    mx.eval(model.parameters())
+    model = evaluated(make_model, seed=0)
     want_tokens, want_logits = greedy(model, [1, 2, 3], 10)
 
     blocks = attach_arena(model, EXPERTS)
@@ -75,12 +86,9 @@ def test_every_expert_resident_reproduces_the_model_bit_for_bit(make_model):
 
 
 def test_partial_arena_runs_with_the_residency_manager():
-    mx.random.seed(1)
-    model = qwen3_model()
-    mx.eval(model.parameters())
+    model = evaluated(qwen3_model, seed=1)
     blocks = attach_arena(model, num_slots=6)
-    manager = ResidencyManager(LAYERS, EXPERTS, 6, loader=lambda l, e, s: blocks[l].expert_weights(e),
-                               arena=SwitchGLUArena(blocks), queue_depth=2, read_budget=8)
+    manager = _manager_over(blocks, 6, queue_depth=2, read_budget=8)
     set_tables(blocks, manager.snapshot())
 
     def boundary():
@@ -265,9 +273,7 @@ def _tier_of(blocks, bits=4):
 def test_tier_with_every_expert_resident_reproduces_the_model_bit_for_bit():
     from kq_mlx.mlx_lm_adapter import attach_tier
 
-    mx.random.seed(3)
-    model = qwen3_model()
-    mx.eval(model.parameters())
+    model = evaluated(qwen3_model, seed=3)
     want_tokens, want_logits = greedy(model, [1, 2, 3], 6)
     blocks = attach_arena(model, EXPERTS)
     _fill_every_expert(blocks, SwitchGLUArena(blocks), lambda layer, e: blocks[layer].expert_weights(e))
@@ -280,9 +286,7 @@ def test_tier_with_every_expert_resident_reproduces_the_model_bit_for_bit():
 def test_tier_serves_misses_closer_to_the_model_than_shedding():
     from kq_mlx.mlx_lm_adapter import attach_tier
 
-    mx.random.seed(4)
-    model = qwen3_model()
-    mx.eval(model.parameters())
+    model = evaluated(qwen3_model, seed=4)
     _, want = greedy(model, [1, 2, 3], 1)
     blocks = attach_arena(model, 4)
     arena = SwitchGLUArena(blocks)
@@ -315,9 +319,7 @@ def test_packed_reports_are_the_blocks_reports_bit_for_bit():
     from kq_host.residency import LayerReport
     from kq_mlx.mlx_lm_adapter import pack_reports
 
-    mx.random.seed(4)
-    model = qwen3_model()
-    mx.eval(model.parameters())
+    model = evaluated(qwen3_model, seed=4)
     blocks = attach_arena(model, num_slots=6)
     rng = np.random.default_rng(4)
     set_tables(blocks, np.where(rng.random((LAYERS, EXPERTS)) < 0.4, rng.integers(0, 6, (LAYERS, EXPERTS)), -1))
@@ -336,18 +338,11 @@ def test_packed_reports_are_the_blocks_reports_bit_for_bit():
         LayerReport.from_packed(np.zeros((4, 2, 5, 4), np.float32))
 
 
-def _manager_over(blocks, slots, **options):
-    return ResidencyManager(LAYERS, EXPERTS, slots, loader=lambda l, e, s: blocks[l].expert_weights(e),
-                            arena=SwitchGLUArena(blocks), **options)
-
-
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "serial"])
 def test_generate_greedy_with_every_expert_resident_is_the_model(overlap):
     from kq_mlx.mlx_lm_adapter import generate_greedy
 
-    mx.random.seed(2)
-    model = qwen3_model()
-    mx.eval(model.parameters())
+    model = evaluated(qwen3_model, seed=2)
     want, _ = greedy(model, [1, 2, 3], 12)
     blocks = attach_arena(model, EXPERTS)
     manager = _manager_over(blocks, EXPERTS, queue_depth=0)
@@ -365,9 +360,7 @@ def test_generate_greedy_serial_is_the_per_layer_loop_at_partial_residency():
 
     runs = []
     for packed in (False, True):
-        mx.random.seed(3)
-        model = qwen3_model()
-        mx.eval(model.parameters())
+        model = evaluated(qwen3_model, seed=3)
         blocks = attach_arena(model, num_slots=6)
         manager = _manager_over(blocks, 6, queue_depth=0)
         if packed:
@@ -386,9 +379,7 @@ def test_generate_greedy_serial_is_the_per_layer_loop_at_partial_residency():
 def test_a_slot_written_while_a_token_is_in_flight_does_not_change_that_token():
     """The overlapped loop writes arena slots while the next token's graph is dispatched: the graph
     computes with the arena as it was when the graph was built."""
-    mx.random.seed(5)
-    model = qwen3_model()
-    mx.eval(model.parameters())
+    model = evaluated(qwen3_model, seed=5)
     blocks = attach_arena(model, EXPERTS)
     arena = SwitchGLUArena(blocks)
     tables = np.tile(np.arange(EXPERTS, dtype=np.int32), (LAYERS, 1))
