@@ -51,7 +51,8 @@ class JaxArena:
                        for name, (shape, dtype) in shapes.items()}
         # On the CPU, XLA takes a host array into the write without a copy and runs the write after the
         # call returns, so a caller reusing the buffer at once (a recycling host allocator) would change
-        # the slot. There the payload is copied first; a GPU's transfer has copied it when the call returns.
+        # the slot. There the payload is copied first. On a GPU it goes as it is: its transfer is taken to
+        # have copied it when the call returns (tests/test_publish_faults.py checks it where it runs).
         self._copy_payloads = any(device.platform == "cpu" for array in self.arrays.values()
                                   for device in array.devices())
 
