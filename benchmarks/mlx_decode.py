@@ -15,7 +15,8 @@ engine does, greedily and autoregressively, the next token's input kept on the d
 Each arena loop runs at 100% residency (every expert preloaded: the adapter's own cost; its tokens are
 compared with the unmodified model's) and at 25% (experts read between tokens by the residency
 manager; the in-memory experts are the 'disk', so this is the arena's cost, not an SSD's). Steady
-state: the time between successive tokens over the last ``tokens`` of ``warmup + tokens``.
+state: the time between successive tokens over the last ``tokens`` of ``warmup + tokens``, each loop run
+``rounds`` times, the loops interleaved within a round, the median round reported with the range.
 
     python -m benchmarks mlx_decode --json out/mlx_decode.json
 """
@@ -102,55 +103,72 @@ def _tok_s(stamps: list[float], tokens: int) -> float:
     return 1.0 / statistics.median(gaps)
 
 
-def run(tokens: int = 64, warmup: int = 16, residencies=(1.0, 0.25)) -> dict:
-    import mlx.core as mx
-    import numpy as np
-
+def _arena_run(quantized: bool, residency: float, mode: str, prompt: list[int], steps: int):
+    """One arena loop on a freshly loaded model: its tokens and the manager (stamped, closed)."""
     from kq_host.residency import ResidencyManager
     from kq_mlx.mlx_lm_adapter import SwitchGLUArena, attach_arena, generate_greedy
+
+    model, _ = _load(quantized)
+    num_experts = model.layers[0].mlp.switch_mlp.gate_proj.weight.shape[0]
+    slots = max(1, int(round(residency * num_experts)))
+    blocks = attach_arena(model, slots)
+    manager = _Stamped(ResidencyManager(
+        len(blocks), num_experts, slots, arena=SwitchGLUArena(blocks),
+        loader=lambda layer, expert, slot: blocks[layer].expert_weights(expert)))
+    for layer in range(len(blocks)):
+        manager.preload(layer, range(slots) if slots == num_experts else [])
+    if mode == "per-layer":
+        got = _per_layer(model, blocks, manager, prompt, steps)
+    else:
+        got = generate_greedy(model, blocks, manager, prompt, steps, overlap=mode == "overlapped")
+    manager.close()
+    return got, manager
+
+
+def run(tokens: int = 64, warmup: int = 16, residencies=(1.0, 0.25), rounds: int = 3) -> dict:
+    """Every loop ``rounds`` times, the loops interleaved within a round; a row is a loop's median round."""
+    import mlx.core as mx
+    import numpy as np
 
     steps = warmup + tokens
     rows = []
     for quantized in (False, True):
         model, tokenizer = _load(quantized)
         prompt = tokenizer.encode(PROMPT)
-        want, stamps = _unmodified(model, prompt, steps)
-        rows.append(dict(quantized=quantized, mode="unmodified", residency=1.0, tok_s=_tok_s(stamps, tokens),
-                         hit_rate=None, same_tokens=True))
-        print(json.dumps(rows[-1]), flush=True)
-        for residency in residencies:
-            for mode in MODES:
-                model, _ = _load(quantized)
-                num_experts = model.layers[0].mlp.switch_mlp.gate_proj.weight.shape[0]
-                slots = max(1, int(round(residency * num_experts)))
-                blocks = attach_arena(model, slots)
-                manager = _Stamped(ResidencyManager(
-                    len(blocks), num_experts, slots, arena=SwitchGLUArena(blocks),
-                    loader=lambda layer, expert, slot: blocks[layer].expert_weights(expert)))
-                for layer in range(len(blocks)):
-                    manager.preload(layer, range(slots) if slots == num_experts else [])
-                if mode == "per-layer":
-                    got = _per_layer(model, blocks, manager, prompt, steps)
+        loops = [("unmodified", 1.0)] + [(mode, residency) for residency in residencies for mode in MODES]
+        runs: dict[tuple[str, float], list[dict]] = {loop: [] for loop in loops}
+        want = None
+        for _ in range(rounds):
+            for mode, residency in loops:
+                if mode == "unmodified":
+                    got, stamps = _unmodified(model, prompt, steps)
+                    want = want or got
+                    hit_rate = None
                 else:
-                    got = generate_greedy(model, blocks, manager, prompt, steps, overlap=mode == "overlapped")
-                manager.close()
-                _, total = manager.stats()
-                rows.append(dict(quantized=quantized, mode=mode, residency=residency,
-                                 tok_s=_tok_s(manager.stamps, tokens), hit_rate=total.hit_rate,
-                                 same_tokens=got == want))
-                print(json.dumps(rows[-1]), flush=True)
+                    got, manager = _arena_run(quantized, residency, mode, prompt, steps)
+                    stamps, hit_rate = manager.stamps, manager.stats()[1].hit_rate
+                runs[mode, residency].append(dict(tok_s=_tok_s(stamps, tokens), hit_rate=hit_rate,
+                                                  same_tokens=got == want))
+        for (mode, residency), done in runs.items():
+            speeds = sorted(r["tok_s"] for r in done)
+            middle = sorted(done, key=lambda r: r["tok_s"])[len(done) // 2]
+            rows.append(dict(quantized=quantized, mode=mode, residency=residency, tok_s=middle["tok_s"],
+                             tok_s_range=[speeds[0], speeds[-1]], hit_rate=middle["hit_rate"],
+                             same_tokens=all(r["same_tokens"] for r in done)))
+            print(json.dumps(rows[-1]), flush=True)
     return {"device": str(mx.default_device()), "mlx": mx.__version__, "python": platform.python_version(),
             "numpy": np.__version__, "date": time.strftime("%Y-%m-%d"), "tokens": tokens, "warmup": warmup,
-            "rows": rows}
+            "rounds": rounds, "rows": rows}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3, help="runs of every loop, interleaved")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
-    result = run(args.tokens, args.warmup)
+    result = run(args.tokens, args.warmup, rounds=args.rounds)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
