@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kq.bench import trace_kernels
+from kq.bench.kernels import trace_kernels
 from kq_jax.moe import Experts, moe_ffn_arena, moe_ffn_resident
 
 

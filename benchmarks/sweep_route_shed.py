@@ -25,7 +25,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from kq.bench import SHAPE_SETS, jax_kernel_us, parse_shape
+from kq.bench.kernels import SHAPE_SETS, jax_kernel_us, parse_shape
 from kq_core.compare import first_mismatch
 from kq_core.inputs import router_inputs
 from kq_core.oracle import route_shed_oracle

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kq.bench import jax_kernel_us, parse_shape
+from kq.bench.kernels import jax_kernel_us, parse_shape
 from kq_core.compare import first_mismatch
 from kq_core.oracle import topk_route_shed_oracle
 from kq_jax.pallas_config import KernelConfig, topk_block_config

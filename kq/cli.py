@@ -51,7 +51,7 @@ def _check(args) -> int:
 
 
 def _shape(text: str) -> tuple[int, int, int]:
-    from kq.bench import parse_shape
+    from kq.bench.kernels import parse_shape
 
     try:
         return parse_shape(text)
@@ -93,18 +93,18 @@ def _output_path(text: str) -> Path | None:
 
 
 def _bench(args) -> int:
-    from kq import bench
+    from kq.bench import kernels
 
     # Sets that run alone, each a module with run(progress=...), format_table(result), write_json(result, path).
-    for alone, module_name, what in (("compile", "compile_bench", "first calls at new row counts, not one shape"),
-                                     ("host", "host_bench", "the residency manager, not route_shed"),
-                                     ("decode-e2e", "decode_bench", "decoding through an arena, not route_shed")):
+    for alone, module_name, what in (("compile", "compiles", "first calls at new row counts, not one shape"),
+                                     ("host", "host", "the residency manager, not route_shed"),
+                                     ("decode-e2e", "decode_e2e", "decoding through an arena, not route_shed")):
         if not args.sets or alone not in args.sets:
             continue
         if len(args.sets) > 1 or args.shapes:
             print(f"kq bench: --sets {alone} runs alone ({what})")
             return 2
-        module = importlib.import_module(f"kq.{module_name}")
+        module = importlib.import_module(f"kq.bench.{module_name}")
         result = module.run(progress=not args.no_progress)
         print(module.format_table(result))
         if args.json:
@@ -112,14 +112,14 @@ def _bench(args) -> int:
             print(f"wrote {args.json}")
         return 0
     sets = args.sets or ([] if args.shapes else ["decode"])
-    results = bench.run(tuple(sets), args.backends, shapes=tuple(args.shapes or ()), repeats=args.repeats,
+    results = kernels.run(tuple(sets), args.backends, shapes=tuple(args.shapes or ()), repeats=args.repeats,
                         resident_fraction=args.resident_fraction, progress=not args.no_progress)
-    print(bench.format_table(results))
+    print(kernels.format_table(results))
     if args.json:
-        bench.write_json(results, args.json)
+        kernels.write_json(results, args.json)
         print(f"wrote {args.json}")
     if args.plot:
-        bench.write_plot(results, args.plot)
+        kernels.write_plot(results, args.plot)
         print(f"wrote {args.plot}")
     return 0
 
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--seed", type=int, default=0)
     check.set_defaults(func=_check)
 
-    from kq.bench import SHAPE_SETS
+    from kq.bench.kernels import SHAPE_SETS
 
     bench = sub.add_parser("bench", help="time every backend here against its floors and the naive baseline",
                            formatter_class=defaults)

@@ -74,7 +74,7 @@ def test_bench_refuses_a_malformed_shape(shape, capsys):
 
 
 def test_bench_bit_check_reports_a_wrong_bit(rng):
-    from kq.bench import _bits_exact
+    from kq.bench.kernels import _bits_exact
 
     inputs = router_inputs(rng, 6, 8, 64)
     expected = route_shed_oracle(*inputs)
@@ -84,7 +84,7 @@ def test_bench_bit_check_reports_a_wrong_bit(rng):
 
 
 def test_kernel_events_are_the_gpu_stream_lines_only():
-    from kq.bench import kernel_events_in_trace
+    from kq.bench.kernels import kernel_events_in_trace
 
     def meta(pid, tid, kind, name):
         return {"ph": "M", "pid": pid, "tid": tid, "name": kind, "args": {"name": name}}
@@ -148,7 +148,7 @@ def test_check_refuses_an_unknown_backend_listing_the_names(capsys):
 def test_bench_refuses_an_unknown_backend_listing_the_names():
     """A misspelt backend gets the names this machine has, though the run starts only the frameworks
     the requested backends need."""
-    from kq.bench import run
+    from kq.bench.kernels import run
 
     with pytest.raises(ValueError, match="'jax-refrence'") as error:
         run(backends=["jax-refrence"], progress=False)
@@ -227,13 +227,13 @@ def test_demo_generates_with_the_shipped_model_through_a_quarter_arena(capsys):
 
 
 def test_bench_host_times_the_token_boundary(monkeypatch, tmp_path, capsys):
-    from kq import host_bench
+    from kq.bench import host
 
-    monkeypatch.setattr(host_bench, "HOST_SHAPES", ((2, 16, 4, 4, 1), (2, 16, 4, 4, 3)))
+    monkeypatch.setattr(host, "HOST_SHAPES", ((2, 16, 4, 4, 1), (2, 16, 4, 4, 3)))
     json_path = tmp_path / "host.json"
     assert main(["bench", "--sets", "host", "--no-progress", "--json", str(json_path)]) == 0
     results = json.loads(json_path.read_text())["results"]
-    impls = host_bench.implementations()
+    impls = host.implementations()
     assert impls[0] == "numpy" and len(results) == 2 * len(impls)
     assert [(r["layers"], r["rows"], r["impl"]) for r in results] == [(2, rows, impl) for rows in (1, 3)
                                                                      for impl in impls]
@@ -246,11 +246,11 @@ def test_bench_host_times_the_token_boundary(monkeypatch, tmp_path, capsys):
 
 def test_bench_compile_counts_kernels_per_bucket(monkeypatch, tmp_path, capsys):
     pytest.importorskip("jax")
-    from kq import compile_bench
+    from kq.bench import compiles
     from kq_jax.pallas_config import row_bucket
 
-    monkeypatch.setattr(compile_bench, "INTERPRETER_SIZES", dict(count=3, max_rows=16, boundary_rows=(9,)))
-    monkeypatch.setattr(compile_bench, "OPS", ("route_shed",))
+    monkeypatch.setattr(compiles, "INTERPRETER_SIZES", dict(count=3, max_rows=16, boundary_rows=(9,)))
+    monkeypatch.setattr(compiles, "OPS", ("route_shed",))
     json_path = tmp_path / "compile.json"
     assert main(["bench", "--sets", "compile", "--no-progress", "--json", str(json_path)]) == 0
     result = json.loads(json_path.read_text())
@@ -273,12 +273,12 @@ def test_bench_decode_e2e_runs_resident_and_streamed(monkeypatch, tmp_path, caps
     residencies; every expert read lands, a full arena reads nothing and hits every time."""
     pytest.importorskip("jax")
     pytest.importorskip("safetensors")
-    from kq import decode_bench
+    from kq.bench import decode_e2e
 
-    monkeypatch.setitem(decode_bench.DECODE_MODELS, "tiny", (2, 8, 2, 32, 16, (1.0, 0.25), (None, 2)))
-    monkeypatch.setattr(decode_bench, "CPU_MODELS", ("tiny",))
-    monkeypatch.setattr(decode_bench, "GPU_MODELS", ("tiny",))
-    monkeypatch.setattr(decode_bench, "run", functools.partial(decode_bench.run, tokens=6, warmup=3))
+    monkeypatch.setitem(decode_e2e.DECODE_MODELS, "tiny", (2, 8, 2, 32, 16, (1.0, 0.25), (None, 2)))
+    monkeypatch.setattr(decode_e2e, "CPU_MODELS", ("tiny",))
+    monkeypatch.setattr(decode_e2e, "GPU_MODELS", ("tiny",))
+    monkeypatch.setattr(decode_e2e, "run", functools.partial(decode_e2e.run, tokens=6, warmup=3))
     json_path = tmp_path / "decode.json"
     assert main(["bench", "--sets", "decode-e2e", "--no-progress", "--json", str(json_path)]) == 0
     assert "overlapped" in capsys.readouterr().out
@@ -360,7 +360,7 @@ def test_bad_inputs_are_refused_naming_them_before_any_run(argv, message, broken
 
 
 def test_the_bench_refuses_a_resident_fraction_outside_zero_one():
-    from kq.bench import run
+    from kq.bench.kernels import run
 
     for fraction in (-0.1, 1.5, float("nan")):
         with pytest.raises(ValueError, match="resident_fraction"):

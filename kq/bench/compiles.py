@@ -12,7 +12,7 @@ exact-size launches (``KernelConfig(row_buckets=False)``):
   against the jnp reference.
 * **just above a bucket**: the time per call at a row count one past a bucket
   boundary (where padding is largest), bucketed against the exact-size kernel,
-  from ``kq.bench``'s chained timer (calls inside one jit, the harness's own
+  from ``kq.bench.kernels``'s chained timer (calls inside one jit, the harness's own
   cost subtracted).
 """
 
@@ -154,7 +154,7 @@ def _chained_us(fn, args, float_arg: int, repeats: int, calls: int = 16) -> floa
     import jax
     import jax.numpy as jnp
 
-    from kq.bench import _median_us
+    from kq.bench.kernels import _median_us
 
     def chain(*args):
         args = list(args)
