@@ -6,7 +6,7 @@
 # BENCH_SETS), sweep (the Pallas launch sweeps), moe (the MoE arena overhead), sharding (the sharding
 # and expert-parallel tests: on a GPU mesh where there are two GPUs or more), compile (`kq bench --sets
 # compile`), expert_parallel (the expert-parallel layer over this machine's GPUs), decode_e2e (`kq bench
-# --sets decode-e2e`), host (`kq bench --sets host` on this machine's CPU), host_tests (the host side's
+# --sets decode-e2e`), decode_tests (the engine loop's exact mode and the overlapped loop), host (`kq bench --sets host` on this machine's CPU), host_tests (the host side's
 # tests: the replayed traces and the compiled bookkeeping against NumPy), arena_tests (publishing's faults and the
 # arenas, JAX's on the GPU), h2d (landed experts' copies to the
 # device: pageable against pinned staging); and MLX on CUDA, after
@@ -73,6 +73,8 @@ for name in ${PARTS:-tests check memcheck}; do
     h2d) part h2d python3 -m benchmarks h2d_staging --json "$OUT/h2d_staging.json" ;;
     arena_tests) part arena_tests python3 -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_publish_faults.py \
                    tests/test_arena.py ;;
+    decode_tests) part decode_tests python3 -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_decode_e2e.py \
+                    tests/test_decode_pipeline.py ;;
     host_tests) part host_tests python3 -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_residency_replay.py \
                   tests/test_bookkeeping_numba.py tests/test_faults.py ;;
     compile) part compile python3 -m kq bench --sets compile --no-progress --json "$OUT/compile.json" ;;
@@ -95,7 +97,7 @@ for name in ${PARTS:-tests check memcheck}; do
                done ;;
     mlx_decode) part mlx_decode python3 -m benchmarks mlx_decode --json "$OUT/mlx_decode.json" ;;
     *) echo "unknown part: $name (tests check memcheck bench sweep moe sharding compile expert_parallel decode_e2e host" \
-            "host_tests arena_tests h2d" \
+            "host_tests arena_tests decode_tests h2d" \
             "mlx_check mlx_tests mlx_bench mlx_decode)"
        status=2 ;;
   esac

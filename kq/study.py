@@ -341,6 +341,31 @@ class JaxStudy:
             return decode_through_arena(tokens, warmup, result, manager, token, generate=generate)
 
 
+def record_routing(config: StudyConfig) -> tuple[np.ndarray, np.ndarray]:
+    """The checkpoint's routing over its text, every expert resident: what an arena serving it is asked.
+
+    Teacher-forced over the text's first ``config.warmup + config.tokens`` tokens (JAX).
+
+    Returns:
+        ``(indices int32 [T, L, K], scores float32 [T, L, K])``, token by token, each layer's top-k.
+    """
+    import jax.numpy as jnp
+
+    from kq_jax import qwen3_moe
+
+    study = JaxStudy(config)
+    cfg, params = study.cfg, study.full_params()
+    tables = jnp.tile(jnp.arange(cfg.num_experts, dtype=jnp.int32), (cfg.num_hidden_layers, 1))
+    cache = qwen3_moe.empty_cache(cfg, 1, study.tokens.size)
+    step, indices, scores = study.step("stall"), [], []
+    for position in range(study.tokens.size - 1):
+        _, cache, reports = step(params, None, tables, jnp.asarray(study.tokens[position:position + 1]), position,
+                                 cache)
+        indices.append(np.stack([np.asarray(r[0])[0] for r in reports]))
+        scores.append(np.stack([np.asarray(r[1])[0] for r in reports]))
+    return np.stack(indices).astype(np.int32), np.stack(scores).astype(np.float32)
+
+
 # Where each family keeps one expert's projections (Hugging Face names), in the arena's projection order
 # (gate, up, down), and the config key of its expert count.
 CHECKPOINT_LAYOUTS = {

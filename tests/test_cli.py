@@ -268,30 +268,39 @@ def test_bench_compile_counts_kernels_per_bucket(monkeypatch, tmp_path, capsys):
     assert "first call per new row count" in capsys.readouterr().out
 
 
-def test_bench_decode_e2e_runs_resident_and_streamed(monkeypatch, tmp_path, capsys):
-    """A tiny model through the whole decode loop: resident, then streamed serial and overlapped at two
-    residencies; every expert read lands, a full arena reads nothing and hits every time."""
+def test_bench_decode_e2e_runs_every_mode_in_one_loop(monkeypatch, tmp_path, capsys):
+    """Tiny models through the engine loop: the recorded routing's resident, lossy and exact modes and
+    the random stack's resident and lossy, at two residencies; a full arena hits every time and reads
+    nothing, the exact mode reads its misses on the critical path, the lossy one in the background."""
     pytest.importorskip("jax")
     pytest.importorskip("safetensors")
     from kq.bench import decode_e2e
 
-    monkeypatch.setitem(decode_e2e.DECODE_MODELS, "tiny", (2, 8, 2, 32, 16, (1.0, 0.25), (None, 2)))
-    monkeypatch.setattr(decode_e2e, "CPU_MODELS", ("tiny",))
-    monkeypatch.setattr(decode_e2e, "GPU_MODELS", ("tiny",))
+    monkeypatch.setitem(decode_e2e.RECORDED_MODELS, "tiny", (2, 64, 8, 32, 16))
+    monkeypatch.setitem(decode_e2e.RANDOM_MODELS, "tiny-random", (2, 8, 2, 32, 16))
+    monkeypatch.setattr(decode_e2e, "CPU_MODELS", ("tiny", "tiny-random"))
+    monkeypatch.setattr(decode_e2e, "GPU_MODELS", ("tiny", "tiny-random"))
+    monkeypatch.setattr(decode_e2e, "RESIDENCIES", (1.0, 0.25))
     monkeypatch.setattr(decode_e2e, "run", functools.partial(decode_e2e.run, tokens=6, warmup=3))
     json_path = tmp_path / "decode.json"
     assert main(["bench", "--sets", "decode-e2e", "--no-progress", "--json", str(json_path)]) == 0
-    assert "overlapped" in capsys.readouterr().out
-    rows = [r for r in json.loads(json_path.read_text())["results"] if r["framework"] == "jax"]
-    assert [(r["mode"], r["residency"], r["read_budget"]) for r in rows] == [
-        ("resident", None, None), ("serial", 1.0, None), ("overlapped", 1.0, None), ("serial", 0.25, None),
-        ("overlapped", 0.25, None), ("serial", 0.25, 2), ("overlapped", 0.25, 2)]
-    for row in rows[1:3]:
-        assert row["hit_rate"] == 1.0 and row["mib_read_per_token"] == 0.0
-    for row in rows[3:]:
-        assert row["hit_rate"] < 1.0 and row["mib_read_per_token"] > 0.0
-        assert 0.0 <= row["publish_ms"] <= row["boundary_ms"] and row["tokens"] == 6
-    assert all(row["tokens_per_s"] > 0 for row in rows)
+    out = capsys.readouterr()
+    assert "x resident" in out.out and "tiny exact residency=25%" in out.err  # a line per run as it ends
+    rows = json.loads(json_path.read_text())["results"]
+    assert [(r["model"], r["mode"], r["residency"]) for r in rows] == [
+        ("tiny", "resident", 1.0), ("tiny", "lossy", 1.0), ("tiny", "exact", 1.0), ("tiny", "lossy", 0.25),
+        ("tiny", "exact", 0.25), ("tiny-random", "resident", 1.0), ("tiny-random", "lossy", 1.0),
+        ("tiny-random", "lossy", 0.25)]
+    by = {(r["model"], r["mode"], r["residency"]): r for r in rows}
+    for key in (("tiny", "lossy", 1.0), ("tiny", "exact", 1.0), ("tiny-random", "lossy", 1.0)):
+        assert by[key]["hit_rate"] == 1.0 and by[key]["mib_read_per_token"] == 0.0
+    for key in (("tiny", "lossy", 0.25), ("tiny", "exact", 0.25), ("tiny-random", "lossy", 0.25)):
+        assert by[key]["hit_rate"] < 1.0 and by[key]["mib_read_per_token"] > 0.0
+        assert 0.0 <= by[key]["publish_ms"] <= by[key]["boundary_ms"] and by[key]["tokens"] == 6
+    assert by["tiny", "exact", 0.25]["critical_reads_per_token"] > 0
+    assert by["tiny", "lossy", 0.25]["critical_reads_per_token"] == 0
+    assert all(row["tokens_per_s"] > 0 and row["routing"] == ("random" if "random" in row["model"] else "recorded")
+               for row in rows)
 
 
 @pytest.fixture(scope="module")

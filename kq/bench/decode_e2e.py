@@ -1,35 +1,43 @@
-"""``kq bench --sets decode-e2e``: decoding through an arena end to end, resident against streamed.
+"""``kq bench --sets decode-e2e``: decoding through an arena end to end, the way an engine runs it.
 
-For each model shape and framework (JAX on its default device, MLX on the CPU) the demo's random
-Qwen3-MoE-style block stack is built, its experts are written as safetensors and read back by the
-residency manager's workers through :class:`kq_host.expert_store.ExpertStore`. Every run first
-compiles (one call of each step function, not timed), then decodes ``warmup + tokens`` tokens; the
-figures are over the last ``tokens``:
+One loop for every mode, the resident model included (:func:`decode`): autoregressive (token t+1's
+input is token t's output, kept on the device), one readback per token (the resident model's token
+id; an arena's packed reports), the compiles done before the clock. Figures are over the last
+``tokens`` of ``warmup + tokens``.
 
-* ``resident``: every expert in memory, no manager: the model as it would run unconstrained;
-* ``serial``: the arena at 100 / 50 / 25% residency (100%: every expert preloaded), per read budget;
-  each token: dispatch, wait for its output and its reports (one transfer), then the boundary
-  (``ResidencyManager.step``), split into ``publish`` (landed experts into the arena: their
-  host-to-device copies and one scatter per projection) and ``bookkeeping`` (the rest);
-* ``overlapped`` (JAX): token t+1 is dispatched before token t's boundary, with the tables of the
-  boundary before (one token older), so the device computes while the host keeps the books. A JAX
-  arena write makes new arrays, so the token in flight reads the arena as dispatched; an arena written
-  in place would be safe too, as a slot written at a boundary was cleared from the tables one
-  boundary earlier;
-* ``overlapped-pinned`` (JAX on a GPU, with CuPy installed): overlapped, the store reading each
-  expert straight into page-locked buffers (``ExpertStore(host_allocator=cupyx.empty_pinned)``), so
-  the arena's copies to the device start from pinned memory.
+Modes (JAX, on its default device):
 
-``h2d_ms`` is what the token's landed bytes cost at the host-to-device bandwidth measured in the same
-run (a pageable NumPy array to the device); the wait bar at 25% is bookkeeping <= 0.5 ms plus that.
+* ``resident``: every expert in device memory, no manager; token t+1 dispatched before token t is read;
+* ``lossy``: the arena, ``route_shed`` shedding each miss (kept weights rescaled); token t+1 dispatched
+  with the tables of the boundary before, then token t's reports read and the boundary kept
+  (``ResidencyManager.step``): misses are read in the background and land at a later boundary;
+* ``exact``: every routed expert is resident before its token runs: the token's misses are read on
+  its critical path (``step`` on its routing, then ``drain``), so its output is the resident model's,
+  bit for bit. Token t+1's routing is known only once token t is done, so nothing overlaps the reads.
+
+Routing (the ``routing`` column):
+
+* ``recorded``: each token's top-k per layer is what the shipped checkpoint (``models/stdlib-moe``)
+  routed over its held-out text (:func:`kq.study.record_routing`), so hit rates and reads are a trained
+  model's; the experts are random at a real model's size (:data:`RECORDED_MODELS`), their weights
+  written as safetensors and read back by the manager's workers through
+  :class:`kq_host.expert_store.ExpertStore` (from the page cache once read: this is the arena's cost, not
+  an SSD's). The ``exact`` mode learns a token's routing from the recording, where an engine learns it
+  layer by layer: its wait is the reads', without the per-layer round trips.
+* ``random``: the demo's random block stack, routed by its own random routers (no exact mode).
+
+Columns: tokens/s and that over the resident model's in the same loop (``x resident``); the median
+token's wall time, readback wait and boundary (of which ``publish``: landed experts into the arena);
+critical-path reads per token (``exact``); MiB read per token; hit rate. ``h2d ms`` is what a token's
+read bytes cost at the host-to-device bandwidth measured in the same run.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -39,69 +47,42 @@ import numpy as np
 
 from kq.terminal import progress_bar, render_table
 
-# name -> (layers, experts, top_k, hidden, ffn, residencies, read budgets): a size a CPU decodes in
-# milliseconds; the demo's GPU size; DeepSeek-V3's expert (hidden 7168, width 2048; 2-byte weights on
-# disk: 88 MB an expert) in one layer.
-DECODE_MODELS = {"8x64-512": (8, 64, 8, 512, 256, (1.0, 0.5, 0.25), (None, 8)),
-                 "8x64-2048": (8, 64, 8, 2048, 768, (1.0, 0.5, 0.25), (None, 8)),
-                 "deepseek-expert": (1, 16, 8, 7168, 2048, (1.0, 0.25), (None,))}
-GPU_MODELS, CPU_MODELS = ("8x64-2048", "deepseek-expert"), ("8x64-512",)
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+MODES = ("resident", "lossy", "exact")
+RESIDENCIES = (1.0, 0.75, 0.5, 0.25)
+# name -> (layers, experts, top_k, hidden, ffn). Recorded: the shipped checkpoint's layers, experts and
+# top-k, each expert at a real model's size (bf16: OLMoE's 12.6 MB, DeepSeek-V3's 88 MB); random: the
+# demo's stack.
+RECORDED_MODELS = {"olmoe-size": (4, 64, 8, 2048, 1024), "deepseek-v3-size": (1, 64, 8, 7168, 2048)}
+RANDOM_MODELS = {"random-8x64-512": (8, 64, 8, 512, 256), "random-8x64-2048": (8, 64, 8, 2048, 768)}
+GPU_MODELS, CPU_MODELS = ("olmoe-size", "deepseek-v3-size", "random-8x64-2048"), ("random-8x64-512",)
 
 
 @dataclass
 class DecodeResult:
-    framework: str
     device: str
     model: str
+    routing: str  # recorded, random
     layers: int
     experts: int
     hidden: int
     ffn: int
-    mode: str  # resident, serial, overlapped
-    residency: float | None
-    read_budget: int | None
+    mode: str  # resident, lossy, exact
+    residency: float
     tokens: int
     tokens_per_s: float
     token_ms: float  # median wall time per token
-    wait_ms: float  # dispatch to output and reports on the host
-    boundary_ms: float  # ResidencyManager.step
+    wait_ms: float  # median readback wait
+    boundary_ms: float  # median host work between tokens (exact: the critical-path reads included)
     publish_ms: float  # of the boundary: landed experts into the arena
-    bookkeeping_ms: float  # of the boundary: the rest
+    critical_reads_per_token: float
     mib_read_per_token: float
-    h2d_ms: float  # the landed bytes at the measured host-to-device bandwidth
+    h2d_ms: float  # a token's read bytes at the measured host-to-device bandwidth
     hit_rate: float | None
 
 
-class _TimedArena:
-    """The stack's arena, with the time spent writing landed experts into it added up."""
-
-    def __init__(self, arena):
-        self.arena, self.seconds = arena, 0.0
-
-    def _timed(self, method, *args):
-        start = time.perf_counter()
-        try:
-            return method(*args)
-        finally:
-            self.seconds += time.perf_counter() - start
-
-    def write_slot(self, layer, slot, payload):
-        return self._timed(self.arena.write_slot, layer, slot, payload)
-
-    def write_slots(self, layers, slots, payloads):
-        from kq_host.arena import write_landed
-
-        return self._timed(write_landed, self.arena, layers, slots, payloads)
-
-
-def _median_ms(seconds) -> float:
-    return statistics.median(seconds) * 1e3
-
-
-def h2d_gib_per_s(framework: str) -> float:
-    """Host-to-device bandwidth of a pageable 64 MiB NumPy array, median of 5 (JAX; MLX: its CPU, inf)."""
-    if framework != "jax":
-        return float("inf")
+def h2d_gib_per_s() -> float:
+    """Host-to-device bandwidth of a pageable 64 MiB NumPy array, median of 5."""
     import jax
 
     host = np.ones(32 * 2**20, np.float16)
@@ -114,142 +95,277 @@ def h2d_gib_per_s(framework: str) -> float:
     return host.nbytes / statistics.median(times) / 2**30
 
 
-def _resident(stack, states, warmup: int) -> list[float]:
-    stack.resident_step(states[0])  # compile
-    seconds = []
-    for h in states:
+def random_experts(layers: int, experts: int, hidden: int, ffn: int, rng: np.random.Generator):
+    """``{projection: bfloat16 [L, E, out, in]}`` of magnitudes 2^-8 to 2^-4, either sign, never zero
+    (drawn as bit patterns: quick at any size)."""
+    import ml_dtypes
+
+    shapes = {"gate_proj": (ffn, hidden), "up_proj": (ffn, hidden), "down_proj": (hidden, ffn)}
+    out = {}
+    for name, shape in shapes.items():
+        bits = rng.integers(0x3B80, 0x3D80, size=(layers, experts, *shape), dtype=np.uint16)
+        bits |= (rng.integers(0, 2, size=bits.shape, dtype=np.uint16) << 15)
+        out[name] = bits.view(ml_dtypes.bfloat16)
+    return out
+
+
+def write_checkpoint(directory: Path, experts) -> None:
+    """One shard per layer, one tensor per expert and projection (Hugging Face names)."""
+    from safetensors.numpy import save_file
+
+    layers, count = next(iter(experts.values())).shape[:2]
+    for layer in range(layers):
+        save_file({f"model.layers.{layer}.mlp.experts.{e}.{p}.weight": np.ascontiguousarray(experts[p][layer, e])
+                   for p in PROJECTIONS for e in range(count)}, str(directory / f"model-{layer:05d}.safetensors"))
+
+
+class Engine:
+    """The block stack ``x <- x + moe_l(x)`` over layers as jitted steps, resident (every expert) and on
+    an arena. The next token's input is the output plus a fixed random vector per position (as a
+    token's embedding would be), at unit RMS, so the random routers do not settle on a few experts.
+
+    Args:
+        experts: ``{projection: [L, E, out, in]}`` host arrays (the resident model's weights).
+        top_k: experts per token.
+        steps: tokens a decode runs.
+        routing: ``(indices int32 [T, L, K], scores float32 [T, L, K])`` recorded per token, or None.
+        router: float32 ``[L, D, E]`` routers, used when ``routing`` is None.
+        seed: of the first input and the per-position vectors.
+    """
+
+    def __init__(self, experts, top_k: int, steps: int, *, routing=None, router=None, seed: int = 0):
+        import jax
+        import jax.numpy as jnp
+
+        import kq_jax
+        from kq_core.contract import TopkRouteShedResult
+        from kq_jax.arena import pack_reports
+        from kq_jax.moe import Experts, experts_apply, route, router_probs
+
+        if (routing is None) == (router is None):
+            raise ValueError("Engine: give the recorded routing or the routers, one of them")
+        self.layers = next(iter(experts.values())).shape[0]
+        self.weights = {name: jnp.asarray(experts[name]) for name in PROJECTIONS}
+        self.recorded, self.routing = routing is not None, routing
+        trace = tuple(jnp.asarray(a) for a in routing) if self.recorded else None
+        routers = None if router is None else jnp.asarray(router)
+        hidden = self.weights["gate_proj"].shape[-1]
+        drift = np.random.default_rng(seed).normal(size=(steps + 1, 1, hidden)).astype(np.float32)
+        self.first = jnp.asarray(drift[0] / np.sqrt((drift[0]**2).mean()))
+        drift = jnp.asarray(drift)
+
+        def layer_weights(arrays, layer):
+            return Experts(*(arrays[name][layer] for name in PROJECTIONS))
+
+        def routed(x, position, layer):
+            if self.recorded:
+                return trace[0][position, layer][None], trace[1][position, layer][None]
+            return route(x, routers[layer], top_k=top_k)
+
+        def next_input(x, position):
+            x = x + drift[position + 1]
+            return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True))
+
+        def resident(x, position, weights):
+            for layer in range(self.layers):
+                indices, scores = routed(x, position, layer)
+                y = experts_apply(x, layer_weights(weights, layer), indices)
+                x = x + jnp.einsum("tkd,tk->td", y, scores.astype(y.dtype))
+            return next_input(x, position), jnp.argmax(x[0]).astype(jnp.int32)
+
+        def streamed(x, position, arrays, tables):
+            routings = []
+            for layer in range(self.layers):
+                num_slots = arrays[PROJECTIONS[0]].shape[1]
+                if self.recorded:
+                    indices, scores = routed(x, position, layer)
+                    routing = TopkRouteShedResult(indices, scores, kq_jax.route_shed(
+                        indices, scores, tables[layer], num_slots=num_slots))
+                else:
+                    routing = kq_jax.topk_route_shed(router_probs(x, routers[layer]), tables[layer], top_k=top_k,
+                                              num_slots=num_slots)
+                y = experts_apply(x, layer_weights(arrays, layer), routing.shed.slots)
+                x = x + jnp.einsum("tkd,tk->td", y, routing.shed.mix.astype(y.dtype))
+                routings.append(routing)
+            return next_input(x, position), pack_reports(routings)
+
+        self.resident, self.streamed = jax.jit(resident), jax.jit(streamed)
+
+
+def decode(dispatch, boundary, first, steps: int, *, overlap: bool) -> tuple[list[float], list[float], object]:
+    """The engine loop. ``dispatch(x, position)`` queues a token and returns its device outputs
+    ``(next input, readback)``; ``boundary(position, readback)`` is the host's work on the read-back
+    array. With ``overlap``, token t+1 is dispatched before token t is read.
+
+    Returns:
+        (the time each token was read back, each readback's wait in seconds, the last token's next input).
+    """
+    stamps, waits = [], []
+    current = dispatch(first, 0)
+    for position in range(steps):
+        following = dispatch(current[0], position + 1) if overlap and position + 1 < steps else None
         start = time.perf_counter()
-        stack.resident_step(h)
-        seconds.append(time.perf_counter() - start)
-    return seconds[warmup:]
+        readback = np.asarray(current[1])
+        stamps.append(time.perf_counter())
+        waits.append(stamps[-1] - start)
+        boundary(position, readback)
+        if not overlap and position + 1 < steps:
+            following = dispatch(current[0], position + 1)
+        current = following if following is not None else current
+    return stamps, waits, current[0]
 
 
-def _page_locked_allocator(framework: str):
-    """CuPy's page-locked host allocator where JAX runs on a GPU and CuPy imports; else None."""
-    if framework != "jax" or not _on_gpu():
-        return None
-    try:
-        import cupyx
-    except ImportError:
-        return None
-    return cupyx.empty_pinned
+class _TimedArena:
+    """An arena, with the time spent writing landed experts into it added up."""
+
+    def __init__(self, arena):
+        self.arena, self.seconds = arena, 0.0
+
+    def write_slots(self, layers, slots, payloads):
+        from kq_host.arena import write_landed
+
+        start = time.perf_counter()
+        try:
+            return write_landed(self.arena, layers, slots, payloads)
+        finally:
+            self.seconds += time.perf_counter() - start
 
 
-def _streamed(stack, cfg, store, states, *, warmup: int, overlapped: bool, read_budget: int | None):
-    """Per-token (wall, wait, boundary, publish) seconds after warm-up, MiB read per token, hit rate."""
+def exact_report(tables: np.ndarray, indices: np.ndarray, scores: np.ndarray):
+    """A token's report before it runs: its routing ``[L, K]`` and, per layer, the routed experts the
+    tables ``[L, E]`` lack, highest score first (what ``route_shed`` would report)."""
+    from kq_core.oracle import route_shed_oracle
+    from kq_host.residency import LayerReport
+
+    sheds = [route_shed_oracle(indices[layer][None], scores[layer][None], tables[layer])
+             for layer in range(len(tables))]
+    return LayerReport(indices[:, None], scores[:, None], np.stack([s.miss_ids for s in sheds]),
+                       np.stack([s.miss_scores for s in sheds]))
+
+
+def run_streamed(engine: Engine, store, first, steps: int, *, residency: float, mode: str, warmup: int,
+                 experts: int):
+    """One arena run; returns (stamps, waits, boundaries, publishes, critical reads, manager, last input)."""
     from kq_host.residency import ResidencyManager
+    from kq_jax.arena import JaxArena
 
-    arena = _TimedArena(stack.arena)
-    manager = ResidencyManager(cfg.layers, cfg.experts, cfg.slots, loader=lambda l, e, s: store.read_expert(l, e),
-                               arena=arena, read_budget=read_budget, bytes_per_expert=store.expert_nbytes(0))
-    if cfg.slots == cfg.experts:
-        for layer in range(cfg.layers):
-            manager.preload(layer, range(cfg.experts))
-    tables = manager.snapshot()
-    stack.streamed_step(states[0], tables)  # compile; the manager sees none of it
-    records = []
-    pending = stack.dispatch(states[0], tables) if overlapped else None
-    for index, h in enumerate(states):
-        if index == warmup:
-            _, before = manager.stats()
-        start, arena.seconds = time.perf_counter(), 0.0
-        if overlapped:  # the next token goes out with the tables of the boundary before this one
-            current = pending
-            pending = stack.dispatch(states[index + 1], tables) if index + 1 < len(states) else None
-            _, reports = stack.readback(current)
-        else:
-            _, reports = stack.streamed_step(h, tables)
-        ready = time.perf_counter()
-        tables = manager.step(reports)
-        end = time.perf_counter()
-        records.append((end - start, ready - start, end - ready, arena.seconds))
+    slots = max(1, round(residency * experts))
+    shapes = {name: (shape, dtype) for name, (shape, dtype) in store.expert_shapes(0).items()}
+    arena = JaxArena(engine.layers, slots, shapes)
+    timed = _TimedArena(arena)
+    manager = ResidencyManager(engine.layers, experts, slots, loader=lambda l, e, s: store.read_expert(l, e),
+                               arena=timed, bytes_per_expert=store.expert_nbytes(0))
+    if slots == experts:
+        for layer in range(engine.layers):
+            manager.preload(layer, range(experts))
+    state = {"tables": manager.snapshot()}
+    engine.streamed(first, 0, arena.arrays, state["tables"])[1].block_until_ready()  # compile
+    boundaries, publishes, critical = [], [], []
+
+    def mark(position):  # the statistics count from token `warmup`'s step on
+        if position == warmup:
+            state["before"] = manager.stats()[1]
+
+    def dispatch(x, position):
+        if mode == "exact":  # this token's misses read and published before it goes out
+            mark(position)
+            start, timed.seconds = time.perf_counter(), 0.0
+            report = exact_report(state["tables"], *(a[position] for a in engine.routing))
+            critical.append(int((report.miss_ids >= 0).sum()))
+            manager.step(report)
+            manager.drain()
+            state["tables"] = manager.snapshot()
+            boundaries.append(time.perf_counter() - start)
+            publishes.append(timed.seconds)
+        return engine.streamed(x, position, arena.arrays, state["tables"])
+
+    def boundary(position, packed):
+        from kq_host.residency import LayerReport
+
+        if mode == "exact":
+            missed = int((packed[2] >= 0).sum())
+            if missed:
+                raise AssertionError(f"decode-e2e exact: token {position} ran with {missed} misses")
+            return
+        mark(position)
+        start, timed.seconds = time.perf_counter(), 0.0
+        state["tables"] = manager.step(LayerReport.from_packed(packed))
+        boundaries.append(time.perf_counter() - start)
+        publishes.append(timed.seconds)
+
+    stamps, waits, last = decode(dispatch, boundary, first, steps, overlap=mode == "lossy")
     manager.close()  # the reads still out land first, so they count among the bytes read
-    _, after = manager.stats()
-    since = after.since(before)
-    timed = records[warmup:]
-    return timed, since.bytes_read / len(timed) / 2**20, since.hit_rate
+    return stamps, waits, boundaries, publishes, critical, manager.stats()[1].since(state["before"]), last
 
 
-def run_model(framework: str, model: str, *, tokens: int = 64, warmup: int = 16, seed: int = 0,
-              log=None) -> list[DecodeResult]:
-    """Every run of one framework on one model of :data:`DECODE_MODELS`."""
-    from kq import demo
+def run_model(model: str, *, tokens: int = 64, warmup: int = 16, seed: int = 0, routing=None,
+              residencies=None, log=None) -> list[DecodeResult]:
+    """Every mode and residency on one model of :data:`RECORDED_MODELS` or :data:`RANDOM_MODELS`.
+
+    Args:
+        residencies: default :data:`RESIDENCIES`.
+        routing: the recorded routing for a recorded model (default: :func:`kq.study.record_routing` of
+            the shipped checkpoint over ``warmup + tokens`` tokens of its held-out text).
+    """
     from kq_host.expert_store import ExpertStore
 
-    layers, experts, top_k, hidden, ffn, residencies, read_budgets = DECODE_MODELS[model]
+    recorded = model in RECORDED_MODELS
+    layers, experts, top_k, hidden, ffn = (RECORDED_MODELS if recorded else RANDOM_MODELS)[model]
+    steps = warmup + tokens
     rng = np.random.default_rng(seed)
-    base = demo.DemoConfig(layers=layers, experts=experts, top_k=top_k, hidden=hidden, ffn=ffn,
-                           steps=warmup + tokens, frameworks=(framework,))
-    router, weights = demo.make_weights(base, rng)
-    states = list(demo.hidden_states(base, rng))
-    stack_class, _ = demo.STACKS[framework]
-    bandwidth = h2d_gib_per_s(framework)
+    weights = random_experts(layers, experts, hidden, ffn, rng)
+    if recorded:
+        if routing is None:
+            from kq.study import StudyConfig, record_routing
+
+            routing = record_routing(StudyConfig(tokens=tokens, warmup=warmup))
+        routing = tuple(np.ascontiguousarray(a[:steps, :layers]) for a in routing)
+        engine = Engine(weights, top_k, steps, routing=routing, seed=seed)
+        modes = MODES
+    else:
+        router = (rng.normal(size=(layers, hidden, experts)) / np.sqrt(hidden) * 4).astype(np.float32)
+        engine = Engine(weights, top_k, steps, router=router, seed=seed)
+        modes = ("resident", "lossy")
+    first, device, bandwidth = engine.first, _device(), h2d_gib_per_s()
     results = []
 
-    def add(mode, residency, budget, timed, mib, hit_rate, device):
-        wall, wait, boundary, publish = (np.array(column) for column in zip(*timed))
+    def add(mode, residency, stamps, waits, boundaries, publishes, critical, stats):
+        gaps = np.diff(stamps[-tokens - 1:])
+        mib = 0.0 if stats is None else stats.bytes_read / tokens / 2**20
         result = DecodeResult(
-            framework, device, model, layers, experts, hidden, ffn, mode, residency, budget, len(wall),
-            len(wall) / float(wall.sum()), _median_ms(wall), _median_ms(wait), _median_ms(boundary),
-            _median_ms(publish), _median_ms(boundary - publish), mib,
-            mib / 1024 / bandwidth * 1e3 if np.isfinite(bandwidth) else 0.0, hit_rate)
+            device, model, "recorded" if recorded else "random", layers, experts, hidden, ffn, mode, residency,
+            tokens, 1.0 / float(np.median(gaps)), float(np.median(gaps)) * 1e3, _median_ms(waits[-tokens:]),
+            _median_ms(boundaries[-tokens:]), _median_ms(publishes[-tokens:]),
+            float(np.mean(critical[-tokens:])) if critical else 0.0, mib, mib / 1024 / bandwidth * 1e3,
+            None if stats is None else stats.hit_rate)
         results.append(result)
         if log:
-            log(f"{framework} {model} {mode} residency={residency} budget={budget}: "
-                f"{result.tokens_per_s:.1f} tok/s, boundary {result.boundary_ms:.2f} ms")
+            log(f"{model} {mode} residency={residency:.0%}: {result.tokens_per_s:.1f} tok/s, hit rate "
+                f"{'-' if result.hit_rate is None else f'{result.hit_rate:.3f}'}, {mib:.1f} MiB/token")
 
-    page_locked = _page_locked_allocator(framework)
-    with tempfile.TemporaryDirectory(prefix="kq-decode-") as workdir, contextlib.ExitStack() as stores:
-        demo.write_checkpoint(Path(workdir), weights)
-        store = stores.enter_context(ExpertStore(workdir, layout="per_expert", projections=demo.PROJECTIONS))
-        pinned_store = page_locked and stores.enter_context(
-            ExpertStore(workdir, layout="per_expert", projections=demo.PROJECTIONS, host_allocator=page_locked))
-        stack, device = stack_class(base, router, weights), _device(framework)
-        add("resident", None, None, [(s, s, 0.0, 0.0) for s in _resident(stack, states, warmup)], 0.0, None,
-            device)
-        modes = ("serial", "overlapped") if hasattr(stack, "dispatch") else ("serial",)
-        if pinned_store and hasattr(stack, "dispatch"):
-            modes += ("overlapped-pinned",)
-        for residency in residencies:
-            cfg = demo.DemoConfig(layers=layers, experts=experts, top_k=top_k, hidden=hidden, ffn=ffn,
-                                  steps=warmup + tokens, residency=residency, frameworks=(framework,))
-            for budget in (read_budgets if residency < 1.0 else (None,)):
-                for mode in modes:
-                    stack.reset_arena(cfg.slots)  # an empty arena per run
-                    timed, mib, hit_rate = _streamed(
-                        stack, cfg, pinned_store if mode == "overlapped-pinned" else store, states,
-                        warmup=warmup, overlapped=mode != "serial", read_budget=budget)
-                    add(mode, residency, budget, timed, mib, hit_rate, device)
+    engine.resident(first, 0, engine.weights)[1].block_until_ready()  # compile
+    stamps, waits, _ = decode(lambda x, position: engine.resident(x, position, engine.weights),
+                              lambda position, token: None, first, steps, overlap=True)
+    add("resident", 1.0, stamps, waits, [], [], [], None)
+    with tempfile.TemporaryDirectory(prefix="kq-decode-") as workdir:
+        write_checkpoint(Path(workdir), weights)
+        with ExpertStore(workdir, layout="per_expert", projections=PROJECTIONS) as store:
+            for residency in residencies or RESIDENCIES:
+                for mode in modes[1:]:
+                    *timings, stats, _ = run_streamed(engine, store, first, steps, residency=residency, mode=mode,
+                                                      warmup=warmup, experts=experts)
+                    add(mode, residency, *timings, stats)
     return results
 
 
-def _device(framework: str) -> str:
-    if framework == "jax":
-        import jax
-
-        return f"{jax.devices()[0].device_kind} (jax {jax.__version__})"
-    import mlx.core as mx
-
-    return f"cpu (mlx {mx.__version__})"
+def _median_ms(seconds) -> float:
+    return statistics.median(seconds) * 1e3 if len(seconds) else 0.0
 
 
-def run(models=None, frameworks=None, *, tokens: int = 64, warmup: int = 16, progress: bool = True,
-        log=None) -> list[DecodeResult]:
-    """``run_model`` over models and frameworks (default: both frameworks found here; JAX on a GPU runs
-    :data:`GPU_MODELS`, on a CPU and MLX :data:`CPU_MODELS`)."""
-    from kq import demo
+def _device() -> str:
+    import jax
 
-    frameworks = frameworks or demo.available_frameworks()
-    work = []
-    for framework in frameworks:
-        names = models or (GPU_MODELS if framework == "jax" and _on_gpu() else CPU_MODELS)
-        work += [(framework, name) for name in names]
-    results = []
-    with progress_bar(len(work), enabled=progress, description="kq bench decode-e2e") as advance:
-        for framework, name in work:
-            results += run_model(framework, name, tokens=tokens, warmup=warmup, log=log)
-            advance(f"{framework} {name}")
-    return results
+    return f"{jax.devices()[0].device_kind} (jax {jax.__version__})"
 
 
 def _on_gpu() -> bool:
@@ -258,15 +374,37 @@ def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def run(models=None, *, tokens: int = 64, warmup: int = 16, progress: bool = True,
+        log=_to_stderr) -> list[DecodeResult]:
+    """``run_model`` over ``models`` (default: :data:`GPU_MODELS` where JAX runs on a GPU, else
+    :data:`CPU_MODELS`); the recorded models share one recording. ``log`` takes a line per run."""
+    names = models or (GPU_MODELS if _on_gpu() else CPU_MODELS)
+    routing = None
+    if any(name in RECORDED_MODELS for name in names):
+        from kq.study import StudyConfig, record_routing
+
+        routing = record_routing(StudyConfig(tokens=tokens, warmup=warmup))
+    results = []
+    with progress_bar(len(names), enabled=progress, description="kq bench decode-e2e") as advance:
+        for name in names:
+            results += run_model(name, tokens=tokens, warmup=warmup, routing=routing, log=log)
+            advance(name)
+    return results
+
+
 def format_table(results: list[DecodeResult]) -> str:
-    header = ("framework", "model", "mode", "residency", "budget", "tok/s", "x resident", "token ms", "wait ms",
-              "boundary ms", "publish ms", "bookkeeping ms", "MiB read/token", "h2d ms", "hit rate")
-    resident = {(r.framework, r.model): r.tokens_per_s for r in results if r.mode == "resident"}
-    rows = [(r.framework, r.model, r.mode, "-" if r.residency is None else f"{r.residency:.0%}",
-             "-" if r.read_budget is None else r.read_budget, f"{r.tokens_per_s:.1f}",
-             f"{r.tokens_per_s / resident[(r.framework, r.model)]:.3f}", f"{r.token_ms:.2f}", f"{r.wait_ms:.2f}",
-             f"{r.boundary_ms:.2f}", f"{r.publish_ms:.2f}", f"{r.bookkeeping_ms:.2f}", f"{r.mib_read_per_token:.1f}",
-             f"{r.h2d_ms:.2f}", "-" if r.hit_rate is None else f"{r.hit_rate:.3f}") for r in results]
+    header = ("model", "routing", "mode", "residency", "tok/s", "x resident", "token ms", "wait ms", "boundary ms",
+              "publish ms", "critical reads/token", "MiB read/token", "h2d ms", "hit rate")
+    resident = {r.model: r.tokens_per_s for r in results if r.mode == "resident"}
+    rows = [(r.model, r.routing, r.mode, f"{r.residency:.0%}", f"{r.tokens_per_s:.1f}",
+             f"{r.tokens_per_s / resident[r.model]:.3f}", f"{r.token_ms:.2f}", f"{r.wait_ms:.2f}",
+             f"{r.boundary_ms:.2f}", f"{r.publish_ms:.2f}", f"{r.critical_reads_per_token:.2f}",
+             f"{r.mib_read_per_token:.1f}", f"{r.h2d_ms:.2f}", "-" if r.hit_rate is None else f"{r.hit_rate:.3f}")
+            for r in results]
     return render_table(header, rows, left=(0, 1, 2))
 
 
