@@ -103,8 +103,9 @@ def random_experts(layers: int, experts: int, hidden: int, ffn: int, rng: np.ran
     shapes = {"gate_proj": (ffn, hidden), "up_proj": (ffn, hidden), "down_proj": (hidden, ffn)}
     out = {}
     for name, shape in shapes.items():
-        bits = rng.integers(0x3B80, 0x3D80, size=(layers, experts, *shape), dtype=np.uint16)
-        bits |= (rng.integers(0, 2, size=bits.shape, dtype=np.uint16) << 15)
+        bits = rng.integers(0, 1 << 16, size=(layers, experts, *shape), dtype=np.uint16)
+        bits &= 0x81FF  # the sign and 9 random bits of the magnitude
+        bits += 0x3B80  # exponents 2^-8 .. 2^-5, no carry into the sign
         out[name] = bits.view(ml_dtypes.bfloat16)
     return out
 
