@@ -56,6 +56,20 @@ def test_bench_smoke_writes_json_and_plot(tmp_path, capsys):
     assert "per call us" in capsys.readouterr().out
 
 
+def test_the_plot_draws_each_floor_it_lists_once_per_framework():
+    """A floor at a single row count is still drawn (as a tick), and frameworks' launch floors are not mixed."""
+    from kq.bench.kernels import Result, plot_floors
+
+    def result(backend, rows, launch, bandwidth=None):
+        return Result(backend, "cpu", "decode", rows, 8, 64, 1.0, 1.0, launch_floor_us=launch,
+                      bandwidth_floor_us=bandwidth)
+
+    floors = plot_floors([result("jax-reference", 1, 5.0, 0.1), result("jax-naive", 1, 4.0, 0.1),
+                          result("mlx-ops", 1, 20.0), result("mlx-ops", 8, 21.0), result("numpy-oracle", 1, None)])
+    assert floors == {("bandwidth floor (cpu)", "k--"): [(1, 0.1)], ("launch floor (jax)", "k:"): [(1, 4.0)],
+                      ("launch floor (mlx)", "k:"): [(1, 20.0), (8, 21.0)]}
+
+
 def test_bench_times_shapes_of_ones_own(tmp_path):
     json_path = tmp_path / "bench.json"
     assert main(["bench", "--shapes", "3x5x40", "2X1x7", "--repeats", "1", "--no-progress", "--backends",

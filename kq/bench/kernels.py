@@ -472,6 +472,20 @@ def read_json(path: str) -> list[Result]:
         return [Result(**r) for r in json.load(handle)["results"]]
 
 
+def plot_floors(results: list[Result]) -> dict[tuple[str, str], list[tuple[int, float]]]:
+    """The floor lines a plot of ``results`` draws: ``{(label, line style): [(rows, us), ...]}``, one
+    bandwidth floor per device and one launch floor per framework (the part of a backend's name before
+    its first '-'), each point the lowest of its rows; a line of one point is drawn as a tick."""
+    lines: dict[tuple[str, str], dict[int, float]] = {}
+    for r in results:
+        for label, style, value in ((f"bandwidth floor ({r.device})", "k--", r.bandwidth_floor_us),
+                                    (f"launch floor ({r.backend.split('-')[0]})", "k:", r.launch_floor_us)):
+            if value:
+                points = lines.setdefault((label, style), {})
+                points[r.rows] = min(value, points.get(r.rows, value))
+    return {key: sorted(points.items()) for key, points in lines.items()}
+
+
 def write_plot(results: list[Result], path: str) -> None:
     """Time per call against rows at the most common top-k (8 in both sets), one line per backend, floors dashed.
 
@@ -497,12 +511,8 @@ def write_plot(results: list[Result], path: str) -> None:
         kernels = [(p.rows, p.kernel_us) for p in points if p.kernel_us is not None]
         if kernels:
             ax.plot(*zip(*kernels), ":", marker="x", color=line.get_color(), label=f"{label} (kernel time)")
-    floors = sorted({(r.rows, r.bandwidth_floor_us) for r in results if r.bandwidth_floor_us})
-    if floors:
-        ax.plot(*zip(*floors), "k--", label="bandwidth floor")
-    launch = sorted({(r.rows, r.launch_floor_us) for r in results if r.launch_floor_us})
-    if launch:
-        ax.plot(*zip(*launch), "k:", label="launch floor")
+    for (kind, style), group in plot_floors(results).items():
+        ax.plot(*zip(*group), style, marker="_", markersize=12, label=kind)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("rows T")
