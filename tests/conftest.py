@@ -1,4 +1,6 @@
+import gc
 import os
+import sys
 
 # Eight host devices for the sharding tests (tests/test_sharding.py); set before JAX starts.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -54,6 +56,18 @@ def assert_same_bits(expected, got):
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """After each test file, the compiled programs and buffer caches it left behind are let go, so one
+    worker running many files does not keep every file's compiles resident."""
+    yield
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
+    if "mlx.core" in sys.modules:
+        sys.modules["mlx.core"].clear_cache()
+    gc.collect()
 
 
 # The part of the suite a CUDA machine runs (`pytest -m gpu`): the JAX modules, and every backend test of

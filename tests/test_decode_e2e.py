@@ -48,3 +48,18 @@ def test_the_lossy_mode_sheds_below_full_residency_and_matches_at_it(setting):
             got[residency] = np.asarray(last)
     assert np.array_equal(got[1.0].view(np.uint32), want.view(np.uint32))
     assert not np.array_equal(got[0.25], want) and stats.hit_rate < 1.0
+
+
+def test_the_exact_report_is_what_route_shed_reports(setting):
+    from kq_core.oracle import route_shed_oracle
+
+    engine, _, _ = setting
+    rng = np.random.default_rng(8)
+    tables = np.where(rng.random((LAYERS, EXPERTS)) < 0.5, rng.integers(0, 8, (LAYERS, EXPERTS)), -1).astype(np.int32)
+    for position in range(STEPS):
+        indices, scores = (a[position] for a in engine.routing)
+        report = decode_e2e.exact_report(tables, indices, scores)
+        for layer in range(LAYERS):
+            want = route_shed_oracle(indices[layer][None], scores[layer][None], tables[layer])
+            assert np.array_equal(report.miss_ids[layer], want.miss_ids)
+            assert np.array_equal(report.miss_scores[layer].view(np.uint32), want.miss_scores.view(np.uint32))

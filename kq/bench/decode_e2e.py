@@ -51,11 +51,13 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 MODES = ("resident", "lossy", "exact")
 RESIDENCIES = (1.0, 0.75, 0.5, 0.25)
 # name -> (layers, experts, top_k, hidden, ffn). Recorded: the shipped checkpoint's layers, experts and
-# top-k, each expert at a real model's size (bf16: OLMoE's 12.6 MB, DeepSeek-V3's 88 MB); random: the
-# demo's stack.
-RECORDED_MODELS = {"olmoe-size": (4, 64, 8, 2048, 1024), "deepseek-v3-size": (1, 64, 8, 7168, 2048)}
+# top-k, each expert at the checkpoint's own size or a real model's (bf16: OLMoE's 12.6 MB, DeepSeek-V3's
+# 88 MB); random: the demo's stack.
+RECORDED_MODELS = {"stdlib-moe-size": (4, 64, 8, 128, 64), "olmoe-size": (4, 64, 8, 2048, 1024),
+                   "deepseek-v3-size": (1, 64, 8, 7168, 2048)}
 RANDOM_MODELS = {"random-8x64-512": (8, 64, 8, 512, 256), "random-8x64-2048": (8, 64, 8, 2048, 768)}
-GPU_MODELS, CPU_MODELS = ("olmoe-size", "deepseek-v3-size", "random-8x64-2048"), ("random-8x64-512",)
+GPU_MODELS = ("stdlib-moe-size", "olmoe-size", "deepseek-v3-size", "random-8x64-2048")
+CPU_MODELS = ("stdlib-moe-size", "random-8x64-512")
 
 
 @dataclass
@@ -233,15 +235,17 @@ class _TimedArena:
 
 
 def exact_report(tables: np.ndarray, indices: np.ndarray, scores: np.ndarray):
-    """A token's report before it runs: its routing ``[L, K]`` and, per layer, the routed experts the
-    tables ``[L, E]`` lack, highest score first (what ``route_shed`` would report)."""
-    from kq_core.oracle import route_shed_oracle
+    """A token's report before it runs: its routing ``[L, K]`` (each row's scores falling, as top-k gives
+    them) and, per layer, the routed experts the tables ``[L, E]`` lack, highest score first, -1 padded
+    (what ``route_shed`` would report)."""
     from kq_host.residency import LayerReport
 
-    sheds = [route_shed_oracle(indices[layer][None], scores[layer][None], tables[layer])
-             for layer in range(len(tables))]
-    return LayerReport(indices[:, None], scores[:, None], np.stack([s.miss_ids for s in sheds]),
-                       np.stack([s.miss_scores for s in sheds]))
+    missing = np.take_along_axis(tables, indices.astype(np.int64), axis=1) < 0  # [L, K]
+    order = np.argsort(~missing, axis=1, kind="stable")  # the misses first, in k order
+    miss_ids = np.where(np.take_along_axis(missing, order, axis=1), np.take_along_axis(indices, order, axis=1), -1)
+    miss_scores = np.where(miss_ids >= 0, np.take_along_axis(scores, order, axis=1), np.float32(0))
+    return LayerReport(indices[:, None], scores[:, None], miss_ids[:, None].astype(np.int32),
+                       miss_scores[:, None].astype(np.float32))
 
 
 def run_streamed(engine: Engine, store, first, steps: int, *, residency: float, mode: str, warmup: int,
