@@ -133,6 +133,12 @@ class RunResult:
     memory_bytes: int = 0  # the experts' memory: arena slots of every layer, plus the tier for "tier"
     seconds: float = 0.0
     trace: dict = field(default_factory=dict)
+    token_bits: list = field(default_factory=list)  # each scored token's bits, in text order
+
+    def score(self, bits: float) -> None:
+        """Adds one scored token's bits."""
+        self.bits += bits
+        self.token_bits.append(bits)
 
     @property
     def perplexity(self) -> float:
@@ -143,7 +149,7 @@ class RunResult:
         return self.bits / self.bytes
 
     def summary(self) -> dict:
-        out = {k: v for k, v in asdict(self).items() if k != "trace"}
+        out = {k: v for k, v in asdict(self).items() if k not in ("trace", "token_bits")}
         out.update(perplexity=self.perplexity, bits_per_byte=self.bits_per_byte,
                    hit_rate=self.hits / self.lookups if self.lookups else 1.0,
                    shed_mass_per_token=self.shed_mass / self.tokens, reads_per_token=self.reads / self.tokens,
@@ -298,7 +304,7 @@ class JaxStudy:
             logits, cache, _ = step(params, None, tables, jnp.asarray(self.tokens[position:position + 1]), position,
                                     cache)
             if position >= self.config.warmup:
-                result.bits += _bits(logits, self.tokens[position + 1])
+                result.score(_bits(logits, self.tokens[position + 1]))
         result.seconds = time.perf_counter() - start
         return result
 
@@ -434,7 +440,7 @@ class MlxStudy:
         for position in range(self.tokens.size - 1):
             logits = self._logits(model, cache, int(self.tokens[position]))
             if position >= self.config.warmup:
-                result.bits += _bits(logits[None], self.tokens[position + 1])
+                result.score(_bits(logits[None], self.tokens[position + 1]))
         result.seconds = time.perf_counter() - start
         return result
 
@@ -542,7 +548,7 @@ def decode_through_arena(tokens: list[int], warmup: int, result: RunResult, mana
         if position + 1 >= given:
             tokens.append(int(np.argmax(np.asarray(logits)[0])))
         elif position >= warmup:
-            result.bits += _bits(logits, tokens[position + 1])
+            result.score(_bits(logits, tokens[position + 1]))
         if position >= warmup:
             for layer, (indices, scores, _, _, served) in enumerate(reports):
                 result.routed_mass += float(scores.sum())
@@ -599,15 +605,40 @@ def run_study(study, *, progress: bool = True) -> tuple[RunResult, list[RunResul
     return resident, results
 
 
+def paired_interval(run: RunResult, resident: RunResult, *, window: int = 64, level: float = 0.95,
+                    resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """A bootstrap interval of ``run``'s perplexity over ``resident``'s, minus one, paired by token.
+
+    The scored tokens are cut into consecutive windows of ``window`` (a last, shorter one dropped, so
+    nearby tokens, which share the arena's state, stay together); windows are drawn with replacement,
+    and the ratio is taken over the drawn windows' tokens in both runs.
+
+    Returns:
+        ``(low, high)``: the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles; NaN where fewer than
+        two windows fit.
+    """
+    count = min(len(run.token_bits), len(resident.token_bits)) // window
+    if count < 2:
+        return math.nan, math.nan
+    cut = count * window
+    gap = (np.asarray(run.token_bits[:cut]) - np.asarray(resident.token_bits[:cut])).reshape(count, window).sum(1)
+    draws = np.random.default_rng(seed).integers(0, count, size=(resamples, count))
+    ratios = np.exp(gap[draws].sum(axis=1) * math.log(2) / cut) - 1.0
+    return tuple(float(q) for q in np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2]))
+
+
 def format_table(resident: RunResult, results: list[RunResult]) -> str:
-    header = ("residency", "slots", "policy", "rule", "perplexity", "vs resident", "bits/byte", "hit rate",
+    header = ("residency", "slots", "policy", "rule", "perplexity", "vs resident", "95% interval", "bits/byte",
+              "hit rate",
               "shed mass/token", "reads/token", "MiB/token", "critical reads/token", "expert MiB")
-    rows = [("100%", resident.slots, "-", "resident", f"{resident.perplexity:.3f}", "-",
+    rows = [("100%", resident.slots, "-", "resident", f"{resident.perplexity:.3f}", "-", "-",
              f"{resident.bits_per_byte:.4f}", "-", "-", "-", "-", "-", _mib(resident.memory_bytes))]
     for r in results:
         s = r.summary()
+        low, high = paired_interval(r, resident)
         rows.append((f"{r.residency:.1%}", r.slots, r.policy, r.rule, f"{r.perplexity:.3f}",
-                     f"{r.perplexity / resident.perplexity - 1:+.1%}", f"{r.bits_per_byte:.4f}",
+                     f"{r.perplexity / resident.perplexity - 1:+.1%}",
+                     "-" if math.isnan(low) else f"[{low:+.1%}, {high:+.1%}]", f"{r.bits_per_byte:.4f}",
                      f"{s['hit_rate']:.3f}", f"{s['shed_mass_per_token']:.3f}", f"{s['reads_per_token']:.2f}",
                      f"{s['mib_per_token']:.3f}", f"{s['critical_reads_per_token']:.2f}" if r.rule == "stall" else "-",
                      _mib(r.memory_bytes)))
@@ -625,7 +656,8 @@ def write_json(config: StudyConfig, resident: RunResult, results: list[RunResult
 
     payload = {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(), "jax": jax.__version__,
                "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
-               "resident": resident.summary(), "runs": [r.summary() for r in results]}
+               "resident": resident.summary(),
+               "runs": [dict(r.summary(), interval_95=paired_interval(r, resident)) for r in results]}
     Path(path).write_text(json.dumps(payload, indent=1) + "\n")
 
 

@@ -177,3 +177,39 @@ def test_the_grid_runs_every_rule_at_full_residency_once():
 def test_renormalize_changes_the_output_with_every_expert_resident(study):
     """With norm_topk_prob false a row's routed mass is below 1: scaling it to 1 is a cost with no miss."""
     assert study.run(1.0, "lfu", "renormalize").bits != study.resident().bits
+
+
+def _scored(bits):
+    from kq.study import RunResult
+
+    result = RunResult(1.0, 64, "lfu", "shed", len(bits), 0.0, 100)
+    for value in bits:
+        result.score(float(value))
+    return result
+
+
+def test_the_interval_is_paired_by_token_and_exact_for_a_constant_gap():
+    from kq.study import paired_interval
+
+    rng = np.random.default_rng(0)
+    resident_bits = rng.gamma(2.0, 2.0, size=256)
+    resident = _scored(resident_bits)
+    assert paired_interval(_scored(resident_bits), resident) == (0.0, 0.0)
+    low, high = paired_interval(_scored(resident_bits + 0.01), resident)  # the same 0.01 bit on every token
+    assert low == pytest.approx(2**0.01 - 1, rel=1e-9) and high == pytest.approx(2**0.01 - 1, rel=1e-9)
+    noisy = _scored(resident_bits + 0.01 + rng.normal(0, 0.5, size=256))
+    low, high = paired_interval(noisy, resident)
+    assert low < noisy.perplexity / resident.perplexity - 1 < high and high - low > 0.01
+    assert all(np.isnan(paired_interval(_scored(resident_bits[:100]), _scored(resident_bits[:100]))))
+
+
+def test_the_table_and_the_json_carry_the_interval(study, tmp_path):
+    from kq.study import format_table, write_json
+
+    resident = study.resident()
+    shed = study.run(0.25, "lfu", "shed")
+    assert len(shed.token_bits) == len(resident.token_bits) == 12
+    assert "95% interval" in format_table(resident, [shed])
+    path = tmp_path / "study.json"
+    write_json(study.config, resident, [shed], path)
+    assert len(json.loads(path.read_text())["runs"][0]["interval_95"]) == 2
