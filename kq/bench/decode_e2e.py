@@ -255,7 +255,9 @@ def run_streamed(engine: Engine, store, first, steps: int, *, residency: float, 
     from kq_jax.arena import JaxArena
 
     slots = max(1, round(residency * experts))
-    shapes = {name: (shape, dtype) for name, (shape, dtype) in store.expert_shapes(0).items()}
+    # XLA's CPU backend writes a bfloat16 slot by copying the whole array (docs/api.md): there, float32.
+    shapes = {name: (shape, dtype if _on_gpu() else np.float32)
+              for name, (shape, dtype) in store.expert_shapes(0).items()}
     arena = JaxArena(engine.layers, slots, shapes)
     timed = _TimedArena(arena)
     manager = ResidencyManager(engine.layers, experts, slots, loader=lambda l, e, s: store.read_expert(l, e),
