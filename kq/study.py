@@ -16,7 +16,14 @@ Rules for a routed expert that is not resident (``RULES``):
   left without one is shed);
 * ``tier``: serve it, at its own weight, with its copy in a low-precision tier of every expert
   (``route_shed(..., on_miss="tier")``; :mod:`kq_host.tier`, ``tier_bits`` and ``tier_group_size``);
-* ``stall``: wait for it: the exact output, every miss a read on the token's critical path.
+* ``stall``: wait for it: the exact output, every miss a read on the token's critical path;
+* ``reroute``: cache-aware routing: keep the router's first k/2 choices (a miss among them shed), fill
+  the other k/2 places with the most probable resident experts of its top 2k not already chosen, each
+  at its own probability (scaled as the router scales its top-k);
+* ``prior``: cache-aware routing: the top-k of the router's log-probabilities plus
+  :data:`RESIDENT_PRIOR` for resident experts, each chosen expert at its own probability (a miss shed).
+
+``reroute`` and ``prior`` run in JAX only; the manager still reads the misses of the router's own top-k.
 
 Per run: perplexity and bits per byte of the scored tokens, hit rate, shed mass per token (the
 routed mass the rule did not serve with the routed expert), reads and MiB read per token, and for
@@ -36,7 +43,9 @@ import numpy as np
 
 from kq.terminal import progress_bar, render_table
 
-RULES = ("route_shed", "shed", "renormalize", "substitute", "tier", "stall")
+RULES = ("route_shed", "shed", "renormalize", "substitute", "tier", "stall", "reroute", "prior")
+JAX_ONLY_RULES = ("reroute", "prior")
+RESIDENT_PRIOR = 1.0  # the ``prior`` rule's bonus to a resident expert's log-probability (nats)
 POLICIES = ("lfu", "lru")
 RESIDENCIES = (1.0, 0.75, 0.5, 0.25, 0.125)
 SHIPPED_MODEL = Path(__file__).resolve().parents[1] / "models" / "stdlib-moe"
@@ -184,11 +193,35 @@ def serve(rule: str, indices, scores, probs, slot_table, shed, *, normalize: boo
     if rule == "renormalize":
         kept_mass = jnp.sum(jnp.where(kept, scores, 0.0), axis=-1, keepdims=True)
         return shed.slots, jnp.where(kept, scores / jnp.where(kept_mass > 0, kept_mass, 1.0), 0.0)
+    if rule in JAX_ONLY_RULES:
+        return _cache_aware(rule, indices, probs, bounded_table(slot_table, num_slots), normalize=normalize)
     if rule == "substitute":
         routed = kq_jax.topk_route_shed(probs, slot_table, top_k=indices.shape[-1], normalize=normalize,
                                         on_miss="substitute", num_slots=num_slots)
         return routed.shed.slots, routed.shed.mix
     raise ValueError(f"unknown rule {rule!r}; known: {RULES}")
+
+
+def _cache_aware(rule: str, indices, probs, table, *, normalize: bool):
+    """``(slots, mix)`` of the ``reroute`` and ``prior`` rules (module docstring); ``table`` bounded."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    k = indices.shape[-1]
+    resident = table >= 0  # [E]
+    if rule == "prior":
+        _, chosen = lax.top_k(jnp.log(probs) + jnp.where(resident, RESIDENT_PRIOR, 0.0), k)
+    else:
+        keep = k // 2
+        _, window = lax.top_k(probs, min(2 * k, probs.shape[-1]))
+        rest = window[:, keep:]
+        fill = jnp.take_along_axis(rest, jnp.argsort(~resident[rest], axis=-1, stable=True), axis=-1)
+        chosen = jnp.concatenate([window[:, :keep], fill[:, :k - keep]], axis=-1)
+    weights = jnp.take_along_axis(probs, chosen, axis=-1)
+    if normalize:  # on the scale of the router's own top-k
+        weights = weights / jnp.sum(jnp.take_along_axis(probs, indices, axis=-1), axis=-1, keepdims=True)
+    slots = table[chosen]
+    return jnp.where(slots >= 0, slots, 0), jnp.where(slots >= 0, weights, 0.0)
 
 
 def make_step(cfg, rule: str, tier_options: tuple[int, int] = (3, 32)):
@@ -397,7 +430,8 @@ class MlxStudy:
         model_type = self.cfg_json["model_type"]
         self.template, self.projections, experts_key = CHECKPOINT_LAYOUTS[model_type]
         self.num_experts = self.cfg_json[experts_key]
-        self.rules = RULES if model_type == "qwen3_moe" else tuple(r for r in RULES if r != "substitute")
+        unsupported = JAX_ONLY_RULES + (() if model_type == "qwen3_moe" else ("substitute",))
+        self.rules = tuple(r for r in RULES if r not in unsupported)
         self._tier = None
         tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
         self.tokens, self.scored_bytes = _text_tokens(config, tokenizer)

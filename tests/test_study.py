@@ -213,3 +213,29 @@ def test_the_table_and_the_json_carry_the_interval(study, tmp_path):
     path = tmp_path / "study.json"
     write_json(study.config, resident, [shed], path)
     assert len(json.loads(path.read_text())["runs"][0]["interval_95"]) == 2
+
+
+@pytest.mark.parametrize("rule", ["reroute", "prior"])
+def test_cache_aware_routing_is_the_model_at_full_residency_and_reroutes_below_it(rule):
+    study = make_study(StudyConfig(tokens=12, warmup=4, framework="jax"))
+    resident = study.resident()
+    assert study.run(1.0, "lfu", rule).bits == resident.bits
+    small = study.run(0.25, "lfu", rule)
+    shed = study.run(0.25, "lfu", "shed")
+    assert small.bits != resident.bits and np.isfinite(small.perplexity) and small.bits != shed.bits
+
+
+def test_cache_aware_routing_picks_resident_experts():
+    import jax.numpy as jnp
+
+    from kq.study import _cache_aware
+
+    probs = jnp.asarray([[0.30, 0.20, 0.15, 0.12, 0.10, 0.08, 0.05]], jnp.float32)  # experts 0..6, best first
+    indices = jnp.asarray([[0, 1, 2, 3]], jnp.int32)  # k = 4
+    table = jnp.asarray([-1, 0, -1, -1, 1, 2, 3], jnp.int32)  # 1, 4, 5, 6 resident
+    slots, mix = _cache_aware("reroute", indices, probs, table, normalize=False)
+    # experts 0 and 1 kept (0 shed: not resident); the rest from the top 8 resident not chosen: 4, 5
+    assert slots.tolist() == [[0, 0, 1, 2]] and np.allclose(mix, [[0.0, 0.20, 0.10, 0.08]])
+    slots, mix = _cache_aware("prior", indices, probs, table, normalize=False)
+    # log p + 1 for 1, 4, 5, 6: ranking 1 (0.2e), 0 (0.30), 4 (0.1e), 5 (0.08e); expert 0 shed
+    assert slots.tolist() == [[0, 0, 1, 2]] and np.allclose(mix, [[0.20, 0.0, 0.10, 0.08]])
