@@ -24,6 +24,8 @@ Rules for a routed expert that is not resident (``RULES``):
   :data:`RESIDENT_PRIOR` for resident experts, each chosen expert at its own probability (a miss shed).
 
 ``reroute`` and ``prior`` run in JAX only; the manager still reads the misses of the router's own top-k.
+The baseline ``uniform`` (JAX only) has no arena: every routed expert is served from the tier, as a model
+quantized throughout would be; it runs once, listed at residency 0.
 
 Per run: perplexity and bits per byte of the scored tokens, hit rate, shed mass per token (the
 routed mass the rule did not serve with the routed expert), reads and MiB read per token, and for
@@ -33,6 +35,7 @@ slots, plus the tier for ``tier``), in the checkpoint's dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -43,8 +46,8 @@ import numpy as np
 
 from kq.terminal import progress_bar, render_table
 
-RULES = ("route_shed", "shed", "renormalize", "substitute", "tier", "stall", "reroute", "prior")
-JAX_ONLY_RULES = ("reroute", "prior")
+RULES = ("route_shed", "shed", "renormalize", "substitute", "tier", "stall", "reroute", "prior", "uniform")
+JAX_ONLY_RULES = ("reroute", "prior", "uniform")
 RESIDENT_PRIOR = 1.0  # the ``prior`` rule's bonus to a resident expert's log-probability (nats)
 POLICIES = ("lfu", "lru")
 RESIDENCIES = (1.0, 0.75, 0.5, 0.25, 0.125)
@@ -353,23 +356,24 @@ class JaxStudy:
 
         cfg, config = self.cfg, self.config
         layers, experts, top_k = cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok
-        slots = max(top_k, round(residency * experts))
+        uniform = rule == "uniform"
+        slots = 0 if uniform else max(top_k, round(residency * experts))
         params = self.full_params() if rule == "stall" else self.params
         result = RunResult(residency, slots, policy, rule, config.tokens, 0.0, self.scored_bytes)
         with ExpertStore(config.checkpoint, layout="per_expert", projections=qwen3_moe.PROJECTIONS) as store:
             shapes = {name: (shape, np.float32) for name, (shape, _) in store.expert_shapes(0).items()}
-            arena = JaxArena(layers, slots, shapes)
-            manager = ResidencyManager(layers, experts, slots, loader=lambda l, e, s: store.read_expert(l, e),
-                                       arena=arena, policy=policy, queue_depth=0,
-                                       bytes_per_expert=store.expert_nbytes(0))
+            arena = JaxArena(layers, max(slots, 1), shapes)  # uniform: one slot, never filled
+            manager = _Unbacked(layers, experts) if uniform else ResidencyManager(
+                layers, experts, slots, loader=lambda l, e, s: store.read_expert(l, e), arena=arena, policy=policy,
+                queue_depth=0, bytes_per_expert=store.expert_nbytes(0))
             result.memory_bytes = layers * slots * store.expert_nbytes(0)
             tier = None
-            if rule == "tier":
+            if rule in ("tier", "uniform"):
                 built, tier = self.tier(store)
                 result.memory_bytes += built.nbytes
             tokens, warmup = _tokens(self.tokens, config.warmup, prompt)
             state = {"cache": qwen3_moe.empty_cache(cfg, 1, len(tokens) + generate)}
-            step = self.step(rule)
+            step = self.step("tier" if uniform else rule)
 
             def token(position, token_id, tables):
                 logits, state["cache"], reports = step(params, arena.arrays, jnp.asarray(tables),
@@ -378,6 +382,36 @@ class JaxStudy:
                 return logits, [tuple(np.asarray(a) for a in r) for r in reports]
 
             return decode_through_arena(tokens, warmup, result, manager, token, generate=generate)
+
+
+class _Unbacked:
+    """The ``uniform`` baseline's stand-in for a residency manager: no expert is ever resident, so every
+    routed expert is a miss (served from the tier), and nothing is read."""
+
+    num_slots = 0
+
+    def __init__(self, layers: int, experts: int):
+        from kq_host.residency import LayerStats
+
+        self.num_layers, self._tables, self._total = layers, np.full((layers, experts), -1, np.int32), LayerStats()
+
+    def preload(self, layer, experts):
+        pass
+
+    def snapshot(self) -> np.ndarray:
+        return self._tables
+
+    def step(self, reports) -> np.ndarray:
+        lookups = sum(int(np.size(report.indices)) for report in reports)
+        self._total.lookups += lookups
+        self._total.misses += lookups
+        return self._tables
+
+    def stats(self):
+        return [], dataclasses.replace(self._total)
+
+    def close(self):
+        pass
 
 
 def record_routing(config: StudyConfig) -> tuple[np.ndarray, np.ndarray]:
@@ -615,10 +649,12 @@ def grid(config: StudyConfig, rules=RULES) -> list[tuple[float, str, str]]:
     runs = []
     for residency in config.residencies:
         for policy in config.policies:
-            for rule in (r for r in config.rules if r in rules):
+            for rule in (r for r in config.rules if r in rules and r != "uniform"):
                 if residency == 1.0 and policy != config.policies[0]:
                     continue
                 runs.append((residency, policy, rule))
+    if "uniform" in config.rules and "uniform" in rules:
+        runs.append((0.0, "-", "uniform"))
     return runs
 
 

@@ -170,8 +170,10 @@ def test_the_grid_runs_every_rule_at_full_residency_once():
 
     config = StudyConfig(residencies=(1.0, 0.5), policies=("lfu", "lru"))
     runs = grid(config)
-    assert [(p, r) for x, p, r in runs if x == 1.0] == [("lfu", rule) for rule in RULES]
-    assert len([run for run in runs if run[0] == 0.5]) == 2 * len(RULES)
+    arena_rules = [rule for rule in RULES if rule != "uniform"]
+    assert [(p, r) for x, p, r in runs if x == 1.0] == [("lfu", rule) for rule in arena_rules]
+    assert len([run for run in runs if run[0] == 0.5]) == 2 * len(arena_rules)
+    assert runs[-1] == (0.0, "-", "uniform")  # no arena: once
 
 
 def test_renormalize_changes_the_output_with_every_expert_resident(study):
@@ -239,3 +241,12 @@ def test_cache_aware_routing_picks_resident_experts():
     slots, mix = _cache_aware("prior", indices, probs, table, normalize=False)
     # log p + 1 for 1, 4, 5, 6: ranking 1 (0.2e), 0 (0.30), 4 (0.1e), 5 (0.08e); expert 0 shed
     assert slots.tolist() == [[0, 0, 1, 2]] and np.allclose(mix, [[0.20, 0.0, 0.10, 0.08]])
+
+
+def test_the_uniform_baseline_serves_every_expert_from_the_tier():
+    study = make_study(StudyConfig(tokens=12, warmup=4, framework="jax"))
+    uniform = study.run(0.0, "-", "uniform")
+    tier = study.run(0.25, "lfu", "tier")
+    assert uniform.hits == 0 and uniform.lookups == tier.lookups and uniform.reads == 0
+    assert 0 < uniform.memory_bytes < tier.memory_bytes and uniform.bits != study.resident().bits
+    assert np.isfinite(uniform.perplexity)
