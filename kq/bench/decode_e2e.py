@@ -3,7 +3,9 @@
 One loop for every mode, the resident model included (:func:`decode`): autoregressive (token t+1's
 input is token t's output, kept on the device), one readback per token (the resident model's token
 id; an arena's packed reports), the compiles done before the clock. Figures are over the last
-``tokens`` of ``warmup + tokens``.
+``tokens`` of ``warmup + tokens``. Every arena starts warm, filled before the clock (with recorded
+routing, each layer's experts most routed over the warm-up tokens; else the lowest-numbered), and
+the slot tables go to the device only when a boundary changes them.
 
 Modes (JAX, on its default device):
 
@@ -248,12 +250,24 @@ def exact_report(tables: np.ndarray, indices: np.ndarray, scores: np.ndarray):
                        miss_scores[:, None].astype(np.float32))
 
 
+def warm_experts(engine: Engine, layer: int, slots: int, experts: int, warmup: int) -> list[int]:
+    """The experts a layer's arena holds before the clock: with recorded routing, the ``slots`` most routed
+    over the first ``warmup`` tokens (ties and the rest by id); else the lowest-numbered."""
+    if not engine.recorded:
+        return list(range(slots))
+    counts = np.bincount(engine.routing[0][:warmup, layer].ravel(), minlength=experts)
+    return sorted(np.argsort(-counts, kind="stable")[:slots].tolist())
+
+
 def run_streamed(engine: Engine, store, first, steps: int, *, residency: float, mode: str, warmup: int,
                  experts: int):
     """One arena run; returns (stamps, waits, boundaries, publishes, critical reads, manager, last input)."""
+    import jax
+
     from kq_host.residency import ResidencyManager
     from kq_jax.arena import JaxArena
 
+    positions = [jax.device_put(np.int32(position)) for position in range(steps)]
     slots = max(1, round(residency * experts))
     # XLA's CPU backend writes a bfloat16 slot by copying the whole array (docs/api.md): there, float32.
     shapes = {name: (shape, dtype if _on_gpu() else np.float32)
@@ -262,11 +276,16 @@ def run_streamed(engine: Engine, store, first, steps: int, *, residency: float, 
     timed = _TimedArena(arena)
     manager = ResidencyManager(engine.layers, experts, slots, loader=lambda l, e, s: store.read_expert(l, e),
                                arena=timed, bytes_per_expert=store.expert_nbytes(0))
-    if slots == experts:
-        for layer in range(engine.layers):
-            manager.preload(layer, range(experts))
+    for layer in range(engine.layers):  # a warm arena before the clock, as an engine starts with one
+        manager.preload(layer, warm_experts(engine, layer, slots, experts, warmup))
     state = {"tables": manager.snapshot()}
     engine.streamed(first, 0, arena.arrays, state["tables"])[1].block_until_ready()  # compile
+    device_tables = {}
+
+    def on_device(tables):  # the tables go to the device only when they change
+        if "host" not in device_tables or not np.array_equal(device_tables["host"], tables):
+            device_tables.update(host=tables, device=jax.device_put(tables))
+        return device_tables["device"]
     boundaries, publishes, critical = [], [], []
 
     def mark(position):  # the statistics count from token `warmup`'s step on
@@ -284,7 +303,7 @@ def run_streamed(engine: Engine, store, first, steps: int, *, residency: float, 
             state["tables"] = manager.snapshot()
             boundaries.append(time.perf_counter() - start)
             publishes.append(timed.seconds)
-        return engine.streamed(x, position, arena.arrays, state["tables"])
+        return engine.streamed(x, positions[position], arena.arrays, on_device(state["tables"]))
 
     def boundary(position, packed):
         from kq_host.residency import LayerReport
@@ -350,8 +369,11 @@ def run_model(model: str, *, tokens: int = 64, warmup: int = 16, seed: int = 0, 
             log(f"{model} {mode} residency={residency:.0%}: {result.tokens_per_s:.1f} tok/s, hit rate "
                 f"{'-' if result.hit_rate is None else f'{result.hit_rate:.3f}'}, {mib:.1f} MiB/token")
 
-    engine.resident(first, 0, engine.weights)[1].block_until_ready()  # compile
-    stamps, waits, _ = decode(lambda x, position: engine.resident(x, position, engine.weights),
+    import jax
+
+    positions = [jax.device_put(np.int32(position)) for position in range(steps)]
+    engine.resident(first, positions[0], engine.weights)[1].block_until_ready()  # compile
+    stamps, waits, _ = decode(lambda x, position: engine.resident(x, positions[position], engine.weights),
                               lambda position, token: None, first, steps, overlap=True)
     add("resident", 1.0, stamps, waits, [], [], [], None)
     with tempfile.TemporaryDirectory(prefix="kq-decode-") as workdir:
