@@ -3,7 +3,8 @@
 import importlib
 import sys
 
-JOBS = ("sweep_route_shed", "sweep_topk", "launches", "moe_overhead", "expert_parallel", "mlx_decode", "h2d_staging")
+JOBS = ("sweep_route_shed", "sweep_topk", "launches", "moe_overhead", "expert_parallel", "mlx_decode", "h2d_staging",
+        "frontier")
 
 
 def main() -> int:

@@ -23,8 +23,7 @@ def study_costs(study: dict, policy: str = "lfu") -> dict[tuple[str, float], flo
     resident = study["resident"]["perplexity"]
     costs = {(run["rule"], run["residency"]): run["perplexity"] / resident - 1.0
              for run in study["runs"] if run["policy"] == policy}
-    for rule in RULE_OF_MODE.values():
-        costs.setdefault((rule, 1.0), 0.0)  # every expert resident: the resident model
+    costs[("route_shed", 1.0)] = 0.0  # every expert resident: the resident model
     return costs
 
 
@@ -37,7 +36,7 @@ def frontier(decode: dict, study: dict) -> list[dict]:
     for r in rows:
         if r["mode"] == "resident":
             continue
-        cost = costs.get((RULE_OF_MODE[r["mode"]], r["residency"]))
+        cost = 0.0 if r["mode"] == "exact" else costs.get((RULE_OF_MODE[r["mode"]], r["residency"]))
         out.append(dict(r, x_resident=r["tokens_per_s"] / resident[r["model"]], perplexity_cost=cost))
     return out
 
