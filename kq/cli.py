@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="named shape sets (default: decode, unless --shapes is given); host: the residency "
                             "manager's token boundary at real model sizes instead of route_shed; compile: the JAX "
                             "kernels' first call at new row counts, with and without row buckets; decode-e2e: decoding "
-                            "through an arena end to end, resident against streamed")
+                            "through an arena end to end, the resident model beside lossy and exact arenas")
     bench.add_argument("--shapes", nargs="+", type=_shape, metavar="TxKxE",
                        help="shapes of your own model, e.g. 1x8x128 (rows x top-k x experts)")
     bench.add_argument("--backends", nargs="+", metavar="NAME", help="subset of the backends found here")
