@@ -235,15 +235,20 @@ def empty_cache(cfg: Qwen3MoeConfig, batch: int, length: int):
 MoeFn = Callable[[int, dict, jax.Array], tuple[jax.Array, object]]
 
 
-def decode_step(params, token, position, cache, cfg: Qwen3MoeConfig, moe: MoeFn):
+def decode_step(params, token, position, cache, cfg: Qwen3MoeConfig, moe: MoeFn, *, lookahead: int = 0):
     """One token per sequence. token int ``[B]``, position int scalar; ``moe(layer, p, x [B, D])``
-    returns ``(y [B, D], report)``. Returns ``(logits [B, V], cache, reports)``."""
+    returns ``(y [B, D], report)``. Returns ``(logits [B, V], cache, reports)``.
+
+    With ``lookahead`` = n > 0, after each layer l the routers of layers l+1 .. l+n are applied to its
+    output (normalised as each of those layers normalises its MoE input, their attention skipped), and a
+    fourth output holds those predictions: ``(ids int32 [L, n, B, k], scores float32 [L, n, B, k])``,
+    ids -1 and scores 0 past the last layer."""
     keys, values = cache
     length = keys.shape[2]
     h = params["embed"][token][:, None]  # [B, 1, D]
     positions = jnp.full(h.shape[:2], position)
     mask = (jnp.arange(length) <= position)[None, None, :]
-    reports = []
+    reports, predictions = [], []
     for layer, p in enumerate(params["layers"]):
         q, k, v = _qkv(p, rms_norm(h, p["input_layernorm"], cfg.rms_norm_eps), positions, cfg)
         keys = keys.at[layer, :, position].set(k[:, 0])
@@ -253,5 +258,23 @@ def decode_step(params, token, position, cache, cfg: Qwen3MoeConfig, moe: MoeFn)
         y, report = moe(layer, p, x)
         h = h + y[:, None]
         reports.append(report)
+        if lookahead:
+            predictions.append([_predict(params["layers"], layer + ahead, h[:, 0], cfg)
+                                for ahead in range(1, lookahead + 1)])
     logits = rms_norm(h[:, 0], params["norm"], cfg.rms_norm_eps) @ params["embed"].T
+    if lookahead:
+        ids = jnp.stack([jnp.stack([ids for ids, _ in row]) for row in predictions])
+        scores = jnp.stack([jnp.stack([scores for _, scores in row]) for row in predictions])
+        return logits, (keys, values), reports, (ids, scores)
     return logits, (keys, values), reports
+
+
+def _predict(layers, target: int, h, cfg: Qwen3MoeConfig):
+    """Layer ``target``'s router on the residual stream ``h [B, D]`` (normalised as that layer's MoE input):
+    ``(ids int32 [B, k], scores float32 [B, k])``; -1 and 0 where ``target`` is past the last layer."""
+    k = cfg.num_experts_per_tok
+    if target >= len(layers):
+        return jnp.full((h.shape[0], k), -1, jnp.int32), jnp.zeros((h.shape[0], k), jnp.float32)
+    p = layers[target]
+    indices, scores, _ = route(p, rms_norm(h, p["post_attention_layernorm"], cfg.rms_norm_eps), cfg)
+    return indices.astype(jnp.int32), scores.astype(jnp.float32)
