@@ -269,7 +269,7 @@ def run_streamed(engine: Engine, store, first, steps: int, *, residency: float, 
 
     positions = [jax.device_put(np.int32(position)) for position in range(steps)]
     slots = max(1, round(residency * experts))
-    # XLA's CPU backend writes a bfloat16 slot by copying the whole array (docs/api.md): there, float32.
+    # XLA's CPU backend writes a bfloat16 slot slowly, not in place (docs/api.md): there, float32.
     shapes = {name: (shape, dtype if _on_gpu() else np.float32)
               for name, (shape, dtype) in store.expert_shapes(0).items()}
     arena = JaxArena(engine.layers, slots, shapes)
