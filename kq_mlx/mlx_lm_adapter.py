@@ -281,6 +281,48 @@ def attach_arena(model: nn.Module, num_slots: int, *, keep_experts: bool = True)
     return blocks
 
 
+class _LookaheadLayer(nn.Module):
+    """A decoder layer, then the next MoE block's router on its output (normalised as that layer
+    normalises its MoE input, its attention skipped): the next layer's predicted experts, ``predicted``."""
+
+    def __init__(self, layer: nn.Module, following: nn.Module, norm: nn.Module):
+        super().__init__()
+        self.layer, self.following, self.norm = layer, following, norm
+        self.predicted = None
+
+    def __call__(self, x, *args, **kwargs):
+        out = self.layer(x, *args, **kwargs)
+        following = self.following
+        self.predicted, _ = following._route(following.block, self.norm(out))
+        return out
+
+
+def attach_lookahead(model: nn.Module, blocks: list[ArenaMoeBlock]) -> None:
+    """After each decoder layer but the last, the next layer's router predicts its experts from this
+    layer's output, in the same graph (:func:`pack_predictions` reads them); the output is unchanged.
+
+    Args:
+        model: an mlx-lm model whose blocks :func:`attach_arena` wrapped (``blocks``), one MoE block per
+            layer. Call it last: the decoder layers are wrapped in turn.
+    """
+    # mlx-lm's `model.layers` is a fresh slice of the inner model's list (pipeline_layers): wrap in the list.
+    layers = getattr(model, "model", model).layers
+    if len(blocks) != len(layers):
+        raise ValueError(f"attach_lookahead: needs one MoE block per layer, got {len(blocks)} for {len(layers)}")
+    for index in range(len(layers) - 1):
+        layers[index] = _LookaheadLayer(layers[index], blocks[index + 1], layers[index + 1].post_attention_layernorm)
+
+
+def pack_predictions(model: nn.Module) -> mx.array:
+    """The predictions of the last pass (:func:`attach_lookahead`): int32 ``[L, T, K]``, layer l's experts
+    as predicted after layer l - 1; layer 0's -1 (nothing runs before it)."""
+    layers = model.layers
+    predicted = [layer.predicted for layer in layers[:-1]]
+    first = predicted[0].reshape(-1, predicted[0].shape[-1]).astype(mx.int32)
+    return mx.stack([mx.full(first.shape, -1, mx.int32)] + [p.reshape(first.shape).astype(mx.int32)
+                                                            for p in predicted])
+
+
 def attach_tier(blocks: list[ArenaMoeBlock], tier) -> None:
     """Gives every block the low-precision copy of its layer's experts, for rule ``"tier"``.
 

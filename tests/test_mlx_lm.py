@@ -395,3 +395,27 @@ def test_a_slot_written_while_a_token_is_in_flight_does_not_change_that_token():
     arena.write_slots(np.zeros(EXPERTS, np.int64), np.arange(EXPERTS), [zeros] * EXPERTS)
     assert np.array(logits).tobytes() == want.tobytes()
     assert not np.array_equal(np.array(model(prompt, cache=make_prompt_cache(model))), want)
+
+
+def test_look_ahead_predicts_from_each_layers_output_and_changes_nothing():
+    from kq_mlx.mlx_lm_adapter import _route_qwen3_moe, attach_lookahead, pack_predictions
+
+    prompt = [3, 1, 4, 1, 5]
+    plain = evaluated(qwen3_model, seed=6)
+    want_tokens, want_logits = greedy(plain, prompt, 4)
+    model = evaluated(qwen3_model, seed=6)
+    blocks = attach_arena(model, num_slots=EXPERTS)
+    _fill_every_expert(blocks, SwitchGLUArena(blocks), lambda layer, expert: blocks[layer].expert_weights(expert))
+    attach_lookahead(model, blocks)
+    assert_greedy_matches(model, prompt, 4, want_tokens, want_logits)
+    # the prediction is the next block's router on the first layer's output, normalised as its input
+    x = mx.array([prompt])
+    hidden = model.model.embed_tokens(x)
+    cache = make_prompt_cache(model)
+    out = model.layers[0](hidden, None, cache[0])
+    want, _ = _route_qwen3_moe(blocks[1].block, model.layers[1].post_attention_layernorm(out))
+    predicted = np.array(pack_predictions(model))
+    assert predicted.shape == (LAYERS, 5, 4) and (predicted[0] == -1).all()
+    assert np.array_equal(np.sort(predicted[1], axis=-1), np.sort(np.array(want).reshape(5, 4), axis=-1))
+    with pytest.raises(ValueError, match="one MoE block per layer"):
+        attach_lookahead(model, blocks[:1])
