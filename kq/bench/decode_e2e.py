@@ -261,7 +261,8 @@ def warm_experts(engine: Engine, layer: int, slots: int, experts: int, warmup: i
 
 def run_streamed(engine: Engine, store, first, steps: int, *, residency: float, mode: str, warmup: int,
                  experts: int):
-    """One arena run; returns (stamps, waits, boundaries, publishes, critical reads, manager, last input)."""
+    """One arena run: (readback stamps, waits, boundaries, publishes, critical reads per token, the
+    manager's statistics from token ``warmup`` on, the last token's next input)."""
     import jax
 
     from kq_host.residency import ResidencyManager
@@ -279,13 +280,14 @@ def run_streamed(engine: Engine, store, first, steps: int, *, residency: float, 
     for layer in range(engine.layers):  # a warm arena before the clock, as an engine starts with one
         manager.preload(layer, warm_experts(engine, layer, slots, experts, warmup))
     state = {"tables": manager.snapshot()}
-    engine.streamed(first, 0, arena.arrays, state["tables"])[1].block_until_ready()  # compile
+    engine.streamed(first, positions[0], arena.arrays, state["tables"])[1].block_until_ready()  # compile
     device_tables = {}
 
     def on_device(tables):  # the tables go to the device only when they change
         if "host" not in device_tables or not np.array_equal(device_tables["host"], tables):
             device_tables.update(host=tables, device=jax.device_put(tables))
         return device_tables["device"]
+
     boundaries, publishes, critical = [], [], []
 
     def mark(position):  # the statistics count from token `warmup`'s step on
@@ -311,7 +313,7 @@ def run_streamed(engine: Engine, store, first, steps: int, *, residency: float, 
         if mode == "exact":
             missed = int((packed[2] >= 0).sum())
             if missed:
-                raise AssertionError(f"decode-e2e exact: token {position} ran with {missed} misses")
+                raise RuntimeError(f"decode-e2e exact: token {position} ran with {missed} misses")
             return
         mark(position)
         start, timed.seconds = time.perf_counter(), 0.0
