@@ -59,11 +59,8 @@ def rng():
     return np.random.default_rng(1234)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _release_compiled_programs():
-    """After each test file, the compiled programs and buffer caches it left behind are let go, so one
-    worker running many files does not keep every file's compiles resident."""
-    yield
+def _release_compiled_programs() -> None:
+    """Lets go of the compiled programs and buffer caches that tests left behind."""
     if "jax" in sys.modules:
         sys.modules["jax"].clear_caches()
     if "mlx.core" in sys.modules:
@@ -71,6 +68,25 @@ def _release_compiled_programs():
     gc.collect()
     if sys.platform == "linux":  # glibc keeps freed heap pages; hand them back
         ctypes.CDLL(None).malloc_trim(0)
+
+
+# Files whose every test compiles programs of its own (the Pallas interpreter's among them): released
+# after each test, where the rest are released after each file.
+RELEASED_PER_TEST = {"test_jax.py", "test_topk_options.py"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_after_each_file():
+    """One worker runs many files: none keeps another file's compiles resident."""
+    yield
+    _release_compiled_programs()
+
+
+@pytest.fixture(autouse=True)
+def _release_after_each_test(request):
+    yield
+    if request.path.name in RELEASED_PER_TEST:
+        _release_compiled_programs()
 
 
 # The part of the suite a CUDA machine runs (`pytest -m gpu`): the JAX modules, and every backend test of
