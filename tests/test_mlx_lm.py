@@ -253,7 +253,9 @@ def test_lazy_checkpoint_never_materialises_its_experts(tmp_path):
         measures.append(("rss", lambda r: r["peak"] - r["baseline"]))
     for name, growth_of in measures:
         growth = growth_of(dropped)
-        assert growth < other_mib + arena_mib + 64, (name, growth, other_mib, arena_mib)
+        # 96 MiB for the rest: the reads in flight (up to 16 experts of 1.5 MiB), the modules the run imports
+        # lazily, the allocators' slack (the RSS growth of the dropped run measured 114 MiB under load).
+        assert growth < other_mib + arena_mib + 96, (name, growth, other_mib, arena_mib)
         assert growth_of(kept) > growth + 0.75 * expert_mib, (name, kept, dropped)
 
 
