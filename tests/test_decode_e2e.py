@@ -32,8 +32,8 @@ def setting(tmp_path_factory):
 def test_the_exact_mode_gives_the_resident_models_bits(setting, residency):
     engine, directory, want = setting
     with ExpertStore(directory, layout="per_expert", projections=decode_e2e.PROJECTIONS) as store:
-        *_, critical, stats, last = decode_e2e.run_streamed(engine, store, engine.first, STEPS, residency=residency,
-                                                            mode="exact", warmup=2, experts=EXPERTS)
+        *_, critical, stats, last = decode_e2e.run_streamed(engine, store, residency=residency, mode="exact",
+                                                            warmup=2, experts=EXPERTS)
     assert np.array_equal(np.asarray(last).view(np.uint32), want.view(np.uint32))
     assert (sum(critical) > 0) == (residency < 1.0) and stats.lookups == (STEPS - 2) * LAYERS * TOP_K
 
@@ -43,8 +43,8 @@ def test_the_lossy_mode_sheds_below_full_residency_and_matches_at_it(setting):
     got = {}
     with ExpertStore(directory, layout="per_expert", projections=decode_e2e.PROJECTIONS) as store:
         for residency in (1.0, 0.25):
-            *_, stats, last = decode_e2e.run_streamed(engine, store, engine.first, STEPS, residency=residency,
-                                                      mode="lossy", warmup=2, experts=EXPERTS)
+            *_, stats, last = decode_e2e.run_streamed(engine, store, residency=residency, mode="lossy",
+                                                      warmup=2, experts=EXPERTS)
             got[residency] = np.asarray(last)
     assert np.array_equal(got[1.0].view(np.uint32), want.view(np.uint32))
     assert not np.array_equal(got[0.25], want) and stats.hit_rate < 1.0

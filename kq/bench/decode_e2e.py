@@ -47,9 +47,9 @@ from pathlib import Path
 
 import numpy as np
 
+from kq.demo import PROJECTIONS, write_checkpoint
 from kq.terminal import progress_bar, render_table
 
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 MODES = ("resident", "lossy", "exact")
 RESIDENCIES = (1.0, 0.75, 0.5, 0.25)
 # name -> (layers, experts, top_k, hidden, ffn). Recorded: the shipped checkpoint's layers, experts and
@@ -114,16 +114,6 @@ def random_experts(layers: int, experts: int, hidden: int, ffn: int, rng: np.ran
     return out
 
 
-def write_checkpoint(directory: Path, experts) -> None:
-    """One shard per layer, one tensor per expert and projection (Hugging Face names)."""
-    from safetensors.numpy import save_file
-
-    layers, count = next(iter(experts.values())).shape[:2]
-    for layer in range(layers):
-        save_file({f"model.layers.{layer}.mlp.experts.{e}.{p}.weight": np.ascontiguousarray(experts[p][layer, e])
-                   for p in PROJECTIONS for e in range(count)}, str(directory / f"model-{layer:05d}.safetensors"))
-
-
 class Engine:
     """The block stack ``x <- x + moe_l(x)`` over layers as jitted steps, resident (every expert) and on
     an arena. The next token's input is the output plus a fixed random vector per position (as a
@@ -158,6 +148,8 @@ class Engine:
         drift = np.random.default_rng(seed).normal(size=(steps + 1, 1, hidden)).astype(np.float32)
         self.first = jnp.asarray(drift[0] / np.sqrt((drift[0]**2).mean()))
         drift = jnp.asarray(drift)
+        self.steps = steps
+        self.positions = [jax.device_put(np.int32(position)) for position in range(steps)]  # on the device once
 
         def layer_weights(arrays, layer):
             return Experts(*(arrays[name][layer] for name in PROJECTIONS))
@@ -179,9 +171,8 @@ class Engine:
             return next_input(x, position), jnp.argmax(x[0]).astype(jnp.int32)
 
         def streamed(x, position, arrays, tables):
-            routings = []
+            routings, num_slots = [], arrays[PROJECTIONS[0]].shape[1]
             for layer in range(self.layers):
-                num_slots = arrays[PROJECTIONS[0]].shape[1]
                 if self.recorded:
                     indices, scores = routed(x, position, layer)
                     routing = TopkRouteShedResult(indices, scores, kq_jax.route_shed(
@@ -259,16 +250,15 @@ def warm_experts(engine: Engine, layer: int, slots: int, experts: int, warmup: i
     return sorted(np.argsort(-counts, kind="stable")[:slots].tolist())
 
 
-def run_streamed(engine: Engine, store, first, steps: int, *, residency: float, mode: str, warmup: int,
-                 experts: int):
-    """One arena run: (readback stamps, waits, boundaries, publishes, critical reads per token, the
-    manager's statistics from token ``warmup`` on, the last token's next input)."""
+def run_streamed(engine: Engine, store, *, residency: float, mode: str, warmup: int, experts: int):
+    """One arena run of ``engine.steps`` tokens: (readback stamps, waits, boundaries, publishes, critical
+    reads per token, the manager's statistics from token ``warmup`` on, the last token's next input)."""
     import jax
 
     from kq_host.residency import ResidencyManager
     from kq_jax.arena import JaxArena
 
-    positions = [jax.device_put(np.int32(position)) for position in range(steps)]
+    positions = engine.positions
     slots = max(1, round(residency * experts))
     # XLA's CPU backend writes a bfloat16 slot slowly, not in place (docs/api.md): there, float32.
     shapes = {name: (shape, dtype if _on_gpu() else np.float32)
@@ -280,7 +270,7 @@ def run_streamed(engine: Engine, store, first, steps: int, *, residency: float, 
     for layer in range(engine.layers):  # a warm arena before the clock, as an engine starts with one
         manager.preload(layer, warm_experts(engine, layer, slots, experts, warmup))
     state = {"tables": manager.snapshot()}
-    engine.streamed(first, positions[0], arena.arrays, state["tables"])[1].block_until_ready()  # compile
+    engine.streamed(engine.first, positions[0], arena.arrays, state["tables"])[1].block_until_ready()  # compile
     device_tables = {}
 
     def on_device(tables):  # the tables go to the device only when they change
@@ -321,7 +311,7 @@ def run_streamed(engine: Engine, store, first, steps: int, *, residency: float, 
         boundaries.append(time.perf_counter() - start)
         publishes.append(timed.seconds)
 
-    stamps, waits, last = decode(dispatch, boundary, first, steps, overlap=mode == "lossy")
+    stamps, waits, last = decode(dispatch, boundary, engine.first, engine.steps, overlap=mode == "lossy")
     manager.close()  # the reads still out land first, so they count among the bytes read
     return stamps, waits, boundaries, publishes, critical, manager.stats()[1].since(state["before"]), last
 
@@ -354,7 +344,7 @@ def run_model(model: str, *, tokens: int = 64, warmup: int = 16, seed: int = 0, 
         router = (rng.normal(size=(layers, hidden, experts)) / np.sqrt(hidden) * 4).astype(np.float32)
         engine = Engine(weights, top_k, steps, router=router, seed=seed)
         modes = ("resident", "lossy")
-    first, device, bandwidth = engine.first, _device(), h2d_gib_per_s()
+    device, bandwidth = _device(), h2d_gib_per_s()
     results = []
 
     def add(mode, residency, stamps, waits, boundaries, publishes, critical, stats):
@@ -371,20 +361,18 @@ def run_model(model: str, *, tokens: int = 64, warmup: int = 16, seed: int = 0, 
             log(f"{model} {mode} residency={residency:.0%}: {result.tokens_per_s:.1f} tok/s, hit rate "
                 f"{'-' if result.hit_rate is None else f'{result.hit_rate:.3f}'}, {mib:.1f} MiB/token")
 
-    import jax
-
-    positions = [jax.device_put(np.int32(position)) for position in range(steps)]
-    engine.resident(first, positions[0], engine.weights)[1].block_until_ready()  # compile
+    positions = engine.positions
+    engine.resident(engine.first, positions[0], engine.weights)[1].block_until_ready()  # compile
     stamps, waits, _ = decode(lambda x, position: engine.resident(x, positions[position], engine.weights),
-                              lambda position, token: None, first, steps, overlap=True)
+                              lambda position, token: None, engine.first, steps, overlap=True)
     add("resident", 1.0, stamps, waits, [], [], [], None)
     with tempfile.TemporaryDirectory(prefix="kq-decode-") as workdir:
         write_checkpoint(Path(workdir), weights)
         with ExpertStore(workdir, layout="per_expert", projections=PROJECTIONS) as store:
             for residency in residencies or RESIDENCIES:
                 for mode in modes[1:]:
-                    *timings, stats, _ = run_streamed(engine, store, first, steps, residency=residency, mode=mode,
-                                                      warmup=warmup, experts=experts)
+                    *timings, stats, _ = run_streamed(engine, store, residency=residency, mode=mode, warmup=warmup,
+                                                      experts=experts)
                     add(mode, residency, *timings, stats)
     return results
 
