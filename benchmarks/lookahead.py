@@ -1,7 +1,7 @@
 """Look-ahead prefetch for an exact layer-by-layer loop, replayed on the shipped checkpoint's routing.
 
 Records the checkpoint's routing and its routers' look-ahead predictions over the held-out text
-(:func:`kq.lookahead.record`), then replays an exact loop through per-layer arenas at 75 / 50 / 25%
+(:func:`kq.study.record_routing` with ``lookahead``), then replays an exact loop through per-layer arenas at 75 / 50 / 25%
 residency, LRU and LFU, without look-ahead and with predictions one and two layers ahead
 (:func:`kq.lookahead.simulate`; its docstring states the timing assumption). Prints the recall of the
 predictions and a Markdown table; ``--json`` keeps every number.
@@ -22,10 +22,10 @@ RESIDENCIES = (0.75, 0.5, 0.25)
 
 
 def run(tokens: int, warmup: int, budgets=(None, 4)) -> dict:
-    from kq.lookahead import POLICIES, recall, record, simulate
-    from kq.study import StudyConfig
+    from kq.lookahead import POLICIES, recall, simulate
+    from kq.study import StudyConfig, record_routing
 
-    indices, predictions = record(StudyConfig(tokens=tokens, warmup=warmup), lookahead=2)
+    indices, _, predictions = record_routing(StudyConfig(tokens=tokens, warmup=warmup), lookahead=2)
     experts = int(indices.max()) + 1
     rows = []
     for residency in RESIDENCIES:

@@ -6,8 +6,8 @@ has run, the routers of layers l+1 .. l+n applied to its output predict what tho
 resident then, while the rest of layer l and layer l+1's attention run, turns some of the next layers'
 misses into hits.
 
-:func:`record` runs the checkpoint over its held-out text (every expert resident, teacher-forced) and
-keeps each token's routing and predictions. :func:`simulate` replays them through one arena per layer
+:func:`kq.study.record_routing` (with ``lookahead``) runs the checkpoint over its held-out text (every
+expert resident, teacher-forced) and keeps each token's routing and predictions. :func:`simulate` replays them through one arena per layer
 of ``slots`` experts. Per token, layer by layer:
 
 1. the layer's routed experts that are not resident are critical-path reads; they are placed at once,
@@ -29,42 +29,6 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 POLICIES = ("lru", "lfu")
-
-
-def record(config, lookahead: int = 2):
-    """The checkpoint's routing and look-ahead predictions over ``config``'s text (a
-    :class:`kq.study.StudyConfig`; JAX), every expert resident.
-
-    Returns:
-        ``(indices int32 [T, L, K], predictions int32 [T, L, lookahead, K])``: token t's top-k at layer l,
-        and the experts predicted for layer l + d (d = 1 .. lookahead) after layer l ran (-1 past the
-        last layer; best first).
-    """
-    import jax
-    import jax.numpy as jnp
-
-    from kq.study import JaxStudy
-    from kq_jax import qwen3_moe
-    from kq_jax.moe import Experts, experts_apply
-
-    study = JaxStudy(config)
-    cfg, params = study.cfg, study.full_params()
-
-    def moe(layer, p, x):
-        indices, scores, _ = qwen3_moe.route(p, x, cfg)
-        y = experts_apply(x, Experts(p["gate_proj"], p["up_proj"], p["down_proj"]), indices)
-        return jnp.einsum("tkd,tk->td", y, scores), indices
-
-    step = jax.jit(lambda params, token, position, cache: qwen3_moe.decode_step(
-        params, token, position, cache, cfg, moe, lookahead=lookahead))
-    cache = qwen3_moe.empty_cache(cfg, 1, study.tokens.size)
-    indices, predictions = [], []
-    for position in range(study.tokens.size - 1):
-        _, cache, routed, (ahead, _) = step(params, jnp.asarray(study.tokens[position:position + 1]), position,
-                                            cache)
-        indices.append(np.stack([np.asarray(r)[0] for r in routed]))
-        predictions.append(np.asarray(ahead)[:, :, 0])
-    return np.stack(indices).astype(np.int32), np.stack(predictions).astype(np.int32)
 
 
 @dataclass

@@ -414,29 +414,46 @@ class _Unbacked:
         pass
 
 
-def record_routing(config: StudyConfig) -> tuple[np.ndarray, np.ndarray]:
+def record_routing(config: StudyConfig, lookahead: int = 0):
     """The checkpoint's routing over its text, every expert resident: what an arena serving it is asked.
 
     Teacher-forced over the text's first ``config.warmup + config.tokens`` tokens (JAX).
 
+    Args:
+        lookahead: also keep what the routers of the next ``lookahead`` layers predict from each layer's
+            output (:func:`kq_jax.qwen3_moe.decode_step`).
+
     Returns:
-        ``(indices int32 [T, L, K], scores float32 [T, L, K])``, token by token, each layer's top-k.
+        ``(indices int32 [T, L, K], scores float32 [T, L, K])``, token by token, each layer's top-k; with
+        ``lookahead`` a third, ``int32 [T, L, lookahead, K]``: the experts predicted for layer l + d after
+        layer l ran (-1 past the last layer; best first).
     """
+    import jax
     import jax.numpy as jnp
 
     from kq_jax import qwen3_moe
+    from kq_jax.moe import Experts, experts_apply
 
     study = JaxStudy(config)
     cfg, params = study.cfg, study.full_params()
-    tables = jnp.tile(jnp.arange(cfg.num_experts, dtype=jnp.int32), (cfg.num_hidden_layers, 1))
+
+    def moe(layer, p, x):
+        indices, scores, _ = qwen3_moe.route(p, x, cfg)
+        y = experts_apply(x, Experts(p["gate_proj"], p["up_proj"], p["down_proj"]), indices)
+        return jnp.einsum("tkd,tk->td", y, scores), (indices, scores)
+
+    step = jax.jit(lambda params, token, position, cache: qwen3_moe.decode_step(
+        params, token, position, cache, cfg, moe, lookahead=lookahead))
     cache = qwen3_moe.empty_cache(cfg, 1, study.tokens.size)
-    step, indices, scores = study.step("stall"), [], []
+    indices, scores, predictions = [], [], []
     for position in range(study.tokens.size - 1):
-        _, cache, reports = step(params, None, tables, jnp.asarray(study.tokens[position:position + 1]), position,
-                                 cache)
+        _, cache, reports, *ahead = step(params, jnp.asarray(study.tokens[position:position + 1]), position, cache)
         indices.append(np.stack([np.asarray(r[0])[0] for r in reports]))
         scores.append(np.stack([np.asarray(r[1])[0] for r in reports]))
-    return np.stack(indices).astype(np.int32), np.stack(scores).astype(np.float32)
+        if lookahead:
+            predictions.append(np.asarray(ahead[0][0])[:, :, 0])
+    out = np.stack(indices).astype(np.int32), np.stack(scores).astype(np.float32)
+    return out + (np.stack(predictions).astype(np.int32),) if lookahead else out
 
 
 # Where each family keeps one expert's projections (Hugging Face names), in the arena's projection order
