@@ -150,10 +150,10 @@ def run(tokens: int = 64, warmup: int = 16, residencies=(1.0, 0.25), rounds: int
                 runs[mode, residency].append(dict(tok_s=_tok_s(stamps, tokens), hit_rate=hit_rate,
                                                   same_tokens=got == want))
         for (mode, residency), done in runs.items():
-            speeds = sorted(r["tok_s"] for r in done)
-            middle = sorted(done, key=lambda r: r["tok_s"])[len(done) // 2]
+            ordered = sorted(done, key=lambda r: r["tok_s"])
+            middle = ordered[len(done) // 2]
             rows.append(dict(quantized=quantized, mode=mode, residency=residency, tok_s=middle["tok_s"],
-                             tok_s_range=[speeds[0], speeds[-1]], hit_rate=middle["hit_rate"],
+                             tok_s_range=[ordered[0]["tok_s"], ordered[-1]["tok_s"]], hit_rate=middle["hit_rate"],
                              same_tokens=all(r["same_tokens"] for r in done)))
             print(json.dumps(rows[-1]), flush=True)
     return {"device": str(mx.default_device()), "mlx": mx.__version__, "python": platform.python_version(),
