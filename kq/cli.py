@@ -223,8 +223,8 @@ def _study(args, parser) -> int:
     try:
         config = study.StudyConfig(checkpoint=args.checkpoint, text=args.text, tokens=args.tokens, warmup=args.warmup,
                                    residencies=tuple(args.residency), policies=tuple(args.policies),
-                                   rules=tuple(args.rules), framework=args.framework, tier_bits=args.tier_bits,
-                                   tier_group_size=args.tier_group_size)
+                                   rules=tuple(args.rules) if args.rules else None, framework=args.framework,
+                                   tier_bits=args.tier_bits, tier_group_size=args.tier_group_size)
         runner = study.make_study(config)  # reads and checks the text
     except ValueError as error:
         parser.error(str(error))
@@ -337,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     study_parser.add_argument("--residency", type=float, nargs="+", default=list(study.RESIDENCIES),
                               help="fractions of each layer's experts in the arena (default: 1 .75 .5 .25 .125)")
     study_parser.add_argument("--policies", nargs="+", choices=study.POLICIES, default=list(study.POLICIES))
-    study_parser.add_argument("--rules", nargs="+", choices=study.RULES, default=list(study.RULES))
+    study_parser.add_argument("--rules", nargs="+", choices=study.RULES,
+                              help="default: every rule the framework runs")
     study_parser.add_argument("--tier-bits", type=int, default=3,
                               help="bits per weight of the tier rule's low-precision copy of every expert (2, 3, 4 "
                                    "or 8; default 3)")

@@ -62,7 +62,7 @@ class StudyConfig:
     warmup: int = 64
     residencies: tuple[float, ...] = RESIDENCIES
     policies: tuple[str, ...] = POLICIES
-    rules: tuple[str, ...] = RULES
+    rules: tuple[str, ...] | None = None  # default: every rule the framework runs
     framework: str = "jax"
     tier_bits: int = 3
     tier_group_size: int = 32
@@ -75,9 +75,15 @@ class StudyConfig:
             raise ValueError(f"--tokens must be at least 1 and --warmup at least 0, got {self.tokens}, {self.warmup}")
         if not all(0.0 < r <= 1.0 for r in self.residencies):
             raise ValueError(f"--residency values must be in (0, 1], got {self.residencies}")
+        if self.rules is None:
+            object.__setattr__(self, "rules", RULES if self.framework == "jax" else
+                               tuple(r for r in RULES if r not in JAX_ONLY_RULES))
         for name, values, known in (("--policies", self.policies, POLICIES), ("--rules", self.rules, RULES)):
             if not set(values) <= set(known):
                 raise ValueError(f"{name} must be among {known}, got {values}")
+        jax_only = [r for r in self.rules if r in JAX_ONLY_RULES]
+        if self.framework == "mlx" and jax_only:
+            raise ValueError(f"--rules {', '.join(jax_only)} run in JAX only; use --framework jax for them")
         from kq_host.tier import BITS, GROUP_SIZES
 
         if self.tier_bits not in BITS or self.tier_group_size not in GROUP_SIZES:

@@ -371,6 +371,8 @@ RANDOM_DEMO = ["demo", "--random", "--frameworks", "jax", "--steps", "2"]
                  id="bench-resident-fraction-above-one"),
     pytest.param(["bench", "--backends", "numpy-oracle", "--resident-fraction", "nan"], "--resident-fraction",
                  id="bench-resident-fraction-nan"),
+    pytest.param(["study", "--framework", "mlx", "--rules", "shed", "prior", "--tokens", "4", "--warmup", "2"],
+                 "JAX only", id="study-jax-only-rule-through-mlx"),
 ])
 def test_bad_inputs_are_refused_naming_them_before_any_run(argv, message, broken_inputs, capsys):
     pytest.importorskip("jax")

@@ -250,3 +250,13 @@ def test_the_uniform_baseline_serves_every_expert_from_the_tier():
     assert uniform.hits == 0 and uniform.lookups == tier.lookups and uniform.reads == 0
     assert 0 < uniform.memory_bytes < tier.memory_bytes and uniform.bits != study.resident().bits
     assert np.isfinite(uniform.perplexity)
+
+
+def test_rules_jax_runs_alone_are_refused_for_mlx_by_name():
+    from kq.study import JAX_ONLY_RULES
+
+    _framework("mlx")
+    with pytest.raises(ValueError, match="--rules.*reroute.*JAX only"):
+        StudyConfig(framework="mlx", rules=("shed", "reroute"))
+    assert not set(StudyConfig(framework="mlx").rules) & set(JAX_ONLY_RULES)
+    assert set(JAX_ONLY_RULES) <= set(StudyConfig().rules)
