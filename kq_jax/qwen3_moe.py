@@ -113,24 +113,37 @@ def to_hf_tensors(params: dict, dtype=jnp.bfloat16) -> dict[str, np.ndarray]:
 def load_params(directory: str | Path, cfg: Qwen3MoeConfig, *, experts: bool = True) -> dict:
     """Parameters from the checkpoint's safetensors files, as float32 JAX arrays.
 
+    A checkpoint mlx-lm stored quantized (``config.json`` has ``"quantization"``) is read
+    dequantized (:func:`kq_host.quantized.dense_tensors`), its stacked experts as they are.
     With ``experts=False`` the expert weights are not read (an arena serves them).
     """
     from safetensors.numpy import load_file
 
-    tensors = {}
-    for path in sorted(Path(directory).glob("*.safetensors")):
-        tensors.update(load_file(str(path)))
+    from kq_host.quantized import Quantization, dense_tensors
+
+    quantization = Quantization.of(directory)
+    if quantization is not None:
+        tensors = dense_tensors(directory, quantization)
+    else:
+        tensors = {}
+        for path in sorted(Path(directory).glob("*.safetensors")):
+            tensors.update(load_file(str(path)))
 
     def get(name):
         return jnp.asarray(tensors[name].astype(np.float32))
+
+    def stacked(layer, projection):
+        name = f"model.layers.{layer}.mlp.switch_mlp.{projection}.weight"
+        if name in tensors:
+            return get(name)
+        return jnp.stack([get(f"model.layers.{layer}.mlp.experts.{e}.{projection}.weight")
+                          for e in range(cfg.num_experts)])
 
     layers = []
     for layer in range(cfg.num_hidden_layers):
         p = {key: get(name) for key, name in _hf_names(layer).items()}
         if experts:
-            for projection in PROJECTIONS:
-                p[projection] = jnp.stack([get(f"model.layers.{layer}.mlp.experts.{e}.{projection}.weight")
-                                           for e in range(cfg.num_experts)])
+            p.update({projection: stacked(layer, projection) for projection in PROJECTIONS})
         layers.append(p)
     return {"embed": get("model.embed_tokens.weight"), "norm": get("model.norm.weight"), "layers": layers}
 

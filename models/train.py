@@ -1,18 +1,27 @@
-"""Trains the small Qwen3-MoE that kq ships, on the Python standard library's source, and writes it out.
+"""Trains the Qwen3-MoE checkpoints that kq ships, on Python source, and writes them out.
 
 Run from the repository root on a machine with JAX (a GPU: a few minutes on an H200):
 
     PYTHONPATH=. python models/train.py --out models/stdlib-moe
+    python models/corpus.py --out out/corpus
+    PYTHONPATH=. python models/train.py --out out/wheels-moe-bf16 --corpus out/corpus/corpus.zip \
+        --layers 16 --vocab 8192 --steps 12000 --max-seconds 300 --lr 2e-3 --heldout-bytes 1000000 --eval-every 500
+    python -m mlx_lm convert --hf-path out/wheels-moe-bf16 --mlx-path models/wheels-moe -q --q-bits 4 --q-group-size 64
 
-Everything is fixed by ``--seed`` and the Python version whose standard library is read:
-which files are held out (a hash of their path), the byte-level BPE tokenizer (trained on the
+The first is the small model (4 layers) on the standard library of the Python that runs it; the
+second the deeper one (16 layers) on the corpus ``models/corpus.py`` builds from pinned wheels,
+which mlx-lm then stores in 4 bits (``models/wheels-moe``: copy ``heldout.txt``, ``training.json``
+and ``training.log`` beside it). Everything is fixed by ``--seed`` and the text
+read: which files are held out (a hash of their path; with ``--corpus``, of their directory, so a
+package's near-duplicate files stay on one side), the byte-level BPE tokenizer (trained on the
 training files), the initialisation, the batches. The checkpoint directory gets ``config.json``,
 ``model.safetensors`` (bf16, one tensor per expert and projection, the Hugging Face layout),
 ``tokenizer.json`` and ``tokenizer_config.json`` (what ``mlx_lm.load`` reads), ``heldout.txt``
 (the evaluation text) and ``training.json`` (the run: device, versions, time, losses, the step
 kept (lowest validation loss) and the held-out measurements below).
 
-Measured on the held-out text after training: bits per byte of the model, of a unigram and of an
+Measured on the held-out text after training: the share of its characters that lie in 64-character
+spans, starting at a line, also found in the training text; bits per byte of the model, of a unigram and of an
 interpolated bigram model of the training tokens; per layer, the entropy of the expert load (bits;
 log2 E is perfectly even), the share of routed entries taken by the most popular quarter of the
 experts, and token-to-token reuse (the fraction of a token's top-k experts that the previous token
@@ -27,6 +36,7 @@ import platform
 import sys
 import sysconfig
 import time
+import zipfile
 import zlib
 from pathlib import Path
 
@@ -46,21 +56,56 @@ def stdlib_files() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
 
 
-def split_corpus(files: list[Path], heldout_bytes: int) -> tuple[list[str], str, str]:
-    """Training texts; a validation text (paths hashing to 1 mod 23), which picks the step kept; and the
-    held-out text (paths hashing to 0 mod 23), which only the final measurements read. Each up to
-    ``heldout_bytes``; a file of neither goes to training."""
+def stdlib_sources() -> list[tuple[str, str, str]]:
+    """``(name, group, text)`` of each standard-library file; each file is its own group."""
     root = Path(sysconfig.get_paths()["stdlib"])
+    return [(name, name, path.read_text(encoding="utf-8", errors="replace"))
+            for path in stdlib_files() for name in [path.relative_to(root).as_posix()]]
+
+
+def corpus_sources(path: str) -> list[tuple[str, str, str]]:
+    """``(name, group, text)`` of each file in ``models/corpus.py``'s zip; a file's group is its directory."""
+    with zipfile.ZipFile(path) as corpus:
+        return [(name, name.rsplit("/", 1)[0], corpus.read(name).decode("utf-8")) for name in sorted(corpus.namelist())]
+
+
+def split_corpus(sources: list[tuple[str, str, str]], heldout_bytes: int) -> tuple[list[str], str, str]:
+    """Training texts; a validation text (groups hashing to 1 mod 23), which picks the step kept; and the
+    held-out text (groups hashing to 0 mod 23), which only the final measurements read. A group goes
+    whole to one side: validation and held-out take theirs while they stay within ``heldout_bytes``,
+    and every other group goes to training."""
+    groups: dict[str, list[tuple[str, str]]] = {}
+    for name, group, text in sources:
+        groups.setdefault(group, []).append((name, text))
     train, kept = [], {0: [], 1: []}
-    for path in files:
-        text = path.read_text(encoding="utf-8", errors="replace")
-        name = path.relative_to(root).as_posix()
-        bucket = kept.get(zlib.crc32(name.encode()) % 23)
-        if bucket is not None and sum(map(len, bucket)) + len(text) <= heldout_bytes:
-            bucket.append(f"# {name}\n{text}")
+    for group, members in groups.items():
+        bucket = kept.get(zlib.crc32(group.encode()) % 23)
+        size = sum(len(text) for _, text in members)
+        if bucket is not None and sum(map(len, bucket)) + size <= heldout_bytes:
+            bucket.extend(f"# {name}\n{text}" for name, text in members)
         else:
-            train.append(text)
+            train.extend(text for _, text in members)
     return train, "\n".join(kept[1]), "\n".join(kept[0])
+
+
+def shared_span_share(train: list[str], heldout: str, span: int = 64) -> float:
+    """The share of ``heldout``'s characters inside a ``span``-character run that starts at one of its
+    lines (leading blanks skipped) and also starts a line somewhere in ``train``."""
+
+    def starts(text: str):
+        position = 0
+        for line in text.splitlines(keepends=True):
+            begin = position + len(line) - len(line.lstrip())
+            if begin + span <= len(text):
+                yield begin
+            position += len(line)
+
+    seen = {hash(text[i:i + span]) for text in train for i in starts(text)}
+    covered = np.zeros(len(heldout), bool)
+    for i in starts(heldout):
+        if hash(heldout[i:i + span]) in seen:
+            covered[i:i + span] = True
+    return float(covered.mean())
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):
@@ -122,6 +167,8 @@ def routing_stats(params, tokens, cfg, window: int, windows: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="checkpoint directory to write")
+    parser.add_argument("--corpus", help="models/corpus.py's corpus.zip (default: the standard library)")
+    parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=4000)
     parser.add_argument("--max-seconds", type=float, default=420, help="stop training after this long")
     parser.add_argument("--batch", type=int, default=64)
@@ -137,7 +184,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
 
-    texts, validation, heldout = split_corpus(stdlib_files(), args.heldout_bytes)
+    sources = corpus_sources(args.corpus) if args.corpus else stdlib_sources()
+    texts, validation, heldout = split_corpus(sources, args.heldout_bytes)
     tokenizer = train_tokenizer(texts, args.vocab)
     eos = tokenizer.token_to_id(EOS)
     train_tokens = np.concatenate([np.array(e.ids + [eos], np.int32) for e in tokenizer.encode_batch(texts)])
@@ -146,7 +194,7 @@ def main() -> int:
     print(f"{len(texts)} training files, {sum(map(len, texts)) / 1e6:.1f} MB, {train_tokens.size} tokens; "
           f"held out {len(heldout.encode()) / 1e3:.0f} kB, {heldout_tokens.size} tokens", flush=True)
 
-    cfg = qwen3_moe.Qwen3MoeConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=128, num_hidden_layers=4,
+    cfg = qwen3_moe.Qwen3MoeConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=128, num_hidden_layers=args.layers,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=64,
                                    num_experts_per_tok=8, moe_intermediate_size=64, norm_topk_prob=False,
                                    max_position_embeddings=args.seq * 8)
@@ -217,7 +265,8 @@ def main() -> int:
         "date": time.strftime("%Y-%m-%d"), "device": str(jax.devices()[0].device_kind),
         "versions": {"python": platform.python_version(), "jax": jax.__version__, "optax": optax.__version__},
         "args": vars(args), "train_files": len(texts), "train_tokens": int(train_tokens.size),
-        "heldout_tokens": int(heldout_tokens.size), "steps": done, "train_seconds": round(train_seconds, 1),
+        "heldout_tokens": int(heldout_tokens.size), "heldout_shared_span_share": shared_span_share(texts, heldout),
+        "steps": done, "train_seconds": round(train_seconds, 1),
         "total_seconds": round(time.time() - started, 1), "kept_step": kept_step,
         "kept_loss": next(e["loss"] for e in log if e["step"] == kept_step), "log": log,
         "heldout_bits_per_byte": {"model": model_bits / predicted_bytes, "unigram": uni_bits / predicted_bytes,
