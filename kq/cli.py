@@ -224,7 +224,8 @@ def _study(args, parser) -> int:
         config = study.StudyConfig(checkpoint=args.checkpoint, text=args.text, tokens=args.tokens, warmup=args.warmup,
                                    residencies=tuple(args.residency), policies=tuple(args.policies),
                                    rules=tuple(args.rules) if args.rules else None, framework=args.framework,
-                                   tier_bits=args.tier_bits, tier_group_size=args.tier_group_size)
+                                   tier_bits=args.tier_bits, tier_group_size=args.tier_group_size,
+                                   streams=args.streams)
         runner = study.make_study(config)  # reads and checks the text
     except ValueError as error:
         parser.error(str(error))
@@ -344,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
                                    "or 8; default 3)")
     study_parser.add_argument("--tier-group-size", type=int, default=32,
                               help="weights sharing one scale and bias in the tier (32, 64 or 128; default 32)")
+    study_parser.add_argument("--streams", type=int, default=1,
+                              help="windows of --warmup + --tokens decoded side by side, spread over the text, each "
+                                   "with its own arena's state; their tokens are the run's, the bootstrap draws "
+                                   "windows (JAX; default 1)")
     study_parser.add_argument("--json", metavar="PATH", type=_output_path, help="write every run's numbers as JSON")
     study_parser.add_argument("--plot", metavar="PATH", type=_output_path,
                               help="write perplexity and hit rate against residency (PNG)")

@@ -66,6 +66,7 @@ class StudyConfig:
     framework: str = "jax"
     tier_bits: int = 3
     tier_group_size: int = 32
+    streams: int = 1  # windows decoded side by side, spread over the text, each with its own arena (JAX)
 
     def __post_init__(self):
         if self.framework not in ("jax", "mlx"):
@@ -73,6 +74,10 @@ class StudyConfig:
         checkpoint_config(self.checkpoint, self.framework)
         if self.tokens < 1 or self.warmup < 0:
             raise ValueError(f"--tokens must be at least 1 and --warmup at least 0, got {self.tokens}, {self.warmup}")
+        if not (isinstance(self.streams, int) and self.streams >= 1):
+            raise ValueError(f"--streams must be an int >= 1, got {self.streams!r}")
+        if self.streams > 1 and self.framework != "jax":
+            raise ValueError("--streams above 1 runs in JAX only; use --framework jax")
         if not all(0.0 < r <= 1.0 for r in self.residencies):
             raise ValueError(f"--residency values must be in (0, 1], got {self.residencies}")
         if self.rules is None:
@@ -148,6 +153,7 @@ class RunResult:
     reads: int = 0
     bytes_read: int = 0
     critical_reads: int = 0
+    window: int = 64  # scored tokens per bootstrap window (a stream's, with streams)
     memory_bytes: int = 0  # the experts' memory: arena slots of every layer, plus the tier for "tier"
     seconds: float = 0.0
     trace: dict = field(default_factory=dict)
@@ -277,6 +283,60 @@ def make_step(cfg, rule: str, tier_options: tuple[int, int] = (3, 32)):
     return jax.jit(step)
 
 
+def make_streams_step(cfg, rule: str, num_slots: int, tier_options: tuple[int, int] = (3, 32)):
+    """:func:`make_step` for B streams side by side, each with its own arena of ``num_slots`` per layer:
+    ``(params, tables [L, B, E], tokens [B], position, cache, tier=None) -> (logits [B, V], cache,
+    reports)``, each report field ``[B, k]``.
+
+    The arenas are virtual: a slot holds the checkpoint's expert as it is, so the step reads an arena
+    slot's weights from ``params``' one copy of the experts, through the expert the stream's slot table
+    put there. What is resident, hit, shed or served from the tier is each stream's own.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    import kq_jax
+    from kq_jax import qwen3_moe
+    from kq_jax.moe import Experts, TierExperts, TierWeights, experts_apply, tiered_apply
+
+    bits, group_size = tier_options
+    on_miss = "tier" if rule in ("tier", "uniform") else "shed"
+
+    def step(params, tables, tokens, position, cache, tier=None):
+        def moe(layer, p, x):
+            full = Experts(p["gate_proj"], p["up_proj"], p["down_proj"])
+
+            def row(x, table):  # one stream: x [D], table [E]
+                x = x[None]
+                indices, scores, probs = qwen3_moe.route(p, x, cfg)
+                shed = kq_jax.route_shed(indices, scores, table, num_slots=num_slots, on_miss=on_miss)
+                experts = jnp.arange(cfg.num_experts, dtype=jnp.int32)
+                slot_expert = jnp.zeros(num_slots, jnp.int32).at[jnp.where(table >= 0, table, num_slots)].set(
+                    experts, mode="drop")  # which expert each slot holds
+                if rule == "stall":
+                    y, mix = experts_apply(x, full, indices), scores
+                elif on_miss == "tier":
+                    low = TierExperts(*(TierWeights(*(a[layer] for a in tier[name]))
+                                        for name in qwen3_moe.PROJECTIONS), bits=bits, group_size=group_size)
+                    hit = shed.slots < num_slots
+                    rows = jnp.where(hit, slot_expert[jnp.where(hit, shed.slots, 0)],
+                                     cfg.num_experts + shed.slots - num_slots)
+                    y, mix = tiered_apply(x, full, low, rows), shed.mix
+                else:
+                    slots, mix = serve(rule, indices, scores, probs, table, shed, normalize=cfg.norm_topk_prob,
+                                       num_slots=num_slots)
+                    y = experts_apply(x, full, slot_expert[slots])
+                out = jnp.einsum("tkd,tk->td", y, mix)[0]
+                served = jnp.where(mix > 0, scores, 0.0) if rule != "stall" else scores
+                return out, tuple(a[0] for a in (indices, scores, shed.miss_ids, shed.miss_scores, served))
+
+            return jax.vmap(row)(x, tables[layer])
+
+        return qwen3_moe.decode_step(params, tokens, position, cache, cfg, moe)
+
+    return jax.jit(step)
+
+
 def tier_arrays(tier) -> dict:
     """A :class:`kq_host.tier.Tier` as the step's ``tier`` argument: ``{projection: (packed, scales, biases)}``
     on the device."""
@@ -335,6 +395,8 @@ class JaxStudy:
 
         from kq_jax import qwen3_moe
 
+        if self.config.streams > 1:
+            return self._streams(1.0, "-", "resident")
         cfg, params = self.cfg, self.full_params()
         tables = jnp.tile(jnp.arange(cfg.num_experts, dtype=jnp.int32), (cfg.num_hidden_layers, 1))
         cache = qwen3_moe.empty_cache(cfg, 1, self.tokens.size)
@@ -355,18 +417,22 @@ class JaxStudy:
         through an arena of ``residency`` of each layer's experts; the tokens are in ``result.trace``."""
         import jax.numpy as jnp
 
-        from kq_host.expert_store import ExpertStore
+        from kq_host.quantized import open_experts
         from kq_host.residency import ResidencyManager
         from kq_jax import qwen3_moe
         from kq_jax.arena import JaxArena
 
         cfg, config = self.cfg, self.config
+        if config.streams > 1:
+            if prompt is not None:
+                raise ValueError("generation runs one stream; give a StudyConfig with streams=1")
+            return self._streams(residency, policy, rule)
         layers, experts, top_k = cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok
         uniform = rule == "uniform"
         slots = 0 if uniform else max(top_k, round(residency * experts))
         params = self.full_params() if rule == "stall" else self.params
         result = RunResult(residency, slots, policy, rule, config.tokens, 0.0, self.scored_bytes)
-        with ExpertStore(config.checkpoint, layout="per_expert", projections=qwen3_moe.PROJECTIONS) as store:
+        with open_experts(config.checkpoint, qwen3_moe.PROJECTIONS) as store:
             shapes = {name: (shape, np.float32) for name, (shape, _) in store.expert_shapes(0).items()}
             arena = JaxArena(layers, max(slots, 1), shapes)  # uniform: one slot, never filled
             manager = _Unbacked(layers, experts) if uniform else ResidencyManager(
@@ -390,6 +456,84 @@ class JaxStudy:
             return decode_through_arena(tokens, warmup, result, manager, token, generate=generate)
 
 
+    def _streams(self, residency: float, policy: str, rule: str) -> RunResult:
+        """:meth:`run` (or, for rule ``"resident"``, :meth:`resident`) over ``config.streams`` windows side
+        by side, each with its own residency manager's state (:func:`make_streams_step`)."""
+        import jax
+        import jax.numpy as jnp
+
+        from kq_host.quantized import open_experts
+        from kq_host.residency import LayerReport, ResidencyManager
+        from kq_jax import qwen3_moe
+
+        cfg, config, windows = self.cfg, self.config, self.tokens
+        streams, length = windows.shape
+        layers, experts, top_k = cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok
+        resident, uniform = rule == "resident", rule == "uniform"
+        slots = experts if resident else 0 if uniform else max(top_k, round(residency * experts))
+        result = RunResult(residency, slots, policy, rule, config.tokens * streams, 0.0, self.scored_bytes,
+                           window=config.tokens)
+        tier = None
+        with open_experts(config.checkpoint, qwen3_moe.PROJECTIONS) as store:
+            nbytes = store.expert_nbytes(0)
+            if rule in ("tier", "uniform"):
+                built, tier = self.tier(store)
+                result.memory_bytes += built.nbytes
+        result.memory_bytes += layers * slots * nbytes
+        managed = layers * streams  # manager layer l * streams + b: layer l of stream b
+        manager = _Unbacked(managed, experts) if uniform else ResidencyManager(
+            managed, experts, slots, loader=lambda l, e, s: None, arena=None,
+            policy="lfu" if resident else policy, queue_depth=0,
+            bytes_per_expert=nbytes)
+        # One program per rule: a virtual arena's slot ids only label experts, so every residency's
+        # tables (slots below S <= E) run in the step of E slots, the tier's ids E + e.
+        key = ("streams", "stall" if resident else rule)
+        if key not in self._steps:
+            self._steps[key] = make_streams_step(cfg, key[1], experts, (config.tier_bits, config.tier_group_size))
+        step, params = self._steps[key], self.full_params()
+        for layer in range(managed):
+            manager.preload(layer, range(manager.num_slots))
+        tables = manager.snapshot()
+        cache = qwen3_moe.empty_cache(cfg, streams, length)
+        bits = np.zeros((streams, length - 1 - config.warmup))
+        start = time.perf_counter()
+        for position in range(length - 1):
+            if position == config.warmup:
+                _, before = manager.stats()
+            logits, cache, reports = step(params, jnp.asarray(tables.reshape(layers, streams, experts)),
+                                          jnp.asarray(windows[:, position]), position, cache, tier)
+            logits, reports = jax.device_get((logits, reports))
+            fields = [np.stack([r[i] for r in reports]) for i in range(5)]  # [L, B, k] each
+            if position >= config.warmup:
+                bits[:, position - config.warmup] = _stream_bits(logits, windows[:, position + 1])
+                indices, scores, served = fields[0], fields[1], fields[4]
+                result.routed_mass += float(scores.sum())
+                result.shed_mass += float(scores.sum() - served.sum())
+                if rule == "stall":
+                    resident_now = tables.reshape(layers, streams, experts) >= 0
+                    result.critical_reads += int((~np.take_along_axis(resident_now, indices.astype(np.int64),
+                                                                      axis=-1)).sum())
+            tables = manager.step(LayerReport(*(f.reshape(managed, 1, top_k) for f in fields[:4])))
+        _, after = manager.stats()
+        manager.close()
+        since = after.since(before)
+        result.hits, result.lookups = since.hits, since.lookups
+        result.reads, result.bytes_read = since.reads_landed, since.bytes_read
+        result.seconds = time.perf_counter() - start
+        for row in bits:
+            for value in row:
+                result.score(float(value))
+        return result
+
+
+def _stream_bits(logits, targets) -> np.ndarray:
+    """Each stream's bits for its next token: logits ``[B, V]``, targets ``[B]``."""
+    logits = np.asarray(logits, np.float64)
+    top = logits.max(axis=-1)
+    total = top + np.log(np.exp(logits - top[:, None]).sum(axis=-1))
+    return (total - logits[np.arange(logits.shape[0]), targets]) / math.log(2)
+
+
 class _Unbacked:
     """The ``uniform`` baseline's stand-in for a residency manager: no expert is ever resident, so every
     routed expert is a miss (served from the tier), and nothing is read."""
@@ -408,6 +552,9 @@ class _Unbacked:
         return self._tables
 
     def step(self, reports) -> np.ndarray:
+        from kq_host.residency import LayerReport
+
+        reports = [reports] if isinstance(reports, LayerReport) else reports  # one report of every layer
         lookups = sum(int(np.size(report.indices)) for report in reports)
         self._total.lookups += lookups
         self._total.misses += lookups
@@ -539,7 +686,7 @@ class MlxStudy:
         """As :meth:`JaxStudy.run`, through mlx-lm."""
         from mlx_lm.models.cache import make_prompt_cache
 
-        from kq_host.expert_store import ExpertStore
+        from kq_host.quantized import Quantization, open_experts
         from kq_host.residency import ResidencyManager
         from kq_mlx.mlx_lm_adapter import PROJECTIONS, SwitchGLUArena, attach_arena, attach_tier, set_tables
 
@@ -551,17 +698,21 @@ class MlxStudy:
             block.rule = rule
         cache = make_prompt_cache(model)
         result = RunResult(residency, slots, policy, rule, self.config.tokens, 0.0, self.scored_bytes)
-        with ExpertStore(self.config.checkpoint, layout="per_expert", projections=self.projections,
-                         template=self.template) as store:
+        quantized = Quantization.of(self.config.checkpoint) is not None
+        with open_experts(self.config.checkpoint, self.projections, template=self.template,
+                          dequantized=False) as store:
             def load(layer, expert, slot):  # the checkpoint's names to the arena's (gate, up, down)
                 read = store.read_expert(layer, expert)
+                if quantized:  # mlx-lm's stacked names, the arena's own
+                    return read
                 return {arena_name: read[name] for arena_name, name in zip(PROJECTIONS, self.projections)}
 
             manager = ResidencyManager(layers, experts, slots, loader=load, arena=SwitchGLUArena(blocks),
                                        policy=policy, queue_depth=0, bytes_per_expert=store.expert_nbytes(0))
             result.memory_bytes = layers * slots * store.expert_nbytes(0)
             if rule == "tier":
-                tier = self.tier(store, layers, {name: arena for arena, name in zip(PROJECTIONS, self.projections)})
+                with open_experts(self.config.checkpoint, self.projections, template=self.template) as floats:
+                    tier = self.tier(floats, layers, {name: arena for arena, name in zip(PROJECTIONS, self.projections)})
                 attach_tier(blocks, tier)
                 result.memory_bytes += tier.nbytes
 
@@ -581,9 +732,9 @@ class MlxStudy:
 
 def _expert_nbytes(checkpoint, projections=("gate_proj", "up_proj", "down_proj"), template=None) -> int:
     """One expert's bytes in the checkpoint (every projection, the file's dtype)."""
-    from kq_host.expert_store import ExpertStore
+    from kq_host.quantized import open_experts
 
-    with ExpertStore(checkpoint, layout="per_expert", projections=projections, template=template) as store:
+    with open_experts(checkpoint, projections, template=template) as store:
         return store.expert_nbytes(0)
 
 
@@ -595,7 +746,9 @@ def _tokens(text_tokens, warmup: int, prompt) -> tuple[list[int], int]:
 
 
 def _text_tokens(config: StudyConfig, tokenizer) -> tuple[np.ndarray, int]:
-    """The text's first ``warmup + tokens + 1`` tokens, and the bytes of the scored ones."""
+    """The text's first ``warmup + tokens + 1`` tokens, and the bytes of the scored ones; with
+    ``streams`` above 1, that many windows of as many tokens ``[streams, warmup + tokens + 1]``, spread
+    evenly over the text without overlapping, and the bytes of all their scored tokens."""
     path = Path(config.text or Path(config.checkpoint) / "heldout.txt")
     try:
         text = path.read_bytes().decode("utf-8")
@@ -607,10 +760,15 @@ def _text_tokens(config: StudyConfig, tokenizer) -> tuple[np.ndarray, int]:
         raise ValueError(f"--text: {path} holds NUL characters, not text")
     needed = config.warmup + config.tokens + 1
     tokens = np.array(tokenizer.encode(text).ids, np.int32)
-    if tokens.size < needed:
-        raise ValueError(f"--text: {path} has {tokens.size} tokens; --warmup + --tokens + 1 = {needed}")
-    tokens = tokens[:needed]
-    return tokens, len(tokenizer.decode(tokens[config.warmup + 1:].tolist()).encode())
+    if tokens.size < needed * config.streams:
+        raise ValueError(f"--text: {path} has {tokens.size} tokens; --streams x (--warmup + --tokens + 1) = "
+                         f"{config.streams} x {needed}")
+    if config.streams == 1:
+        tokens = tokens[:needed]
+        return tokens, len(tokenizer.decode(tokens[config.warmup + 1:].tolist()).encode())
+    starts = np.linspace(0, tokens.size - needed, config.streams).astype(np.int64)
+    windows = np.stack([tokens[start:start + needed] for start in starts])
+    return windows, sum(len(tokenizer.decode(w[config.warmup + 1:].tolist()).encode()) for w in windows)
 
 
 def decode_through_arena(tokens: list[int], warmup: int, result: RunResult, manager, token, *,
@@ -698,18 +856,20 @@ def run_study(study, *, progress: bool = True) -> tuple[RunResult, list[RunResul
     return resident, results
 
 
-def paired_interval(run: RunResult, resident: RunResult, *, window: int = 64, level: float = 0.95,
+def paired_interval(run: RunResult, resident: RunResult, *, window: int | None = None, level: float = 0.95,
                     resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
     """A bootstrap interval of ``run``'s perplexity over ``resident``'s, minus one, paired by token.
 
-    The scored tokens are cut into consecutive windows of ``window`` (a last, shorter one dropped, so
-    nearby tokens, which share the arena's state, stay together); windows are drawn with replacement,
-    and the ratio is taken over the drawn windows' tokens in both runs.
+    The scored tokens are cut into consecutive windows of ``window`` (default ``run.window``: 64, or
+    a stream's scored tokens when streams ran; a last, shorter one dropped, so nearby tokens, which
+    share the arena's state, stay together); windows are drawn with replacement, and the ratio is
+    taken over the drawn windows' tokens in both runs.
 
     Returns:
         ``(low, high)``: the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles; NaN where fewer than
         two windows fit.
     """
+    window = window or run.window
     count = min(len(run.token_bits), len(resident.token_bits)) // window
     if count < 2:
         return math.nan, math.nan
