@@ -2,7 +2,7 @@
 
 :func:`moe_ffn_tiered` is the arena layer that serves misses from the low-precision tier
 (:mod:`kq_host.tier`) instead of dropping them: a hit is computed with the arena's weights,
-a miss with its tier copy, dequantized in the gather, in one graph.
+a miss with its tier copy straight from its packed words (:func:`quantized_apply`), in one graph.
 
 Routing follows Qwen3-MoE (softmax over experts, top-k, renormalised); experts
 are SwiGLU (``down(silu(gate(x)) * up(x))``). :func:`moe_ffn_resident` is the
@@ -55,11 +55,9 @@ def tier_experts(layer: dict, *, bits: int, group_size: int, names=("gate_proj",
                        bits=bits, group_size=group_size)
 
 
-def dequantize_rows(weights: TierWeights, rows, *, bits: int, group_size: int, dtype):
-    """The experts ``rows`` ``[...]`` of one tier projection, dequantized: ``[..., out, in]`` of ``dtype``.
-
-    ``scale * q + bias`` in float32 per group (:func:`kq_host.tier.dequantize`'s bits), the q read out of the gathered words as the little-endian bit stream they were packed in.
-    """
+def _unpack_rows(weights: TierWeights, rows, *, bits: int):
+    """The q of the experts ``rows`` ``[...]`` of one tier projection: float32 ``[..., out, in]``, read out of
+    the gathered words as the little-endian bit stream they were packed in."""
     packed = weights.packed[rows]  # [..., out, words]
     words = packed.shape[-1]
     values = words * 32 // bits
@@ -69,13 +67,37 @@ def dequantize_rows(weights: TierWeights, rows, *, bits: int, group_size: int, d
     # A value that straddles two words (3 bits) takes its high bits from the next one.
     spill = jnp.where(shift + bits > 32, jnp.take(packed, jnp.minimum(word + 1, words - 1), axis=-1)
                       << ((32 - shift) % 32), 0)
-    q = ((low | spill) & ((1 << bits) - 1)).astype(jnp.float32)
+    return ((low | spill) & ((1 << bits) - 1)).astype(jnp.float32)
+
+
+def dequantize_rows(weights: TierWeights, rows, *, bits: int, group_size: int, dtype):
+    """The experts ``rows`` ``[...]`` of one tier projection, dequantized: ``[..., out, in]`` of ``dtype``.
+
+    ``scale * q + bias`` in float32 per group, :func:`kq_host.tier.dequantize`'s bits.
+    """
+    q = _unpack_rows(weights, rows, bits=bits)
     groups = q.reshape(*q.shape[:-1], -1, group_size)
     scales = weights.scales[rows].astype(jnp.float32)[..., None]
     biases = weights.biases[rows].astype(jnp.float32)[..., None]
     # scale * q is exact (kq_host.tier.SCALE_SIGNIFICANT_BITS), so XLA contracting it with the add into
     # an FMA, as it does on the CPU, rounds exactly as the host reference.
     return (groups * scales + biases).reshape(q.shape).astype(dtype)
+
+
+def quantized_apply(weights: TierWeights, rows, v, *, bits: int, group_size: int):
+    """Each entry's tier expert on its input, the weights never dequantized: ``rows`` ``[T, k]``,
+    ``v`` ``[T, k, in]`` -> float32 ``[T, k, out]``.
+
+    Per group, ``scale * sum(q * v) + bias * sum(v)``: a reduction over the gathered words that XLA fuses
+    with their unpacking, so a miss reads its packed bits and scales, not a float copy of the expert.
+    """
+    q = _unpack_rows(weights, rows, bits=bits)  # [T, k, out, in]
+    groups = q.reshape(*q.shape[:-1], -1, group_size)  # [T, k, out, G, g]
+    v = v.astype(jnp.float32).reshape(*v.shape[:-1], 1, -1, group_size)  # [T, k, 1, G, g]
+    partial = jnp.sum(groups * v, axis=-1)  # [T, k, out, G]
+    scales = weights.scales[rows].astype(jnp.float32)
+    biases = weights.biases[rows].astype(jnp.float32)
+    return jnp.sum(partial * scales + biases * jnp.sum(v, axis=-1), axis=-1)
 
 
 class Experts(NamedTuple):
@@ -162,9 +184,12 @@ def tiered_apply(x, arena: Experts, tier: TierExperts, slots):
     # layer run, so that with no miss the bits are theirs on every backend (an einsum over a select of
     # the two weight sets fuses differently on a GPU); the misses' from the dequantized tier rows.
     hits = experts_apply(x, arena, arena_rows)
-    low = Experts(*(dequantize_rows(quantized, tier_rows, bits=tier.bits, group_size=tier.group_size,
-                                    dtype=full.dtype) for full, quantized in zip(arena, (tier.gate, tier.up, tier.down))))
-    return jnp.where(from_tier[..., None], _apply_gathered(x, low), hits)
+    options = dict(bits=tier.bits, group_size=tier.group_size)
+    entries = jnp.broadcast_to(x[:, None, :], (*slots.shape, x.shape[-1]))  # [T, k, D]
+    gate = quantized_apply(tier.gate, tier_rows, entries, **options)
+    up = quantized_apply(tier.up, tier_rows, entries, **options)
+    low = quantized_apply(tier.down, tier_rows, jax.nn.silu(gate) * up, **options).astype(hits.dtype)
+    return jnp.where(from_tier[..., None], low, hits)
 
 
 def moe_ffn_tiered(x, router_w, arena: Experts, tier: TierExperts, slot_table, *, top_k: int,
@@ -172,7 +197,7 @@ def moe_ffn_tiered(x, router_w, arena: Experts, tier: TierExperts, slot_table, *
     """The MoE layer on an arena of S slots whose misses the tier serves (``on_miss="tier"``).
 
     Each routed entry keeps its router weight; a hit (slot < S) gathers the arena's expert, a miss
-    (slot S + e) expert e of the tier, dequantized in the gather to the arena's dtype. With every
+    (slot S + e) expert e of the tier (:func:`quantized_apply`, cast to the arena's dtype). With every
     routed expert resident the output is :func:`moe_ffn_resident`'s, bit for bit.
 
     Args:
