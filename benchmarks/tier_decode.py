@@ -123,8 +123,8 @@ def main() -> int:
     parser.add_argument("--residency", type=float, nargs="+", default=[1.0, 0.5, 0.25])
     parser.add_argument("--bits", type=int, default=3)
     parser.add_argument("--group-size", type=int, default=32)
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
 
