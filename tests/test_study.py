@@ -260,3 +260,39 @@ def test_rules_jax_runs_alone_are_refused_for_mlx_by_name():
         StudyConfig(framework="mlx", rules=("shed", "reroute"))
     assert not set(StudyConfig(framework="mlx").rules) & set(JAX_ONLY_RULES)
     assert set(JAX_ONLY_RULES) <= set(StudyConfig().rules)
+
+
+@pytest.fixture(scope="module")
+def streamed():
+    return make_study(StudyConfig(tokens=8, warmup=4, streams=3, framework="jax"))
+
+
+def test_streams_at_full_residency_and_stalling_are_the_resident_model_to_the_bit(streamed):
+    resident = streamed.resident()
+    assert len(resident.token_bits) == 3 * 8 and resident.window == 8
+    assert streamed.run(1.0, "lfu", "shed").token_bits == resident.token_bits
+    stall = streamed.run(0.125, "lfu", "stall")
+    assert stall.token_bits == resident.token_bits
+    assert stall.critical_reads == stall.lookups - stall.hits > 0
+
+
+def test_the_first_stream_is_the_text_decoded_alone(streamed):
+    """Each stream has its own arena: stream 0 reads the text's first window, as a single-stream run
+    does, with the same hits; its bits agree to float32 rounding (a batch of 3 rounds otherwise)."""
+    alone = make_study(StudyConfig(tokens=8, warmup=4, framework="jax")).run(0.25, "lfu", "shed")
+    together = streamed.run(0.25, "lfu", "shed")
+    assert together.hits < together.lookups  # the case sheds
+    np.testing.assert_allclose(together.token_bits[:8], alone.token_bits, rtol=0, atol=1e-4)
+    assert abs(together.token_bits[8] - alone.token_bits[0]) > 1e-3  # the second stream is another window
+
+
+@pytest.mark.parametrize("streams, framework, message", [(0, "jax", "--streams"), (2.0, "jax", "--streams"),
+                                                         (2, "mlx", "JAX only")])
+def test_bad_streams_are_refused_by_name(streams, framework, message):
+    with pytest.raises(ValueError, match=message):
+        StudyConfig(streams=streams, framework=framework)
+
+
+def test_more_streams_than_the_text_holds_is_refused_naming_streams():
+    with pytest.raises(ValueError, match="--streams"):
+        make_study(StudyConfig(tokens=512, warmup=64, streams=10_000, framework="jax"))
