@@ -37,6 +37,7 @@ import itertools
 import numbers
 import queue
 import threading
+import time
 from collections.abc import Mapping as MappingABC
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_for_futures
@@ -463,6 +464,10 @@ class ResidencyManager(ManagerBase):
         for layer, experts in self.pinned_experts.items():
             self._tables.pinned[layer, sorted(experts)] = True
         self._snapshot = self.snapshot()
+        self._lookahead = {name: np.zeros(num_layers, np.float64 if name.endswith("_s") else np.int64)
+                           for name in ("critical_reads", "critical_wait_s", "prefetches", "prefetch_used",
+                                        "prefetch_wasted")}
+        self._unused_prefetches: dict[tuple[int, int], bool] = {}
 
     # ---- tables -------------------------------------------------------------------------
 
@@ -667,6 +672,154 @@ class ResidencyManager(ManagerBase):
             self.token += 1
             self._snapshot = self.snapshot()  # (6)
             return self._snapshot
+
+    # ---- the layer-by-layer exact loop -----------------------------------------------------
+
+    def acquire(self, layer: int, indices, scores, *, timeout: float | None = None) -> np.ndarray:
+        """The exact loop's step for one layer of one token: every expert the layer routed is resident
+        before its experts run.
+
+        Credits the routed set (as :meth:`step` does), publishes reads that have landed (prefetches
+        among them), then reads the routed experts still missing into free slots or victims (never an
+        expert this layer routed) and waits for them: the token's critical path. Their count and the
+        wait go to :meth:`lookahead_stats`. Call :meth:`next_token` after the token's last layer.
+
+        Args:
+            layer: the layer; indices: int ``[T, K]`` its routed ids; scores: ``[T, K]`` their scores.
+            timeout: seconds to wait for the reads (None: no limit).
+
+        Returns:
+            ``int32 [E]``: the layer's table, every routed expert in it.
+
+        Raises:
+            ValueError: ``layer`` or an id is out of range, or the layer has too few slots to hold its
+                routed set beside its pinned experts.
+            PreloadError: a read failed or was still out after ``timeout``.
+            RuntimeError: as :meth:`step`.
+        """
+        self._check_open("acquire")
+        ids, scores = self._layer_routing("acquire", layer, indices, scores)
+        tables, view = self._tables, self._layer_view(layer)
+        with self._exclusive("acquire"):
+            self._publish_landed()
+            routed = self._ops.credit(view, ids, scores, tables.table[layer:layer + 1].copy(), self.token,
+                                      self.keep_mass)
+            wanted = np.unique(ids[(ids >= 0) & (ids < self.num_experts)])
+            for expert in wanted.tolist():  # a prefetch routed while it holds its slot (landed or landing) is used
+                if self._unused_prefetches.pop((layer, expert), None) is not None:
+                    self._lookahead["prefetch_used" if tables.held[layer, expert] else "prefetch_wasted"][layer] += 1
+            missing = wanted[tables.table[layer, wanted] < 0]
+            self._lookahead["critical_reads"][layer] += missing.size
+            start = time.perf_counter()
+            for _ in range(2):  # a second pass once reads in flight have landed and freed victims
+                absent = missing[~tables.held[layer, missing]]
+                if absent.size:
+                    reads = self._ops.place(view, absent[None].astype(np.int64),
+                                            np.zeros((1, absent.size), np.float32), routed, token=self.token,
+                                            read_budget=None, backing_off=False)
+                    if reads[0].size:
+                        self._start_reads(reads[0] + layer, reads[1], reads[2])
+                        self._note_evicted_prefetches(layer)
+                if (tables.table[layer, missing] >= 0).all():
+                    break
+                self._publish_landed(timeout=timeout)
+            self._lookahead["critical_wait_s"][layer] += time.perf_counter() - start
+            self._snapshot = self.snapshot()
+            unread = missing[tables.table[layer, missing] < 0]
+        if unread.size:
+            out = [read for read in self.pending() if read.layer == layer and read.expert in set(unread.tolist())]
+            failed = [self.failures[(layer, e)] for e in unread.tolist() if (layer, e) in self.failures]
+            if not out and not failed:
+                raise ValueError(f"acquire: layer {layer} has {self.num_slots} slots; its routed experts "
+                                 f"{unread.tolist()} found no slot beside the pinned ones")
+            raise PreloadError(f"acquire: layer {layer}: {len(failed)} read(s) failed and {len(out)} still out "
+                               f"after {timeout} s", [f for f in failed if f is not None], out)
+        return self._snapshot[layer].copy()
+
+    def prefetch(self, layer: int, ids, scores, *, budget: int | None = None) -> int:
+        """Starts reading predicted experts of ``layer`` (look-ahead), below its real misses.
+
+        The predictions not already held are read best score first, up to ``budget``, into free slots
+        or victims that are not predicted themselves; nothing is credited, so a prediction never used
+        does not count toward LFU or LRU. The layer's :meth:`acquire` then finds them resident (once
+        landed) and credits those it routes; one evicted, or never routed, is wasted.
+
+        Args:
+            layer: the layer predicted; ids: int ``[..., K]`` predicted ids (-1: none); scores: their scores.
+            budget: most reads for this call (None: no limit).
+
+        Returns:
+            The reads started.
+        """
+        self._check_open("prefetch")
+        if budget is not None and (not isinstance(budget, (int, np.integer)) or isinstance(budget, bool)
+                                   or budget < 0):
+            raise ValueError(f"prefetch: budget must be an int >= 0 or None, got {budget!r}")
+        ids, scores = self._layer_routing("prefetch", layer, ids, scores, allow_padding=True)
+        view = self._layer_view(layer)
+        with self._exclusive("prefetch"):
+            predicted = np.zeros((1, self.num_experts), bool)
+            predicted[0, ids[ids >= 0]] = True
+            reads = self._ops.place(view, ids, scores.astype(np.float32), predicted, token=self.token,
+                                    read_budget=budget, backing_off=bool(self.failures))
+            if reads[0].size:
+                self._start_reads(reads[0] + layer, reads[1], reads[2])
+                self._note_evicted_prefetches(layer)
+                for expert in reads[1].tolist():
+                    self._unused_prefetches[(layer, expert)] = True
+                self._lookahead["prefetches"][layer] += reads[0].size
+            return int(reads[0].size)
+
+    def next_token(self) -> np.ndarray:
+        """Ends a token of the layer-by-layer loop (LFU's decay, the token clock); returns the tables."""
+        self._check_open("next_token")
+        with self._exclusive("next_token"):
+            self._publish_landed()
+            if self.decay_interval and self.token % self.decay_interval == self.decay_interval - 1:
+                bookkeeping.decay(self._tables)
+            self.token += 1
+            self._snapshot = self.snapshot()
+            return self._snapshot
+
+    def lookahead_stats(self) -> dict[str, np.ndarray]:
+        """Per layer ``[L]``: ``critical_reads`` (routed experts not resident when :meth:`acquire` ran),
+        ``critical_wait_s``, ``prefetches`` (reads :meth:`prefetch` started), ``prefetch_used`` (of those,
+        routed while resident), ``prefetch_wasted`` (evicted or failed before any use) and
+        ``prefetch_unused`` (still resident, not used yet)."""
+        unused = np.zeros(self.num_layers, np.int64)
+        for layer, _ in self._unused_prefetches:
+            unused[layer] += 1
+        return {**{name: values.copy() for name, values in self._lookahead.items()}, "prefetch_unused": unused}
+
+    def _layer_view(self, layer: int) -> Tables:
+        """The tables of one layer as views (what the bookkeeping changes there, it changes here)."""
+        tables, rows = self._tables, slice(layer, layer + 1)
+        return Tables(table=tables.table[rows], owner=tables.owner[rows], state=tables.state[rows],
+                      policy=tables.policy, priority=tables.priority[rows], pinned=tables.pinned[rows],
+                      held=tables.held[rows], retry_after=tables.retry_after[rows],
+                      counts={name: values[rows] for name, values in tables.counts.items()})
+
+    def _layer_routing(self, method: str, layer, ids, scores, *, allow_padding: bool = False):
+        """One layer's ids and scores as ``[1, n]`` int64 and float64, checked."""
+        if not isinstance(layer, (int, np.integer)) or isinstance(layer, bool) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"{method}: layer must be an int in [0, {self.num_layers}), got {layer!r}")
+        ids, scores = np.asarray(ids), np.asarray(scores)
+        if ids.dtype.kind not in "iu" or ids.shape != scores.shape or scores.dtype.kind not in "fiu":
+            raise ValueError(f"{method}: ids must be integers and scores numbers of the same shape, got "
+                             f"{ids.dtype} {ids.shape} and {scores.dtype} {scores.shape}")
+        ids = ids.reshape(1, -1).astype(np.int64)
+        low = -1 if allow_padding else 0
+        if ids.size and (ids.min() < low or ids.max() >= self.num_experts):
+            raise ValueError(f"{method}: layer {layer}'s ids must lie in [{low}, {self.num_experts}), got "
+                             f"{int(ids.min())}..{int(ids.max())}")
+        return ids, scores.reshape(1, -1).astype(np.float64)
+
+    def _note_evicted_prefetches(self, layer: int) -> None:
+        """Prefetched experts of ``layer`` that lost their slot before any use: wasted."""
+        held = self._tables.held[layer]
+        for key in [key for key in self._unused_prefetches if key[0] == layer and not held[key[1]]]:
+            del self._unused_prefetches[key]
+            self._lookahead["prefetch_wasted"][layer] += 1
 
     def _gather(self, reports: Sequence[LayerReport] | LayerReport):
         """The reports as ``[L, n]`` arrays (ids, scores, miss ids, miss scores), checked."""

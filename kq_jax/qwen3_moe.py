@@ -257,17 +257,11 @@ def decode_step(params, token, position, cache, cfg: Qwen3MoeConfig, moe: MoeFn,
     fourth output holds those predictions: ``(ids int32 [L, n, B, k], scores float32 [L, n, B, k])``,
     ids -1 and scores 0 past the last layer."""
     keys, values = cache
-    length = keys.shape[2]
     h = params["embed"][token][:, None]  # [B, 1, D]
-    positions = jnp.full(h.shape[:2], position)
-    mask = (jnp.arange(length) <= position)[None, None, :]
     reports, predictions = [], []
     for layer, p in enumerate(params["layers"]):
-        q, k, v = _qkv(p, rms_norm(h, p["input_layernorm"], cfg.rms_norm_eps), positions, cfg)
-        keys = keys.at[layer, :, position].set(k[:, 0])
-        values = values.at[layer, :, position].set(v[:, 0])
-        h = h + _attend(q, keys[layer], values[layer], mask, cfg) @ p["o_proj"].T
-        x = rms_norm(h, p["post_attention_layernorm"], cfg.rms_norm_eps)[:, 0]
+        h, x, layer_keys, layer_values = attention_block(p, h, position, keys[layer], values[layer], cfg)
+        keys, values = keys.at[layer].set(layer_keys), values.at[layer].set(layer_values)
         y, report = moe(layer, p, x)
         h = h + y[:, None]
         reports.append(report)
@@ -282,12 +276,29 @@ def decode_step(params, token, position, cache, cfg: Qwen3MoeConfig, moe: MoeFn,
     return logits, (keys, values), reports
 
 
+def attention_block(p, h, position, keys, values, cfg: Qwen3MoeConfig):
+    """One layer up to its MoE: h ``[B, 1, D]``, the layer's cache ``keys``/``values`` ``[B, length, Hkv, hd]``
+    -> ``(h after attention, x [B, D] the MoE's input, keys, values)``."""
+    length = keys.shape[1]
+    positions = jnp.full(h.shape[:2], position)
+    mask = (jnp.arange(length) <= position)[None, None, :]
+    q, k, v = _qkv(p, rms_norm(h, p["input_layernorm"], cfg.rms_norm_eps), positions, cfg)
+    keys, values = keys.at[:, position].set(k[:, 0]), values.at[:, position].set(v[:, 0])
+    h = h + _attend(q, keys, values, mask, cfg) @ p["o_proj"].T
+    return h, rms_norm(h, p["post_attention_layernorm"], cfg.rms_norm_eps)[:, 0], keys, values
+
+
+def predict_next(p_next, h, cfg: Qwen3MoeConfig):
+    """A later layer's router on the residual stream ``h [B, D]``, normalised as that layer's MoE input:
+    ``(ids int32 [B, k], scores float32 [B, k])``."""
+    indices, scores, _ = route(p_next, rms_norm(h, p_next["post_attention_layernorm"], cfg.rms_norm_eps), cfg)
+    return indices.astype(jnp.int32), scores.astype(jnp.float32)
+
+
 def _predict(layers, target: int, h, cfg: Qwen3MoeConfig):
     """Layer ``target``'s router on the residual stream ``h [B, D]`` (normalised as that layer's MoE input):
     ``(ids int32 [B, k], scores float32 [B, k])``; -1 and 0 where ``target`` is past the last layer."""
     k = cfg.num_experts_per_tok
     if target >= len(layers):
         return jnp.full((h.shape[0], k), -1, jnp.int32), jnp.zeros((h.shape[0], k), jnp.float32)
-    p = layers[target]
-    indices, scores, _ = route(p, rms_norm(h, p["post_attention_layernorm"], cfg.rms_norm_eps), cfg)
-    return indices.astype(jnp.int32), scores.astype(jnp.float32)
+    return predict_next(layers[target], h, cfg)

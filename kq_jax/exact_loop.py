@@ -1,0 +1,103 @@
+"""The exact layer-by-layer decode loop for Qwen3-MoE: the host between layers, look-ahead prefetch.
+
+Per token, per layer l, three small programs and the residency manager between them:
+
+1. ``route`` (dispatched at once): layer l's attention and router. The host reads its top-k back
+   and :meth:`kq_host.residency.ResidencyManager.acquire` makes every routed expert resident: the
+   misses are read on the critical path, and the wait is measured.
+2. ``experts``: layer l's experts from the arena through the returned table (every routed expert a
+   hit, at its own score), and, with look-ahead, layer l+1's router applied to the output.
+3. Layer l+1's ``route`` is dispatched right behind it; the host reads the predictions and
+   :meth:`~kq_host.residency.ResidencyManager.prefetch` starts reading the predicted experts that
+   are not resident, so their reads overlap layer l+1's attention.
+
+Every expert a layer runs is the one it routed, at its routed score: the logits are the resident
+model's (``decode_step`` with every expert in memory), bit for bit (``tests/test_exact_loop.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kq_jax import qwen3_moe
+from kq_jax.moe import Experts, experts_apply
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def _route(p, h, position, keys, values, cfg):
+    h, x, keys, values = qwen3_moe.attention_block(p, h, position, keys, values, cfg)
+    indices, scores, _ = qwen3_moe.route(p, x, cfg)
+    return h, x, indices.astype(jnp.int32), scores, keys, values
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def _experts(arena, layer, table, x, h, indices, scores, p_next, cfg):
+    weights = Experts(*(arena[name][layer] for name in qwen3_moe.PROJECTIONS))
+    y = jnp.einsum("tkd,tk->td", experts_apply(x, weights, table[indices]), scores)
+    h = h + y[:, None]
+    if p_next is None:
+        return h, None
+    return h, qwen3_moe.predict_next(p_next, h[:, 0], cfg)
+
+
+@functools.partial(jax.jit, static_argnames="cfg")
+def _logits(params, h, cfg):
+    return qwen3_moe.rms_norm(h[:, 0], params["norm"], cfg.rms_norm_eps) @ params["embed"].T
+
+
+class ExactLoop:
+    """Greedy or teacher-forced decode of one sequence through an arena, exact, layer by layer.
+
+    Args:
+        params: :func:`kq_jax.qwen3_moe.load_params` (``experts=False`` is enough: the arena serves them).
+        cfg: the model's :class:`~kq_jax.qwen3_moe.Qwen3MoeConfig`.
+        manager: a :class:`~kq_host.residency.ResidencyManager` of L layers whose loader fills ``arena``.
+        arena: the :class:`~kq_jax.arena.JaxArena` the manager writes (``{projection: [L, S, ...]}``).
+        length: the longest sequence (the key-value cache's length).
+        lookahead: whether each layer predicts and prefetches the next layer's experts.
+        prefetch_budget: most prefetch reads per layer and token (None: no limit).
+    """
+
+    def __init__(self, params, cfg, manager, arena, *, length: int, lookahead: bool = True,
+                 prefetch_budget: int | None = None):
+        if manager.num_layers != cfg.num_hidden_layers or manager.num_experts != cfg.num_experts:
+            raise ValueError(f"ExactLoop: manager has {manager.num_layers} layers of {manager.num_experts} experts; "
+                             f"the model {cfg.num_hidden_layers} of {cfg.num_experts}")
+        if manager.num_slots < cfg.num_experts_per_tok:
+            raise ValueError(f"ExactLoop: manager has {manager.num_slots} slots a layer; a token routes "
+                             f"{cfg.num_experts_per_tok}")
+        if not isinstance(length, int) or isinstance(length, bool) or length < 1:
+            raise ValueError(f"ExactLoop: length must be an int >= 1, got {length!r}")
+        self.params, self.cfg, self.manager, self.arena = params, cfg, manager, arena
+        self.lookahead, self.prefetch_budget, self.length = lookahead, prefetch_budget, length
+        shape = (1, length, cfg.num_key_value_heads, cfg.head_dim)
+        self._cache = [(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
+                       for _ in range(cfg.num_hidden_layers)]
+
+    def step(self, token, position: int):
+        """One token: ``token`` (int, or an int32 ``[1]`` device array such as the last argmax) at
+        ``position`` -> logits float32 ``[1, V]`` (on the device)."""
+        if not isinstance(position, (int, np.integer)) or not 0 <= position < self.length:
+            raise ValueError(f"ExactLoop.step: position must be an int in [0, {self.length}), got {position!r}")
+        cfg, layers, manager = self.cfg, self.params["layers"], self.manager
+        h = self.params["embed"][jnp.asarray(token, jnp.int32).reshape(1)][:, None]
+        routed = _route(layers[0], h, position, *self._cache[0], cfg)
+        for layer, p in enumerate(layers):
+            h, x, indices, scores, keys, values = routed
+            self._cache[layer] = keys, values
+            ids, weights = jax.device_get((indices, scores))
+            table = manager.acquire(layer, ids, weights)  # the critical path: this layer's misses
+            ahead = self.lookahead and layer + 1 < len(layers)
+            h, predicted = _experts(self.arena.arrays, np.int32(layer), jnp.asarray(table), x, h, indices, scores,
+                                    layers[layer + 1] if ahead else None, cfg)
+            if layer + 1 < len(layers):
+                routed = _route(layers[layer + 1], h, position, *self._cache[layer + 1], cfg)
+            if ahead:
+                ids, weights = jax.device_get(predicted)
+                manager.prefetch(layer + 1, ids, weights, budget=self.prefetch_budget)
+        manager.next_token()
+        return _logits(self.params, h, cfg)

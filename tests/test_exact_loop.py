@@ -1,0 +1,158 @@
+"""The exact layer-by-layer loop: the resident model's logits, bit for bit, at partial residency, with and
+without look-ahead; the residency manager's per-layer steps (acquire, prefetch) and their accounting."""
+
+import numpy as np
+import pytest
+
+from kq_host.residency import ResidencyManager
+
+
+def _manager(layers=2, experts=8, slots=3, policy="lfu", **options):
+    reads = []
+
+    def loader(layer, expert, slot):
+        reads.append((layer, expert))
+
+    return ResidencyManager(layers, experts, slots, loader=loader, policy=policy, queue_depth=0, **options), reads
+
+
+@pytest.mark.parametrize("policy", ["lfu", "lru"])
+def test_acquire_makes_every_routed_expert_resident_and_counts_the_critical_reads(policy):
+    manager, reads = _manager(policy=policy)
+    manager.preload(0, [0, 1, 2])
+    table = manager.acquire(0, np.array([[1, 5, 6]]), np.array([[0.5, 0.3, 0.2]]))
+    assert (table[[1, 5, 6]] >= 0).all() and (table >= 0).sum() == 3
+    assert reads[-2:] == [(0, 5), (0, 6)]
+    stats = manager.lookahead_stats()
+    assert stats["critical_reads"].tolist() == [2, 0] and stats["critical_wait_s"][0] >= 0
+    _, total = manager.stats()
+    assert (total.lookups, total.hits) == (3, 1)
+    assert (manager.acquire(0, np.array([[1, 5, 6]]), np.array([[0.5, 0.3, 0.2]])) == table).all()
+    assert manager.lookahead_stats()["critical_reads"][0] == 2  # all hits the second time
+
+
+def test_a_prefetch_is_not_a_use_until_its_layer_routes_it():
+    manager, _ = _manager(experts=8, slots=3, policy="lfu")
+    manager.preload(1, [0, 1, 2])
+    manager.acquire(1, np.array([[0, 1, 2]]), np.ones((1, 3)))
+    priority_before = manager._tables.priority[1].copy()
+    started = manager.prefetch(1, np.array([[4, 1, -1]]), np.array([[0.9, 0.5, 0.0]]))
+    assert started == 1  # 1 is resident, -1 is padding
+    assert np.array_equal(manager._tables.priority[1], priority_before)  # nothing credited
+    manager.acquire(1, np.array([[4, 1, 2]]), np.ones((1, 3)))  # 4 landed in 0's slot (the lowest credit): a hit
+    stats = manager.lookahead_stats()
+    assert stats["prefetches"][1] == 1 and stats["prefetch_used"][1] == 1 and stats["critical_reads"][1] == 0
+    _, total = manager.stats()
+    assert total.hits == total.lookups == 6
+
+
+def test_a_prefetch_evicted_before_any_use_is_wasted():
+    manager, _ = _manager(experts=8, slots=3)
+    manager.preload(0, [0, 1, 2])
+    manager.prefetch(0, np.array([[5]]), np.array([[0.9]]))
+    manager.next_token()
+    manager.acquire(0, np.array([[0, 1, 6]]), np.ones((1, 3)))  # 6 takes 5's slot: 0 and 1 are routed
+    stats = manager.lookahead_stats()
+    assert stats["prefetch_wasted"][0] == 1 and stats["prefetch_used"][0] == 0 and stats["prefetch_unused"][0] == 0
+    manager.prefetch(0, np.array([[7]]), np.array([[0.9]]))
+    assert manager.lookahead_stats()["prefetch_unused"][0] == 1
+
+
+def test_a_budget_caps_the_prefetch_and_the_best_score_goes_first():
+    manager, reads = _manager(experts=8, slots=4)
+    assert manager.prefetch(0, np.array([[3, 6, 5]]), np.array([[0.1, 0.7, 0.3]]), budget=2) == 2
+    assert reads == [(0, 6), (0, 5)]
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda m: m.acquire(2, np.array([[0]]), np.array([[1.0]])), "layer"),
+    (lambda m: m.acquire(0, np.array([[8]]), np.array([[1.0]])), "ids"),
+    (lambda m: m.acquire(0, np.array([[-1]]), np.array([[1.0]])), "ids"),
+    (lambda m: m.acquire(0, np.array([[0.5]]), np.array([[1.0]])), "ids must be integers"),
+    (lambda m: m.acquire(0, np.array([[1, 2]]), np.array([[1.0]])), "same shape"),
+    (lambda m: m.prefetch(0, np.array([[1]]), np.array([[1.0]]), budget=-1), "budget"),
+    (lambda m: m.prefetch(0, np.array([[1]]), np.array([[1.0]]), budget=True), "budget"),
+])
+def test_bad_arguments_are_refused_by_name(call, message):
+    manager, _ = _manager()
+    with pytest.raises(ValueError, match=message):
+        call(manager)
+
+
+def test_a_failed_critical_read_is_raised_naming_the_layer():
+    from kq_host.residency import PreloadError
+
+    def loader(layer, expert, slot):
+        raise OSError("disk gone")
+
+    manager = ResidencyManager(1, 8, 3, loader=loader, queue_depth=0)
+    with pytest.raises(PreloadError, match="acquire: layer 0"):
+        manager.acquire(0, np.array([[3]]), np.array([[1.0]]))
+    assert manager.resident(0) == {}
+
+
+@pytest.fixture(scope="module")
+def model():
+    pytest.importorskip("jax")
+    pytest.importorskip("tokenizers")
+    import jax
+    import jax.numpy as jnp
+
+    from kq.study import JaxStudy, StudyConfig
+    from kq_jax import qwen3_moe
+    from kq_jax.moe import Experts, experts_apply
+
+    study = JaxStudy(StudyConfig(tokens=10, warmup=1))
+    cfg, params = study.cfg, study.full_params()
+
+    def moe(layer, p, x):
+        indices, scores, _ = qwen3_moe.route(p, x, cfg)
+        return jnp.einsum("tkd,tk->td", experts_apply(x, Experts(p["gate_proj"], p["up_proj"], p["down_proj"]),
+                                                      indices), scores), None
+
+    step = jax.jit(lambda params, token, position, cache: qwen3_moe.decode_step(params, token, position, cache,
+                                                                                cfg, moe)[:2])
+    tokens = study.tokens[:12]
+    cache, resident = qwen3_moe.empty_cache(cfg, 1, tokens.size), []
+    for position, token in enumerate(tokens.tolist()):
+        logits, cache = step(params, jnp.asarray([token], jnp.int32), position, cache)
+        resident.append(np.asarray(logits).view(np.uint32))
+    return study, cfg, tokens, resident
+
+
+@pytest.mark.parametrize("lookahead", [True, False], ids=["lookahead", "no-lookahead"])
+@pytest.mark.parametrize("policy", ["lfu", "lru"])
+def test_the_exact_loop_is_the_resident_model_to_the_bit_at_a_quarter_of_the_experts(model, lookahead, policy):
+    from kq_host.quantized import open_experts
+    from kq_jax import qwen3_moe
+    from kq_jax.arena import JaxArena
+    from kq_jax.exact_loop import ExactLoop
+
+    study, cfg, tokens, resident = model
+    slots = cfg.num_experts // 4
+    with open_experts(study.config.checkpoint, qwen3_moe.PROJECTIONS) as store:
+        shapes = {name: (shape, np.float32) for name, (shape, _) in store.expert_shapes(0).items()}
+        arena = JaxArena(cfg.num_hidden_layers, slots, shapes)
+        manager = ResidencyManager(cfg.num_hidden_layers, cfg.num_experts, slots, arena=arena, policy=policy,
+                                   loader=lambda layer, expert, slot: store.read_expert(layer, expert), queue_depth=2)
+        loop = ExactLoop(study.params, cfg, manager, arena, length=tokens.size, lookahead=lookahead)
+        for position, token in enumerate(tokens.tolist()):
+            got = np.asarray(loop.step(token, position)).view(np.uint32)
+            assert np.array_equal(got, resident[position]), f"token {position}"
+        stats = manager.lookahead_stats()
+        manager.close()
+    assert stats["critical_reads"].sum() > 0
+    if lookahead:
+        assert stats["prefetches"].sum() > 0 and stats["prefetch_used"].sum() > 0
+        assert stats["prefetches"][0] == 0  # nothing predicts the first layer
+    else:
+        assert stats["prefetches"].sum() == 0
+
+
+def test_the_exact_loop_refuses_a_manager_of_another_shape(model):
+    from kq_jax.exact_loop import ExactLoop
+
+    study, cfg, _, _ = model
+    manager, _ = _manager(layers=cfg.num_hidden_layers + 1, experts=cfg.num_experts, slots=8)
+    with pytest.raises(ValueError, match="layers"):
+        ExactLoop(study.params, cfg, manager, None, length=4)
