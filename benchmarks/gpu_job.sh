@@ -10,7 +10,8 @@
 # tests: the replayed traces and the compiled bookkeeping against NumPy), arena_tests (publishing's faults and the
 # arenas, JAX's on the GPU), h2d (landed experts' copies to the
 # device: pageable against pinned staging), tier_decode (decode through the low-precision tier against resident),
-# study_grid (the shedding study's grid on STUDY_MODELS, extra arguments in STUDY_ARGS); and MLX on CUDA, after
+# study_grid (the shedding study's grid on STUDY_MODELS, extra arguments in STUDY_ARGS), exact_loop (the exact
+# layer-by-layer loop with and without look-ahead, and its tests); and MLX on CUDA, after
 # `source .mlxb/env.sh` (../shared/device/mlx-cuda-prepare.sh; with benchmarks/mlx_lm_wheels.sh, mlx-lm is
 # installed beside it): mlx_check (`kq check --backends mlx-cuda`), mlx_tests (tests/test_mlx.py, test_mlx_lm.py),
 # mlx_bench (`kq bench`: mlx-cuda beside mlx-ops-gpu, the pure-`mx` path on the GPU stream,
@@ -97,13 +98,15 @@ for name in ${PARTS:-tests check memcheck}; do
                  done
                done ;;
     mlx_decode) part mlx_decode python3 -m benchmarks mlx_decode --json "$OUT/mlx_decode.json" ;;
+    exact_loop) part exact_loop python3 -m benchmarks exact_loop --json "$OUT/exact_loop.json"
+                part exact_loop_tests python3 -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_exact_loop.py ;;
     tier_decode) part tier_decode python3 -m benchmarks tier_decode --json "$OUT/tier_decode.json" ;;
     study_grid) for model in ${STUDY_MODELS:-stdlib-moe wheels-moe}; do
                   part "study_grid_$model" python3 -m benchmarks study_grid --checkpoint "models/$model" \
                     --json "$OUT/study_grid_$model.json" ${STUDY_ARGS:-}
                 done ;;
     *) echo "unknown part: $name (tests check memcheck bench sweep moe sharding compile expert_parallel decode_e2e host" \
-            "host_tests arena_tests decode_tests h2d tier_decode study_grid" \
+            "host_tests arena_tests decode_tests h2d tier_decode study_grid exact_loop" \
             "mlx_check mlx_tests mlx_bench mlx_decode)"
        status=2 ;;
   esac

@@ -1,0 +1,144 @@
+"""The exact layer-by-layer loop end to end, with and without look-ahead prefetch, against the resident model.
+
+    python -m benchmarks exact_loop --json docs/h200/exact_loop.json
+
+Each trained checkpoint decodes its held-out text teacher-forced (``--warmup`` tokens, then ``--tokens``
+measured) through :class:`kq_jax.exact_loop.ExactLoop`: an arena of each residency, its experts read
+from the checkpoint's safetensors files by the manager's workers (from the page cache once read), LFU
+and LRU, look-ahead on and off. Every row's logits are checked against the resident model's, bit for
+bit, token by token. ``resident`` is the model with every expert in memory as one program per token
+(token t+1 dispatched before token t is read); ``loop 100%`` is the exact loop with every expert
+resident, the cost of the per-layer round trips alone. Columns per token: critical-path reads and
+their wait, prefetch reads, and of those the used and wasted ones (evicted before use), MiB read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _resident(params, cfg, tokens):
+    """The resident model's logits bits per token, and its seconds per token (dispatch-ahead loop)."""
+    import jax
+    import jax.numpy as jnp
+
+    from kq_jax import qwen3_moe
+    from kq_jax.moe import Experts, experts_apply
+
+    def moe(layer, p, x):
+        indices, scores, _ = qwen3_moe.route(p, x, cfg)
+        weights = Experts(p["gate_proj"], p["up_proj"], p["down_proj"])
+        return jnp.einsum("tkd,tk->td", experts_apply(x, weights, indices), scores), None
+
+    step = jax.jit(lambda params, token, position, cache: qwen3_moe.decode_step(params, token, position, cache,
+                                                                                cfg, moe)[:2])
+    bits, seconds = [], []
+    for _ in range(2):  # the first pass compiles
+        cache, pending, out = qwen3_moe.empty_cache(cfg, 1, tokens.size), None, []
+        start = time.perf_counter()
+        for position, token in enumerate(tokens.tolist()):
+            logits, cache = step(params, jnp.asarray([token], jnp.int32), position, cache)
+            if pending is not None:
+                out.append(np.asarray(pending).view(np.uint32))
+            pending = logits
+        out.append(np.asarray(pending).view(np.uint32))
+        seconds.append((time.perf_counter() - start) / tokens.size)
+        bits = out
+    return bits, seconds[-1]
+
+
+def _loop(study, cfg, tokens, resident_bits, residency, policy, lookahead, warmup, queue_depth):
+    from kq_host.quantized import open_experts
+    from kq_host.residency import ResidencyManager
+    from kq_jax import qwen3_moe
+    from kq_jax.arena import JaxArena
+    from kq_jax.exact_loop import ExactLoop
+
+    layers, experts = cfg.num_hidden_layers, cfg.num_experts
+    slots = max(cfg.num_experts_per_tok, round(residency * experts))
+    with open_experts(study.config.checkpoint, qwen3_moe.PROJECTIONS) as store:
+        shapes = {name: (shape, np.float32) for name, (shape, _) in store.expert_shapes(0).items()}
+        arena = JaxArena(layers, slots, shapes)
+        manager = ResidencyManager(layers, experts, slots, arena=arena, policy=policy, queue_depth=queue_depth,
+                                   loader=lambda layer, expert, slot: store.read_expert(layer, expert),
+                                   bytes_per_expert=store.expert_nbytes(0))
+        for layer in range(layers):
+            manager.preload(layer, range(slots))
+        loop = ExactLoop(study.params, cfg, manager, arena, length=tokens.size, lookahead=lookahead)
+        exact = True
+        for position, token in enumerate(tokens.tolist()):
+            if position == warmup:
+                _, before = manager.stats()
+                ahead_before = manager.lookahead_stats()
+                start = time.perf_counter()
+            exact &= np.array_equal(np.asarray(loop.step(token, position)).view(np.uint32), resident_bits[position])
+        seconds = (time.perf_counter() - start) / (tokens.size - warmup)
+        _, after = manager.stats()
+        ahead = {name: value.sum() - ahead_before[name].sum() for name, value in manager.lookahead_stats().items()
+                 if name != "prefetch_unused"}
+        manager.close()
+    since, measured = after.since(before), tokens.size - warmup
+    return {"residency": residency, "slots": slots, "policy": policy, "lookahead": lookahead, "exact": bool(exact),
+            "tokens_per_s": 1 / seconds, "ms_per_token": seconds * 1e3, "hit_rate": since.hit_rate,
+            "critical_reads_per_token": ahead["critical_reads"] / measured,
+            "critical_wait_ms_per_token": ahead["critical_wait_s"] * 1e3 / measured,
+            "prefetches_per_token": ahead["prefetches"] / measured,
+            "prefetch_used_per_token": ahead["prefetch_used"] / measured,
+            "prefetch_wasted_per_token": ahead["prefetch_wasted"] / measured,
+            "mib_read_per_token": since.bytes_read / measured / 2**20}
+
+
+def measure(checkpoint: Path, residencies, policies, *, tokens: int, warmup: int, queue_depth: int) -> list[dict]:
+    from kq.study import JaxStudy, StudyConfig
+
+    study = JaxStudy(StudyConfig(checkpoint=checkpoint, tokens=tokens, warmup=warmup))
+    cfg = study.cfg
+    text = study.tokens[:warmup + tokens]
+    resident_bits, resident_seconds = _resident(study.full_params(), cfg, text)
+    rows = [{"model": checkpoint.name, "mode": "resident", "tokens_per_s": 1 / resident_seconds, "x_resident": 1.0}]
+    print(f"{checkpoint.name:12s} resident {rows[0]['tokens_per_s']:8.1f} tok/s", flush=True)
+    grid = [(1.0, "lfu", False)] + [(r, p, a) for r in residencies for p in policies for a in (False, True)]
+    for residency, policy, lookahead in grid:
+        row = _loop(study, cfg, text, resident_bits, residency, policy, lookahead, warmup, queue_depth)
+        row.update(model=checkpoint.name, mode="loop", x_resident=row["tokens_per_s"] * resident_seconds)
+        rows.append(row)
+        print(f"{checkpoint.name:12s} loop {residency:4.0%} {policy} ahead={lookahead!s:5s} exact={row['exact']} "
+              f"{row['tokens_per_s']:7.1f} tok/s x{row['x_resident']:.2f} hit {row['hit_rate']:.3f} "
+              f"critical {row['critical_reads_per_token']:.2f} ({row['critical_wait_ms_per_token']:.3f} ms) "
+              f"prefetch {row['prefetches_per_token']:.2f} used {row['prefetch_used_per_token']:.2f} "
+              f"wasted {row['prefetch_wasted_per_token']:.2f}", flush=True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", type=Path, default=[Path("models/stdlib-moe"), Path("models/wheels-moe")])
+    parser.add_argument("--residency", type=float, nargs="+", default=[0.75, 0.5, 0.25])
+    parser.add_argument("--policies", nargs="+", default=["lfu", "lru"], choices=["lfu", "lru"])
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--warmup", type=int, default=32)
+    parser.add_argument("--queue-depth", type=int, default=4)
+    parser.add_argument("--json", type=Path, required=True)
+    args = parser.parse_args()
+
+    import jax
+
+    payload = {"date": time.strftime("%Y-%m-%d"), "device": str(jax.devices()[0].device_kind),
+               "versions": {"python": platform.python_version(), "jax": jax.__version__, "numpy": np.__version__},
+               "tokens": args.tokens, "warmup": args.warmup, "queue_depth": args.queue_depth, "rows": []}
+    for checkpoint in args.models:
+        payload["rows"] += measure(checkpoint, args.residency, args.policies, tokens=args.tokens,
+                                   warmup=args.warmup, queue_depth=args.queue_depth)
+        args.json.write_text(json.dumps(payload, indent=1) + "\n")
+    return 0 if all(row.get("exact", True) for row in payload["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
