@@ -5,10 +5,11 @@
 Each trained checkpoint decodes its held-out text teacher-forced (``--warmup`` tokens, then ``--tokens``
 measured) through :class:`kq_jax.exact_loop.ExactLoop`: an arena of each residency, its experts read
 from the checkpoint's safetensors files by the manager's workers (from the page cache once read), LFU
-and LRU, look-ahead on and off. Every row's logits are checked against the resident model's, bit for
-bit, token by token. ``resident`` is the model with every expert in memory as one program per token
-(token t+1 dispatched before token t is read); ``loop 100%`` is the exact loop with every expert
-resident, the cost of the per-layer round trips alone. Columns per token: critical-path reads and
+and LRU, look-ahead on and off. Every row's logits are checked token by token against the loop's with
+every expert resident (``loop 100%``), bit for bit (``exact``), and that row against the one-program
+resident model (``max_abs_diff_vs_resident``). ``resident`` is the model with every expert in memory as
+one program per token (token t+1 dispatched before token t is read); ``loop 100%`` is the cost of the
+per-layer round trips alone. Columns per token: critical-path reads and
 their wait, prefetch reads, and of those the used and wasted ones (evicted before use), MiB read.
 """
 
@@ -54,7 +55,7 @@ def _resident(params, cfg, tokens):
     return bits, seconds[-1]
 
 
-def _loop(study, cfg, tokens, resident_bits, residency, policy, lookahead, warmup, queue_depth):
+def _loop(study, cfg, tokens, reference, residency, policy, lookahead, warmup, queue_depth):
     from kq_host.quantized import open_experts
     from kq_host.residency import ResidencyManager
     from kq_jax import qwen3_moe
@@ -72,25 +73,28 @@ def _loop(study, cfg, tokens, resident_bits, residency, policy, lookahead, warmu
         for layer in range(layers):
             manager.preload(layer, range(slots))
         loop = ExactLoop(study.params, cfg, manager, arena, length=tokens.size, lookahead=lookahead)
-        exact = True
+        bits = []
         for position, token in enumerate(tokens.tolist()):
             if position == warmup:
                 _, before = manager.stats()
                 ahead_before = manager.lookahead_stats()
                 start = time.perf_counter()
-            exact &= np.array_equal(np.asarray(loop.step(token, position)).view(np.uint32), resident_bits[position])
+            bits.append(np.asarray(loop.step(token, position)).view(np.uint32))
         seconds = (time.perf_counter() - start) / (tokens.size - warmup)
         _, after = manager.stats()
         ahead = {name: value.sum() - ahead_before[name].sum() for name, value in manager.lookahead_stats().items()
                  if name != "prefetch_unused"}
         manager.close()
     since, measured = after.since(before), tokens.size - warmup
-    return {"residency": residency, "slots": slots, "policy": policy, "lookahead": lookahead, "exact": bool(exact),
+    reference = bits if reference is None else reference
+    exact = all(np.array_equal(a, b) for a, b in zip(bits, reference))
+    return bits, {"residency": residency, "slots": slots, "policy": policy, "lookahead": lookahead, "exact": exact,
             "tokens_per_s": 1 / seconds, "ms_per_token": seconds * 1e3, "hit_rate": since.hit_rate,
             "critical_reads_per_token": ahead["critical_reads"] / measured,
             "critical_wait_ms_per_token": ahead["critical_wait_s"] * 1e3 / measured,
             "prefetches_per_token": ahead["prefetches"] / measured,
             "prefetch_used_per_token": ahead["prefetch_used"] / measured,
+            "prefetch_late_per_token": ahead["prefetch_late"] / measured,
             "prefetch_wasted_per_token": ahead["prefetch_wasted"] / measured,
             "mib_read_per_token": since.bytes_read / measured / 2**20}
 
@@ -105,14 +109,20 @@ def measure(checkpoint: Path, residencies, policies, *, tokens: int, warmup: int
     rows = [{"model": checkpoint.name, "mode": "resident", "tokens_per_s": 1 / resident_seconds, "x_resident": 1.0}]
     print(f"{checkpoint.name:12s} resident {rows[0]['tokens_per_s']:8.1f} tok/s", flush=True)
     grid = [(1.0, "lfu", False)] + [(r, p, a) for r in residencies for p in policies for a in (False, True)]
+    reference = None
     for residency, policy, lookahead in grid:
-        row = _loop(study, cfg, text, resident_bits, residency, policy, lookahead, warmup, queue_depth)
+        bits, row = _loop(study, cfg, text, reference, residency, policy, lookahead, warmup, queue_depth)
+        if reference is None:  # the full arena: every later row must give its bits
+            reference = bits
+            row["max_abs_diff_vs_resident"] = float(max(np.abs(a.view(np.float32) - b.view(np.float32)).max()
+                                                        for a, b in zip(bits, resident_bits)))
         row.update(model=checkpoint.name, mode="loop", x_resident=row["tokens_per_s"] * resident_seconds)
         rows.append(row)
         print(f"{checkpoint.name:12s} loop {residency:4.0%} {policy} ahead={lookahead!s:5s} exact={row['exact']} "
               f"{row['tokens_per_s']:7.1f} tok/s x{row['x_resident']:.2f} hit {row['hit_rate']:.3f} "
               f"critical {row['critical_reads_per_token']:.2f} ({row['critical_wait_ms_per_token']:.3f} ms) "
               f"prefetch {row['prefetches_per_token']:.2f} used {row['prefetch_used_per_token']:.2f} "
+              f"late {row['prefetch_late_per_token']:.2f} "
               f"wasted {row['prefetch_wasted_per_token']:.2f}", flush=True)
     return rows
 

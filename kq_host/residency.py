@@ -466,7 +466,7 @@ class ResidencyManager(ManagerBase):
         self._snapshot = self.snapshot()
         self._lookahead = {name: np.zeros(num_layers, np.float64 if name.endswith("_s") else np.int64)
                            for name in ("critical_reads", "critical_wait_s", "prefetches", "prefetch_used",
-                                        "prefetch_wasted")}
+                                        "prefetch_late", "prefetch_wasted")}
         self._unused_prefetches: dict[tuple[int, int], bool] = {}
 
     # ---- tables -------------------------------------------------------------------------
@@ -705,9 +705,11 @@ class ResidencyManager(ManagerBase):
             routed = self._ops.credit(view, ids, scores, tables.table[layer:layer + 1].copy(), self.token,
                                       self.keep_mass)
             wanted = np.unique(ids[(ids >= 0) & (ids < self.num_experts)])
-            for expert in wanted.tolist():  # a prefetch routed while it holds its slot (landed or landing) is used
+            for expert in wanted.tolist():  # a prefetch routed once landed is used; still loading, late
                 if self._unused_prefetches.pop((layer, expert), None) is not None:
-                    self._lookahead["prefetch_used" if tables.held[layer, expert] else "prefetch_wasted"][layer] += 1
+                    outcome = ("prefetch_used" if tables.table[layer, expert] >= 0 else
+                               "prefetch_late" if tables.held[layer, expert] else "prefetch_wasted")
+                    self._lookahead[outcome][layer] += 1
             missing = wanted[tables.table[layer, wanted] < 0]
             self._lookahead["critical_reads"][layer] += missing.size
             start = time.perf_counter()
@@ -783,9 +785,10 @@ class ResidencyManager(ManagerBase):
 
     def lookahead_stats(self) -> dict[str, np.ndarray]:
         """Per layer ``[L]``: ``critical_reads`` (routed experts not resident when :meth:`acquire` ran),
-        ``critical_wait_s``, ``prefetches`` (reads :meth:`prefetch` started), ``prefetch_used`` (of those,
-        routed while resident), ``prefetch_wasted`` (evicted or failed before any use) and
-        ``prefetch_unused`` (still resident, not used yet)."""
+        ``critical_wait_s``, ``prefetches`` (reads :meth:`prefetch` started), and of those ``prefetch_used``
+        (landed when their layer routed them: hits), ``prefetch_late`` (routed while still loading: waited
+        for, a critical read), ``prefetch_wasted`` (evicted or failed before any use) and
+        ``prefetch_unused`` (held, not routed yet)."""
         unused = np.zeros(self.num_layers, np.int64)
         for layer, _ in self._unused_prefetches:
             unused[layer] += 1

@@ -11,8 +11,11 @@ Per token, per layer l, three small programs and the residency manager between t
    :meth:`~kq_host.residency.ResidencyManager.prefetch` starts reading the predicted experts that
    are not resident, so their reads overlap layer l+1's attention.
 
-Every expert a layer runs is the one it routed, at its routed score: the logits are the resident
-model's (``decode_step`` with every expert in memory), bit for bit (``tests/test_exact_loop.py``).
+Every expert a layer runs is the one it routed, at its routed score, so what is resident never changes
+the output: at any residency the logits are the loop's with every expert resident, bit for bit, and on
+XLA's CPU backend those are the one-program resident model's (``decode_step``) too. On a GPU, XLA fuses
+the per-layer programs otherwise than the whole-model one, and the two round differently in the last
+bits (``tests/test_exact_loop.py``; docs/lookahead.md).
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ class ExactLoop:
             ids, weights = jax.device_get((indices, scores))
             table = manager.acquire(layer, ids, weights)  # the critical path: this layer's misses
             ahead = self.lookahead and layer + 1 < len(layers)
-            h, predicted = _experts(self.arena.arrays, np.int32(layer), jnp.asarray(table), x, h, indices, scores,
+            h, predicted = _experts(self.arena.arrays, np.int32(layer), table, x, h, indices, scores,
                                     layers[layer + 1] if ahead else None, cfg)
             if layer + 1 < len(layers):
                 routed = _route(layers[layer + 1], h, position, *self._cache[layer + 1], cfg)
