@@ -47,6 +47,11 @@ def _experts(arena, layer, table, x, h, indices, scores, p_next, cfg):
     return h, qwen3_moe.predict_next(p_next, h[:, 0], cfg)
 
 
+@jax.jit
+def _embed(embed, token):
+    return embed[jnp.reshape(token, (1,))][:, None]
+
+
 @functools.partial(jax.jit, static_argnames="cfg")
 def _logits(params, h, cfg):
     return qwen3_moe.rms_norm(h[:, 0], params["norm"], cfg.rms_norm_eps) @ params["embed"].T
@@ -87,7 +92,7 @@ class ExactLoop:
         if not isinstance(position, (int, np.integer)) or not 0 <= position < self.length:
             raise ValueError(f"ExactLoop.step: position must be an int in [0, {self.length}), got {position!r}")
         cfg, layers, manager = self.cfg, self.params["layers"], self.manager
-        h = self.params["embed"][jnp.asarray(token, jnp.int32).reshape(1)][:, None]
+        h = _embed(self.params["embed"], jnp.asarray(token, jnp.int32))
         routed = _route(layers[0], h, position, *self._cache[0], cfg)
         for layer, p in enumerate(layers):
             h, x, indices, scores, keys, values = routed
