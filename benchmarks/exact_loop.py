@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+from benchmarks import jax_run_header
 
 
 def _resident(params, cfg, tokens):
@@ -31,15 +32,9 @@ def _resident(params, cfg, tokens):
     import jax.numpy as jnp
 
     from kq_jax import qwen3_moe
-    from kq_jax.moe import Experts, experts_apply
 
-    def moe(layer, p, x):
-        indices, scores, _ = qwen3_moe.route(p, x, cfg)
-        weights = Experts(p["gate_proj"], p["up_proj"], p["down_proj"])
-        return jnp.einsum("tkd,tk->td", experts_apply(x, weights, indices), scores), None
-
-    step = jax.jit(lambda params, token, position, cache: qwen3_moe.decode_step(params, token, position, cache,
-                                                                                cfg, moe)[:2])
+    step = jax.jit(lambda params, token, position, cache: qwen3_moe.decode_step(
+        params, token, position, cache, cfg, lambda layer, p, x: (qwen3_moe.moe_resident(p, x, cfg), None))[:2])
     bits, seconds = [], []
     for _ in range(2):  # the first pass compiles
         cache, pending, out = qwen3_moe.empty_cache(cfg, 1, tokens.size), None, []
@@ -138,11 +133,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
 
-    import jax
-
-    payload = {"date": time.strftime("%Y-%m-%d"), "device": str(jax.devices()[0].device_kind),
-               "versions": {"python": platform.python_version(), "jax": jax.__version__, "numpy": np.__version__},
-               "tokens": args.tokens, "warmup": args.warmup, "queue_depth": args.queue_depth, "rows": []}
+    payload = {**jax_run_header(), "tokens": args.tokens, "warmup": args.warmup, "queue_depth": args.queue_depth, "rows": []}
     for checkpoint in args.models:
         payload["rows"] += measure(checkpoint, args.residency, args.policies, tokens=args.tokens,
                                    warmup=args.warmup, queue_depth=args.queue_depth)

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
 
+from benchmarks import jax_run_header
 from kq import study
 
 RULES = ("shed", "route_shed", "reroute", "prior", "stall")
@@ -49,15 +49,11 @@ def main() -> int:
                                  streams=args.streams, residencies=tuple(args.residency), policies=("lfu",),
                                  tier_bits=bits, tier_group_size=args.group_size)
 
-    import jax
-
     started = time.perf_counter()
     runner = study.make_study(config(args.tier_bits[0]))
     resident = runner.resident()
     rows = []
-    payload = {"date": time.strftime("%Y-%m-%d"), "device": str(jax.devices()[0].device_kind),
-               "machine": platform.platform(), "versions": {"python": platform.python_version(), "jax": jax.__version__},
-               "checkpoint": str(args.checkpoint), "streams": args.streams, "tokens_per_stream": args.tokens,
+    payload = {**jax_run_header(), "checkpoint": str(args.checkpoint), "streams": args.streams, "tokens_per_stream": args.tokens,
                "warmup": args.warmup, "group_size": args.group_size, "resident": resident.summary(), "runs": rows}
 
     def record(run: study.RunResult, bits: int) -> None:

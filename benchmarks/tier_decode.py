@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
+from benchmarks import jax_run_header
 from kq import study
 
 OLMOE_SIZE = dict(vocab_size=8192, hidden_size=2048, num_hidden_layers=8, num_attention_heads=16,
@@ -128,11 +126,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
 
-    import jax
-
-    payload = {"date": time.strftime("%Y-%m-%d"), "device": str(jax.devices()[0].device_kind),
-               "versions": {"python": platform.python_version(), "jax": jax.__version__, "numpy": np.__version__},
-               "bits": args.bits, "group_size": args.group_size, "tokens": args.tokens, "rounds": args.rounds,
+    payload = {**jax_run_header(), "bits": args.bits, "group_size": args.group_size, "tokens": args.tokens, "rounds": args.rounds,
                "rows": []}
     for name in args.models:
         payload["rows"] += measure(name, args.residency, bits=args.bits, group_size=args.group_size,

@@ -100,18 +100,11 @@ def model():
 
     from kq.study import JaxStudy, StudyConfig
     from kq_jax import qwen3_moe
-    from kq_jax.moe import Experts, experts_apply
 
     study = JaxStudy(StudyConfig(tokens=10, warmup=1))
     cfg, params = study.cfg, study.full_params()
-
-    def moe(layer, p, x):
-        indices, scores, _ = qwen3_moe.route(p, x, cfg)
-        return jnp.einsum("tkd,tk->td", experts_apply(x, Experts(p["gate_proj"], p["up_proj"], p["down_proj"]),
-                                                      indices), scores), None
-
-    step = jax.jit(lambda params, token, position, cache: qwen3_moe.decode_step(params, token, position, cache,
-                                                                                cfg, moe)[:2])
+    step = jax.jit(lambda params, token, position, cache: qwen3_moe.decode_step(
+        params, token, position, cache, cfg, lambda layer, p, x: (qwen3_moe.moe_resident(p, x, cfg), None))[:2])
     tokens = study.tokens[:12]
     cache, resident = qwen3_moe.empty_cache(cfg, 1, tokens.size), []
     for position, token in enumerate(tokens.tolist()):
