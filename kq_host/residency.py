@@ -732,8 +732,9 @@ class ResidencyManager(ManagerBase):
             out = [read for read in self.pending() if read.layer == layer and read.expert in set(unread.tolist())]
             failed = [self.failures[(layer, e)] for e in unread.tolist() if (layer, e) in self.failures]
             if not out and not failed:
-                raise ValueError(f"acquire: layer {layer} has {self.num_slots} slots; its routed experts "
-                                 f"{unread.tolist()} found no slot beside the pinned ones")
+                raise ValueError(f"acquire: layer {layer} routed {wanted.size} experts into {self.num_slots} slots; "
+                                 f"{unread.tolist()} found none (the routed and the pinned are never evicted: "
+                                 f"give the arena more slots, or the layer fewer tokens at once)")
             raise PreloadError(f"acquire: layer {layer}: {len(failed)} read(s) failed and {len(out)} still out "
                                f"after {timeout} s", [f for f in failed if f is not None], out)
         return self._snapshot[layer].copy()

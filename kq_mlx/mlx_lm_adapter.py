@@ -24,6 +24,7 @@ with rule ``"tier"`` a miss is computed with its copy at its full weight
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Callable
 
 import mlx.core as mx
@@ -66,7 +67,7 @@ ROUTERS: dict[str, Callable] = {
 # renormalize (kept weights to sum 1), substitute (the best resident expert the row did not
 # choose, at the miss's weight; Qwen3-MoE only), tier (the miss's low-precision copy, at its weight;
 # after attach_tier), stall (the wrapped block's own experts: exact).
-MISS_RULES = ("route_shed", "shed", "renormalize", "substitute", "tier", "stall")
+MISS_RULES = ("route_shed", "shed", "renormalize", "substitute", "tier", "stall", "exact")
 
 
 class ArenaMoeBlock(nn.Module):
@@ -103,6 +104,7 @@ class ArenaMoeBlock(nn.Module):
         self.slot_table = mx.full((self.num_experts,), -1, mx.int32)
         self.rule = "route_shed"
         self.tier = None  # a SwitchGLU of every expert at low precision (attach_tier)
+        self.manager, self.layer = None, None  # rule "exact" (attach_exact)
         self.last = None
         self.last_mix = None
 
@@ -137,6 +139,8 @@ class ArenaMoeBlock(nn.Module):
             return self._tiered(x)
         else:
             inds, scores = self._route(self.block, x)
+            if self.rule == "exact":
+                self._acquire(inds, scores)
             shed = kq_mlx.route_shed(inds.astype(mx.uint32), scores, self.slot_table, num_slots=self.num_slots)
         self.last = (inds, scores, shed)
         if self.rule == "stall":
@@ -147,6 +151,15 @@ class ArenaMoeBlock(nn.Module):
         self.last_mix = mix
         y = self.arena(x, shed.slots)
         return (y * mix.astype(scores.dtype)[..., None]).sum(axis=-2).astype(y.dtype)
+
+    def _acquire(self, inds, scores):
+        """Rule ``"exact"``: the routing evaluated and read back, every routed expert made resident by the
+        residency manager (:func:`attach_exact`), the table set for this layer's experts."""
+        if self.manager is None:
+            raise ValueError("ArenaMoeBlock: rule 'exact' needs a residency manager: call attach_exact first")
+        mx.eval(inds, scores)
+        table = self.manager.acquire(self.layer, np.array(inds), np.array(scores.astype(mx.float32)))
+        self.slot_table = mx.array(table)
 
     def _tiered(self, x):
         """Hits from the arena, misses from the tier at their full weights, in one graph."""
@@ -175,7 +188,7 @@ class ArenaMoeBlock(nn.Module):
 
     def _mix(self, inds, scores, shed):
         """The weights under :attr:`rule` (route_shed, shed, renormalize or substitute)."""
-        if self.rule in ("route_shed", "substitute"):
+        if self.rule in ("route_shed", "substitute", "exact"):
             return shed.mix
         kept = self.slot_table[inds] >= 0
         if self.rule == "shed":
@@ -289,11 +302,15 @@ class _LookaheadLayer(nn.Module):
         super().__init__()
         self.layer, self.following, self.norm = layer, following, norm
         self.predicted = None
+        self.prefetch = None  # attach_exact: called with the evaluated predictions, ids and scores
 
     def __call__(self, x, *args, **kwargs):
         out = self.layer(x, *args, **kwargs)
         following = self.following
-        self.predicted, _ = following._route(following.block, self.norm(out))
+        self.predicted, scores = following._route(following.block, self.norm(out))
+        if self.prefetch is not None:
+            mx.eval(self.predicted, scores)
+            self.prefetch(np.array(self.predicted), np.array(scores.astype(mx.float32)))
         return out
 
 
@@ -321,6 +338,31 @@ def pack_predictions(model: nn.Module) -> mx.array:
     first = predicted[0].reshape(-1, predicted[0].shape[-1]).astype(mx.int32)
     return mx.stack([mx.full(first.shape, -1, mx.int32)] + [p.reshape(first.shape).astype(mx.int32)
                                                             for p in predicted])
+
+
+def attach_exact(model: nn.Module, blocks: list[ArenaMoeBlock], manager, *, lookahead: bool = True,
+                 prefetch_budget: int | None = None) -> None:
+    """Makes the model exact at any residency, layer by layer: each block evaluates its routing, and
+    ``manager.acquire`` makes every routed expert resident before the block's experts run (the misses
+    read on the critical path); with ``lookahead``, after each layer but the last the next layer's
+    predicted experts are evaluated and ``manager.prefetch`` starts reading them (at most
+    ``prefetch_budget`` a layer). The logits are the model's with every expert resident, bit for bit.
+    Call ``manager.next_token()`` after each token.
+
+    Args:
+        model: an mlx-lm model whose MoE blocks :func:`attach_arena` wrapped (``blocks``, one per layer).
+        manager: a :class:`kq_host.residency.ResidencyManager` of ``len(blocks)`` layers whose loader
+            fills :class:`SwitchGLUArena` ``(blocks)``.
+    """
+    if manager.num_layers != len(blocks) or any(block.num_slots != manager.num_slots for block in blocks):
+        raise ValueError(f"attach_exact: the manager has {manager.num_layers} layers of {manager.num_slots} slots; "
+                         f"the model {len(blocks)} blocks of {sorted({b.num_slots for b in blocks})}")
+    for layer, block in enumerate(blocks):
+        block.rule, block.manager, block.layer = "exact", manager, layer
+    if lookahead:
+        attach_lookahead(model, blocks)
+        for layer, wrapped in enumerate(getattr(model, "model", model).layers[:-1]):
+            wrapped.prefetch = functools.partial(manager.prefetch, layer + 1, budget=prefetch_budget)
 
 
 def attach_tier(blocks: list[ArenaMoeBlock], tier) -> None:

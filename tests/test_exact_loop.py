@@ -191,3 +191,9 @@ def test_a_prefetch_still_loading_when_its_layer_routes_it_is_late():
     assert table[5] >= 0
     assert (stats["prefetch_late"][0], stats["prefetch_used"][0], stats["critical_reads"][0]) == (1, 0, 1)
     assert stats["critical_wait_s"][0] > 0.01
+
+
+def test_a_layer_routing_more_experts_than_it_has_slots_is_refused_by_name():
+    manager, _ = _manager(experts=8, slots=3)
+    with pytest.raises(ValueError, match="routed 4 experts into 3 slots"):
+        manager.acquire(0, np.array([[0, 1], [2, 3]]), np.ones((2, 2)))

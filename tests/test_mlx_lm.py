@@ -421,3 +421,44 @@ def test_look_ahead_predicts_from_each_layers_output_and_changes_nothing():
     assert np.array_equal(np.sort(predicted[1], axis=-1), np.sort(np.array(want).reshape(5, 4), axis=-1))
     with pytest.raises(ValueError, match="one MoE block per layer"):
         attach_lookahead(model, blocks[:1])
+
+
+def _decode_one_at_a_time(model, tokens, after_step=None):
+    """Each token's logits, the tokens fed one by one (as an exact loop decodes)."""
+    cache, seen = make_prompt_cache(model), []
+    for token in tokens:
+        logits = model(mx.array([[token]]), cache=cache)[0, -1]
+        mx.eval(logits)
+        seen.append(np.array(logits).view(np.uint32))
+        if after_step is not None:
+            after_step()
+    return seen
+
+
+@pytest.mark.parametrize("lookahead", [True, False], ids=["lookahead", "no-lookahead"])
+@pytest.mark.parametrize("make_model", [qwen3_model, mixtral_model], ids=["qwen3_moe", "mixtral"])
+def test_the_exact_mode_is_the_model_to_the_bit_at_a_quarter_of_the_experts(make_model, lookahead):
+    from kq_mlx.mlx_lm_adapter import attach_exact
+
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]
+    want = _decode_one_at_a_time(evaluated(make_model, seed=8), tokens)
+    model = evaluated(make_model, seed=8)
+    blocks = attach_arena(model, num_slots=EXPERTS // 4)
+    manager = _manager_over(blocks, EXPERTS // 4, queue_depth=2)
+    attach_exact(model, blocks, manager, lookahead=lookahead)
+    got = _decode_one_at_a_time(model, tokens, after_step=manager.next_token)
+    stats = manager.lookahead_stats()
+    manager.close()
+    for position, (a, b) in enumerate(zip(got, want)):
+        assert np.array_equal(a, b), f"token {position}"
+    assert stats["critical_reads"].sum() > 0
+    assert (stats["prefetches"].sum() > 0) == lookahead
+
+
+def test_attach_exact_refuses_a_manager_of_another_shape():
+    from kq_mlx.mlx_lm_adapter import attach_exact
+
+    model = evaluated(qwen3_model, seed=1)
+    blocks = attach_arena(model, num_slots=4)
+    with pytest.raises(ValueError, match="attach_exact"):
+        attach_exact(model, blocks, _manager_over(blocks, 8, queue_depth=0))
