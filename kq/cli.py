@@ -175,11 +175,15 @@ def _demo_model(args, parser) -> int:
     except ValueError as error:
         parser.error(str(error))
     misses = {"tier": f"each miss served by its {args.tier_bits}-bit copy", "route_shed": "misses shed, kept weights rescaled",
-              "shed": "misses shed"}[args.rule]
+              "shed": "misses shed", "exact": "each miss read before its layer's experts run, the next layer's "
+                                              "predicted experts prefetched"}[args.rule]
     print(f"{args.checkpoint}: greedy text after {args.prompt!r}, {args.tokens} tokens, experts served from an arena "
           f"of {args.residency:.0%} of each layer's experts ({misses}; {args.policy}), beside the model with every "
           f"expert in memory")
     for framework in frameworks:
+        if args.rule == "exact":
+            _demo_exact(framework, args)
+            continue
         streamed, result, resident = study.generate(framework, args.checkpoint, args.prompt, args.tokens,
                                                     args.residency, args.policy, args.rule, args.tier_bits)
         s = result.summary()
@@ -194,6 +198,29 @@ def _demo_model(args, parser) -> int:
         print(f"== {framework}: {1 / float(np.median(rest)):.0f} tokens/s (the median token, its graph, readback and "
               f"the residency manager's step; the first token, compiling, took {first:.2f} s)")
     return 0
+
+
+def _demo_exact(framework: str, args) -> None:
+    """``kq demo --rule exact``: the text through the exact layer-by-layer loop beside the resident model's."""
+    from tokenizers import Tokenizer
+
+    from kq import study
+    from kq.exact import generate_exact
+
+    tokenizer = Tokenizer.from_file(str(Path(args.checkpoint) / "tokenizer.json"))
+    ids = tokenizer.encode(args.prompt).ids
+    run = generate_exact(framework, args.checkpoint, ids, args.tokens, args.residency, args.policy)
+    streamed = tokenizer.decode(run.tokens[len(ids):])
+    _, _, resident = study.generate(framework, args.checkpoint, args.prompt, args.tokens, 1.0, args.policy, "stall")
+    same = "the same text" if streamed == resident else "a different text"
+    print(f"\n== {framework}: the exact loop ({run.slots} slots per layer)\n{args.prompt}{streamed}")
+    print(f"== {framework}: every expert resident ({same})\n{args.prompt}{resident}")
+    print(f"== {framework}: hit rate {run.hit_rate:.3f}; {run.critical_reads_per_token:.1f} expert reads per token "
+          f"waited for; {run.prefetches_per_token:.1f} prefetched ({run.prefetch_used_per_token:.1f} used, "
+          f"{run.prefetch_wasted_per_token:.1f} wasted); {run.mib_per_token:.2f} MiB read per token; experts in "
+          f"memory {run.memory_mib:.1f} MiB")
+    print(f"== {framework}: {1 / float(np.median(run.token_seconds)):.0f} tokens/s (the median generated token, "
+          f"layer by layer with the host between layers)")
 
 
 def _demo(args, parser) -> int:
@@ -304,9 +331,11 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--residency", type=float, default=0.25,
                       help="fraction of each layer's experts in the arena, in (0, 1] (default 0.25)")
     demo.add_argument("--policy", choices=["lfu", "lru"], default="lfu", help="eviction policy (default lfu)")
-    demo.add_argument("--rule", choices=["tier", "route_shed", "shed"], default=argparse.SUPPRESS,
+    demo.add_argument("--rule", choices=["tier", "route_shed", "shed", "exact"], default=argparse.SUPPRESS,
                       help="the shipped model's misses: served by a low-precision copy of every expert (tier, the "
-                           "default), or shed (route_shed rescales the kept weights, shed does not)")
+                           "default), shed (route_shed rescales the kept weights, shed does not), or read before "
+                           "their layer's experts run, the next layer's experts prefetched (exact: the layer-by-layer "
+                           "loop, the resident model's text)")
     demo.add_argument("--tier-bits", type=int, choices=[2, 3, 4, 8], default=argparse.SUPPRESS,
                       help="bits per weight of the tier (default 4: the shipped model's greedy text through a 25%% "
                            "arena then matches the resident model's for its first 20 tokens; 8: all 48)")

@@ -240,6 +240,16 @@ def test_demo_generates_with_the_shipped_model_through_a_quarter_arena(capsys):
     assert "4 layers: 0.000 per token" not in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("framework", ["jax", "mlx"])
+def test_demo_exact_gives_the_resident_text_through_a_quarter_arena(framework, capsys):
+    pytest.importorskip({"jax": "jax", "mlx": "mlx_lm"}[framework])
+    pytest.importorskip("tokenizers")
+    assert main(["demo", "--frameworks", framework, "--tokens", "8", "--rule", "exact"]) == 0
+    out = capsys.readouterr().out
+    assert "the exact loop (16 slots per layer)" in out and "every expert resident (the same text)" in out
+    assert "expert reads per token waited for" in out and "prefetched" in out and "experts in memory 3.0 MiB" in out
+
+
 def test_bench_host_times_the_token_boundary(monkeypatch, tmp_path, capsys):
     from kq.bench import host
 

@@ -197,3 +197,12 @@ def test_a_layer_routing_more_experts_than_it_has_slots_is_refused_by_name():
     manager, _ = _manager(experts=8, slots=3)
     with pytest.raises(ValueError, match="routed 4 experts into 3 slots"):
         manager.acquire(0, np.array([[0, 1], [2, 3]]), np.ones((2, 2)))
+
+
+@pytest.mark.parametrize("framework, prompt, message", [("torch", [1], "framework"), ("jax", [], "no tokens")])
+def test_generate_exact_refuses_bad_arguments_by_name(framework, prompt, message):
+    from kq.exact import generate_exact
+    from kq.study import SHIPPED_MODEL
+
+    with pytest.raises(ValueError, match=message):
+        generate_exact(framework, SHIPPED_MODEL, prompt, 4, 0.25)
