@@ -612,17 +612,17 @@ class ResidencyManager(ManagerBase):
         tables = self._tables
         with self._exclusive("preload"):
             failures_before = {key: record.count for key, record in self.failures.items()}
-            requested = set()
-            for expert in experts:
-                if tables.table[layer, expert] >= 0 or expert in tables.owner[layer]:
-                    continue
-                free = np.flatnonzero(tables.state[layer] == SlotState.FREE)
-                if free.size == 0:
-                    raise ValueError(f"preload: layer {layer} has no free slot for expert {expert}")
-                read = tuple(np.array([value], np.int64) for value in (layer, expert, free[0]))
+            # In order, each into the lowest free slot, as one batch of reads.
+            wanted = [e for e in dict.fromkeys(experts) if not tables.held[layer, e]]
+            free = np.flatnonzero(tables.state[layer] == SlotState.FREE)
+            placed = np.array(wanted[:free.size], np.int64)
+            if placed.size:
+                read = (np.full(placed.size, layer, np.int64), placed, free[:placed.size].astype(np.int64))
                 bookkeeping.claim(tables, *read)
                 self._start_reads(*read)
-                requested.add((layer, expert))
+            if len(wanted) > free.size:
+                raise ValueError(f"preload: layer {layer} has no free slot for expert {wanted[free.size]}")
+            requested = {(layer, e) for e in wanted}
             self._publish_landed(timeout=timeout)
             self._snapshot = self.snapshot()
             failed = [record for key, record in self.failures.items()
