@@ -2,53 +2,61 @@
 ``kq study`` measured for the same checkpoint, rule and residency.
 
 The decode benchmark's ``lossy`` mode sheds with ``route_shed`` (the study's ``route_shed`` rule); its
-``exact`` mode serves every routed expert (the study's ``stall``: no perplexity cost, by construction).
-Both at LFU, the manager's default. Prints a Markdown table and, with ``--plot``, draws tokens/s over the
-resident model's against the perplexity cost, one line per mode and model.
+``tier`` mode serves misses from the low tier (the study's ``tier`` at the same bits); its ``exact`` mode
+serves every routed expert (the study's ``stall``: no perplexity cost, by construction). All at LFU, the
+manager's default; each row's cost is the study's of the checkpoint whose routing the row replayed.
+Prints a Markdown table and, with ``--plot``, draws tokens/s over the resident model's against the
+perplexity cost, one line per mode and model.
 
-    python -m benchmarks frontier --decode docs/h200/decode_e2e.json --study docs/shedding_study.json \
-        --plot docs/decode_frontier.png
+    python -m benchmarks frontier --decode docs/h200/decode_e2e.json \
+        --study docs/h200/study_grid_stdlib.json docs/h200/study_grid_wheels.json --plot docs/decode_frontier.png
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
-RULE_OF_MODE = {"lossy": "route_shed", "exact": "stall"}
+RULE_OF_MODE = {"lossy": "route_shed", "tier": "tier", "exact": "stall"}
+MARKERS = {"lossy": "s--", "tier": "^-.", "exact": "o-"}
 
 
-def study_costs(study: dict, policy: str = "lfu") -> dict[tuple[str, float], float]:
-    """``{(rule, residency): perplexity over the resident model's - 1}`` of a ``kq study --json`` file."""
+def study_costs(study: dict, policy: str = "lfu") -> dict[tuple[str, float, int | None], float]:
+    """``{(rule, residency, tier bits): perplexity over the resident model's - 1}`` of a ``kq study --json``
+    file (the rule as run at each residency, 100% included)."""
     resident = study["resident"]["perplexity"]
-    costs = {(run["rule"], run["residency"]): run["perplexity"] / resident - 1.0
-             for run in study["runs"] if run["policy"] == policy}
-    costs[("route_shed", 1.0)] = 0.0  # every expert resident: the resident model
-    return costs
+    return {(run["rule"], run["residency"], run.get("tier_bits")): run["perplexity"] / resident - 1.0
+            for run in study["runs"] if run["policy"] == policy}
 
 
-def frontier(decode: dict, study: dict) -> list[dict]:
-    """The recorded-routing rows of a decode-e2e JSON, each with its speed over resident and its cost."""
-    costs = study_costs(study)
+def frontier(decode: dict, studies: list[dict]) -> list[dict]:
+    """The recorded-routing rows of a decode-e2e JSON, each with its speed over resident and its cost
+    (None where no study of the row's checkpoint has its rule at its residency)."""
+    costs = {Path(study["checkpoint"]).name: study_costs(study) for study in studies}
     rows = [r for r in decode["results"] if r["routing"] == "recorded"]
     resident = {r["model"]: r["tokens_per_s"] for r in rows if r["mode"] == "resident"}
     out = []
     for r in rows:
         if r["mode"] == "resident":
             continue
-        cost = 0.0 if r["mode"] == "exact" else costs.get((RULE_OF_MODE[r["mode"]], r["residency"]))
+        cost = 0.0 if r["mode"] == "exact" else costs.get(r["checkpoint"], {}).get(
+            (RULE_OF_MODE[r["mode"]], r["residency"], r.get("tier_bits")))
         out.append(dict(r, x_resident=r["tokens_per_s"] / resident[r["model"]], perplexity_cost=cost))
     return out
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| model | mode | residency | tok/s | x resident | hit rate | critical reads/token | boundary ms | "
-             "MiB read/token | perplexity cost |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [("| model | mode | residency | tok/s | x resident | floor x resident | hit rate | critical reads/token | "
+             "runs again/token | boundary ms | MiB read/token | memory GiB | perplexity cost |"),
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         cost = "-" if r["perplexity_cost"] is None else f"{r['perplexity_cost']:+.1%}"
+        floor = r["floor_tokens_per_s"] / (r["tokens_per_s"] / r["x_resident"])
         lines.append(f"| {r['model']} | {r['mode']} | {r['residency']:.0%} | {r['tokens_per_s']:.1f} | "
-                     f"{r['x_resident']:.2f} | {r['hit_rate']:.3f} | {r['critical_reads_per_token']:.2f} | "
-                     f"{r['boundary_ms']:.2f} | {r['mib_read_per_token']:.1f} | {cost} |")
+                     f"{r['x_resident']:.2f} | {floor:.2f} | {r['hit_rate']:.3f} | {r['critical_reads_per_token']:.2f} | "
+                     f"{r['reruns_per_token']:.2f} | {r['boundary_ms']:.2f} | {r['mib_read_per_token']:.1f} | "
+                     f"{r['memory_gib']:.2f} | {cost} |")
     return "\n".join(lines)
 
 
@@ -64,7 +72,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
                         if r["model"] == model and r["mode"] == mode and r["perplexity_cost"] is not None)
         if not points:
             continue
-        [line] = ax.plot([p[0] for p in points], [p[1] for p in points], "o-" if mode == "exact" else "s--",
+        [line] = ax.plot([p[0] for p in points], [p[1] for p in points], MARKERS[mode],
                          label=f"{model} {mode}")
         for cost, speed, residency in points:
             ax.annotate(f"{residency:.0%}", (cost, speed), textcoords="offset points", xytext=(4, 4), fontsize=7,
@@ -82,14 +90,16 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--decode", required=True, help="kq bench --sets decode-e2e --json output")
-    parser.add_argument("--study", required=True, help="kq study --json output (LFU rows)")
+    parser.add_argument("--study", required=True, nargs="+", help="kq study --json outputs (LFU rows), one per checkpoint")
     parser.add_argument("--plot", help="write the frontier here (PNG)")
     args = parser.parse_args()
     with open(args.decode) as f:
         decode = json.load(f)
-    with open(args.study) as f:
-        study = json.load(f)
-    rows = frontier(decode, study)
+    studies = []
+    for path in args.study:
+        with open(path) as f:
+            studies.append(json.load(f))
+    rows = frontier(decode, studies)
     print(markdown(rows))
     if args.plot:
         device = rows[0]["device"] if rows else ""

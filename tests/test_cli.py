@@ -293,15 +293,15 @@ def test_bench_compile_counts_kernels_per_bucket(monkeypatch, tmp_path, capsys):
 
 
 def test_bench_decode_e2e_runs_every_mode_in_one_loop(monkeypatch, tmp_path, capsys):
-    """Tiny models through the engine loop: the recorded routing's resident, lossy and exact modes and
-    the random stack's resident and lossy, at two residencies; a full arena hits every time and reads
-    nothing, the exact mode reads its misses on the critical path, the lossy one in the background."""
+    """Tiny models through the engine loop: every mode on recorded routing and on the random stack, at two
+    residencies; a full arena hits every time and reads nothing, the exact mode reads its misses on the
+    critical path and runs those tokens again, the lossy and tier modes read in the background."""
     pytest.importorskip("jax")
     pytest.importorskip("safetensors")
     from kq.bench import decode_e2e
 
-    monkeypatch.setitem(decode_e2e.RECORDED_MODELS, "tiny", (2, 64, 8, 32, 16))
-    monkeypatch.setitem(decode_e2e.RANDOM_MODELS, "tiny-random", (2, 8, 2, 32, 16))
+    monkeypatch.setitem(decode_e2e.RECORDED_MODELS, "tiny", ("stdlib-moe", 2, 32, 32))
+    monkeypatch.setitem(decode_e2e.RANDOM_MODELS, "tiny-random", (2, 8, 2, 32, 32))
     monkeypatch.setattr(decode_e2e, "CPU_MODELS", ("tiny", "tiny-random"))
     monkeypatch.setattr(decode_e2e, "GPU_MODELS", ("tiny", "tiny-random"))
     monkeypatch.setattr(decode_e2e, "RESIDENCIES", (1.0, 0.25))
@@ -311,20 +311,22 @@ def test_bench_decode_e2e_runs_every_mode_in_one_loop(monkeypatch, tmp_path, cap
     out = capsys.readouterr()
     assert "x resident" in out.out and "tiny exact residency=25%" in out.err  # a line per run as it ends
     rows = json.loads(json_path.read_text())["results"]
+    streamed = [(mode, residency) for residency in (1.0, 0.25) for mode in ("lossy", "tier", "exact")]
     assert [(r["model"], r["mode"], r["residency"]) for r in rows] == [
-        ("tiny", "resident", 1.0), ("tiny", "lossy", 1.0), ("tiny", "exact", 1.0), ("tiny", "lossy", 0.25),
-        ("tiny", "exact", 0.25), ("tiny-random", "resident", 1.0), ("tiny-random", "lossy", 1.0),
-        ("tiny-random", "lossy", 0.25)]
+        (model, mode, residency) for model in ("tiny", "tiny-random")
+        for mode, residency in [("resident", 1.0), *streamed]]
     by = {(r["model"], r["mode"], r["residency"]): r for r in rows}
-    for key in (("tiny", "lossy", 1.0), ("tiny", "exact", 1.0), ("tiny-random", "lossy", 1.0)):
-        assert by[key]["hit_rate"] == 1.0 and by[key]["mib_read_per_token"] == 0.0
-    for key in (("tiny", "lossy", 0.25), ("tiny", "exact", 0.25), ("tiny-random", "lossy", 0.25)):
-        assert by[key]["hit_rate"] < 1.0 and by[key]["mib_read_per_token"] > 0.0
-        assert 0.0 <= by[key]["publish_ms"] <= by[key]["boundary_ms"] and by[key]["tokens"] == 6
-    assert by["tiny", "exact", 0.25]["critical_reads_per_token"] > 0
-    assert by["tiny", "lossy", 0.25]["critical_reads_per_token"] == 0
-    assert all(row["tokens_per_s"] > 0 and row["routing"] == ("random" if "random" in row["model"] else "recorded")
-               for row in rows)
+    for model in ("tiny", "tiny-random"):
+        for mode in ("lossy", "tier", "exact"):
+            full, quarter = by[model, mode, 1.0], by[model, mode, 0.25]
+            assert full["hit_rate"] == 1.0 and full["mib_read_per_token"] == 0.0
+            assert quarter["hit_rate"] < 1.0 and quarter["mib_read_per_token"] > 0.0
+            assert 0.0 <= quarter["publish_ms"] <= quarter["boundary_ms"] and quarter["tokens"] == 6
+            assert (quarter["critical_reads_per_token"] > 0) == (quarter["reruns_per_token"] > 0) == (mode == "exact")
+        assert by[model, "tier", 0.25]["memory_gib"] > by[model, "lossy", 0.25]["memory_gib"]
+    assert all(row["tokens_per_s"] > 0 and row["floor_tokens_per_s"] > 0 for row in rows)
+    assert {(row["model"], row["routing"], row["checkpoint"]) for row in rows} == {
+        ("tiny", "recorded", "stdlib-moe"), ("tiny-random", "random", None)}
 
 
 @pytest.fixture(scope="module")

@@ -13,25 +13,36 @@ Modes (JAX, on its default device):
 * ``lossy``: the arena, ``route_shed`` shedding each miss (kept weights rescaled); token t+1 dispatched
   with the tables of the boundary before, then token t's reports read and the boundary kept
   (``ResidencyManager.step``): misses are read in the background and land at a later boundary;
-* ``exact``: every routed expert is resident before its token runs: the token's misses are read on
-  its critical path (``step`` on its routing, then ``drain``), so its output is the resident model's,
-  bit for bit. Token t+1's routing is known only once token t is done, so nothing overlaps the reads.
+* ``tier``: as ``lossy``, but a miss keeps its router weight and is computed from a low-precision copy
+  of every expert on the device (``on_miss="tier"``, :func:`kq_jax.moe.tiered_apply`; ``TIER_BITS``
+  bits, groups of ``TIER_GROUP_SIZE``; random words of the tier's shapes: its speed does not depend on
+  their values);
+* ``exact``: a token is kept only if it ran with every routed expert resident. Token t+1 is dispatched
+  on the tables before token t is read, as in ``lossy``; when token t's reports show misses, they are
+  read on its critical path (``step``, then ``drain``), token t runs again on the new tables and token
+  t+1, dispatched on token t's first output, is dropped. The kept output is the resident model's, bit
+  for bit. A token learns its misses from its own reports, as an engine would, but a whole token at a
+  time: with recorded routing a run again routes as the first run did, so one extra run suffices (a
+  routed model's run again may find later layers' misses, and runs again until it has none).
 
 Routing (the ``routing`` column):
 
-* ``recorded``: each token's top-k per layer is what the shipped checkpoint (``models/stdlib-moe``)
-  routed over its held-out text (:func:`kq.study.record_routing`), so hit rates and reads are a trained
-  model's; the experts are random at a real model's size (:data:`RECORDED_MODELS`), their weights
-  written as safetensors and read back by the manager's workers through
-  :class:`kq_host.expert_store.ExpertStore` (from the page cache once read: this is the arena's cost, not
-  an SSD's). The ``exact`` mode learns a token's routing from the recording, where an engine learns it
-  layer by layer: its wait is the reads', without the per-layer round trips.
-* ``random``: the demo's random block stack, routed by its own random routers (no exact mode).
+* ``recorded``: each token's top-k per layer is what a trained checkpoint (``models/stdlib-moe``: 4
+  layers; ``models/wheels-moe``: 16 layers, OLMoE's routing shape) routed over its held-out text
+  (:func:`kq.study.record_routing`), so hit rates and reads are a trained model's; the experts are random
+  at the checkpoint's or a real model's size (:data:`RECORDED_MODELS`), their weights written as
+  safetensors and read back by the manager's workers through :class:`kq_host.expert_store.ExpertStore`
+  (from the page cache once read: this is the arena's cost, not an SSD's).
+* ``random``: the demo's random block stack, routed by its own random routers.
 
-Columns: tokens/s and that over the resident model's in the same loop (``x resident``); the median
-token's wall time, readback wait and boundary (of which ``publish``: landed experts into the arena);
-critical-path reads per token (``exact``); MiB read per token; hit rate. ``h2d ms`` is what a token's
-read bytes cost at the host-to-device bandwidth measured in the same run.
+Columns: tokens/s and that over the resident model's in the same loop (``x resident``); ``floor``: the
+same program dispatched back to back on the last tables, nothing read back (the device's and the
+dispatch's rate, what the loop would reach with a free boundary); the median token's wall time,
+readback wait and boundary (of which ``publish``: landed experts into the arena); critical-path reads
+per token and runs again per token (``exact``); MiB read per token; hit rate; device memory of the
+experts (the resident model's, or the arena's and the tier's). ``h2d ms`` is what a token's read bytes
+cost at the host-to-device bandwidth measured in the same run. Each readback's copy to the host is
+queued as its token is dispatched (``copy_to_host_async``).
 """
 
 from __future__ import annotations
@@ -50,15 +61,17 @@ import numpy as np
 from kq.demo import PROJECTIONS, write_checkpoint
 from kq.terminal import progress_bar, render_table
 
-MODES = ("resident", "lossy", "exact")
+MODES = ("resident", "lossy", "tier", "exact")
 RESIDENCIES = (1.0, 0.75, 0.5, 0.25)
-# name -> (layers, experts, top_k, hidden, ffn). Recorded: the shipped checkpoint's layers, experts and
-# top-k, each expert at the checkpoint's own size or a real model's (bf16: OLMoE's 12.6 MB, DeepSeek-V3's
-# 88 MB); random: the demo's stack.
-RECORDED_MODELS = {"stdlib-moe-size": (4, 64, 8, 128, 64), "olmoe-size": (4, 64, 8, 2048, 1024),
-                   "deepseek-v3-size": (1, 64, 8, 7168, 2048)}
+TIER_BITS, TIER_GROUP_SIZE = 3, 32
+# Recorded: name -> (checkpoint under models/, layers (None: every layer the checkpoint has), hidden,
+# ffn); the experts per layer and top-k are the checkpoint's, each expert at the checkpoint's own size
+# or a real model's (bf16: OLMoE's 12.6 MB, DeepSeek-V3's 88 MB; one layer of it, the recording's first).
+RECORDED_MODELS = {"stdlib-moe-size": ("stdlib-moe", None, 128, 64), "wheels-moe-size": ("wheels-moe", None, 128, 64),
+                   "olmoe-size": ("wheels-moe", None, 2048, 1024), "deepseek-v3-size": ("wheels-moe", 1, 7168, 2048)}
+# Random: name -> (layers, experts, top_k, hidden, ffn), the demo's stack.
 RANDOM_MODELS = {"random-8x64-512": (8, 64, 8, 512, 256), "random-8x64-2048": (8, 64, 8, 2048, 768)}
-GPU_MODELS = ("stdlib-moe-size", "olmoe-size", "deepseek-v3-size", "random-8x64-2048")
+GPU_MODELS = ("stdlib-moe-size", "wheels-moe-size", "olmoe-size", "deepseek-v3-size", "random-8x64-2048")
 CPU_MODELS = ("stdlib-moe-size", "random-8x64-512")
 
 
@@ -67,22 +80,27 @@ class DecodeResult:
     device: str
     model: str
     routing: str  # recorded, random
+    checkpoint: str | None  # whose routing was recorded
     layers: int
     experts: int
     hidden: int
     ffn: int
-    mode: str  # resident, lossy, exact
+    mode: str  # resident, lossy, tier, exact
     residency: float
     tokens: int
     tokens_per_s: float
+    floor_tokens_per_s: float  # the same program back to back, nothing read back
     token_ms: float  # median wall time per token
     wait_ms: float  # median readback wait
     boundary_ms: float  # median host work between tokens (exact: the critical-path reads included)
     publish_ms: float  # of the boundary: landed experts into the arena
     critical_reads_per_token: float
+    reruns_per_token: float  # exact: tokens run again after their misses were read
     mib_read_per_token: float
     h2d_ms: float  # a token's read bytes at the measured host-to-device bandwidth
     hit_rate: float | None
+    memory_gib: float  # the experts' device memory: every expert, or the arena and the tier
+    tier_bits: int | None
 
 
 def h2d_gib_per_s() -> float:
@@ -99,14 +117,18 @@ def h2d_gib_per_s() -> float:
     return host.nbytes / statistics.median(times) / 2**30
 
 
+def expert_shapes(hidden: int, ffn: int) -> dict[str, tuple[int, int]]:
+    """Each projection's ``(out, in)``."""
+    return {"gate_proj": (ffn, hidden), "up_proj": (ffn, hidden), "down_proj": (hidden, ffn)}
+
+
 def random_experts(layers: int, experts: int, hidden: int, ffn: int, rng: np.random.Generator):
     """``{projection: bfloat16 [L, E, out, in]}`` of magnitudes 2^-8 to 2^-4, either sign, never zero
     (drawn as bit patterns: quick at any size)."""
     import ml_dtypes
 
-    shapes = {"gate_proj": (ffn, hidden), "up_proj": (ffn, hidden), "down_proj": (hidden, ffn)}
     out = {}
-    for name, shape in shapes.items():
+    for name, shape in expert_shapes(hidden, ffn).items():
         bits = rng.integers(0, 1 << 16, size=(layers, experts, *shape), dtype=np.uint16)
         bits &= 0x81FF  # the sign and 9 random bits of the magnitude
         bits += 0x3B80  # exponents 2^-8 .. 2^-5, no carry into the sign
@@ -114,10 +136,30 @@ def random_experts(layers: int, experts: int, hidden: int, ffn: int, rng: np.ran
     return out
 
 
+def random_tier(layers: int, experts: int, hidden: int, ffn: int, *, seed: int = 0) -> dict:
+    """A tier of ``TIER_BITS`` bits, groups of ``TIER_GROUP_SIZE``, on the device: ``{projection: (packed
+    uint32 [L, E, out, in * bits / 32], scales, biases bfloat16 [L, E, out, in / group_size])}``, random
+    words and small scales (the tier's shapes and bytes; its speed does not depend on their values)."""
+    import jax
+    import jax.numpy as jnp
+
+    if hidden % TIER_GROUP_SIZE or ffn % TIER_GROUP_SIZE:
+        raise ValueError(f"random_tier: hidden {hidden} and ffn {ffn} must be multiples of {TIER_GROUP_SIZE}")
+    key, tier = jax.random.key(seed), {}
+    for name, (out, inner) in expert_shapes(hidden, ffn).items():
+        key, words, scale = jax.random.split(key, 3)
+        packed = jax.random.bits(words, (layers, experts, out, inner * TIER_BITS // 32), jnp.uint32)
+        scales = (jax.random.uniform(scale, (layers, experts, out, inner // TIER_GROUP_SIZE)) * 2**-8).astype(
+            jnp.bfloat16)
+        tier[name] = (packed, scales, -scales)
+    return tier
+
+
 class Engine:
-    """The block stack ``x <- x + moe_l(x)`` over layers as jitted steps, resident (every expert) and on
-    an arena. The next token's input is the output plus a fixed random vector per position (as a
-    token's embedding would be), at unit RMS, so the random routers do not settle on a few experts.
+    """The block stack ``x <- x + moe_l(x)`` over layers as jitted steps: resident (every expert), on an
+    arena that sheds its misses (``streamed``) and on an arena whose misses the tier serves (``tiered``).
+    The next token's input is the output plus a fixed random vector per position (as a token's embedding
+    would be), at unit RMS, so the random routers do not settle on a few experts.
 
     Args:
         experts: ``{projection: [L, E, out, in]}`` host arrays (the resident model's weights).
@@ -126,22 +168,31 @@ class Engine:
         routing: ``(indices int32 [T, L, K], scores float32 [T, L, K])`` recorded per token, or None.
         router: float32 ``[L, D, E]`` routers, used when ``routing`` is None.
         seed: of the first input and the per-position vectors.
+        tier: :func:`random_tier`'s arrays, for ``tiered`` (None: no tier mode).
     """
 
-    def __init__(self, experts, top_k: int, steps: int, *, routing=None, router=None, seed: int = 0):
+    def __init__(self, experts, top_k: int, steps: int, *, routing=None, router=None, seed: int = 0, tier=None):
         import jax
         import jax.numpy as jnp
 
         import kq_jax
         from kq_core.contract import TopkRouteShedResult
         from kq_jax.arena import pack_reports
-        from kq_jax.moe import Experts, experts_apply, route, router_probs
+        from kq_jax.moe import (
+            Experts,
+            TierExperts,
+            TierWeights,
+            experts_apply,
+            route,
+            router_probs,
+            tiered_apply,
+        )
 
         if (routing is None) == (router is None):
             raise ValueError("Engine: give the recorded routing or the routers, one of them")
         self.layers = next(iter(experts.values())).shape[0]
         self.weights = {name: jnp.asarray(experts[name]) for name in PROJECTIONS}
-        self.recorded, self.routing = routing is not None, routing
+        self.recorded, self.routing, self.tier = routing is not None, routing, tier
         trace = tuple(jnp.asarray(a) for a in routing) if self.recorded else None
         routers = None if router is None else jnp.asarray(router)
         hidden = self.weights["gate_proj"].shape[-1]
@@ -170,45 +221,78 @@ class Engine:
                 x = x + jnp.einsum("tkd,tk->td", y, scores.astype(y.dtype))
             return next_input(x, position), jnp.argmax(x[0]).astype(jnp.int32)
 
-        def streamed(x, position, arrays, tables):
+        def streamed(x, position, arrays, tables, tier, on_miss):
             routings, num_slots = [], arrays[PROJECTIONS[0]].shape[1]
             for layer in range(self.layers):
                 if self.recorded:
                     indices, scores = routed(x, position, layer)
                     routing = TopkRouteShedResult(indices, scores, kq_jax.route_shed(
-                        indices, scores, tables[layer], num_slots=num_slots))
+                        indices, scores, tables[layer], num_slots=num_slots, on_miss=on_miss))
                 else:
                     routing = kq_jax.topk_route_shed(router_probs(x, routers[layer]), tables[layer], top_k=top_k,
-                                              num_slots=num_slots)
-                y = experts_apply(x, layer_weights(arrays, layer), routing.shed.slots)
+                                                     num_slots=num_slots, on_miss=on_miss)
+                arena = layer_weights(arrays, layer)
+                if on_miss == "tier":
+                    low = TierExperts(*(TierWeights(*(a[layer] for a in tier[name])) for name in PROJECTIONS),
+                                      bits=TIER_BITS, group_size=TIER_GROUP_SIZE)
+                    y = tiered_apply(x, arena, low, routing.shed.slots)
+                else:
+                    y = experts_apply(x, arena, routing.shed.slots)
                 x = x + jnp.einsum("tkd,tk->td", y, routing.shed.mix.astype(y.dtype))
                 routings.append(routing)
             return next_input(x, position), pack_reports(routings)
 
-        self.resident, self.streamed = jax.jit(resident), jax.jit(streamed)
+        self.resident = jax.jit(resident)
+        self.streamed = jax.jit(lambda x, position, arrays, tables: streamed(x, position, arrays, tables, None, "shed"))
+        tiered = jax.jit(lambda x, position, arrays, tables, tier: streamed(x, position, arrays, tables, tier, "tier"))
+        self.tiered = lambda x, position, arrays, tables: tiered(x, position, arrays, tables, self.tier)
+
+
+def _queued(outputs):
+    """A dispatched token's outputs, its readback's copy to the host queued behind it."""
+    outputs[1].copy_to_host_async()
+    return outputs
 
 
 def decode(dispatch, boundary, first, steps: int, *, overlap: bool) -> tuple[list[float], list[float], object]:
     """The engine loop. ``dispatch(x, position)`` queues a token and returns its device outputs
     ``(next input, readback)``; ``boundary(position, readback)`` is the host's work on the read-back
-    array. With ``overlap``, token t+1 is dispatched before token t is read.
+    array, and returns True when the token must run again (on the tables the boundary left). With
+    ``overlap``, token t+1 is dispatched before token t is read (and dropped if token t runs again).
 
     Returns:
-        (the time each token was read back, each readback's wait in seconds, the last token's next input).
+        (the time each token's kept run was read back, each token's readback waits in seconds, summed,
+        the last token's next input).
     """
-    stamps, waits = [], []
-    current = dispatch(first, 0)
-    for position in range(steps):
-        following = dispatch(current[0], position + 1) if overlap and position + 1 < steps else None
+    stamps, waits, wait = [], [], 0.0
+    x, position = first, 0
+    current = _queued(dispatch(first, 0))
+    while position < steps:
+        following = _queued(dispatch(current[0], position + 1)) if overlap and position + 1 < steps else None
         start = time.perf_counter()
         readback = np.asarray(current[1])
-        stamps.append(time.perf_counter())
-        waits.append(stamps[-1] - start)
-        boundary(position, readback)
-        if not overlap and position + 1 < steps:
-            following = dispatch(current[0], position + 1)
-        current = following if following is not None else current
-    return stamps, waits, current[0]
+        read = time.perf_counter()
+        wait += read - start
+        if boundary(position, readback):
+            current = _queued(dispatch(x, position))
+            continue
+        stamps.append(read)
+        waits.append(wait)
+        wait, x, position = 0.0, current[0], position + 1
+        if position < steps:
+            current = following if following is not None else _queued(dispatch(x, position))
+    return stamps, waits, x
+
+
+def device_floor(dispatch, first, tokens: int) -> float:
+    """Tokens/s of ``dispatch`` queued ``tokens`` times back to back, each on the last one's output,
+    nothing read back until the end."""
+    x = first
+    start = time.perf_counter()
+    for position in range(tokens):
+        x, readback = dispatch(x, position)
+    readback.block_until_ready()
+    return tokens / (time.perf_counter() - start)
 
 
 class _TimedArena:
@@ -227,20 +311,6 @@ class _TimedArena:
             self.seconds += time.perf_counter() - start
 
 
-def exact_report(tables: np.ndarray, indices: np.ndarray, scores: np.ndarray):
-    """A token's report before it runs: its routing ``[L, K]`` (each row's scores falling, as top-k gives
-    them) and, per layer, the routed experts the tables ``[L, E]`` lack, highest score first, -1 padded
-    (what ``route_shed`` would report)."""
-    from kq_host.residency import LayerReport
-
-    missing = np.take_along_axis(tables, indices.astype(np.int64), axis=1) < 0  # [L, K]
-    order = np.argsort(~missing, axis=1, kind="stable")  # the misses first, in k order
-    miss_ids = np.where(np.take_along_axis(missing, order, axis=1), np.take_along_axis(indices, order, axis=1), -1)
-    miss_scores = np.where(miss_ids >= 0, np.take_along_axis(scores, order, axis=1), np.float32(0))
-    return LayerReport(indices[:, None], scores[:, None], miss_ids[:, None].astype(np.int32),
-                       miss_scores[:, None].astype(np.float32))
-
-
 def warm_experts(engine: Engine, layer: int, slots: int, experts: int, warmup: int) -> list[int]:
     """The experts a layer's arena holds before the clock: with recorded routing, the ``slots`` most routed
     over the first ``warmup`` tokens (ties and the rest by id); else the lowest-numbered."""
@@ -250,15 +320,35 @@ def warm_experts(engine: Engine, layer: int, slots: int, experts: int, warmup: i
     return sorted(np.argsort(-counts, kind="stable")[:slots].tolist())
 
 
-def run_streamed(engine: Engine, store, *, residency: float, mode: str, warmup: int, experts: int):
-    """One arena run of ``engine.steps`` tokens: (readback stamps, waits, boundaries, publishes, critical
-    reads per token, the manager's statistics from token ``warmup`` on, the last token's next input)."""
+@dataclass
+class ArenaRun:
+    """One arena decode's measurements, per token (each list ``engine.steps`` long but ``stamps`` and
+    ``waits``, which hold the kept runs')."""
+
+    stamps: list[float]
+    waits: list[float]
+    boundaries: list[float]  # seconds of host work after the token's readbacks (exact: its reads included)
+    publishes: list[float]  # of those: landed experts written into the arena
+    critical: list[int]  # misses read on the token's critical path (exact)
+    reruns: list[int]  # runs again (exact)
+    stats: object  # the manager's LayerStats from token ``warmup`` on
+    last: object  # the last token's next input
+    floor_tokens_per_s: float
+    memory_bytes: int  # the arena's and the tier's device memory
+
+
+def run_streamed(engine: Engine, store, *, residency: float, mode: str, warmup: int, experts: int) -> ArenaRun:
+    """One arena run of ``engine.steps`` tokens in ``mode`` (``lossy``, ``tier`` or ``exact``)."""
     import jax
 
-    from kq_host.residency import ResidencyManager
+    from kq_host.residency import LayerReport, ResidencyManager
     from kq_jax.arena import JaxArena
 
-    positions = engine.positions
+    if mode not in MODES[1:]:
+        raise ValueError(f"run_streamed: mode must be one of {MODES[1:]}, got {mode!r}")
+    if mode == "tier" and engine.tier is None:
+        raise ValueError("run_streamed: mode 'tier' needs an Engine built with tier=")
+    positions, steps = engine.positions, engine.steps
     slots = max(1, round(residency * experts))
     # XLA's CPU backend writes a bfloat16 slot slowly, not in place (docs/api.md): there, float32.
     shapes = {name: (shape, dtype if _on_gpu() else np.float32)
@@ -270,7 +360,7 @@ def run_streamed(engine: Engine, store, *, residency: float, mode: str, warmup: 
     for layer in range(engine.layers):  # a warm arena before the clock, as an engine starts with one
         manager.preload(layer, warm_experts(engine, layer, slots, experts, warmup))
     state = {"tables": manager.snapshot()}
-    engine.streamed(engine.first, positions[0], arena.arrays, state["tables"])[1].block_until_ready()  # compile
+    program = engine.tiered if mode == "tier" else engine.streamed
     device_tables = {}
 
     def on_device(tables):  # the tables go to the device only when they change
@@ -278,42 +368,50 @@ def run_streamed(engine: Engine, store, *, residency: float, mode: str, warmup: 
             device_tables.update(host=tables, device=jax.device_put(tables))
         return device_tables["device"]
 
-    boundaries, publishes, critical = [], [], []
-
-    def mark(position):  # the statistics count from token `warmup`'s step on
-        if position == warmup:
-            state["before"] = manager.stats()[1]
-
     def dispatch(x, position):
-        if mode == "exact":  # this token's misses read and published before it goes out
-            mark(position)
-            start, timed.seconds = time.perf_counter(), 0.0
-            report = exact_report(state["tables"], *(a[position] for a in engine.routing))
-            critical.append(int((report.miss_ids >= 0).sum()))
-            manager.step(report)
-            manager.drain()
-            state["tables"] = manager.snapshot()
-            boundaries.append(time.perf_counter() - start)
-            publishes.append(timed.seconds)
-        return engine.streamed(x, positions[position], arena.arrays, on_device(state["tables"]))
+        return program(x, positions[position], arena.arrays, on_device(state["tables"]))
+
+    dispatch(engine.first, 0)[1].block_until_ready()  # compile
+    boundaries, publishes = [0.0] * steps, [0.0] * steps
+    critical, reruns, stepped = [0] * steps, [0] * steps, set()
 
     def boundary(position, packed):
-        from kq_host.residency import LayerReport
-
-        if mode == "exact":
-            missed = int((packed[2] >= 0).sum())
-            if missed:
-                raise RuntimeError(f"decode-e2e exact: token {position} ran with {missed} misses")
-            return
-        mark(position)
+        if position == warmup and "before" not in state:  # the statistics count from token `warmup`'s step on
+            state["before"] = manager.stats()[1]
         start, timed.seconds = time.perf_counter(), 0.0
-        state["tables"] = manager.step(LayerReport.from_packed(packed))
-        boundaries.append(time.perf_counter() - start)
-        publishes.append(timed.seconds)
+        report = LayerReport.from_packed(packed)
+        missed = int((report.miss_ids >= 0).sum())
+        if missed or position not in stepped:  # a run again that hit everything was credited by its first run
+            state["tables"] = manager.step(report)
+            stepped.add(position)
+        again = mode == "exact" and missed > 0
+        if again:  # the misses read on the token's critical path; the token runs again on them
+            if reruns[position] > engine.layers:
+                raise RuntimeError(f"decode-e2e exact: token {position} still misses {missed} experts after "
+                                   f"{reruns[position]} runs")
+            critical[position] += missed
+            reruns[position] += 1
+            manager.drain()
+            state["tables"] = manager.snapshot()
+        boundaries[position] += time.perf_counter() - start
+        publishes[position] += timed.seconds
+        return again
 
-    stamps, waits, last = decode(dispatch, boundary, engine.first, engine.steps, overlap=mode == "lossy")
+    stamps, waits, last = decode(dispatch, boundary, engine.first, steps, overlap=True)
+    floor = device_floor(dispatch, engine.first, min(steps, 64))
     manager.close()  # the reads still out land first, so they count among the bytes read
-    return stamps, waits, boundaries, publishes, critical, manager.stats()[1].since(state["before"]), last
+    memory = sum(a.nbytes for a in arena.arrays.values())
+    if mode == "tier":
+        memory += sum(a.nbytes for weight in engine.tier.values() for a in weight)
+    return ArenaRun(stamps, waits, boundaries, publishes, critical, reruns, manager.stats()[1].since(state["before"]),
+                    last, floor, memory)
+
+
+def record(checkpoint: str, tokens: int, warmup: int):
+    """A checkpoint's routing over ``warmup + tokens`` tokens of its held-out text (:func:`kq.study.record_routing`)."""
+    from kq.study import SHIPPED_MODEL, StudyConfig, record_routing
+
+    return record_routing(StudyConfig(checkpoint=SHIPPED_MODEL.parent / checkpoint, tokens=tokens, warmup=warmup))
 
 
 def run_model(model: str, *, tokens: int = 64, warmup: int = 16, seed: int = 0, routing=None,
@@ -322,58 +420,69 @@ def run_model(model: str, *, tokens: int = 64, warmup: int = 16, seed: int = 0, 
 
     Args:
         residencies: default :data:`RESIDENCIES`.
-        routing: the recorded routing for a recorded model (default: :func:`kq.study.record_routing` of
-            the shipped checkpoint over ``warmup + tokens`` tokens of its held-out text).
+        routing: the recorded routing for a recorded model (default: :func:`record` of its checkpoint).
     """
+    from kq.study import SHIPPED_MODEL, checkpoint_config
     from kq_host.expert_store import ExpertStore
 
     recorded = model in RECORDED_MODELS
-    layers, experts, top_k, hidden, ffn = (RECORDED_MODELS if recorded else RANDOM_MODELS)[model]
     steps = warmup + tokens
     rng = np.random.default_rng(seed)
-    weights = random_experts(layers, experts, hidden, ffn, rng)
     if recorded:
+        checkpoint, layers, hidden, ffn = RECORDED_MODELS[model]
         if routing is None:
-            from kq.study import StudyConfig, record_routing
-
-            routing = record_routing(StudyConfig(tokens=tokens, warmup=warmup))
+            routing = record(checkpoint, tokens, warmup)
         routing = tuple(np.ascontiguousarray(a[:steps, :layers]) for a in routing)
-        engine = Engine(weights, top_k, steps, routing=routing, seed=seed)
-        modes = MODES
+        layers, top_k = routing[0].shape[1:]
+        experts = checkpoint_config(SHIPPED_MODEL.parent / checkpoint, "jax")["num_experts"]
+    else:
+        checkpoint, (layers, experts, top_k, hidden, ffn) = None, RANDOM_MODELS[model]
+    weights = random_experts(layers, experts, hidden, ffn, rng)
+    tier = random_tier(layers, experts, hidden, ffn, seed=seed)
+    if recorded:
+        engine = Engine(weights, top_k, steps, routing=routing, seed=seed, tier=tier)
     else:
         router = (rng.normal(size=(layers, hidden, experts)) / np.sqrt(hidden) * 4).astype(np.float32)
-        engine = Engine(weights, top_k, steps, router=router, seed=seed)
-        modes = ("resident", "lossy")
+        engine = Engine(weights, top_k, steps, router=router, seed=seed, tier=tier)
     device, bandwidth = _device(), h2d_gib_per_s()
     results = []
 
-    def add(mode, residency, stamps, waits, boundaries, publishes, critical, stats):
+    def add(mode, residency, run: ArenaRun | None, stamps, waits, floor, memory):
         gaps = np.diff(stamps[-tokens - 1:])
+        stats = None if run is None else run.stats
         mib = 0.0 if stats is None else stats.bytes_read / tokens / 2**20
+        timed = {name: [] if run is None else getattr(run, name)[-tokens:]
+                 for name in ("boundaries", "publishes", "critical", "reruns")}
         result = DecodeResult(
-            device, model, "recorded" if recorded else "random", layers, experts, hidden, ffn, mode, residency,
-            tokens, 1.0 / float(np.median(gaps)), float(np.median(gaps)) * 1e3, _median_ms(waits[-tokens:]),
-            _median_ms(boundaries[-tokens:]), _median_ms(publishes[-tokens:]),
-            float(np.mean(critical[-tokens:])) if critical else 0.0, mib, mib / 1024 / bandwidth * 1e3,
-            None if stats is None else stats.hit_rate)
+            device, model, "recorded" if recorded else "random", checkpoint, layers, experts, hidden, ffn, mode,
+            residency, tokens, 1.0 / float(np.median(gaps)), floor, float(np.median(gaps)) * 1e3,
+            _median_ms(waits[-tokens:]), _median_ms(timed["boundaries"]), _median_ms(timed["publishes"]),
+            float(np.mean(timed["critical"])) if run else 0.0, float(np.mean(timed["reruns"])) if run else 0.0,
+            mib, mib / 1024 / bandwidth * 1e3, None if stats is None else stats.hit_rate, memory / 2**30,
+            TIER_BITS if mode == "tier" else None)
         results.append(result)
         if log:
-            log(f"{model} {mode} residency={residency:.0%}: {result.tokens_per_s:.1f} tok/s, hit rate "
-                f"{'-' if result.hit_rate is None else f'{result.hit_rate:.3f}'}, {mib:.1f} MiB/token")
+            log(f"{model} {mode} residency={residency:.0%}: {result.tokens_per_s:.1f} tok/s (floor "
+                f"{floor:.1f}), hit rate {'-' if result.hit_rate is None else f'{result.hit_rate:.3f}'}, "
+                f"{mib:.1f} MiB/token")
 
     positions = engine.positions
-    engine.resident(engine.first, positions[0], engine.weights)[1].block_until_ready()  # compile
-    stamps, waits, _ = decode(lambda x, position: engine.resident(x, positions[position], engine.weights),
-                              lambda position, token: None, engine.first, steps, overlap=True)
-    add("resident", 1.0, stamps, waits, [], [], [], None)
+
+    def resident(x, position):
+        return engine.resident(x, positions[position], engine.weights)
+
+    resident(engine.first, 0)[1].block_until_ready()  # compile
+    stamps, waits, _ = decode(resident, lambda position, token: False, engine.first, steps, overlap=True)
+    add("resident", 1.0, None, stamps, waits, device_floor(resident, engine.first, min(steps, 64)),
+        sum(a.nbytes for a in engine.weights.values()))
     with tempfile.TemporaryDirectory(prefix="kq-decode-") as workdir:
         write_checkpoint(Path(workdir), weights)
+        del weights
         with ExpertStore(workdir, layout="per_expert", projections=PROJECTIONS) as store:
             for residency in residencies or RESIDENCIES:
-                for mode in modes[1:]:
-                    *timings, stats, _ = run_streamed(engine, store, residency=residency, mode=mode, warmup=warmup,
-                                                      experts=experts)
-                    add(mode, residency, *timings, stats)
+                for mode in MODES[1:]:
+                    run = run_streamed(engine, store, residency=residency, mode=mode, warmup=warmup, experts=experts)
+                    add(mode, residency, run, run.stamps, run.waits, run.floor_tokens_per_s, run.memory_bytes)
     return results
 
 
@@ -397,32 +506,38 @@ def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+
 def run(models=None, *, tokens: int = 64, warmup: int = 16, progress: bool = True,
         log=_to_stderr) -> list[DecodeResult]:
     """``run_model`` over ``models`` (default: :data:`GPU_MODELS` where JAX runs on a GPU, else
-    :data:`CPU_MODELS`); the recorded models share one recording. ``log`` takes a line per run."""
+    :data:`CPU_MODELS`); the recorded models of one checkpoint share one recording. ``log`` takes a line
+    per run."""
     names = models or (GPU_MODELS if _on_gpu() else CPU_MODELS)
-    routing = None
-    if any(name in RECORDED_MODELS for name in names):
-        from kq.study import StudyConfig, record_routing
-
-        routing = record_routing(StudyConfig(tokens=tokens, warmup=warmup))
+    recordings = {}
     results = []
     with progress_bar(len(names), enabled=progress, description="kq bench decode-e2e") as advance:
         for name in names:
+            routing = None
+            if name in RECORDED_MODELS:
+                checkpoint = RECORDED_MODELS[name][0]
+                if checkpoint not in recordings:
+                    recordings[checkpoint] = record(checkpoint, tokens, warmup)
+                routing = recordings[checkpoint]
             results += run_model(name, tokens=tokens, warmup=warmup, routing=routing, log=log)
             advance(name)
     return results
 
 
 def format_table(results: list[DecodeResult]) -> str:
-    header = ("model", "routing", "mode", "residency", "tok/s", "x resident", "token ms", "wait ms", "boundary ms",
-              "publish ms", "critical reads/token", "MiB read/token", "h2d ms", "hit rate")
+    header = ("model", "routing", "mode", "residency", "tok/s", "x resident", "floor tok/s", "token ms", "wait ms",
+              "boundary ms", "publish ms", "critical reads/token", "runs again/token", "MiB read/token", "h2d ms",
+              "hit rate", "memory GiB")
     resident = {r.model: r.tokens_per_s for r in results if r.mode == "resident"}
     rows = [(r.model, r.routing, r.mode, f"{r.residency:.0%}", f"{r.tokens_per_s:.1f}",
-             f"{r.tokens_per_s / resident[r.model]:.3f}", f"{r.token_ms:.2f}", f"{r.wait_ms:.2f}",
-             f"{r.boundary_ms:.2f}", f"{r.publish_ms:.2f}", f"{r.critical_reads_per_token:.2f}",
-             f"{r.mib_read_per_token:.1f}", f"{r.h2d_ms:.2f}", "-" if r.hit_rate is None else f"{r.hit_rate:.3f}")
+             f"{r.tokens_per_s / resident[r.model]:.3f}", f"{r.floor_tokens_per_s:.1f}", f"{r.token_ms:.2f}",
+             f"{r.wait_ms:.2f}", f"{r.boundary_ms:.2f}", f"{r.publish_ms:.2f}", f"{r.critical_reads_per_token:.2f}",
+             f"{r.reruns_per_token:.2f}", f"{r.mib_read_per_token:.1f}", f"{r.h2d_ms:.2f}",
+             "-" if r.hit_rate is None else f"{r.hit_rate:.3f}", f"{r.memory_gib:.3f}")
             for r in results]
     return render_table(header, rows, left=(0, 1, 2))
 
