@@ -104,13 +104,19 @@ def _bench(args) -> int:
         if len(args.sets) > 1 or args.shapes:
             print(f"kq bench: --sets {alone} runs alone ({what})")
             return 2
+        if args.models and alone != "decode-e2e":
+            print("kq bench: --models picks decode-e2e's models; give --sets decode-e2e")
+            return 2
         module = importlib.import_module(f"kq.bench.{module_name}")
-        result = module.run(progress=not args.no_progress)
+        result = module.run(progress=not args.no_progress, **({"models": args.models} if args.models else {}))
         print(module.format_table(result))
         if args.json:
             module.write_json(result, args.json)
             print(f"wrote {args.json}")
         return 0
+    if args.models:
+        print("kq bench: --models picks decode-e2e's models; give --sets decode-e2e")
+        return 2
     sets = args.sets or ([] if args.shapes else ["decode"])
     results = kernels.run(tuple(sets), args.backends, shapes=tuple(args.shapes or ()), repeats=args.repeats,
                         resident_fraction=args.resident_fraction, progress=not args.no_progress)
@@ -294,7 +300,11 @@ def main(argv: list[str] | None = None) -> int:
                        help="named shape sets (default: decode, unless --shapes is given); host: the residency "
                             "manager's token boundary at real model sizes instead of route_shed; compile: the JAX "
                             "kernels' first call at new row counts, with and without row buckets; decode-e2e: decoding "
-                            "through an arena end to end, the resident model beside lossy and exact arenas")
+                            "through an arena end to end, the resident model beside lossy, tier and exact arenas")
+    from kq.bench.decode_e2e import RANDOM_MODELS, RECORDED_MODELS
+
+    bench.add_argument("--models", nargs="+", choices=[*RECORDED_MODELS, *RANDOM_MODELS],
+                       help="decode-e2e's models (default: every model where JAX runs on a GPU, two small ones else)")
     bench.add_argument("--shapes", nargs="+", type=_shape, metavar="TxKxE",
                        help="shapes of your own model, e.g. 1x8x128 (rows x top-k x experts)")
     bench.add_argument("--backends", nargs="+", metavar="NAME", help="subset of the backends found here")

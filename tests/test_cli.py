@@ -411,3 +411,11 @@ def test_generate_refuses_a_prompt_without_tokens():
 
     with pytest.raises(ValueError, match="prompt"):
         generate("jax", SHIPPED_MODEL, "", 2, 0.5)
+
+
+@pytest.mark.parametrize("argv", [["bench", "--models", "olmoe-size"],
+                                  ["bench", "--sets", "host", "--models", "olmoe-size"]],
+                         ids=["no-set", "host-set"])
+def test_bench_models_belong_to_decode_e2e(argv, capsys):
+    assert main(argv) == 2
+    assert "--models picks decode-e2e's models" in capsys.readouterr().out
