@@ -6,7 +6,7 @@
 # BENCH_SETS), sweep (the Pallas launch sweeps), moe (the MoE arena overhead), sharding (the sharding
 # and expert-parallel tests: on a GPU mesh where there are two GPUs or more), compile (`kq bench --sets
 # compile`), expert_parallel (the expert-parallel layer over this machine's GPUs), decode_e2e (`kq bench
-# --sets decode-e2e`), decode_tests (the engine loop's exact mode and the overlapped loop), host (`kq bench --sets host` on this machine's CPU), host_tests (the host side's
+# --sets decode-e2e`, DECODE_MODELS picks its models), decode_tests (the engine loop's exact mode and the overlapped loop), host (`kq bench --sets host` on this machine's CPU), host_tests (the host side's
 # tests: the replayed traces and the compiled bookkeeping against NumPy), arena_tests (publishing's faults and the
 # arenas, JAX's on the GPU), h2d (landed experts' copies to the
 # device: pageable against pinned staging), tier_decode (decode through the low-precision tier against resident),
@@ -70,7 +70,8 @@ for name in ${PARTS:-tests check memcheck}; do
     moe) part moe_overhead python3 -m benchmarks moe_overhead --profile --json "$OUT/moe_overhead.json" ;;
     sharding) part sharding python3 -m pytest -q -p no:cacheprovider -rs tests/test_sharding.py \
                 tests/test_expert_parallel.py ;;
-    decode_e2e) part decode_e2e python3 -m kq bench --sets decode-e2e --no-progress --json "$OUT/decode_e2e.json" ;;
+    decode_e2e) part decode_e2e python3 -m kq bench --sets decode-e2e ${DECODE_MODELS:+--models $DECODE_MODELS} \
+                  --no-progress --json "$OUT/decode_e2e.json" ;;
     host) part host python3 -m kq bench --sets host --no-progress --json "$OUT/host.json" ;;
     h2d) part h2d python3 -m benchmarks h2d_staging --json "$OUT/h2d_staging.json" ;;
     arena_tests) part arena_tests python3 -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_publish_faults.py \

@@ -3,7 +3,8 @@
     python -m benchmarks tier_decode --json docs/h200/tier_decode.json
 
 Greedy autoregressive decode of one sequence through ``kq.study.make_step``'s graphs: ``resident``
-(every expert in memory) and ``tier`` at each ``--residency`` (an arena of the first S experts of each
+(every expert in memory), the arena that sheds at full residency (its graph without a tier) and
+``tier`` at each ``--residency`` (an arena of the first S experts of each
 layer, every other expert served from its ``--bits`` copy in the same graph; the slot tables held
 fixed, so this is the graph's cost, not the host's). Token t+1 is dispatched before token t's id is
 read back, one readback per token, the compiles before the clock; the figures are the median of
@@ -110,6 +111,8 @@ def measure(name: str, residencies, *, bits: int, group_size: int, tokens: int, 
         slots = max(cfg.num_experts_per_tok, round(residency * experts))
         arena = {p: jnp.stack([layer[p][:slots] for layer in params["layers"]]) for p in qwen3_moe.PROJECTIONS}
         tables = jnp.where(identity < slots, identity, -1)
+        if slots == experts:  # the arena's graph without a tier, beside the tier's at full residency
+            run("arena 100% (shed)", "shed", arena, tables, None)
         run(f"tier {residency:.0%} ({bits}-bit)", "tier", arena, tables, tier)
         del arena
     return rows
