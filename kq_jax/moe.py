@@ -185,16 +185,11 @@ def tiered_apply(x, arena: Experts, tier: TierExperts, slots):
     # the two weight sets fuses differently on a GPU); the misses' from the dequantized tier rows.
     hits = experts_apply(x, arena, arena_rows)
     options = dict(bits=tier.bits, group_size=tier.group_size)
-
-    def with_tier(hits):
-        entries = jnp.broadcast_to(x[:, None, :], (*slots.shape, x.shape[-1]))  # [T, k, D]
-        gate = quantized_apply(tier.gate, tier_rows, entries, **options)
-        up = quantized_apply(tier.up, tier_rows, entries, **options)
-        low = quantized_apply(tier.down, tier_rows, jax.nn.silu(gate) * up, **options).astype(hits.dtype)
-        return jnp.where(from_tier[..., None], low, hits)
-
-    # Where every entry hits, the tier's work is skipped (docs/benchmarks.md measures the branch).
-    return lax.cond(jnp.any(from_tier), with_tier, lambda hits: hits, hits)
+    entries = jnp.broadcast_to(x[:, None, :], (*slots.shape, x.shape[-1]))  # [T, k, D]
+    gate = quantized_apply(tier.gate, tier_rows, entries, **options)
+    up = quantized_apply(tier.up, tier_rows, entries, **options)
+    low = quantized_apply(tier.down, tier_rows, jax.nn.silu(gate) * up, **options).astype(hits.dtype)
+    return jnp.where(from_tier[..., None], low, hits)
 
 
 def moe_ffn_tiered(x, router_w, arena: Experts, tier: TierExperts, slot_table, *, top_k: int,
