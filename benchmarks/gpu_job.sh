@@ -9,7 +9,7 @@
 # --sets decode-e2e`, DECODE_MODELS picks its models), decode_tests (the engine loop's exact mode and the overlapped loop), host (`kq bench --sets host` on this machine's CPU), host_tests (the host side's
 # tests: the replayed traces and the compiled bookkeeping against NumPy), arena_tests (publishing's faults and the
 # arenas, JAX's on the GPU), h2d (landed experts' copies to the
-# device: pageable against pinned staging), tier_decode (decode through the low-precision tier against resident),
+# device: pageable against pinned staging), decode_floor (a full arena's decode token taken apart), tier_decode (decode through the low-precision tier against resident),
 # study_grid (the shedding study's grid on STUDY_MODELS, extra arguments in STUDY_ARGS), exact_loop (the exact
 # layer-by-layer loop with and without look-ahead, and its tests); and MLX on CUDA, after
 # `source .mlxb/env.sh` (../shared/device/mlx-cuda-prepare.sh; with benchmarks/mlx_lm_wheels.sh, mlx-lm is
@@ -101,6 +101,7 @@ for name in ${PARTS:-tests check memcheck}; do
     mlx_decode) part mlx_decode python3 -m benchmarks mlx_decode --json "$OUT/mlx_decode.json" ;;
     exact_loop) part exact_loop python3 -m benchmarks exact_loop --json "$OUT/exact_loop.json"
                 part exact_loop_tests python3 -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_exact_loop.py ;;
+    decode_floor) part decode_floor python3 -m benchmarks decode_floor --json "$OUT/decode_floor.json" ;;
     tier_decode) part tier_decode python3 -m benchmarks tier_decode --json "$OUT/tier_decode.json" ;;
     study_grid) for model in ${STUDY_MODELS:-stdlib-moe wheels-moe}; do
                   part "study_grid_$model" python3 -m benchmarks study_grid --checkpoint "models/$model" \

@@ -169,9 +169,11 @@ class Engine:
         router: float32 ``[L, D, E]`` routers, used when ``routing`` is None.
         seed: of the first input and the per-position vectors.
         tier: :func:`random_tier`'s arrays, for ``tiered`` (None: no tier mode).
+        impl: the arena's ``route_shed`` / ``topk_route_shed`` implementation.
     """
 
-    def __init__(self, experts, top_k: int, steps: int, *, routing=None, router=None, seed: int = 0, tier=None):
+    def __init__(self, experts, top_k: int, steps: int, *, routing=None, router=None, seed: int = 0, tier=None,
+                 impl: str = "auto"):
         import jax
         import jax.numpy as jnp
 
@@ -227,10 +229,10 @@ class Engine:
                 if self.recorded:
                     indices, scores = routed(x, position, layer)
                     routing = TopkRouteShedResult(indices, scores, kq_jax.route_shed(
-                        indices, scores, tables[layer], num_slots=num_slots, on_miss=on_miss))
+                        indices, scores, tables[layer], num_slots=num_slots, on_miss=on_miss, impl=impl))
                 else:
                     routing = kq_jax.topk_route_shed(router_probs(x, routers[layer]), tables[layer], top_k=top_k,
-                                                     num_slots=num_slots, on_miss=on_miss)
+                                                     num_slots=num_slots, on_miss=on_miss, impl=impl)
                 arena = layer_weights(arrays, layer)
                 if on_miss == "tier":
                     low = TierExperts(*(TierWeights(*(a[layer] for a in tier[name])) for name in PROJECTIONS),
