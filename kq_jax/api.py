@@ -7,9 +7,11 @@
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Literal
 
 import jax
+import jax.numpy as jnp
 
 from kq_core.contract import RouteShedResult, TopkRouteShedResult
 from kq_core.validate import check_route_shed_args, check_topk_route_shed_args
@@ -22,21 +24,28 @@ Impl = Literal["auto", "pallas", "pallas_interpret", "reference"]
 IMPLS = ("auto", "pallas", "pallas_interpret", "reference")
 
 
-def default_impl() -> str:
-    """What ``impl="auto"`` runs.
+DECODE_ROWS = 16  # route_shed calls of at most this many rows run as the jnp reference on a GPU
 
-    The compiled Pallas kernel on a GPU (faster than the reference at every
-    benchmark shape, K = 64 included, on the H200 of docs/benchmarks.md), the
-    jnp reference on every other backend. Both give the same bits.
+
+def default_impl(rows: int | None = None) -> str:
+    """What ``impl="auto"`` runs for a call of ``rows`` rows (None: any).
+
+    On a GPU the compiled Pallas kernel, except ``route_shed`` at decode sizes (at most
+    :data:`DECODE_ROWS` rows), where the jnp reference fuses with the graph around it and costs less
+    inside a model's step (docs/benchmarks.md); the jnp reference on every other backend. Both give the
+    same bits.
     """
-    return "pallas" if jax.default_backend() == "gpu" else "reference"
+    if jax.default_backend() != "gpu":
+        return "reference"
+    return "reference" if rows is not None and rows <= DECODE_ROWS else "pallas"
 
 
-def _resolve(op: str, impl: str, config) -> str:
-    """``impl`` checked, with ``"auto"`` replaced by :func:`default_impl`'s choice."""
+def _resolve(op: str, impl: str, config, rows: int | None = None) -> str:
+    """``impl`` checked, with ``"auto"`` replaced by :func:`default_impl`'s choice for ``rows``."""
     if impl not in IMPLS:
         raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
-    impl = default_impl() if impl == "auto" else impl
+    # A launch configuration asks for the kernel: "auto" with one is the kernel on a GPU at any size.
+    impl = default_impl(None if config is not None else rows) if impl == "auto" else impl
     if impl == "pallas_interpret" and jax.default_backend() == "gpu":
         # Measured: on an H200 (jax 0.11.2) the interpreted kernel writes wrong slots in 6 of 28 golden cases.
         raise ValueError(f"{op}: impl 'pallas_interpret' runs on the CPU backend; on a GPU use 'pallas' (the "
@@ -85,7 +94,7 @@ def route_shed(indices, scores, slot_table, *, num_slots: int | None = None, on_
     # int64 NumPy array into int32 when x64 is off.
     check_route_shed_args(indices, scores, slot_table, num_slots, on_miss)
     num_slots = None if num_slots is None else int(num_slots)
-    impl = _resolve("route_shed", impl, config)
+    impl = _resolve("route_shed", impl, config, rows=math.prod(jnp.shape(indices)[:-1]))
     if impl == "reference":
         return route_shed_ref(indices, scores, slot_table, num_slots, on_miss)
     from kq_jax.route_shed_pallas import route_shed_pallas

@@ -131,6 +131,9 @@ def test_exact_division_where_plain_division_is_approximate():
 
 def test_auto_picks_the_kernel_on_a_gpu_and_the_reference_elsewhere():
     assert kq_jax.default_impl() == ("pallas" if ON_GPU else "reference")
+    # Decode-sized calls run the reference everywhere (it fuses with the step around it on a GPU).
+    assert kq_jax.default_impl(rows=1) == kq_jax.default_impl(rows=kq_jax.api.DECODE_ROWS) == "reference"
+    assert kq_jax.default_impl(rows=kq_jax.api.DECODE_ROWS + 1) == ("pallas" if ON_GPU else "reference")
 
 
 def test_unknown_impl_is_rejected():
