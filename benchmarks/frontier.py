@@ -30,9 +30,15 @@ def study_costs(study: dict, policy: str = "lfu") -> dict[tuple[str, float, int 
             for run in study["runs"] if run["policy"] == policy}
 
 
+def _layers(checkpoint: str) -> int:
+    with open(Path(__file__).resolve().parents[1] / "models" / checkpoint / "config.json") as f:
+        return json.load(f)["num_hidden_layers"]
+
+
 def frontier(decode: dict, studies: list[dict]) -> list[dict]:
     """The recorded-routing rows of a decode-e2e JSON, each with its speed over resident and its cost
-    (None where no study of the row's checkpoint has its rule at its residency)."""
+    (None where no study of the row's checkpoint has its rule at its residency, or where the row replays
+    only some of the checkpoint's layers)."""
     costs = {Path(study["checkpoint"]).name: study_costs(study) for study in studies}
     rows = [r for r in decode["results"] if r["routing"] == "recorded"]
     resident = {r["model"]: r["tokens_per_s"] for r in rows if r["mode"] == "resident"}
@@ -40,8 +46,12 @@ def frontier(decode: dict, studies: list[dict]) -> list[dict]:
     for r in rows:
         if r["mode"] == "resident":
             continue
-        cost = 0.0 if r["mode"] == "exact" else costs.get(r["checkpoint"], {}).get(
-            (RULE_OF_MODE[r["mode"]], r["residency"], r.get("tier_bits")))
+        if r["mode"] == "exact" or (r["mode"] == "tier" and r["residency"] == 1.0):
+            cost = 0.0  # every routed expert served at full precision: the resident model's bits (tests)
+        elif r["layers"] != _layers(r["checkpoint"]):
+            cost = None  # some of the checkpoint's layers only: not the study's model
+        else:
+            cost = costs.get(r["checkpoint"], {}).get((RULE_OF_MODE[r["mode"]], r["residency"], r.get("tier_bits")))
         out.append(dict(r, x_resident=r["tokens_per_s"] / resident[r["model"]], perplexity_cost=cost))
     return out
 

@@ -16,7 +16,8 @@ Modes (JAX, on its default device):
 * ``tier``: as ``lossy``, but a miss keeps its router weight and is computed from a low-precision copy
   of every expert on the device (``on_miss="tier"``, :func:`kq_jax.moe.tiered_apply`; ``TIER_BITS``
   bits, groups of ``TIER_GROUP_SIZE``; random words of the tier's shapes: its speed does not depend on
-  their values);
+  their values. Recorded routing only: a routed model's misses, served from random words, would steer
+  its later routing);
 * ``exact``: a token is kept only if it ran with every routed expert resident. Token t+1 is dispatched
   on the tables before token t is read, as in ``lossy``; when token t's reports show misses, they are
   read on its critical path (``step``, then ``drain``), token t runs again on the new tables and token
@@ -33,7 +34,7 @@ Routing (the ``routing`` column):
   at the checkpoint's or a real model's size (:data:`RECORDED_MODELS`), their weights written as
   safetensors and read back by the manager's workers through :class:`kq_host.expert_store.ExpertStore`
   (from the page cache once read: this is the arena's cost, not an SSD's).
-* ``random``: the demo's random block stack, routed by its own random routers.
+* ``random``: the demo's random block stack, routed by its own random routers (no tier mode).
 
 Columns: tokens/s and that over the resident model's in the same loop (``x resident``); ``floor``: the
 same program dispatched back to back on the last tables, nothing read back (the device's and the
@@ -482,7 +483,7 @@ def run_model(model: str, *, tokens: int = 64, warmup: int = 16, seed: int = 0, 
         del weights
         with ExpertStore(workdir, layout="per_expert", projections=PROJECTIONS) as store:
             for residency in residencies or RESIDENCIES:
-                for mode in MODES[1:]:
+                for mode in MODES[1:] if recorded else ("lossy", "exact"):
                     run = run_streamed(engine, store, residency=residency, mode=mode, warmup=warmup, experts=experts)
                     add(mode, residency, run, run.stamps, run.waits, run.floor_tokens_per_s, run.memory_bytes)
     return results
