@@ -437,8 +437,9 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaMoeBlock], manager, prom
 
     Each token's graph ends in its greedy token and :func:`pack_reports`, evaluated together with
     ``mx.async_eval``; the next token's input is that token, on the device. With ``overlap`` the next
-    token's graph is built and dispatched before this token's boundary (``manager.step`` on its reports,
-    :func:`set_tables`), so it runs with the tables of the boundary before; a slot the boundary writes
+    token's graph is built while this token runs, this token is read back, and the next token is
+    dispatched before this token's boundary (``manager.step`` on its reports, :func:`set_tables`), so it
+    runs with the tables of the boundary before; a slot the boundary writes
     while a token is in flight is copied, not changed under it (MLX arrays are never mutated while a
     graph holds them). Without ``overlap`` each boundary comes before the next token.
 
@@ -461,22 +462,28 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaMoeBlock], manager, prom
     set_tables(blocks, manager.snapshot())
     tokens: list[int] = []
 
-    def boundary(token, packed):
-        tokens.append(int(token.item()))
-        set_tables(blocks, manager.step(LayerReport.from_packed(np.array(packed))))
+    def read(token, packed):
+        return int(token.item()), np.array(packed)
+
+    def boundary(token: int, packed: np.ndarray):
+        tokens.append(token)
+        set_tables(blocks, manager.step(LayerReport.from_packed(packed)))
 
     x, pending = mx.array([prompt]), None
     for _ in range(max_tokens):
         token = mx.argmax(model(x, cache=cache)[0, -1], axis=-1)
         packed = pack_reports(blocks)
+        # The token before is read while this one is built, not yet dispatched: a read then waits for
+        # that token alone, wherever a read waits for the whole stream; its boundary runs beside this one.
+        landed = read(*pending) if pending is not None else None
         mx.async_eval(token, packed)
-        if pending is not None:
-            boundary(*pending)
+        if landed is not None:
+            boundary(*landed)
         pending = (token, packed)
         if not overlap:
-            boundary(*pending)
+            boundary(*read(*pending))
             pending = None
         x = token.reshape(1, 1)
     if pending is not None:
-        boundary(*pending)
+        boundary(*read(*pending))
     return tokens
