@@ -117,9 +117,17 @@ def pack(q: np.ndarray, bits: int) -> np.ndarray:
 
 def unpack(packed: np.ndarray, bits: int) -> np.ndarray:
     """Inverse of :func:`pack`: uint32 ``[..., n]`` values."""
-    stream = np.unpackbits(np.ascontiguousarray(packed.astype("<u4")).view(np.uint8), axis=-1, bitorder="little")
-    stream = stream.reshape(*packed.shape[:-1], -1, bits).astype(np.uint32)
-    return (stream << np.arange(bits, dtype=np.uint32)).sum(axis=-1, dtype=np.uint32)
+    packed = np.asarray(packed, dtype=np.uint32)
+    mask = np.uint32((1 << bits) - 1)
+    if 32 % bits == 0:  # whole values per word: shift each word
+        shifts = np.arange(0, 32, bits, dtype=np.uint32)
+        return ((packed[..., None] >> shifts) & mask).reshape(*packed.shape[:-1], -1)
+    # a value may straddle two words: read each value from the 64 bits of its word and the next
+    start = np.arange(packed.shape[-1] * 32 // bits, dtype=np.int64) * bits
+    word, offset = start // 32, (start % 32).astype(np.uint64)
+    wide = np.concatenate([packed, np.zeros((*packed.shape[:-1], 1), np.uint32)], axis=-1).astype(np.uint64)
+    pairs = wide[..., word] | (wide[..., word + 1] << np.uint64(32))
+    return ((pairs >> offset) & np.uint64(mask)).astype(np.uint32)
 
 
 def dequantize(weight: QuantizedWeight, *, bits: int, group_size: int) -> np.ndarray:
