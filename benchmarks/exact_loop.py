@@ -5,7 +5,7 @@
 Each trained checkpoint decodes its held-out text teacher-forced (``--warmup`` tokens, then ``--tokens``
 measured) through :class:`kq_jax.exact_loop.ExactLoop`: an arena of each residency, its experts read
 from the checkpoint's safetensors files by the manager's workers (from the page cache once read), LFU
-and LRU, look-ahead on and off. Every row's logits are checked token by token against the loop's with
+and LRU, look-ahead off, one layer and two layers ahead. Every row's logits are checked token by token against the loop's with
 every expert resident (``loop 100%``), bit for bit (``exact``), and that row against the one-program
 resident model (``max_abs_diff_vs_resident``). ``resident`` is the model with every expert in memory as
 one program per token (token t+1 dispatched before token t is read); ``loop 100%`` is the cost of the
@@ -94,7 +94,8 @@ def _loop(study, cfg, tokens, reference, residency, policy, lookahead, warmup, q
             "mib_read_per_token": since.bytes_read / measured / 2**20}
 
 
-def measure(checkpoint: Path, residencies, policies, *, tokens: int, warmup: int, queue_depth: int) -> list[dict]:
+def measure(checkpoint: Path, residencies, policies, depths, *, tokens: int, warmup: int,
+            queue_depth: int) -> list[dict]:
     from kq.study import JaxStudy, StudyConfig
 
     study = JaxStudy(StudyConfig(checkpoint=checkpoint, tokens=tokens, warmup=warmup))
@@ -103,7 +104,7 @@ def measure(checkpoint: Path, residencies, policies, *, tokens: int, warmup: int
     resident_bits, resident_seconds = _resident(study.full_params(), cfg, text)
     rows = [{"model": checkpoint.name, "mode": "resident", "tokens_per_s": 1 / resident_seconds, "x_resident": 1.0}]
     print(f"{checkpoint.name:12s} resident {rows[0]['tokens_per_s']:8.1f} tok/s", flush=True)
-    grid = [(1.0, "lfu", False)] + [(r, p, a) for r in residencies for p in policies for a in (False, True)]
+    grid = [(1.0, "lfu", 0)] + [(r, p, a) for r in residencies for p in policies for a in depths]
     reference = None
     for residency, policy, lookahead in grid:
         bits, row = _loop(study, cfg, text, reference, residency, policy, lookahead, warmup, queue_depth)
@@ -113,7 +114,7 @@ def measure(checkpoint: Path, residencies, policies, *, tokens: int, warmup: int
                                                         for a, b in zip(bits, resident_bits)))
         row.update(model=checkpoint.name, mode="loop", x_resident=row["tokens_per_s"] * resident_seconds)
         rows.append(row)
-        print(f"{checkpoint.name:12s} loop {residency:4.0%} {policy} ahead={lookahead!s:5s} exact={row['exact']} "
+        print(f"{checkpoint.name:12s} loop {residency:4.0%} {policy} ahead={lookahead} exact={row['exact']} "
               f"{row['tokens_per_s']:7.1f} tok/s x{row['x_resident']:.2f} hit {row['hit_rate']:.3f} "
               f"critical {row['critical_reads_per_token']:.2f} ({row['critical_wait_ms_per_token']:.3f} ms) "
               f"prefetch {row['prefetches_per_token']:.2f} used {row['prefetch_used_per_token']:.2f} "
@@ -127,6 +128,8 @@ def main() -> int:
     parser.add_argument("--models", nargs="+", type=Path, default=[Path("models/stdlib-moe"), Path("models/wheels-moe")])
     parser.add_argument("--residency", type=float, nargs="+", default=[0.75, 0.5, 0.25])
     parser.add_argument("--policies", nargs="+", default=["lfu", "lru"], choices=["lfu", "lru"])
+    parser.add_argument("--lookahead", type=int, nargs="+", default=[0, 1, 2], choices=[0, 1, 2],
+                        help="look-ahead depths (layers predicted ahead) to run")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--warmup", type=int, default=32)
     parser.add_argument("--queue-depth", type=int, default=4)
@@ -135,7 +138,7 @@ def main() -> int:
 
     payload = {**jax_run_header(), "tokens": args.tokens, "warmup": args.warmup, "queue_depth": args.queue_depth, "rows": []}
     for checkpoint in args.models:
-        payload["rows"] += measure(checkpoint, args.residency, args.policies, tokens=args.tokens,
+        payload["rows"] += measure(checkpoint, args.residency, args.policies, args.lookahead, tokens=args.tokens,
                                    warmup=args.warmup, queue_depth=args.queue_depth)
         args.json.write_text(json.dumps(payload, indent=1) + "\n")
     return 0 if all(row.get("exact", True) for row in payload["rows"]) else 1

@@ -1,4 +1,4 @@
-"""Look-ahead prefetch for an exact layer-by-layer loop, replayed on the shipped checkpoint's routing.
+"""Look-ahead prefetch for an exact layer-by-layer loop, replayed on a trained checkpoint's routing.
 
 Records the checkpoint's routing and its routers' look-ahead predictions over the held-out text
 (:func:`kq.study.record_routing` with ``lookahead``), then replays an exact loop through per-layer arenas at 75 / 50 / 25%
@@ -7,6 +7,7 @@ residency, LRU and LFU, without look-ahead and with predictions one and two laye
 predictions and a Markdown table; ``--json`` keeps every number.
 
     python -m benchmarks lookahead --tokens 1024 --json docs/lookahead.json
+    python -m benchmarks lookahead --tokens 1024 --checkpoint models/wheels-moe --json docs/lookahead_wheels.json
 """
 
 from __future__ import annotations
@@ -15,17 +16,19 @@ import argparse
 import json
 import platform
 import time
+from pathlib import Path
 
 import numpy as np
 
 RESIDENCIES = (0.75, 0.5, 0.25)
 
 
-def run(tokens: int, warmup: int, budgets=(None, 4)) -> dict:
+def run(tokens: int, warmup: int, checkpoint=None, budgets=(None, 4)) -> dict:
     from kq.lookahead import POLICIES, recall, simulate
     from kq.study import StudyConfig, record_routing
 
-    indices, _, predictions = record_routing(StudyConfig(tokens=tokens, warmup=warmup), lookahead=2)
+    config = StudyConfig(tokens=tokens, warmup=warmup, **({"checkpoint": Path(checkpoint)} if checkpoint else {}))
+    indices, _, predictions = record_routing(config, lookahead=2)
     experts = int(indices.max()) + 1
     rows = []
     for residency in RESIDENCIES:
@@ -36,7 +39,8 @@ def run(tokens: int, warmup: int, budgets=(None, 4)) -> dict:
                     replay = simulate(indices, predictions, slots=slots, policy=policy, lookahead=depth,
                                       budget=budget, warmup=warmup)
                     rows.append(dict(replay.summary(), residency=residency))
-    return {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(), "tokens": tokens, "warmup": warmup,
+    return {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(), "checkpoint": str(config.checkpoint),
+            "tokens": tokens, "warmup": warmup,
             "recall": recall(indices[warmup:], predictions[warmup:]).tolist(), "rows": rows}
 
 
@@ -57,9 +61,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--warmup", type=int, default=64)
+    parser.add_argument("--checkpoint", help="the checkpoint directory (default: the shipped model)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
-    result = run(args.tokens, args.warmup)
+    result = run(args.tokens, args.warmup, args.checkpoint)
     print("recall [layer, layers ahead]:", np.round(np.array(result["recall"]), 3).tolist())
     print(markdown(result))
     if args.json:

@@ -6,10 +6,12 @@ Per token, per layer l, three small programs and the residency manager between t
    and :meth:`kq_host.residency.ResidencyManager.acquire` makes every routed expert resident: the
    misses are read on the critical path, and the wait is measured.
 2. ``experts``: layer l's experts from the arena through the returned table (every routed expert a
-   hit, at its own score), and, with look-ahead, layer l+1's router applied to the output.
+   hit, at its own score), and, with look-ahead, the routers of the next layers (l+1, and l+2 at depth
+   2) applied to the output.
 3. Layer l+1's ``route`` is dispatched right behind it; the host reads the predictions and
    :meth:`~kq_host.residency.ResidencyManager.prefetch` starts reading the predicted experts that
-   are not resident, so their reads overlap layer l+1's attention.
+   are not resident, nearest layer first, so their reads overlap layer l+1's attention (and, for
+   layer l+2's, all of layer l+1).
 
 Every expert a layer runs is the one it routed, at its routed score, so what is resident never changes
 the output: at any residency the logits are the loop's with every expert resident, bit for bit, and on
@@ -38,13 +40,11 @@ def _route(p, h, position, keys, values, cfg):
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
-def _experts(arena, layer, table, x, h, indices, scores, p_next, cfg):
+def _experts(arena, layer, table, x, h, indices, scores, ahead, cfg):
     weights = Experts(*(arena[name][layer] for name in qwen3_moe.PROJECTIONS))
     y = jnp.einsum("tkd,tk->td", experts_apply(x, weights, table[indices]), scores)
     h = h + y[:, None]
-    if p_next is None:
-        return h, None
-    return h, qwen3_moe.predict_next(p_next, h[:, 0], cfg)
+    return h, tuple(qwen3_moe.predict_next(p, h[:, 0], cfg) for p in ahead)
 
 
 @jax.jit
@@ -66,8 +66,9 @@ class ExactLoop:
         manager: a :class:`~kq_host.residency.ResidencyManager` of L layers whose loader fills ``arena``.
         arena: the :class:`~kq_jax.arena.JaxArena` the manager writes (``{projection: [L, S, ...]}``).
         length: the longest sequence (the key-value cache's length).
-        lookahead: whether each layer predicts and prefetches the next layer's experts.
-        prefetch_budget: most prefetch reads per layer and token (None: no limit).
+        lookahead: how many layers ahead each layer predicts and prefetches: 0 (or ``False``) none,
+            1 (or ``True``) the next layer, 2 the next two.
+        prefetch_budget: most prefetch reads per predicted layer, layer and token (None: no limit).
     """
 
     def __init__(self, params, cfg, manager, arena, *, length: int, lookahead: bool = True,
@@ -78,10 +79,12 @@ class ExactLoop:
         if manager.num_slots < cfg.num_experts_per_tok:
             raise ValueError(f"ExactLoop: manager has {manager.num_slots} slots a layer; a token routes "
                              f"{cfg.num_experts_per_tok}")
+        if not isinstance(lookahead, (int, np.integer)) or not 0 <= lookahead <= 2:
+            raise ValueError(f"ExactLoop: lookahead must be 0, 1, 2 or a bool, got {lookahead!r}")
         if not isinstance(length, int) or isinstance(length, bool) or length < 1:
             raise ValueError(f"ExactLoop: length must be an int >= 1, got {length!r}")
         self.params, self.cfg, self.manager, self.arena = params, cfg, manager, arena
-        self.lookahead, self.prefetch_budget, self.length = lookahead, prefetch_budget, length
+        self.lookahead, self.prefetch_budget, self.length = int(lookahead), prefetch_budget, length
         shape = (1, length, cfg.num_key_value_heads, cfg.head_dim)
         self._cache = [(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
                        for _ in range(cfg.num_hidden_layers)]
@@ -99,13 +102,12 @@ class ExactLoop:
             self._cache[layer] = keys, values
             ids, weights = jax.device_get((indices, scores))
             table = manager.acquire(layer, ids, weights)  # the critical path: this layer's misses
-            ahead = self.lookahead and layer + 1 < len(layers)
+            targets = range(layer + 1, min(layer + 1 + self.lookahead, len(layers)))
             h, predicted = _experts(self.arena.arrays, np.int32(layer), table, x, h, indices, scores,
-                                    layers[layer + 1] if ahead else None, cfg)
+                                    tuple(layers[target] for target in targets), cfg)
             if layer + 1 < len(layers):
                 routed = _route(layers[layer + 1], h, position, *self._cache[layer + 1], cfg)
-            if ahead:
-                ids, weights = jax.device_get(predicted)
-                manager.prefetch(layer + 1, ids, weights, budget=self.prefetch_budget)
+            for target, (ids, weights) in zip(targets, jax.device_get(predicted)):
+                manager.prefetch(target, ids, weights, budget=self.prefetch_budget)
         manager.next_token()
         return _logits(self.params, h, cfg)

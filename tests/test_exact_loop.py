@@ -151,7 +151,7 @@ def test_the_loop_with_every_expert_resident_is_the_resident_model(model, full_l
             np.testing.assert_allclose(got.view(np.float32), want.view(np.float32), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("lookahead", [True, False], ids=["lookahead", "no-lookahead"])
+@pytest.mark.parametrize("lookahead", [2, True, False], ids=["two-ahead", "lookahead", "no-lookahead"])
 @pytest.mark.parametrize("policy", ["lfu", "lru"])
 def test_the_exact_loop_at_a_quarter_of_the_experts_is_the_full_arena_to_the_bit(model, full_loop, lookahead, policy):
     got, stats = _loop_logits(model, model[1].num_experts // 4, lookahead=lookahead, policy=policy)
@@ -163,6 +163,39 @@ def test_the_exact_loop_at_a_quarter_of_the_experts_is_the_full_arena_to_the_bit
         assert stats["prefetches"][0] == 0  # nothing predicts the first layer
     else:
         assert stats["prefetches"].sum() == 0
+
+
+def test_two_ahead_prefetches_each_layer_from_the_two_layers_before_it_nearest_first(model):
+    from kq_host.quantized import open_experts
+    from kq_jax import qwen3_moe
+    from kq_jax.arena import JaxArena
+    from kq_jax.exact_loop import ExactLoop
+
+    study, cfg, tokens, _ = model
+    layers = cfg.num_hidden_layers
+    manager, _ = _manager(layers=layers, experts=cfg.num_experts, slots=cfg.num_experts)
+    for layer in range(layers):
+        manager.preload(layer, range(cfg.num_experts))
+    targets = []
+    manager.prefetch = lambda layer, ids, scores, budget=None: targets.append((layer, ids.shape))
+    with open_experts(study.config.checkpoint, qwen3_moe.PROJECTIONS) as store:
+        shapes = {name: (shape, np.float32) for name, (shape, _) in store.expert_shapes(0).items()}
+    loop = ExactLoop(study.params, cfg, manager, JaxArena(layers, cfg.num_experts, shapes), length=4, lookahead=2)
+    loop.step(int(tokens[0]), 0)
+    manager.close()
+    want = [target for layer in range(layers) for target in (layer + 1, layer + 2) if target < layers]
+    assert [t for t, _ in targets] == want
+    assert all(shape == (1, cfg.num_experts_per_tok) for _, shape in targets)
+
+
+@pytest.mark.parametrize("lookahead", [3, -1, 1.5, "1"])
+def test_the_exact_loop_refuses_a_lookahead_it_cannot_run(model, lookahead):
+    from kq_jax.exact_loop import ExactLoop
+
+    study, cfg, _, _ = model
+    manager, _ = _manager(layers=cfg.num_hidden_layers, experts=cfg.num_experts, slots=8)
+    with pytest.raises(ValueError, match="lookahead"):
+        ExactLoop(study.params, cfg, manager, None, length=4, lookahead=lookahead)
 
 
 def test_the_exact_loop_refuses_a_manager_of_another_shape(model):
