@@ -1,7 +1,8 @@
 """Greedy decode through mlx-lm: the unmodified model beside the same model on arenas, tokens per second.
 
 The shipped checkpoint (``models/stdlib-moe``) as it is and quantized by mlx-lm's ``nn.quantize``
-(4-bit, group 32), on MLX's default device (the GPU where there is one). Every loop decodes the way an
+(4-bit, group 32), and the deeper one (``models/wheels-moe``, 16 layers) as stored (4-bit), on MLX's
+default device (the GPU where there is one). Every loop decodes the way an
 engine does, greedily and autoregressively, the next token's input kept on the device:
 
 * ``unmodified``: the model as mlx-lm ships it, the next token dispatched (``mx.async_eval``) before
@@ -10,7 +11,10 @@ engine does, greedily and autoregressively, the next token's input kept on the d
   and ``manager.step`` (the adapter's loop before one readback per token);
 * ``packed``: :func:`kq_mlx.mlx_lm_adapter.generate_greedy` without overlap: one readback per token
   (every layer's report packed with the token), then the boundary;
-* ``overlapped``: ``generate_greedy``: the next token dispatched before this token's boundary.
+* ``dispatch-first``: the next token built and dispatched, then this token read back and its boundary
+  run (a read may wait for the token in flight behind it as well);
+* ``overlapped``: ``generate_greedy``: the next token built, this token read back, the next token
+  dispatched, then this token's boundary.
 
 Each arena loop runs at 100% residency (every expert preloaded: the adapter's own cost; its tokens are
 compared with the unmodified model's) and at 25% (experts read between tokens by the residency
@@ -31,9 +35,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKPOINT = ROOT / "models" / "stdlib-moe"
+# (name, checkpoint, quantized by nn.quantize here)
+VARIANTS = (("stdlib-moe", ROOT / "models" / "stdlib-moe", False), ("stdlib-moe", ROOT / "models" / "stdlib-moe", True),
+            ("wheels-moe", ROOT / "models" / "wheels-moe", False))
 PROMPT = "def read_config(path):\n"
-MODES = ("per-layer", "packed", "overlapped")
+MODES = ("per-layer", "packed", "dispatch-first", "overlapped")
 
 
 def _unmodified(model, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
@@ -70,6 +76,32 @@ def _per_layer(model, blocks, manager, prompt: list[int], steps: int) -> list[in
     return tokens
 
 
+def _dispatch_first(model, blocks, manager, prompt: list[int], steps: int) -> list[int]:
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kq_host.residency import LayerReport
+    from kq_mlx.mlx_lm_adapter import pack_reports, set_tables
+
+    cache, tokens, x, pending = make_prompt_cache(model), [], mx.array([prompt]), None
+
+    def boundary(token, packed):
+        tokens.append(int(token.item()))
+        set_tables(blocks, manager.step(LayerReport.from_packed(np.array(packed))))
+
+    set_tables(blocks, manager.snapshot())
+    for _ in range(steps):
+        token = mx.argmax(model(x, cache=cache)[0, -1], axis=-1)
+        packed = pack_reports(blocks)
+        mx.async_eval(token, packed)
+        if pending is not None:
+            boundary(*pending)
+        pending, x = (token, packed), token.reshape(1, 1)
+    boundary(*pending)
+    return tokens
+
+
 class _Stamped:
     """A residency manager whose ``step`` notes when each token's boundary began."""
 
@@ -84,12 +116,12 @@ class _Stamped:
         return self.manager.step(reports)
 
 
-def _load(quantized: bool):
+def _load(checkpoint: Path, quantized: bool):
     import mlx.core as mx
     import mlx.nn as nn
     from mlx_lm import load
 
-    model, tokenizer = load(str(CHECKPOINT))
+    model, tokenizer = load(str(checkpoint))
     if mx.default_device() == mx.cpu:
         model.set_dtype(mx.float32)  # MLX's CPU gather_mm takes float32
     if quantized:
@@ -103,12 +135,12 @@ def _tok_s(stamps: list[float], tokens: int) -> float:
     return 1.0 / statistics.median(gaps)
 
 
-def _arena_run(quantized: bool, residency: float, mode: str, prompt: list[int], steps: int):
+def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, prompt: list[int], steps: int):
     """One arena loop on a freshly loaded model: its tokens and the manager (stamped, closed)."""
     from kq_host.residency import ResidencyManager
     from kq_mlx.mlx_lm_adapter import SwitchGLUArena, attach_arena, generate_greedy
 
-    model, _ = _load(quantized)
+    model, _ = _load(checkpoint, quantized)
     num_experts = model.layers[0].mlp.switch_mlp.gate_proj.weight.shape[0]
     slots = max(1, int(round(residency * num_experts)))
     blocks = attach_arena(model, slots)
@@ -119,6 +151,8 @@ def _arena_run(quantized: bool, residency: float, mode: str, prompt: list[int], 
         manager.preload(layer, range(slots) if slots == num_experts else [])
     if mode == "per-layer":
         got = _per_layer(model, blocks, manager, prompt, steps)
+    elif mode == "dispatch-first":
+        got = _dispatch_first(model, blocks, manager, prompt, steps)
     else:
         got = generate_greedy(model, blocks, manager, prompt, steps, overlap=mode == "overlapped")
     manager.close()
@@ -132,8 +166,8 @@ def run(tokens: int = 64, warmup: int = 16, residencies=(1.0, 0.25), rounds: int
 
     steps = warmup + tokens
     rows = []
-    for quantized in (False, True):
-        model, tokenizer = _load(quantized)
+    for name, checkpoint, quantized in VARIANTS:
+        model, tokenizer = _load(checkpoint, quantized)
         prompt = tokenizer.encode(PROMPT)
         loops = [("unmodified", 1.0)] + [(mode, residency) for residency in residencies for mode in MODES]
         runs: dict[tuple[str, float], list[dict]] = {loop: [] for loop in loops}
@@ -145,14 +179,14 @@ def run(tokens: int = 64, warmup: int = 16, residencies=(1.0, 0.25), rounds: int
                     want = want or got
                     hit_rate = None
                 else:
-                    got, manager = _arena_run(quantized, residency, mode, prompt, steps)
+                    got, manager = _arena_run(checkpoint, quantized, residency, mode, prompt, steps)
                     stamps, hit_rate = manager.stamps, manager.stats()[1].hit_rate
                 runs[mode, residency].append(dict(tok_s=_tok_s(stamps, tokens), hit_rate=hit_rate,
                                                   same_tokens=got == want))
         for (mode, residency), done in runs.items():
             ordered = sorted(done, key=lambda r: r["tok_s"])
             middle = ordered[len(done) // 2]
-            rows.append(dict(quantized=quantized, mode=mode, residency=residency, tok_s=middle["tok_s"],
+            rows.append(dict(model=name, quantized=quantized or name == "wheels-moe", mode=mode, residency=residency, tok_s=middle["tok_s"],
                              tok_s_range=[ordered[0]["tok_s"], ordered[-1]["tok_s"]], hit_rate=middle["hit_rate"],
                              same_tokens=all(r["same_tokens"] for r in done)))
             print(json.dumps(rows[-1]), flush=True)
