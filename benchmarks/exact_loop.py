@@ -95,15 +95,16 @@ def _loop(study, cfg, tokens, reference, residency, policy, lookahead, warmup, q
 
 
 def measure(checkpoint: Path, residencies, policies, depths, *, tokens: int, warmup: int,
-            queue_depth: int) -> list[dict]:
+            queue_depth: int):
+    """Yields the resident row, then each loop's row as it is measured."""
     from kq.study import JaxStudy, StudyConfig
 
     study = JaxStudy(StudyConfig(checkpoint=checkpoint, tokens=tokens, warmup=warmup))
     cfg = study.cfg
     text = study.tokens[:warmup + tokens]
     resident_bits, resident_seconds = _resident(study.full_params(), cfg, text)
-    rows = [{"model": checkpoint.name, "mode": "resident", "tokens_per_s": 1 / resident_seconds, "x_resident": 1.0}]
-    print(f"{checkpoint.name:12s} resident {rows[0]['tokens_per_s']:8.1f} tok/s", flush=True)
+    print(f"{checkpoint.name:12s} resident {1 / resident_seconds:8.1f} tok/s", flush=True)
+    yield {"model": checkpoint.name, "mode": "resident", "tokens_per_s": 1 / resident_seconds, "x_resident": 1.0}
     grid = [(1.0, "lfu", 0)] + [(r, p, a) for r in residencies for p in policies for a in depths]
     reference = None
     for residency, policy, lookahead in grid:
@@ -113,14 +114,13 @@ def measure(checkpoint: Path, residencies, policies, depths, *, tokens: int, war
             row["max_abs_diff_vs_resident"] = float(max(np.abs(a.view(np.float32) - b.view(np.float32)).max()
                                                         for a, b in zip(bits, resident_bits)))
         row.update(model=checkpoint.name, mode="loop", x_resident=row["tokens_per_s"] * resident_seconds)
-        rows.append(row)
         print(f"{checkpoint.name:12s} loop {residency:4.0%} {policy} ahead={lookahead} exact={row['exact']} "
               f"{row['tokens_per_s']:7.1f} tok/s x{row['x_resident']:.2f} hit {row['hit_rate']:.3f} "
               f"critical {row['critical_reads_per_token']:.2f} ({row['critical_wait_ms_per_token']:.3f} ms) "
               f"prefetch {row['prefetches_per_token']:.2f} used {row['prefetch_used_per_token']:.2f} "
               f"late {row['prefetch_late_per_token']:.2f} "
               f"wasted {row['prefetch_wasted_per_token']:.2f}", flush=True)
-    return rows
+        yield row
 
 
 def main() -> int:
@@ -138,9 +138,10 @@ def main() -> int:
 
     payload = {**jax_run_header(), "tokens": args.tokens, "warmup": args.warmup, "queue_depth": args.queue_depth, "rows": []}
     for checkpoint in args.models:
-        payload["rows"] += measure(checkpoint, args.residency, args.policies, args.lookahead, tokens=args.tokens,
-                                   warmup=args.warmup, queue_depth=args.queue_depth)
-        args.json.write_text(json.dumps(payload, indent=1) + "\n")
+        for row in measure(checkpoint, args.residency, args.policies, args.lookahead, tokens=args.tokens,
+                           warmup=args.warmup, queue_depth=args.queue_depth):
+            payload["rows"].append(row)  # written row by row: a run cut short keeps what it measured
+            args.json.write_text(json.dumps(payload, indent=1) + "\n")
     return 0 if all(row.get("exact", True) for row in payload["rows"]) else 1
 
 

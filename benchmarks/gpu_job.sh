@@ -11,7 +11,8 @@
 # arenas, JAX's on the GPU), h2d (landed experts' copies to the
 # device: pageable against pinned staging), decode_floor (a full arena's decode token taken apart), tier_decode (decode through the low-precision tier against resident),
 # study_grid (the shedding study's grid on STUDY_MODELS, extra arguments in STUDY_ARGS), exact_loop (the exact
-# layer-by-layer loop with and without look-ahead, and its tests); and MLX on CUDA, after
+# layer-by-layer loop with and without look-ahead, extra arguments in EXACT_ARGS, the JSON and log named
+# with EXACT_TAG; and its tests); and MLX on CUDA, after
 # `source .mlxb/env.sh` (../shared/device/mlx-cuda-prepare.sh; with benchmarks/mlx_lm_wheels.sh, mlx-lm is
 # installed beside it): mlx_check (`kq check --backends mlx-cuda`), mlx_tests (tests/test_mlx.py, test_mlx_lm.py),
 # mlx_bench (`kq bench`: mlx-cuda beside mlx-ops-gpu, the pure-`mx` path on the GPU stream,
@@ -99,7 +100,8 @@ for name in ${PARTS:-tests check memcheck}; do
                  done
                done ;;
     mlx_decode) part mlx_decode python3 -m benchmarks mlx_decode --json "$OUT/mlx_decode.json" ;;
-    exact_loop) part exact_loop python3 -m benchmarks exact_loop --json "$OUT/exact_loop.json"
+    exact_loop) part "exact_loop${EXACT_TAG:-}" python3 -m benchmarks exact_loop --json "$OUT/exact_loop${EXACT_TAG:-}.json" \
+                  ${EXACT_ARGS:-}
                 part exact_loop_tests python3 -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_exact_loop.py ;;
     decode_floor) part decode_floor python3 -m benchmarks decode_floor --json "$OUT/decode_floor.json" ;;
     tier_decode) part tier_decode python3 -m benchmarks tier_decode --json "$OUT/tier_decode.json" ;;
