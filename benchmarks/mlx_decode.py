@@ -36,7 +36,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # (name, checkpoint, quantized by nn.quantize here)
-VARIANTS = (("stdlib-moe", ROOT / "models" / "stdlib-moe", False), ("stdlib-moe", ROOT / "models" / "stdlib-moe", True),
+VARIANTS = (("stdlib-moe", ROOT / "models" / "stdlib-moe", False),
+            ("stdlib-moe", ROOT / "models" / "stdlib-moe", True),
             ("wheels-moe", ROOT / "models" / "wheels-moe", False))
 PROMPT = "def read_config(path):\n"
 MODES = ("per-layer", "packed", "dispatch-first", "overlapped")
@@ -164,6 +165,8 @@ def run(tokens: int = 64, warmup: int = 16, residencies=(1.0, 0.25), rounds: int
     import mlx.core as mx
     import numpy as np
 
+    from kq_host.quantized import Quantization
+
     steps = warmup + tokens
     rows = []
     for name, checkpoint, quantized in VARIANTS:
@@ -186,7 +189,8 @@ def run(tokens: int = 64, warmup: int = 16, residencies=(1.0, 0.25), rounds: int
         for (mode, residency), done in runs.items():
             ordered = sorted(done, key=lambda r: r["tok_s"])
             middle = ordered[len(done) // 2]
-            rows.append(dict(model=name, quantized=quantized or name == "wheels-moe", mode=mode, residency=residency, tok_s=middle["tok_s"],
+            rows.append(dict(model=name, quantized=quantized or Quantization.of(checkpoint) is not None, mode=mode,
+                             residency=residency, tok_s=middle["tok_s"],
                              tok_s_range=[ordered[0]["tok_s"], ordered[-1]["tok_s"]], hit_rate=middle["hit_rate"],
                              same_tokens=all(r["same_tokens"] for r in done)))
             print(json.dumps(rows[-1]), flush=True)
