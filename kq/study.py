@@ -286,7 +286,8 @@ def make_step(cfg, rule: str, tier_options: tuple[int, int] = (3, 32)):
 def make_streams_step(cfg, rule: str, num_slots: int, tier_options: tuple[int, int] = (3, 32)):
     """:func:`make_step` for B streams side by side, each with its own arena of ``num_slots`` per layer:
     ``(params, tables [L, B, E], tokens [B], position, cache, tier=None) -> (logits [B, V], cache,
-    reports)``, each report field ``[B, k]``.
+    reports int32 [L, 5, B, k])``, every layer's report fields packed into one array for one readback
+    (:func:`unpack_reports`; the float fields' bits as int32).
 
     The arenas are virtual: a slot holds the checkpoint's expert as it is, so the step reads an arena
     slot's weights from ``params``' one copy of the experts, through the expert the stream's slot table
@@ -332,9 +333,19 @@ def make_streams_step(cfg, rule: str, num_slots: int, tier_options: tuple[int, i
 
             return jax.vmap(row)(x, tables[layer])
 
-        return qwen3_moe.decode_step(params, tokens, position, cache, cfg, moe)
+        logits, cache, reports = qwen3_moe.decode_step(params, tokens, position, cache, cfg, moe)
+        packed = jnp.stack([jnp.stack([jax.lax.bitcast_convert_type(field.astype(jnp.float32), jnp.int32)
+                                       if jnp.issubdtype(field.dtype, jnp.floating) else field.astype(jnp.int32)
+                                       for field in report]) for report in reports])
+        return logits, cache, packed
 
-    return jax.jit(step)
+    return jax.jit(step, donate_argnums=4)
+
+
+def unpack_reports(packed: np.ndarray) -> list[np.ndarray]:
+    """:func:`make_streams_step`'s packed reports ``[L, 5, B, k]`` as the five fields ``(indices, scores,
+    miss_ids, miss_scores, served)``, each ``[L, B, k]`` (ids int32, scores float32)."""
+    return [packed[:, i] if i in (0, 2) else packed[:, i].view(np.float32) for i in range(5)]
 
 
 def tier_arrays(tier) -> dict:
@@ -500,11 +511,11 @@ class JaxStudy:
         for position in range(length - 1):
             if position == config.warmup:
                 _, before = manager.stats()
-            logits, cache, reports = step(params, jnp.asarray(tables.reshape(layers, streams, experts)),
-                                          jnp.asarray(windows[:, position]), position, cache, tier)
-            logits, reports = jax.device_get((logits, reports))
-            fields = [np.stack([r[i] for r in reports]) for i in range(5)]  # [L, B, k] each
-            if position >= config.warmup:
+            logits, cache, packed = step(params, jnp.asarray(tables.reshape(layers, streams, experts)),
+                                         jnp.asarray(windows[:, position]), position, cache, tier)
+            logits, packed = jax.device_get((logits, packed))
+            fields = unpack_reports(packed)  # [L, B, k] each
+            if position >= config.warmup:  # bits from the logits in float64 here: the same in every rule's program
                 bits[:, position - config.warmup] = _stream_bits(logits, windows[:, position + 1])
                 indices, scores, served = fields[0], fields[1], fields[4]
                 result.routed_mass += float(scores.sum())

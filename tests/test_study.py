@@ -276,6 +276,17 @@ def test_streams_at_full_residency_and_stalling_are_the_resident_model_to_the_bi
     assert stall.critical_reads == stall.lookups - stall.hits > 0
 
 
+def test_streams_serve_misses_from_the_tier_and_at_full_residency_are_the_resident_model(streamed):
+    resident = streamed.resident()
+    assert streamed.run(1.0, "lfu", "tier").token_bits == resident.token_bits
+    tier, shed = streamed.run(0.25, "lfu", "tier"), streamed.run(0.25, "lfu", "shed")
+    assert tier.hits < tier.lookups and tier.shed_mass == 0.0 < shed.shed_mass
+    assert tier.token_bits != shed.token_bits and tier.memory_bytes > shed.memory_bytes
+    uniform = streamed.run(0.0, "-", "uniform")
+    assert uniform.hits == 0 < uniform.lookups and len(uniform.token_bits) == 3 * 8
+    assert uniform.token_bits != resident.token_bits
+
+
 def test_the_first_stream_is_the_text_decoded_alone(streamed):
     """Each stream has its own arena: stream 0 reads the text's first window, as a single-stream run
     does, with the same hits; its bits agree to float32 rounding (a batch of 3 rounds otherwise)."""
