@@ -333,13 +333,24 @@ def make_streams_step(cfg, rule: str, num_slots: int, tier_options: tuple[int, i
 
             return jax.vmap(row)(x, tables[layer])
 
-        logits, cache, reports = qwen3_moe.decode_step(params, tokens, position, cache, cfg, moe)
-        packed = jnp.stack([jnp.stack([jax.lax.bitcast_convert_type(field.astype(jnp.float32), jnp.int32)
-                                       if jnp.issubdtype(field.dtype, jnp.floating) else field.astype(jnp.int32)
-                                       for field in report]) for report in reports])
-        return logits, cache, packed
+        return qwen3_moe.decode_step(params, tokens, position, cache, cfg, moe)
 
-    return jax.jit(step, donate_argnums=4)
+    step, pack = jax.jit(step), jax.jit(_pack_reports)
+
+    def packed_step(*args):  # packed by a program of its own: in the step, XLA fuses the routing differently
+        logits, cache, reports = step(*args)
+        return logits, cache, pack(reports)
+
+    return packed_step
+
+
+def _pack_reports(reports):
+    import jax
+    import jax.numpy as jnp
+
+    return jnp.stack([jnp.stack([jax.lax.bitcast_convert_type(field.astype(jnp.float32), jnp.int32)
+                                 if jnp.issubdtype(field.dtype, jnp.floating) else field.astype(jnp.int32)
+                                 for field in report]) for report in reports])
 
 
 def unpack_reports(packed: np.ndarray) -> list[np.ndarray]:
