@@ -24,37 +24,12 @@ RESIDENCIES = (0.75, 0.5, 0.25)
 
 
 def run(tokens: int, warmup: int, checkpoint=None, budgets=(None, 4)) -> dict:
-    from kq.lookahead import POLICIES, recall, simulate
-    from kq.study import StudyConfig, record_routing
+    from kq.lookahead import replay_grid
+    from kq.study import StudyConfig
 
     config = StudyConfig(tokens=tokens, warmup=warmup, **({"checkpoint": Path(checkpoint)} if checkpoint else {}))
-    indices, _, predictions = record_routing(config, lookahead=2)
-    experts = int(indices.max()) + 1
-    rows = []
-    for residency in RESIDENCIES:
-        slots = round(residency * 64) if experts <= 64 else round(residency * experts)
-        for policy in POLICIES:
-            for depth in (0, 1, 2):
-                for budget in (budgets if depth else (None,)):
-                    replay = simulate(indices, predictions, slots=slots, policy=policy, lookahead=depth,
-                                      budget=budget, warmup=warmup)
-                    rows.append(dict(replay.summary(), residency=residency))
-    return {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(), "checkpoint": str(config.checkpoint),
-            "tokens": tokens, "warmup": warmup,
-            "recall": recall(indices[warmup:], predictions[warmup:]).tolist(), "rows": rows}
-
-
-def markdown(result: dict) -> str:
-    base = {(r["residency"], r["policy"]): r for r in result["rows"] if r["lookahead"] == 0}
-    lines = ["| residency | policy | look-ahead | budget | hit rate | critical reads/token | vs none | "
-             "prefetches/token | wasted per useful |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in result["rows"]:
-        none = base[r["residency"], r["policy"]]["critical_reads_per_token"]
-        lines.append(f"| {r['residency']:.0%} | {r['policy']} | {r['lookahead']} | "
-                     f"{'-' if r['budget'] is None else r['budget']} | {r['hit_rate']:.3f} | "
-                     f"{r['critical_reads_per_token']:.2f} | {r['critical_reads_per_token'] / none:.2f} | "
-                     f"{r['prefetches_per_token']:.2f} | {r['wasted_per_useful']:.2f} |")
-    return "\n".join(lines)
+    return {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(),
+            **replay_grid(config, RESIDENCIES, budgets=budgets)}
 
 
 def main() -> int:
@@ -64,9 +39,11 @@ def main() -> int:
     parser.add_argument("--checkpoint", help="the checkpoint directory (default: the shipped model)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    from kq.lookahead import format_replay
+
     result = run(args.tokens, args.warmup, args.checkpoint)
     print("recall [layer, layers ahead]:", np.round(np.array(result["recall"]), 3).tolist())
-    print(markdown(result))
+    print(format_replay(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -259,15 +260,29 @@ def _study(args, parser) -> int:
                                    rules=tuple(args.rules) if args.rules else None, framework=args.framework,
                                    tier_bits=args.tier_bits, tier_group_size=args.tier_group_size,
                                    streams=args.streams)
+        if args.lookahead and config.framework != "jax":
+            raise ValueError("--lookahead replays the routing recorded in JAX; use --framework jax")
+        if args.prefetch_budget and not args.lookahead:
+            raise ValueError("--prefetch-budget only applies with --lookahead")
         runner = study.make_study(config)  # reads and checks the text
     except ValueError as error:
         parser.error(str(error))
     resident, results = study.run_study(runner, progress=not args.no_progress)
     print(study.format_table(resident, results))
+    replay = None
+    if args.lookahead:
+        from kq import lookahead
+
+        replay = lookahead.replay_grid(dataclasses.replace(config, streams=1), config.residencies,
+                                       [p for p in config.policies if p in lookahead.POLICIES],
+                                       depths=sorted({0, *args.lookahead}), budgets=(None, *args.prefetch_budget))
+        print(f"\nThe exact loop replayed ({lookahead.__name__}.simulate: a prefetch issued after layer l lands "
+              f"before layer l+1 routes), {config.tokens} tokens:")
+        print(lookahead.format_replay(replay))
     for path, write in ((args.json, study.write_json), (args.plot, None)):
         if path:
             if write:
-                write(config, resident, results, path)
+                write(config, resident, results, path, lookahead=replay)
             else:
                 study.write_plot(resident, results, path)
             print(f"wrote {path}")
@@ -388,6 +403,12 @@ def main(argv: list[str] | None = None) -> int:
                               help="windows of --warmup + --tokens decoded side by side, spread over the text, each "
                                    "with its own arena's state; their tokens are the run's, the bootstrap draws "
                                    "windows (JAX; default 1)")
+    study_parser.add_argument("--lookahead", type=int, nargs="+", choices=[1, 2], default=[],
+                              help="also replay the exact loop (stall) with the next layers' routers' predictions "
+                                   "prefetched, this many layers ahead, beside none (JAX; docs/lookahead.md)")
+    study_parser.add_argument("--prefetch-budget", type=_count(1), nargs="+", default=[],
+                              help="with --lookahead: also replay with at most this many prefetches per layer and "
+                                   "token")
     study_parser.add_argument("--json", metavar="PATH", type=_output_path, help="write every run's numbers as JSON")
     study_parser.add_argument("--plot", metavar="PATH", type=_output_path,
                               help="write perplexity and hit rate against residency (PNG)")

@@ -169,3 +169,47 @@ def recall(indices: np.ndarray, predictions: np.ndarray) -> np.ndarray:
                 named = [len(set(predictions[t, layer, ahead - 1]) & set(indices[t, target])) for t in range(tokens)]
                 out[layer, ahead - 1] = float(np.mean(named)) / top_k
     return out
+
+
+def replay_grid(config, residencies, policies=POLICIES, depths=(0, 1, 2), budgets=(None,)) -> dict:
+    """The checkpoint's routing and its routers' predictions over its text (:func:`kq.study.record_routing`,
+    ``config`` a :class:`kq.study.StudyConfig`), replayed (:func:`simulate`) at each residency, policy,
+    look-ahead depth and per-layer read budget (budgets apply to depths above 0). Returns the recall of the
+    predictions ``[L, n]`` and one row of :meth:`Replay.summary` per replay, with its residency."""
+    from kq.study import record_routing
+
+    indices, _, predictions = record_routing(config, lookahead=max(max(depths), 1))
+    experts, top_k = _experts(config), indices.shape[-1]
+    rows = []
+    for residency in residencies:
+        slots = max(top_k, round(residency * experts))
+        for policy in policies:
+            for depth in depths:
+                for budget in (budgets if depth else (None,)):
+                    replay = simulate(indices, predictions, slots=slots, policy=policy, lookahead=depth,
+                                      budget=budget, warmup=config.warmup)
+                    rows.append(dict(replay.summary(), residency=residency))
+    return {"checkpoint": str(config.checkpoint), "tokens": config.tokens, "warmup": config.warmup,
+            "recall": recall(indices[config.warmup:], predictions[config.warmup:]).tolist(), "rows": rows}
+
+
+def _experts(config) -> int:
+    from kq.study import checkpoint_config
+
+    return int(checkpoint_config(config.checkpoint)["num_experts"])
+
+
+def format_replay(result: dict) -> str:
+    """:func:`replay_grid`'s rows as a Markdown table, critical reads also against no look-ahead."""
+    base = {(r["residency"], r["policy"]): r for r in result["rows"] if r["lookahead"] == 0}
+    lines = ["| residency | policy | look-ahead | budget | hit rate | critical reads/token | vs none | "
+             "prefetches/token | wasted per useful |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        none = base.get((r["residency"], r["policy"]))
+        ratio = (f"{r['critical_reads_per_token'] / none['critical_reads_per_token']:.2f}"
+                 if none and none["critical_reads_per_token"] else "-")
+        lines.append(f"| {r['residency']:.0%} | {r['policy']} | {r['lookahead']} | "
+                     f"{'-' if r['budget'] is None else r['budget']} | {r['hit_rate']:.3f} | "
+                     f"{r['critical_reads_per_token']:.2f} | {ratio} | "
+                     f"{r['prefetches_per_token']:.2f} | {r['wasted_per_useful']:.2f} |")
+    return "\n".join(lines)

@@ -924,7 +924,9 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.2f}" if nbytes else "-"
 
 
-def write_json(config: StudyConfig, resident: RunResult, results: list[RunResult], path) -> None:
+def write_json(config: StudyConfig, resident: RunResult, results: list[RunResult], path, *,
+               lookahead: dict | None = None) -> None:
+    """Every run's numbers, and ``lookahead`` (:func:`kq.lookahead.replay_grid`'s result) where given."""
     import platform
 
     import jax
@@ -933,6 +935,8 @@ def write_json(config: StudyConfig, resident: RunResult, results: list[RunResult
                "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
                "resident": resident.summary(),
                "runs": [dict(r.summary(), interval_95=paired_interval(r, resident)) for r in results]}
+    if lookahead is not None:
+        payload["lookahead"] = lookahead
     Path(path).write_text(json.dumps(payload, indent=1) + "\n")
 
 

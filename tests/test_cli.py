@@ -385,6 +385,12 @@ RANDOM_DEMO = ["demo", "--random", "--frameworks", "jax", "--steps", "2"]
                  id="bench-resident-fraction-nan"),
     pytest.param(["study", "--framework", "mlx", "--rules", "shed", "prior", "--tokens", "4", "--warmup", "2"],
                  "JAX only", id="study-jax-only-rule-through-mlx"),
+    pytest.param(["study", "--framework", "mlx", "--rules", "shed", "--tokens", "4", "--warmup", "2", "--lookahead",
+                  "1"], "--lookahead", id="study-lookahead-through-mlx"),
+    pytest.param([*STUDY_RUN, "--lookahead", "3"], "--lookahead", id="study-lookahead-three-layers"),
+    pytest.param([*STUDY_RUN, "--prefetch-budget", "2"], "--prefetch-budget", id="study-budget-without-lookahead"),
+    pytest.param([*STUDY_RUN, "--lookahead", "1", "--prefetch-budget", "0"], "--prefetch-budget",
+                 id="study-budget-zero"),
 ])
 def test_bad_inputs_are_refused_naming_them_before_any_run(argv, message, broken_inputs, capsys):
     pytest.importorskip("jax")
@@ -394,6 +400,24 @@ def test_bad_inputs_are_refused_naming_them_before_any_run(argv, message, broken
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and message in err, err
     assert "Traceback" not in err
+
+
+def test_the_study_replays_the_exact_loop_with_look_ahead(tmp_path, capsys):
+    pytest.importorskip("jax")
+    pytest.importorskip("tokenizers")
+    path = tmp_path / "study.json"
+    argv = ["study", "--tokens", "24", "--warmup", "4", "--residency", "0.25", "--rules", "stall", "--policies", "lru",
+            "lfu", "--lookahead", "1", "2", "--prefetch-budget", "2", "--no-progress", "--json", str(path)]
+    assert main(argv) == 0
+    assert "lands before layer l+1 routes" in capsys.readouterr().out
+    rows = json.loads(path.read_text())["lookahead"]["rows"]
+    assert sorted({(r["policy"], r["lookahead"], r["budget"]) for r in rows}, key=str) == sorted(
+        {(p, d, b) for p in ("lru", "lfu") for d in (0, 1, 2) for b in ((None,) if d == 0 else (None, 2))}, key=str)
+    for r in rows:
+        assert r["hits"] + r["critical_reads"] == r["lookups"] == 24 * 4 * 8  # tokens x layers x top-k
+        assert (r["prefetches"] > 0) == (r["lookahead"] > 0)
+        if r["budget"] is not None:
+            assert r["prefetches"] <= 24 * 3 * 2 * r["lookahead"]  # at most 2 a layer and token, per layer ahead
 
 
 def test_the_bench_refuses_a_resident_fraction_outside_zero_one():
