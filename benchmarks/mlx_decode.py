@@ -16,6 +16,15 @@ engine does, greedily and autoregressively, the next token's input kept on the d
 * ``overlapped``: ``generate_greedy``: the next token built, this token read back, the next token
   dispatched, then this token's boundary.
 
+The token taken apart, at 100% only (the slot tables never change, so every expert must be resident):
+
+* ``fixed-tables``: the arena's graph decoded as ``unmodified`` is, nothing but the token read back;
+* ``fixed-tables+readback``: the same with every layer's report packed, evaluated with its token and
+  read back as the arena loops read it, no ``manager.step``, no ``set_tables``.
+
+``unmodified`` to ``fixed-tables`` is the graph's cost; ``fixed-tables`` to ``+readback`` the packed
+reports'; from there to ``overlapped`` the host's boundary.
+
 Each arena loop runs at 100% residency (every expert preloaded: the adapter's own cost; its tokens are
 compared with the unmodified model's) and at 25% (experts read between tokens by the residency
 manager; the in-memory experts are the 'disk', so this is the arena's cost, not an SSD's). Steady
@@ -41,6 +50,7 @@ VARIANTS = (("stdlib-moe", ROOT / "models" / "stdlib-moe", False),
             ("wheels-moe", ROOT / "models" / "wheels-moe", False))
 PROMPT = "def read_config(path):\n"
 MODES = ("per-layer", "packed", "dispatch-first", "overlapped")
+FIXED_TABLE_MODES = ("fixed-tables", "fixed-tables+readback")
 
 
 def _unmodified(model, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
@@ -103,6 +113,35 @@ def _dispatch_first(model, blocks, manager, prompt: list[int], steps: int) -> li
     return tokens
 
 
+def _fixed_tables(model, blocks, manager, prompt: list[int], steps: int, *, read_reports: bool):
+    """The arena's graph on the manager's first tables, dispatched as :func:`_unmodified`; with
+    ``read_reports`` every layer's report packed, evaluated with the token and read back. Tokens, stamps."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kq_mlx.mlx_lm_adapter import pack_reports, set_tables
+
+    set_tables(blocks, manager.snapshot())
+    cache, tokens, stamps = make_prompt_cache(model), [], []
+
+    def forward(x):
+        token = mx.argmax(model(x, cache=cache)[0, -1], axis=-1)
+        packed = pack_reports(blocks) if read_reports else None
+        mx.async_eval(token, *([packed] if read_reports else []))
+        return token, packed
+
+    token, packed = forward(mx.array([prompt]))
+    for _ in range(steps):
+        following = forward(token.reshape(1, 1))
+        tokens.append(int(token.item()))
+        if read_reports:
+            np.array(packed)
+        stamps.append(time.perf_counter())
+        token, packed = following
+    return tokens, stamps
+
+
 class _Stamped:
     """A residency manager whose ``step`` notes when each token's boundary began."""
 
@@ -137,7 +176,8 @@ def _tok_s(stamps: list[float], tokens: int) -> float:
 
 
 def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, prompt: list[int], steps: int):
-    """One arena loop on a freshly loaded model: its tokens and the manager (stamped, closed)."""
+    """One arena loop on a freshly loaded model: its tokens, the time each token's boundary began, and
+    the manager's hit rate."""
     from kq_host.residency import ResidencyManager
     from kq_mlx.mlx_lm_adapter import SwitchGLUArena, attach_arena, generate_greedy
 
@@ -150,14 +190,17 @@ def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, p
         loader=lambda layer, expert, slot: blocks[layer].expert_weights(expert)))
     for layer in range(len(blocks)):
         manager.preload(layer, range(slots) if slots == num_experts else [])
-    if mode == "per-layer":
+    stamps = manager.stamps
+    if mode in FIXED_TABLE_MODES:
+        got, stamps = _fixed_tables(model, blocks, manager, prompt, steps, read_reports=mode.endswith("readback"))
+    elif mode == "per-layer":
         got = _per_layer(model, blocks, manager, prompt, steps)
     elif mode == "dispatch-first":
         got = _dispatch_first(model, blocks, manager, prompt, steps)
     else:
         got = generate_greedy(model, blocks, manager, prompt, steps, overlap=mode == "overlapped")
     manager.close()
-    return got, manager
+    return got, stamps, manager.stats()[1].hit_rate
 
 
 def run(tokens: int = 64, warmup: int = 16, residencies=(1.0, 0.25), rounds: int = 3) -> dict:
@@ -172,7 +215,8 @@ def run(tokens: int = 64, warmup: int = 16, residencies=(1.0, 0.25), rounds: int
     for name, checkpoint, quantized in VARIANTS:
         model, tokenizer = _load(checkpoint, quantized)
         prompt = tokenizer.encode(PROMPT)
-        loops = [("unmodified", 1.0)] + [(mode, residency) for residency in residencies for mode in MODES]
+        loops = ([("unmodified", 1.0)] + [(mode, 1.0) for mode in FIXED_TABLE_MODES if 1.0 in residencies]
+                 + [(mode, residency) for residency in residencies for mode in MODES])
         runs: dict[tuple[str, float], list[dict]] = {loop: [] for loop in loops}
         want = None
         for _ in range(rounds):
@@ -182,8 +226,7 @@ def run(tokens: int = 64, warmup: int = 16, residencies=(1.0, 0.25), rounds: int
                     want = want or got
                     hit_rate = None
                 else:
-                    got, manager = _arena_run(checkpoint, quantized, residency, mode, prompt, steps)
-                    stamps, hit_rate = manager.stamps, manager.stats()[1].hit_rate
+                    got, stamps, hit_rate = _arena_run(checkpoint, quantized, residency, mode, prompt, steps)
                 runs[mode, residency].append(dict(tok_s=_tok_s(stamps, tokens), hit_rate=hit_rate,
                                                   same_tokens=got == want))
         for (mode, residency), done in runs.items():
