@@ -158,6 +158,7 @@ class RunResult:
     seconds: float = 0.0
     trace: dict = field(default_factory=dict)
     token_bits: list = field(default_factory=list)  # each scored token's bits, in text order
+    layer_hit_rates: list = field(default_factory=list)  # each layer's hit rate (over its streams)
 
     def score(self, bits: float) -> None:
         """Adds one scored token's bits."""
@@ -521,7 +522,7 @@ class JaxStudy:
         start = time.perf_counter()
         for position in range(length - 1):
             if position == config.warmup:
-                _, before = manager.stats()
+                layers_before, before = manager.stats()
             logits, cache, packed = step(params, jnp.asarray(tables.reshape(layers, streams, experts)),
                                          jnp.asarray(windows[:, position]), position, cache, tier)
             logits, packed = jax.device_get((logits, packed))
@@ -536,16 +537,31 @@ class JaxStudy:
                     result.critical_reads += int((~np.take_along_axis(resident_now, indices.astype(np.int64),
                                                                       axis=-1)).sum())
             tables = manager.step(LayerReport(*(f.reshape(managed, 1, top_k) for f in fields[:4])))
-        _, after = manager.stats()
+        layers_after, after = manager.stats()
         manager.close()
         since = after.since(before)
         result.hits, result.lookups = since.hits, since.lookups
+        result.layer_hit_rates = _layer_hit_rates(layers_before, layers_after, layers)
         result.reads, result.bytes_read = since.reads_landed, since.bytes_read
         result.seconds = time.perf_counter() - start
         for row in bits:
             for value in row:
                 result.score(float(value))
         return result
+
+
+def _layer_hit_rates(before, after, layers: int) -> list[float]:
+    """Each model layer's hit rate between two ``manager.stats()`` per-layer lists, manager layers
+    ``l * n .. (l + 1) * n - 1`` being layer l's (n streams); empty where the manager keeps none."""
+    if not after:
+        return []
+    per = len(after) // layers
+    rates = []
+    for layer in range(layers):
+        span = range(layer * per, (layer + 1) * per)
+        lookups = sum(after[i].lookups - before[i].lookups for i in span)
+        rates.append(sum(after[i].hits - before[i].hits for i in span) / lookups if lookups else 1.0)
+    return rates
 
 
 def _stream_bits(logits, targets) -> np.ndarray:
@@ -813,7 +829,7 @@ def decode_through_arena(tokens: list[int], warmup: int, result: RunResult, mana
     token_seconds = []
     for position in range(given - 1 + generate):
         if position == warmup:
-            _, before = manager.stats()
+            layers_before, before = manager.stats()
         token_start = time.perf_counter()
         logits, reports = token(position, tokens[position], tables)
         if position + 1 >= given:
@@ -828,10 +844,11 @@ def decode_through_arena(tokens: list[int], warmup: int, result: RunResult, mana
                     result.critical_reads += int((tables[layer][indices.astype(np.int64)] < 0).sum())
         tables = manager.step([LayerReport(*r[:4]) for r in reports])
         token_seconds.append(time.perf_counter() - token_start)
-    _, after = manager.stats()
+    layers_after, after = manager.stats()
     manager.close()
     since = after.since(before)
     result.hits, result.lookups = since.hits, since.lookups
+    result.layer_hit_rates = _layer_hit_rates(layers_before, layers_after, manager.num_layers)
     result.reads, result.bytes_read = since.reads_landed, since.bytes_read
     result.seconds = time.perf_counter() - start
     result.trace["tokens"] = tokens

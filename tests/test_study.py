@@ -293,6 +293,10 @@ def test_the_first_stream_is_the_text_decoded_alone(streamed):
     alone = make_study(StudyConfig(tokens=8, warmup=4, framework="jax")).run(0.25, "lfu", "shed")
     together = streamed.run(0.25, "lfu", "shed")
     assert together.hits < together.lookups  # the case sheds
+    # every layer looks up as many entries a token: the layers' mean hit rate is the run's
+    for run in (alone, together):
+        assert len(run.layer_hit_rates) == 4 and min(run.layer_hit_rates) < 1.0
+        assert np.mean(run.layer_hit_rates) == pytest.approx(run.hits / run.lookups, rel=1e-12)
     np.testing.assert_allclose(together.token_bits[:8], alone.token_bits, rtol=0, atol=1e-4)
     assert abs(together.token_bits[8] - alone.token_bits[0]) > 1e-3  # the second stream is another window
 
