@@ -273,8 +273,7 @@ def _study(args, parser) -> int:
     if args.lookahead:
         from kq import lookahead
 
-        replay = lookahead.replay_grid(dataclasses.replace(config, streams=1), config.residencies,
-                                       [p for p in config.policies if p in lookahead.POLICIES],
+        replay = lookahead.replay_grid(dataclasses.replace(config, streams=1), config.residencies, config.policies,
                                        depths=sorted({0, *args.lookahead}), budgets=(None, *args.prefetch_budget))
         print(f"\nThe exact loop replayed ({lookahead.__name__}.simulate: a prefetch issued after layer l lands "
               f"before layer l+1 routes), {config.tokens} tokens:")

@@ -338,7 +338,7 @@ def make_streams_step(cfg, rule: str, num_slots: int, tier_options: tuple[int, i
 
     step, pack = jax.jit(step), jax.jit(_pack_reports)
 
-    def packed_step(*args):  # packed by a program of its own: in the step, XLA fuses the routing differently
+    def packed_step(*args):  # packed by a program of its own, the step's program left as it was
         logits, cache, reports = step(*args)
         return logits, cache, pack(reports)
 
