@@ -99,7 +99,7 @@ for name in ${PARTS:-tests check memcheck}; do
                    fi
                  done
                done ;;
-    mlx_decode) part mlx_decode python3 -m benchmarks mlx_decode --json "$OUT/mlx_decode.json" ;;
+    mlx_decode) part mlx_decode python3 -m benchmarks mlx_decode --json "$OUT/mlx_decode.json" ${MLX_DECODE_ARGS:-} ;;
     exact_loop) part "exact_loop${EXACT_TAG:-}" python3 -m benchmarks exact_loop --json "$OUT/exact_loop${EXACT_TAG:-}.json" \
                   ${EXACT_ARGS:-}
                 part exact_loop_tests python3 -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_exact_loop.py ;;

@@ -23,7 +23,11 @@ The token taken apart, at 100% only (the slot tables never change, so every expe
   read back as the arena loops read it, no ``manager.step``, no ``set_tables``.
 
 ``unmodified`` to ``fixed-tables`` is the graph's cost; ``fixed-tables`` to ``+readback`` the packed
-reports'; from there to ``overlapped`` the host's boundary.
+reports'; from there to ``overlapped`` the host's boundary. Those loops, ``unmodified`` and
+``overlapped-phases`` (``generate_greedy``'s order, written out) also time each token's host phases
+(medians, ms): ``build`` (the graph built), ``dispatch`` (``mx.async_eval``), ``read`` (waiting for the
+token and copying it, and its reports, back), ``step`` (``manager.step``) and ``tables``
+(:func:`~kq_mlx.mlx_lm_adapter.set_tables`).
 
 Each arena loop runs at 100% residency (every expert preloaded: the adapter's own cost; its tokens are
 compared with the unmodified model's) and at 25% (experts read between tokens by the residency
@@ -31,7 +35,7 @@ manager; the in-memory experts are the 'disk', so this is the arena's cost, not 
 state: the time between successive tokens over the last ``tokens`` of ``warmup + tokens``, each loop run
 ``rounds`` times, the loops interleaved within a round, the median round reported with the range.
 
-    python -m benchmarks mlx_decode --json out/mlx_decode.json
+    python -m benchmarks mlx_decode --json out/mlx_decode.json [--residencies 1.0] [--variants 0 2]
 """
 
 from __future__ import annotations
@@ -49,11 +53,31 @@ VARIANTS = (("stdlib-moe", ROOT / "models" / "stdlib-moe", False),
             ("stdlib-moe", ROOT / "models" / "stdlib-moe", True),
             ("wheels-moe", ROOT / "models" / "wheels-moe", False))
 PROMPT = "def read_config(path):\n"
-MODES = ("per-layer", "packed", "dispatch-first", "overlapped")
+MODES = ("per-layer", "packed", "dispatch-first", "overlapped", "overlapped-phases")
 FIXED_TABLE_MODES = ("fixed-tables", "fixed-tables+readback")
 
 
-def _unmodified(model, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
+class _Phases:
+    """Each token's host time split into named phases: ``mark(name)`` ends the phase begun at the last
+    mark (or ``start``)."""
+
+    def __init__(self):
+        self.spans: dict[str, list[float]] = {}
+        self.last = time.perf_counter()
+
+    def start(self) -> None:
+        self.last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.spans.setdefault(name, []).append(now - self.last)
+        self.last = now
+
+    def medians_ms(self, tokens: int) -> dict[str, float]:
+        return {name: 1e3 * statistics.median(spans[-tokens:]) for name, spans in self.spans.items()}
+
+
+def _unmodified(model, prompt: list[int], steps: int, phases: _Phases) -> tuple[list[int], list[float]]:
     """Greedy tokens and the time each arrived, the next token dispatched before this one is read."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
@@ -62,9 +86,13 @@ def _unmodified(model, prompt: list[int], steps: int) -> tuple[list[int], list[f
     token = mx.argmax(model(mx.array([prompt]), cache=cache)[0, -1], axis=-1)
     mx.async_eval(token)
     for _ in range(steps):
+        phases.start()
         following = mx.argmax(model(token.reshape(1, 1), cache=cache)[0, -1], axis=-1)
+        phases.mark("build")
         mx.async_eval(following)
+        phases.mark("dispatch")
         tokens.append(int(token.item()))
+        phases.mark("read")
         stamps.append(time.perf_counter())
         token = following
     return tokens, stamps
@@ -113,7 +141,41 @@ def _dispatch_first(model, blocks, manager, prompt: list[int], steps: int) -> li
     return tokens
 
 
-def _fixed_tables(model, blocks, manager, prompt: list[int], steps: int, *, read_reports: bool):
+def _overlapped_phases(model, blocks, manager, prompt: list[int], steps: int, phases: _Phases) -> list[int]:
+    """:func:`~kq_mlx.mlx_lm_adapter.generate_greedy`'s overlapped order, each phase timed."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kq_host.residency import LayerReport
+    from kq_mlx.mlx_lm_adapter import pack_reports, set_tables
+
+    cache, tokens, x, pending = make_prompt_cache(model), [], mx.array([prompt]), None
+    set_tables(blocks, manager.snapshot())
+
+    for _ in range(steps):
+        phases.start()
+        token = mx.argmax(model(x, cache=cache)[0, -1], axis=-1)
+        packed = pack_reports(blocks)
+        phases.mark("build")
+        if pending is not None:
+            tokens.append(int(pending[0].item()))
+            landed = np.array(pending[1])
+            phases.mark("read")
+        mx.async_eval(token, packed)
+        phases.mark("dispatch")
+        if pending is not None:
+            tables = manager.step(LayerReport.from_packed(landed))
+            phases.mark("step")
+            set_tables(blocks, tables)
+            phases.mark("tables")
+        pending, x = (token, packed), token.reshape(1, 1)
+    tokens.append(int(pending[0].item()))
+    set_tables(blocks, manager.step(LayerReport.from_packed(np.array(pending[1]))))
+    return tokens
+
+
+def _fixed_tables(model, blocks, manager, prompt: list[int], steps: int, phases: _Phases, *, read_reports: bool):
     """The arena's graph on the manager's first tables, dispatched as :func:`_unmodified`; with
     ``read_reports`` every layer's report packed, evaluated with the token and read back. Tokens, stamps."""
     import mlx.core as mx
@@ -128,15 +190,19 @@ def _fixed_tables(model, blocks, manager, prompt: list[int], steps: int, *, read
     def forward(x):
         token = mx.argmax(model(x, cache=cache)[0, -1], axis=-1)
         packed = pack_reports(blocks) if read_reports else None
+        phases.mark("build")
         mx.async_eval(token, *([packed] if read_reports else []))
+        phases.mark("dispatch")
         return token, packed
 
     token, packed = forward(mx.array([prompt]))
     for _ in range(steps):
+        phases.start()
         following = forward(token.reshape(1, 1))
         tokens.append(int(token.item()))
         if read_reports:
             np.array(packed)
+        phases.mark("read")
         stamps.append(time.perf_counter())
         token, packed = following
     return tokens, stamps
@@ -175,7 +241,8 @@ def _tok_s(stamps: list[float], tokens: int) -> float:
     return 1.0 / statistics.median(gaps)
 
 
-def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, prompt: list[int], steps: int):
+def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, prompt: list[int], steps: int,
+               phases: _Phases):
     """One arena loop on a freshly loaded model: its tokens, the time each token's boundary began, and
     the manager's hit rate."""
     from kq_host.residency import ResidencyManager
@@ -192,7 +259,10 @@ def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, p
         manager.preload(layer, range(slots) if slots == num_experts else [])
     stamps = manager.stamps
     if mode in FIXED_TABLE_MODES:
-        got, stamps = _fixed_tables(model, blocks, manager, prompt, steps, read_reports=mode.endswith("readback"))
+        got, stamps = _fixed_tables(model, blocks, manager, prompt, steps, phases,
+                                    read_reports=mode.endswith("readback"))
+    elif mode == "overlapped-phases":
+        got = _overlapped_phases(model, blocks, manager, prompt, steps, phases)
     elif mode == "per-layer":
         got = _per_layer(model, blocks, manager, prompt, steps)
     elif mode == "dispatch-first":
@@ -203,7 +273,7 @@ def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, p
     return got, stamps, manager.stats()[1].hit_rate
 
 
-def run(tokens: int = 64, warmup: int = 16, residencies=(1.0, 0.25), rounds: int = 3) -> dict:
+def run(tokens: int = 64, warmup: int = 16, residencies=(1.0, 0.25), rounds: int = 3, variants=VARIANTS) -> dict:
     """Every loop ``rounds`` times, the loops interleaved within a round; a row is a loop's median round."""
     import mlx.core as mx
     import numpy as np
@@ -212,7 +282,7 @@ def run(tokens: int = 64, warmup: int = 16, residencies=(1.0, 0.25), rounds: int
 
     steps = warmup + tokens
     rows = []
-    for name, checkpoint, quantized in VARIANTS:
+    for name, checkpoint, quantized in variants:
         model, tokenizer = _load(checkpoint, quantized)
         prompt = tokenizer.encode(PROMPT)
         loops = ([("unmodified", 1.0)] + [(mode, 1.0) for mode in FIXED_TABLE_MODES if 1.0 in residencies]
@@ -221,21 +291,23 @@ def run(tokens: int = 64, warmup: int = 16, residencies=(1.0, 0.25), rounds: int
         want = None
         for _ in range(rounds):
             for mode, residency in loops:
+                phases = _Phases()
                 if mode == "unmodified":
-                    got, stamps = _unmodified(model, prompt, steps)
+                    got, stamps = _unmodified(model, prompt, steps, phases)
                     want = want or got
                     hit_rate = None
                 else:
-                    got, stamps, hit_rate = _arena_run(checkpoint, quantized, residency, mode, prompt, steps)
+                    got, stamps, hit_rate = _arena_run(checkpoint, quantized, residency, mode, prompt, steps, phases)
                 runs[mode, residency].append(dict(tok_s=_tok_s(stamps, tokens), hit_rate=hit_rate,
-                                                  same_tokens=got == want))
+                                                  same_tokens=got == want, phases_ms=phases.medians_ms(tokens)))
         for (mode, residency), done in runs.items():
             ordered = sorted(done, key=lambda r: r["tok_s"])
             middle = ordered[len(done) // 2]
             rows.append(dict(model=name, quantized=quantized or Quantization.of(checkpoint) is not None, mode=mode,
                              residency=residency, tok_s=middle["tok_s"],
                              tok_s_range=[ordered[0]["tok_s"], ordered[-1]["tok_s"]], hit_rate=middle["hit_rate"],
-                             same_tokens=all(r["same_tokens"] for r in done)))
+                             same_tokens=all(r["same_tokens"] for r in done),
+                             **({"phases_ms": middle["phases_ms"]} if middle["phases_ms"] else {})))
             print(json.dumps(rows[-1]), flush=True)
     return {"device": str(mx.default_device()), "mlx": mx.__version__, "python": platform.python_version(),
             "numpy": np.__version__, "date": time.strftime("%Y-%m-%d"), "tokens": tokens, "warmup": warmup,
@@ -247,9 +319,14 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3, help="runs of every loop, interleaved")
+    parser.add_argument("--residencies", type=float, nargs="+", default=[1.0, 0.25])
+    parser.add_argument("--variants", nargs="+", type=int, default=list(range(len(VARIANTS))),
+                        help="indices into " + ", ".join(f"{i}: {n}{' 4-bit' if q else ''}"
+                                                         for i, (n, _, q) in enumerate(VARIANTS)))
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
-    result = run(args.tokens, args.warmup, rounds=args.rounds)
+    result = run(args.tokens, args.warmup, tuple(args.residencies), args.rounds,
+                 tuple(VARIANTS[i] for i in args.variants))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
