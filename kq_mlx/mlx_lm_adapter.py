@@ -102,6 +102,7 @@ class ArenaMoeBlock(nn.Module):
             block.pop("switch_mlp")
         self.keeps_experts = keep_experts
         self.slot_table = mx.full((self.num_experts,), -1, mx.int32)
+        self._published = None  # set_tables' last row for this block (_Published: outside the module's tree)
         self.rule = "route_shed"
         self.tier = None  # a SwitchGLU of every expert at low precision (attach_tier)
         self.manager, self.layer = None, None  # rule "exact" (attach_exact)
@@ -399,35 +400,57 @@ def attach_tier(blocks: list[ArenaMoeBlock], tier) -> None:
         block.tier = low
 
 
+class _Published:
+    """A slot table row as :func:`set_tables` last handed it to a block, and the array it made."""
+
+    __slots__ = ("row", "table")
+
+    def __init__(self, row: np.ndarray, table: mx.array):
+        self.row, self.table = row, table
+
+
 def set_tables(blocks: list[ArenaMoeBlock], tables: np.ndarray) -> None:
     """Hands each block its layer's slot table for the next forward pass (``tables``: int ``[L, E]``).
 
-    One host-to-device transfer; each block takes its row.
+    Only the rows that changed since this function last set them travel to the device, each as an array
+    of its own, so an unchanged arena (every step at full residency) adds nothing to the next graph. A
+    block whose ``slot_table`` was set some other way since always gets its row.
     """
-    on_device = mx.array(np.asarray(tables, np.int32))
+    tables = np.asarray(tables, np.int32)
+    if tables.ndim != 2 or tables.shape[0] != len(blocks):
+        raise ValueError(f"set_tables: tables must be int [L, E] with L = {len(blocks)} blocks, got shape "
+                         f"{tables.shape}")
     for layer, block in enumerate(blocks):
-        block.slot_table = on_device[layer]
+        row, published = tables[layer], block._published
+        if published is not None and published.table is block.slot_table and np.array_equal(published.row, row):
+            continue
+        block.slot_table = mx.array(row)
+        block._published = _Published(row.copy(), block.slot_table)
 
 
 def pack_reports(blocks: list[ArenaMoeBlock]) -> mx.array:
     """Every block's last routing and misses in one array of the graph, so the host reads a token's
     reports back in one transfer (:meth:`kq_host.residency.LayerReport.from_packed`).
 
+    Each field is stacked over the layers first and then converted once, so the graph gains a few ops
+    a token, not a few per layer.
+
     Returns:
         int32 ``[4, L, T, K]``: ids, scores (float32 bits), miss ids, miss scores (float32 bits); ``T``
         the rows of the last pass.
     """
-    def rows(a):
-        return a.reshape(-1, a.shape[-1])
+    lasts = [block.last for block in blocks]
+
+    def stacked(arrays):
+        return mx.stack(arrays).reshape(len(arrays), -1, arrays[0].shape[-1])
 
     def bits(scores):
-        return rows(scores.astype(mx.float32)).view(mx.int32)
+        return stacked(scores).astype(mx.float32).view(mx.int32)
 
-    lasts = [block.last for block in blocks]
-    return mx.stack([mx.stack([rows(inds.astype(mx.int32)) for inds, _, _ in lasts]),
-                     mx.stack([bits(scores) for _, scores, _ in lasts]),
-                     mx.stack([rows(shed.miss_ids.astype(mx.int32)) for _, _, shed in lasts]),
-                     mx.stack([bits(shed.miss_scores) for _, _, shed in lasts])])
+    return mx.stack([stacked([inds for inds, _, _ in lasts]).astype(mx.int32),
+                     bits([scores for _, scores, _ in lasts]),
+                     stacked([shed.miss_ids for _, _, shed in lasts]).astype(mx.int32),
+                     bits([shed.miss_scores for _, _, shed in lasts])])
 
 
 def generate_greedy(model: nn.Module, blocks: list[ArenaMoeBlock], manager, prompt: list[int], max_tokens: int,

@@ -462,3 +462,24 @@ def test_attach_exact_refuses_a_manager_of_another_shape():
     blocks = attach_arena(model, num_slots=4)
     with pytest.raises(ValueError, match="attach_exact"):
         attach_exact(model, blocks, _manager_over(blocks, 8, queue_depth=0))
+
+
+def test_set_tables_sends_only_the_rows_that_changed():
+    model = evaluated(qwen3_model, seed=6)
+    blocks = attach_arena(model, num_slots=6)
+    tables = np.full((LAYERS, EXPERTS), -1, np.int32)
+    tables[:, :6] = np.arange(6)
+    set_tables(blocks, tables)
+    first = [block.slot_table for block in blocks]
+    set_tables(blocks, tables.copy())
+    assert all(block.slot_table is table for block, table in zip(blocks, first))  # nothing changed, nothing sent
+    tables[1, [0, 7]] = tables[1, [7, 0]]
+    set_tables(blocks, tables)
+    assert blocks[0].slot_table is first[0] and blocks[1].slot_table is not first[1]
+    assert np.array_equal(np.array(blocks[1].slot_table), tables[1])
+    blocks[0].slot_table = mx.full((EXPERTS,), -1, mx.int32)  # set by hand: the next call restores its row
+    set_tables(blocks, tables)
+    assert np.array_equal(np.array(blocks[0].slot_table), tables[0])
+    assert "_published" not in blocks[0] and "_published" not in dict(blocks[0].parameters())
+    with pytest.raises(ValueError, match=r"set_tables: tables must be int \[L, E\] with L = 2"):
+        set_tables(blocks, tables[:1])
