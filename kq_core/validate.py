@@ -50,14 +50,26 @@ class RouteShedInputError(RouteShedArgumentError):
         super().__init__(argument, f"{argument}{list(position)}: {rule} ({detail})")
 
 
+_DTYPE_NAMES: dict = {}  # dtype object -> name: a graph-building call names the same few dtypes again and again
+
+
 def dtype_name(array) -> str:
     """Framework-neutral dtype name: 'int32', 'bfloat16', ... (NumPy, JAX, MLX)."""
     dtype = array.dtype
     try:
-        return np.dtype(dtype).name
+        return _DTYPE_NAMES[dtype]
+    except (KeyError, TypeError):  # TypeError: an unhashable dtype, named without the cache
+        pass
+    try:
+        name = np.dtype(dtype).name
     except TypeError:
         # mlx.core.Dtype prints as 'mlx.core.int32'.
-        return str(dtype).rsplit(".", 1)[-1]
+        name = str(dtype).rsplit(".", 1)[-1]
+    try:
+        _DTYPE_NAMES[dtype] = name
+    except TypeError:
+        pass
+    return name
 
 
 def _check_dtype(name: str, array, allowed: tuple[str, ...], op: str = "route_shed") -> None:
