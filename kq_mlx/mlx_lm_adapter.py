@@ -454,7 +454,8 @@ def pack_reports(blocks: list[ArenaMoeBlock]) -> mx.array:
 
 
 def generate_greedy(model: nn.Module, blocks: list[ArenaMoeBlock], manager, prompt: list[int], max_tokens: int,
-                    *, overlap: bool = True) -> list[int]:
+                    *, overlap: bool = True, exact: bool = False,
+                    on_token: Callable[[int], None] | None = None) -> list[int]:
     """Greedy decode through the arenas as an engine runs it: one readback per token, the host's boundary
     overlapped with the next token.
 
@@ -466,15 +467,30 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaMoeBlock], manager, prom
     while a token is in flight is copied, not changed under it (MLX arrays are never mutated while a
     graph holds them). Without ``overlap`` each boundary comes before the next token.
 
+    With ``exact`` a token is kept only if it ran with every routed expert resident: when its reports
+    show misses, the reads are waited for (``manager.drain``), the token's entries are cut from the KV
+    cache (with the next token's, built on it) and the token runs again on the new tables. The prompt
+    then goes in a token a pass, as decoding does (a pass needs the slots for every expert it routes),
+    and the tokens are the unmodified model's fed the same way, at any residency: each miss is read on
+    the token's critical path.
+
     Args:
         model: the mlx-lm model, its blocks wrapped by :func:`attach_arena` (``blocks``).
         manager: the :class:`~kq_host.residency.ResidencyManager` filling the blocks' arenas.
         prompt: the prompt's token ids (at least one); max_tokens: tokens to generate (at least one).
+        overlap: dispatch the next token before this token's boundary.
+        exact: run a token again until it misses nothing (needs a trimmable KV cache).
+        on_token: called with each generated id as it is kept (to stream the output).
 
     Returns:
         The ``max_tokens`` generated ids.
+
+    Raises:
+        ValueError: an empty prompt, ``max_tokens < 1``, or ``exact`` with a KV cache that cannot be cut.
+        RuntimeError: with ``exact``, a token still misses after ``L + 1`` runs (an arena too small for
+            one token's experts, or reads that never land).
     """
-    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
     from kq_host.residency import LayerReport
 
@@ -482,31 +498,55 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaMoeBlock], manager, prom
         raise ValueError(f"generate_greedy: needs a prompt of at least one token and max_tokens >= 1, got "
                          f"{len(prompt)} prompt tokens and max_tokens={max_tokens}")
     cache = make_prompt_cache(model)
+    if exact and not can_trim_prompt_cache(cache):
+        raise ValueError("generate_greedy: exact=True runs a token again, which needs a KV cache that can be "
+                         "trimmed; this model's cannot")
     set_tables(blocks, manager.snapshot())
     tokens: list[int] = []
 
-    def read(token, packed):
-        return int(token.item()), np.array(packed)
+    def build(x):
+        return x, mx.argmax(model(x, cache=cache)[0, -1], axis=-1), pack_reports(blocks)
 
-    def boundary(token: int, packed: np.ndarray):
-        tokens.append(token)
-        set_tables(blocks, manager.step(LayerReport.from_packed(packed)))
+    def dispatch(x):
+        built = build(x)
+        mx.async_eval(*built[1:])
+        return built
 
-    x, pending = mx.array([prompt]), None
-    for _ in range(max_tokens):
-        token = mx.argmax(model(x, cache=cache)[0, -1], axis=-1)
-        packed = pack_reports(blocks)
-        # The token before is read while this one is built, not yet dispatched: a read then waits for
-        # that token alone, wherever a read waits for the whole stream; its boundary runs beside this one.
-        landed = read(*pending) if pending is not None else None
-        mx.async_eval(token, packed)
-        if landed is not None:
-            boundary(*landed)
-        pending = (token, packed)
-        if not overlap:
-            boundary(*read(*pending))
-            pending = None
-        x = token.reshape(1, 1)
-    if pending is not None:
-        boundary(*read(*pending))
+    # Exact runs the prompt a token a pass, as it decodes: a pass needs every expert it routes resident.
+    forced = list(prompt[1:]) if exact else []
+    current, runs = dispatch(mx.array([prompt[:1] if exact else prompt])), 0
+    while len(tokens) < max_tokens:
+        more = bool(forced) or len(tokens) + 1 < max_tokens
+        following_input = mx.array([forced[:1]]) if forced else current[1].reshape(1, 1)
+        # The next token is built while this one runs, and dispatched once this one is read: a read then
+        # waits for this token alone, wherever a read waits for the whole stream.
+        following = build(following_input) if overlap and more else None
+        token, packed = int(current[1].item()), np.array(current[2])
+        report = LayerReport.from_packed(packed)
+        missed = exact and bool((report.miss_ids >= 0).any())
+        if following is not None and not missed:
+            mx.async_eval(*following[1:])
+        if runs == 0 or missed:  # a run again that hits everything was credited by the run before it
+            tables = manager.step(report)
+        if missed:
+            runs += 1
+            if runs > len(blocks):
+                raise RuntimeError(f"generate_greedy: a pass still misses {int((report.miss_ids >= 0).sum())} "
+                                   f"experts after {runs} runs (an arena too small for one token's experts?)")
+            manager.drain()
+            tables = manager.snapshot()
+            set_tables(blocks, tables)
+            trim_prompt_cache(cache, current[0].shape[1] + (following is not None))
+            current = dispatch(current[0])
+            continue
+        set_tables(blocks, tables)
+        if forced:
+            forced.pop(0)
+        else:
+            tokens.append(token)
+            if on_token is not None:
+                on_token(token)
+        runs = 0
+        if more:
+            current = following if following is not None else dispatch(following_input)
     return tokens

@@ -483,3 +483,36 @@ def test_set_tables_sends_only_the_rows_that_changed():
     assert "_published" not in blocks[0] and "_published" not in dict(blocks[0].parameters())
     with pytest.raises(ValueError, match=r"set_tables: tables must be int \[L, E\] with L = 2"):
         set_tables(blocks, tables[:1])
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "serial"])
+def test_generate_greedy_exact_is_the_model_at_partial_residency(overlap):
+    """exact=True: a token that missed runs again once its misses are read, so every kept token is the
+    unmodified model's, from a cold arena a third the size of the model's experts."""
+    from kq_mlx.mlx_lm_adapter import generate_greedy
+
+    model = evaluated(qwen3_model, seed=7)
+    cache = make_prompt_cache(model)
+    for token in [2, 7, 1]:  # the unmodified model fed the prompt a token a pass, as exact runs it
+        mx.eval(model(mx.array([[token]]), cache=cache))
+    want, x = [], mx.array([[8]])
+    for _ in range(16):
+        want.append(int(mx.argmax(model(x, cache=cache)[0, -1]).item()))
+        x = mx.array([want[-1:]])
+    blocks = attach_arena(model, num_slots=6)
+    manager = _manager_over(blocks, 6, queue_depth=0)
+    assert generate_greedy(model, blocks, manager, [2, 7, 1, 8], 16, overlap=overlap, exact=True) == want
+    _, total = manager.stats()
+    assert total.misses > 0 and total.reads_landed > 0  # it did read on the way
+    manager.close()
+
+
+def test_generate_greedy_exact_refuses_an_arena_too_small_for_one_token():
+    from kq_mlx.mlx_lm_adapter import generate_greedy
+
+    model = evaluated(qwen3_model, seed=7)
+    blocks = attach_arena(model, num_slots=2)  # top-4 routing: 4 experts a row cannot fit 2 slots
+    manager = _manager_over(blocks, 2, queue_depth=0)
+    with pytest.raises(RuntimeError, match="generate_greedy: a pass still misses"):
+        generate_greedy(model, blocks, manager, [2, 7, 1, 8], 4, exact=True)
+    manager.close()
