@@ -516,3 +516,29 @@ def test_generate_greedy_exact_refuses_an_arena_too_small_for_one_token():
     with pytest.raises(RuntimeError, match="generate_greedy: a pass still misses"):
         generate_greedy(model, blocks, manager, [2, 7, 1, 8], 4, exact=True)
     manager.close()
+
+
+def test_packed_reports_add_the_same_ops_however_many_layers():
+    """pack_reports joins each field over the layers before converting it: its graph does not grow
+    with the layers (on a GPU every op is a launch of its own in a host-bound token)."""
+    import io
+    from types import SimpleNamespace
+
+    from kq_core.contract import RouteShedResult
+    from kq_mlx.mlx_lm_adapter import pack_reports
+
+    def primitives(layers):
+        rng = np.random.default_rng(layers)
+        blocks = []
+        for _ in range(layers):
+            inds = mx.array(rng.integers(0, EXPERTS, (1, 1, 4)).astype(np.uint32))
+            scores = mx.array(rng.random((1, 1, 4)).astype(np.float32)).astype(mx.bfloat16)
+            shed = RouteShedResult(inds, scores.astype(mx.float32), mx.array(rng.integers(-1, EXPERTS, (1, 1, 4))
+                                                                             .astype(np.int32)), scores.astype(mx.float32))
+            mx.eval(inds, scores, *shed)
+            blocks.append(SimpleNamespace(last=(inds, scores, shed)))
+        dot = io.StringIO()
+        mx.export_to_dot(dot, pack_reports(blocks))
+        return dot.getvalue().count("shape=rectangle")
+
+    assert primitives(2) == primitives(16) <= 12
