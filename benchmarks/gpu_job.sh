@@ -17,7 +17,7 @@
 # installed beside it): mlx_check (`kq check --backends mlx-cuda`), mlx_tests (tests/test_mlx.py, test_mlx_lm.py),
 # mlx_bench (`kq bench`: mlx-cuda beside mlx-ops-gpu, the pure-`mx` path on the GPU stream,
 # on the same GPU), mlx_decode (mlx-lm decode through
-# the arena, `python -m benchmarks mlx_decode`). Each part's log and
+# the arena, `python -m benchmarks mlx_decode`, extra arguments in MLX_DECODE_ARGS). Each part's log and
 # JSON go under $OUT, with the device and versions in device.txt and one line per part in
 # summary.txt; a part is cut at PART_TIMEOUT seconds (default 500). Exits non-zero if a part failed.
 # Wheels in WHEELS (default .whl, e.g. Numba's for the host side: `pip download numba`) are installed
