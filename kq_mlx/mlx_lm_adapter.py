@@ -32,6 +32,7 @@ import mlx.nn as nn
 import numpy as np
 
 import kq_mlx
+from kq_mlx import report_pack
 from kq_host.arena import check_payload, checked_payloads
 from kq_host.residency import LayerReport
 
@@ -432,26 +433,17 @@ def pack_reports(blocks: list[ArenaMoeBlock]) -> mx.array:
     """Every block's last routing and misses in one array of the graph, so the host reads a token's
     reports back in one transfer (:meth:`kq_host.residency.LayerReport.from_packed`).
 
-    Each field is joined over the layers first (one concatenation, layer-major) and then converted
-    once, so the graph gains about a dozen ops a token however many layers there are.
+    A few ops a token however many layers there are (:mod:`kq_mlx.report_pack`: one kernel launch on
+    MLX's CUDA backend).
 
     Returns:
         int32 ``[4, L, T, K]``: ids, scores (float32 bits), miss ids, miss scores (float32 bits); ``T``
         the rows of the last pass.
     """
     lasts = [block.last for block in blocks]
-    k = lasts[0][0].shape[-1]
-
-    def joined(arrays):  # [L x B, T, K]: layer-major, as the final reshape reads it
-        return mx.concatenate(arrays, axis=0)
-
-    def bits(scores):
-        return joined(scores).astype(mx.float32).view(mx.int32)
-
-    fields = [joined([inds for inds, _, _ in lasts]).astype(mx.int32), bits([scores for _, scores, _ in lasts]),
-              joined([shed.miss_ids for _, _, shed in lasts]).astype(mx.int32),
-              bits([shed.miss_scores for _, _, shed in lasts])]
-    return mx.concatenate(fields, axis=0).reshape(4, len(lasts), -1, k)
+    return report_pack.pack({"ids": [inds for inds, _, _ in lasts], "scores": [scores for _, scores, _ in lasts],
+                             "miss_ids": [shed.miss_ids for _, _, shed in lasts],
+                             "miss_scores": [shed.miss_scores for _, _, shed in lasts]})
 
 
 def generate_greedy(model: nn.Module, blocks: list[ArenaMoeBlock], manager, prompt: list[int], max_tokens: int,

@@ -542,3 +542,32 @@ def test_packed_reports_add_the_same_ops_however_many_layers():
         return dot.getvalue().count("shape=rectangle")
 
     assert primitives(2) == primitives(16) <= 12
+
+
+@pytest.mark.parametrize("layers, shape, score_dtype", [(3, (2, 3, 4), "bfloat16"), (16, (1, 1, 8), "float32"),
+                                                        (1, (1, 5, 8), "float16")],
+                         ids=["3x2x3x4-bf16", "16x1x1x8-f32", "1x1x5x8-f16"])
+def test_report_pack_is_each_fields_bits(layers, shape, score_dtype):
+    """kq_mlx.report_pack on every backend (one kernel on MLX-CUDA, concatenations elsewhere): ids as int32,
+    scores widened to float32 bits; ids sliced out of a wider array (not contiguous), as a router's are."""
+    from kq_mlx.report_pack import pack
+
+    rng = np.random.default_rng(layers)
+    wide = rng.integers(0, 2**31 - 1, (layers, *shape[:-1], 2 * shape[-1])).astype(np.uint32)
+    host = {"ids": wide[..., 1::2], "scores": rng.standard_normal((layers, *shape)).astype(np.float32),
+            "miss_ids": rng.integers(-1, 64, (layers, *shape)).astype(np.int32),
+            "miss_scores": rng.standard_normal((layers, *shape)).astype(np.float32)}
+    dtype = getattr(mx, score_dtype)
+    fields = {"ids": [mx.array(wide[layer])[..., 1::2] for layer in range(layers)],
+              "scores": [mx.array(host["scores"][layer]).astype(dtype) for layer in range(layers)],
+              "miss_ids": [mx.array(a) for a in host["miss_ids"]],
+              "miss_scores": [mx.array(a) for a in host["miss_scores"]]}
+    host["scores"] = np.stack([np.array(a.astype(mx.float32)) for a in fields["scores"]])
+    rows = int(np.prod(shape[:-1]))
+    want = np.stack([host["ids"].astype(np.int32), host["scores"].view(np.int32), host["miss_ids"],
+                     host["miss_scores"].view(np.int32)]).reshape(4, layers, rows, shape[-1])
+    got = np.array(pack(fields))
+    assert got.dtype == np.int32 and got.shape == want.shape and got.tobytes() == want.tobytes()
+    fields["scores"][0] = fields["scores"][0][..., :1]
+    with pytest.raises(ValueError, match="pack_reports: every layer's ids, scores, miss ids and miss scores"):
+        pack(fields)
