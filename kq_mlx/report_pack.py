@@ -13,15 +13,12 @@ import functools
 import mlx.core as mx
 
 from kq_core.validate import dtype_name
+from kq_mlx.route_shed_mlx import implementation_for
 
 FIELDS = ("ids", "scores", "miss_ids", "miss_scores")
 # Fields packed as float32 bits; the others as int32 values.
 FLOAT_FIELDS = ("scores", "miss_scores")
 THREADS_PER_GROUP = 256
-
-
-def _cuda_available() -> bool:
-    return hasattr(mx, "cuda") and mx.cuda.is_available()
 
 
 def _input_name(field: str, layer: int) -> str:
@@ -62,7 +59,7 @@ def pack(fields: dict[str, list[mx.array]]) -> mx.array:
         raise ValueError(f"pack_reports: every layer's ids, scores, miss ids and miss scores must have one shape, got "
                          f"{ {name: [tuple(a.shape) for a in field] for name, field in zip(FIELDS, arrays)} }")
     k, n = shape[-1], arrays[0][0].size
-    if _cuda_available() and n > 0 and mx.default_device().type == mx.gpu:
+    if n > 0 and implementation_for() == "cuda":
         kernel = cuda_kernel(layers, tuple(dtype_name(field[0]) for field in arrays))
         (packed,) = kernel(inputs=[a for field in arrays for a in field], grid=(n, 1, 1),
                            threadgroup=(min(THREADS_PER_GROUP, n), 1, 1), output_shapes=[(4, layers, n // k, k)],
