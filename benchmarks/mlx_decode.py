@@ -272,26 +272,13 @@ def _tok_s(stamps: list[float], tokens: int) -> float:
     return 1.0 / statistics.median(gaps)
 
 
-def _tier(checkpoint: Path, layers: int, experts: int):
-    """The checkpoint's 3-bit tier (groups of 32) under the arena's projection names, as ``kq study`` builds it."""
-    from kq.study import CHECKPOINT_LAYOUTS
-    from kq_host.quantized import open_experts
-    from kq_host.tier import Tier, build_tier
-    from kq_mlx.mlx_lm_adapter import PROJECTIONS
-
-    template, projections, _ = CHECKPOINT_LAYOUTS["qwen3_moe"]
-    with open_experts(checkpoint, projections, template=template) as floats:
-        built = build_tier(floats, layers, experts, bits=3, group_size=32)
-    return Tier({arena: built.weights[name] for arena, name in zip(PROJECTIONS, projections)}, built.bits,
-                built.group_size)
-
-
 def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, prompt: list[int], steps: int,
                phases: _Phases):
     """One arena loop on a freshly loaded model: its tokens, the time each token's boundary began (each
     kept token's in the ``tier`` and ``exact`` loops), and the manager's counts."""
     import numpy as np
 
+    from kq.study import arena_tier
     from kq_host.residency import ResidencyManager
     from kq_mlx.mlx_lm_adapter import SwitchGLUArena, attach_arena, attach_tier, generate_greedy
 
@@ -319,7 +306,7 @@ def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, p
         got = _dispatch_first(model, blocks, manager, prompt, steps)
     elif mode in ("tier", "exact"):
         if mode == "tier":
-            attach_tier(blocks, _tier(checkpoint, len(blocks), num_experts))
+            attach_tier(blocks, arena_tier(checkpoint))
             for block in blocks:
                 block.rule = "tier"
         stamps = []

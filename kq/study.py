@@ -657,6 +657,23 @@ CHECKPOINT_LAYOUTS = {
 }
 
 
+def arena_tier(checkpoint, *, bits: int = 3, group_size: int = 32):
+    """A ``qwen3_moe`` or ``mixtral`` checkpoint's low-precision tier of every expert, quantized from its
+    float weights (dequantized where it is stored quantized), its projections under the mlx-lm arena's
+    names (:func:`kq_mlx.mlx_lm_adapter.attach_tier`): built once, cached on disk
+    (:func:`kq_host.tier.build_tier`)."""
+    from kq_host.quantized import open_experts
+    from kq_host.tier import Tier, build_tier
+    from kq_mlx.mlx_lm_adapter import PROJECTIONS
+
+    cfg = checkpoint_config(checkpoint, "mlx")
+    template, projections, experts_key = CHECKPOINT_LAYOUTS[cfg["model_type"]]
+    with open_experts(checkpoint, projections, template=template) as floats:
+        built = build_tier(floats, cfg["num_hidden_layers"], cfg[experts_key], bits=bits, group_size=group_size)
+    return Tier({arena: built.weights[name] for arena, name in zip(PROJECTIONS, projections)}, built.bits,
+                built.group_size)
+
+
 class MlxStudy:
     """The same runs through mlx-lm: the unmodified model, its MoE blocks wrapped by ``attach_arena``.
 
@@ -678,14 +695,11 @@ class MlxStudy:
         tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
         self.tokens, self.scored_bytes = _text_tokens(config, tokenizer)
 
-    def tier(self, store, layers: int, arena_names: dict):
-        """The checkpoint's tier, its projections under the arena's names: built once, cached on disk."""
-        from kq_host.tier import Tier, build_tier
-
+    def tier(self):
+        """The checkpoint's tier under the arena's projection names (:func:`arena_tier`), once a study."""
         if self._tier is None:
-            built = build_tier(store, layers, self.num_experts, bits=self.config.tier_bits,
-                               group_size=self.config.tier_group_size)
-            self._tier = Tier({arena_names[name]: w for name, w in built.weights.items()}, built.bits, built.group_size)
+            self._tier = arena_tier(self.config.checkpoint, bits=self.config.tier_bits,
+                                    group_size=self.config.tier_group_size)
         return self._tier
 
     def _model(self):
@@ -749,8 +763,7 @@ class MlxStudy:
                                        policy=policy, queue_depth=0, bytes_per_expert=store.expert_nbytes(0))
             result.memory_bytes = layers * slots * store.expert_nbytes(0)
             if rule == "tier":
-                with open_experts(self.config.checkpoint, self.projections, template=self.template) as floats:
-                    tier = self.tier(floats, layers, {name: arena for arena, name in zip(PROJECTIONS, self.projections)})
+                tier = self.tier()
                 attach_tier(blocks, tier)
                 result.memory_bytes += tier.nbytes
 
