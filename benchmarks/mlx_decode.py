@@ -366,13 +366,21 @@ def run(tokens: int = 64, warmup: int = 16, residencies=(1.0, 0.25), rounds: int
             "rounds": rounds, "rows": rows}
 
 
+def _residency(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"a residency is a fraction in (0, 1], got {text}")
+    return value
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3, help="runs of every loop, interleaved")
-    parser.add_argument("--residencies", type=float, nargs="+", default=[1.0, 0.25])
-    parser.add_argument("--variants", nargs="+", type=int, default=list(range(len(VARIANTS))),
+    parser.add_argument("--residencies", type=_residency, nargs="+", default=[1.0, 0.25])
+    parser.add_argument("--variants", nargs="+", type=int, choices=range(len(VARIANTS)),
+                        default=list(range(len(VARIANTS))),
                         help="indices into " + ", ".join(f"{i}: {n}{' 4-bit' if q else ''}"
                                                          for i, (n, _, q) in enumerate(VARIANTS)))
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
