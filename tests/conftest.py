@@ -18,7 +18,7 @@ SPEC = load_spec()
 BACKEND_NAMES = [b.name for b in all_backends()]
 
 # Hypothesis profiles: "ci" (the default) and "gpu", where every new shape costs a kernel compile, so
-# fewer examples drawn from a few shared shapes (KQ_HYPOTHESIS_PROFILE=gpu; benchmarks/gpu_job.sh sets it).
+# fewer examples drawn from a few shared shapes (KQ_HYPOTHESIS_PROFILE=gpu; kq/bench/jobs/gpu_job.sh sets it).
 HYPOTHESIS_PROFILE = os.environ.get("KQ_HYPOTHESIS_PROFILE", "ci")
 settings.register_profile("ci", max_examples=60, deadline=None)
 settings.register_profile("gpu", max_examples=12, deadline=None)

@@ -19,12 +19,13 @@ exact-size launches (``KernelConfig(row_buckets=False)``):
 from __future__ import annotations
 
 import json
-import platform
 import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from kq.bench import common
+from kq.bench.common import run_header
 from kq.terminal import progress_bar, render_table
 
 OPS = ("route_shed", "topk_route_shed")
@@ -154,7 +155,7 @@ def _chained_us(fn, args, float_arg: int, repeats: int, calls: int = 16) -> floa
     import jax
     import jax.numpy as jnp
 
-    from kq.bench.kernels import _median_us
+    from kq.bench.kernels import median_us
 
     def chain(*args):
         args = list(args)
@@ -164,7 +165,7 @@ def _chained_us(fn, args, float_arg: int, repeats: int, calls: int = 16) -> floa
         return args[float_arg]
 
     jitted, args = jax.jit(chain), tuple(jax.device_put(a) for a in args)
-    return _median_us(lambda: jax.block_until_ready(jitted(*args)), repeats) / calls
+    return median_us(lambda: jax.block_until_ready(jitted(*args)), repeats) / calls
 
 
 def boundary_times(op: str, rows_list=BOUNDARY_ROWS, *, impl: str, repeats: int = 7,
@@ -221,8 +222,7 @@ def run(*, count: int | None = None, max_rows: int | None = None, boundary_rows=
                 if log:
                     log(json.dumps(asdict(calls[-1])))
             done.append(rows)
-    return {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "python": platform.python_version(),
-            "impl": impl, "date": time.strftime("%Y-%m-%d"), "row_counts": done, "row_counts_planned": counts,
+    return {**run_header(), "impl": impl, "row_counts": done, "row_counts_planned": counts,
             "first_calls": [asdict(c) for c in calls],
             "boundary": [dict(asdict(t), ratio=t.ratio) for t in boundary]}
 
@@ -261,5 +261,4 @@ def format_table(result: dict) -> str:
 
 
 def write_json(result: dict, path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(dict(result, summary=summary(result)), f, indent=1)
+    common.write_json(path, dict(result, summary=summary(result)))

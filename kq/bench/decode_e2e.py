@@ -48,8 +48,6 @@ queued as its token is dispatched (``copy_to_host_async``).
 
 from __future__ import annotations
 
-import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -60,6 +58,8 @@ from pathlib import Path
 import numpy as np
 
 from kq.demo import PROJECTIONS, write_checkpoint
+from kq.bench import common
+from kq.bench.common import EXPERT_SIZES, jax_device_name, median_ms
 from kq.terminal import progress_bar, render_table
 
 MODES = ("resident", "lossy", "tier", "exact")
@@ -69,7 +69,8 @@ TIER_BITS, TIER_GROUP_SIZE = 3, 32
 # ffn); the experts per layer and top-k are the checkpoint's, each expert at the checkpoint's own size
 # or a real model's (bf16: OLMoE's 12.6 MB, DeepSeek-V3's 88 MB; one layer of it, the recording's first).
 RECORDED_MODELS = {"stdlib-moe-size": ("stdlib-moe", None, 128, 64), "wheels-moe-size": ("wheels-moe", None, 128, 64),
-                   "olmoe-size": ("wheels-moe", None, 2048, 1024), "deepseek-v3-size": ("wheels-moe", 1, 7168, 2048)}
+                   "olmoe-size": ("wheels-moe", None, *EXPERT_SIZES["olmoe"]),
+                   "deepseek-v3-size": ("wheels-moe", 1, *EXPERT_SIZES["deepseek-v3"])}
 # Random: name -> (layers, experts, top_k, hidden, ffn), the demo's stack.
 RANDOM_MODELS = {"random-8x64-512": (8, 64, 8, 512, 256), "random-8x64-2048": (8, 64, 8, 2048, 768)}
 GPU_MODELS = ("stdlib-moe-size", "wheels-moe-size", "olmoe-size", "deepseek-v3-size", "random-8x64-2048")
@@ -447,7 +448,7 @@ def run_model(model: str, *, tokens: int = 64, warmup: int = 16, seed: int = 0, 
     else:
         router = (rng.normal(size=(layers, hidden, experts)) / np.sqrt(hidden) * 4).astype(np.float32)
         engine = Engine(weights, top_k, steps, router=router, seed=seed, tier=tier)
-    device, bandwidth = _device(), h2d_gib_per_s()
+    device, bandwidth = jax_device_name(), h2d_gib_per_s()
     results = []
 
     def add(mode, residency, run: ArenaRun | None, stamps, waits, floor, memory):
@@ -459,7 +460,7 @@ def run_model(model: str, *, tokens: int = 64, warmup: int = 16, seed: int = 0, 
         result = DecodeResult(
             device, model, "recorded" if recorded else "random", checkpoint, layers, experts, hidden, ffn, mode,
             residency, tokens, 1.0 / float(np.median(gaps)), floor, float(np.median(gaps)) * 1e3,
-            _median_ms(waits[-tokens:]), _median_ms(timed["boundaries"]), _median_ms(timed["publishes"]),
+            median_ms(waits[-tokens:]), median_ms(timed["boundaries"]), median_ms(timed["publishes"]),
             float(np.mean(timed["critical"])) if run else 0.0, float(np.mean(timed["reruns"])) if run else 0.0,
             mib, mib / 1024 / bandwidth * 1e3, None if stats is None else stats.hit_rate, memory / 2**30,
             TIER_BITS if mode == "tier" else None)
@@ -487,16 +488,6 @@ def run_model(model: str, *, tokens: int = 64, warmup: int = 16, seed: int = 0, 
                     run = run_streamed(engine, store, residency=residency, mode=mode, warmup=warmup, experts=experts)
                     add(mode, residency, run, run.stamps, run.waits, run.floor_tokens_per_s, run.memory_bytes)
     return results
-
-
-def _median_ms(seconds) -> float:
-    return statistics.median(seconds) * 1e3 if len(seconds) else 0.0
-
-
-def _device() -> str:
-    import jax
-
-    return f"{jax.devices()[0].device_kind} (jax {jax.__version__})"
 
 
 def _on_gpu() -> bool:
@@ -546,7 +537,4 @@ def format_table(results: list[DecodeResult]) -> str:
 
 
 def write_json(results: list[DecodeResult], path: str) -> None:
-    payload = {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(), "python": platform.python_version(),
-               "numpy": np.__version__, "method": __doc__, "results": [asdict(r) for r in results]}
-    with open(path, "w") as handle:
-        json.dump(payload, handle, indent=1)
+    common.write_json(path, common.run_header(method=__doc__, results=[asdict(r) for r in results]))

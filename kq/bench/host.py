@@ -15,14 +15,13 @@ over the NumPy one's.
 
 from __future__ import annotations
 
-import json
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from kq.bench import common
 from kq.terminal import progress_bar, render_table
 
 # (layers L, experts E, slots per layer S, top-k K, rows per token)
@@ -127,8 +126,4 @@ def format_table(results: list[HostResult]) -> str:
 
 
 def write_json(results: list[HostResult], path: str) -> None:
-    payload = {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(), "processor": platform.processor(),
-               "python": platform.python_version(), "numpy": np.__version__, "method": __doc__,
-               "results": [asdict(r) for r in results]}
-    with open(path, "w") as handle:
-        json.dump(payload, handle, indent=1)
+    common.write_json(path, common.run_header(None, method=__doc__, results=[asdict(r) for r in results]))

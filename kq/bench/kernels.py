@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import functools
 import json
-import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -44,6 +43,8 @@ from typing import Callable
 
 import numpy as np
 
+from kq.bench import common
+from kq.bench.common import jax_device_name, median_seconds
 from kq.terminal import progress_bar, render_table
 from kq_core.contract import MAX_TOP_K
 from kq_core.inputs import router_inputs
@@ -90,14 +91,9 @@ def op_bytes(rows: int, top_k: int, experts: int) -> int:
     return rows * top_k * 4 * 2 + experts * 4 + rows * top_k * 4 * 4
 
 
-def _median_us(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e6
+def median_us(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``repeats`` calls of ``fn`` after a warm-up call, in microseconds."""
+    return median_seconds(fn, repeats) * 1e6
 
 
 def _unroll_count(rows: int, top_k: int) -> int:
@@ -135,9 +131,9 @@ def _jax_timer(fn, inputs, repeats):
         return jax.jit(run)
 
     full, empty, single = chain(fn), chain(_null_route_shed), jax.jit(fn)
-    per_call = (_median_us(lambda: jax.block_until_ready(full(*args)), repeats)
-                - _median_us(lambda: jax.block_until_ready(empty(*args)), repeats)) / n
-    eager = _median_us(lambda: jax.block_until_ready(single(*args)), repeats)
+    per_call = (median_us(lambda: jax.block_until_ready(full(*args)), repeats)
+                - median_us(lambda: jax.block_until_ready(empty(*args)), repeats)) / n
+    eager = median_us(lambda: jax.block_until_ready(single(*args)), repeats)
     return max(per_call, 0.0), eager
 
 
@@ -234,15 +230,8 @@ def _jax_copy_bandwidth() -> float:
         deadline = time.perf_counter() + 2.0
         while time.perf_counter() < deadline:
             jax.block_until_ready(step(x))
-    seconds = _median_us(lambda: jax.block_until_ready(step(x)), 9) / 1e6
+    seconds = median_us(lambda: jax.block_until_ready(step(x)), 9) / 1e6
     return 2 * x.nbytes / seconds
-
-
-def _jax_device() -> str:
-    import jax
-
-    device = jax.devices()[0]
-    return f"{getattr(device, 'device_kind', device.platform)} (jax {jax.__version__})"
 
 
 def _jax_backends():
@@ -267,10 +256,10 @@ def _mlx_timer(fn, inputs, repeats):
 
     args = tuple(from_numpy(a) for a in inputs)
     mx.eval(*args)
-    eager = _median_us(lambda: mx.eval(*fn(*args)), repeats)
+    eager = median_us(lambda: mx.eval(*fn(*args)), repeats)
     # A decode graph holds one call per MoE layer; at prefill sizes one call already fills the machine.
     length = MLX_CHAIN if inputs[0].size <= 4096 else 1
-    chain = _median_us(lambda: mx.eval([o for _ in range(length) for o in fn(*args)]), repeats)
+    chain = median_us(lambda: mx.eval([o for _ in range(length) for o in fn(*args)]), repeats)
     return chain / length, eager
 
 
@@ -304,12 +293,12 @@ def _mlx_backends():
 def _native_timer(prepare, inputs, repeats):
     """The C++-executed Metal source: the kernel loop alone, buffers prepared once."""
     launch, _ = prepare(*inputs)
-    per_call = _median_us(launch, repeats)
+    per_call = median_us(launch, repeats)
     return per_call, per_call
 
 
 def _numpy_timer(fn, inputs, repeats):
-    per_call = _median_us(lambda: fn(*inputs), repeats)
+    per_call = median_us(lambda: fn(*inputs), repeats)
     return per_call, per_call
 
 
@@ -338,7 +327,7 @@ def run(sets=("decode",), backends=None, *, shapes=(), repeats: int = 7, residen
 
     def add_jax():
         for name, fn in _jax_backends().items():
-            timers[name] = (fn, _jax_timer, _jax_device(), "jax")
+            timers[name] = (fn, _jax_timer, jax_device_name(), "jax")
 
     def add_mlx():
         for name, (fn, device, floor_key) in _mlx_backends().items():
@@ -458,12 +447,8 @@ def format_table(results: list[Result]) -> str:
 
 
 def write_json(results: list[Result], path: str) -> None:
-    import platform
-
-    payload = {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(), "processor": platform.processor(),
-               "method": __doc__, "results": [asdict(r) for r in results]}
-    with open(path, "w") as handle:
-        json.dump(payload, handle, indent=1)
+    """The run header (each row names its own device), the method and the rows."""
+    common.write_json(path, common.run_header(None, method=__doc__, results=[asdict(r) for r in results]))
 
 
 def read_json(path: str) -> list[Result]:

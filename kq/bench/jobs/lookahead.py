@@ -6,19 +6,17 @@ residency, LRU and LFU, without look-ahead and with predictions one and two laye
 (:func:`kq.lookahead.simulate`; its docstring states the timing assumption). Prints the recall of the
 predictions and a Markdown table; ``--json`` keeps every number.
 
-    python -m benchmarks lookahead --tokens 1024 --json docs/lookahead.json
-    python -m benchmarks lookahead --tokens 1024 --checkpoint models/wheels-moe --json docs/lookahead_wheels.json
+    python -m kq.bench.jobs lookahead --tokens 1024 --json docs/lookahead.json
+    python -m kq.bench.jobs lookahead --tokens 1024 --checkpoint models/wheels-moe --json docs/lookahead_wheels.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import time
 from pathlib import Path
 
 import numpy as np
+from kq.bench.common import run_header, write_json
 
 RESIDENCIES = (0.75, 0.5, 0.25)
 
@@ -28,8 +26,7 @@ def run(tokens: int, warmup: int, checkpoint=None, budgets=(None, 4)) -> dict:
     from kq.study import StudyConfig
 
     config = StudyConfig(tokens=tokens, warmup=warmup, **({"checkpoint": Path(checkpoint)} if checkpoint else {}))
-    return {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(),
-            **replay_grid(config, RESIDENCIES, budgets=budgets)}
+    return {**run_header(None), **replay_grid(config, RESIDENCIES, budgets=budgets)}
 
 
 def main() -> int:
@@ -45,6 +42,5 @@ def main() -> int:
     print("recall [layer, layers ahead]:", np.round(np.array(result["recall"]), 3).tolist())
     print(format_replay(result))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.json, result)
     return 0

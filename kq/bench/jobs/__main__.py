@@ -1,4 +1,4 @@
-"""``python -m benchmarks JOB [ARGS]``: runs one job of :mod:`benchmarks` (``--help`` after JOB for its arguments)."""
+"""``python -m kq.bench.jobs JOB [ARGS]``: runs one job of :mod:`kq.bench.jobs` (``--help`` after JOB for its arguments)."""
 
 import importlib
 import sys
@@ -9,11 +9,11 @@ JOBS = ("sweep_route_shed", "sweep_topk", "launches", "moe_overhead", "expert_pa
 
 def main() -> int:
     if len(sys.argv) < 2 or sys.argv[1] not in JOBS:
-        print(f"usage: python -m benchmarks {{{','.join(JOBS)}}} [ARGS]", file=sys.stderr)
+        print(f"usage: python -m kq.bench.jobs {{{','.join(JOBS)}}} [ARGS]", file=sys.stderr)
         return 2
     job = sys.argv.pop(1)
-    sys.argv[0] = f"python -m benchmarks {job}"
-    return importlib.import_module(f"benchmarks.{job}").main()
+    sys.argv[0] = f"python -m kq.bench.jobs {job}"
+    return importlib.import_module(f"kq.bench.jobs.{job}").main()
 
 
 if __name__ == "__main__":

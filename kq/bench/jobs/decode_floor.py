@@ -1,6 +1,6 @@
 """Where a full arena's token goes: the decode loop at 100% residency taken apart, in one run.
 
-    python -m benchmarks decode_floor --json docs/h200/decode_floor.json
+    python -m kq.bench.jobs decode_floor --json docs/h200/decode_floor.json
 
 For each model of ``kq.bench.decode_e2e`` (recorded routing of its checkpoint, random experts at its
 size), with ``route_shed`` as the Pallas kernel and as the jnp reference: the resident program and the
@@ -14,14 +14,13 @@ residency manager's boundary on each token's reports, as the lossy mode runs it)
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks import jax_run_header
+from kq.bench.common import run_header, write_json
 from kq.bench import decode_e2e
 
 
@@ -78,7 +77,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
-    payload = {**jax_run_header(), "tokens": args.tokens, "rounds": args.rounds, "method": __doc__, "rows": []}
+    payload = {**run_header(), "tokens": args.tokens, "rounds": args.rounds, "method": __doc__, "rows": []}
     recordings = {}
     for model in args.models:
         checkpoint = decode_e2e.RECORDED_MODELS[model][0]
@@ -87,7 +86,7 @@ def main() -> int:
         for impl in args.impls:
             payload["rows"] += measure(model, impl, tokens=args.tokens, rounds=args.rounds,
                                        routing=recordings[checkpoint])
-            args.json.write_text(json.dumps(payload, indent=1) + "\n")
+            write_json(args.json, payload)
     return 0
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything kq runs on a CUDA machine, in one call from the repository root:
-#   PARTS="tests check memcheck" OUT=out bash benchmarks/gpu_job.sh
+#   PARTS="tests check memcheck" OUT=out bash kq/bench/jobs/gpu_job.sh
 # Parts: tests (the suite's GPU part, `pytest -m gpu`, PYTEST_WORKERS processes), check (`kq check` on the GPU backends with
 # ROWS random rows), memcheck (compute-sanitizer over the kernel's launch cases), bench (`kq bench`,
 # BENCH_SETS), sweep (the Pallas launch sweeps), moe (the MoE arena overhead), sharding (the sharding
@@ -13,11 +13,11 @@
 # study_grid (the shedding study's grid on STUDY_MODELS, extra arguments in STUDY_ARGS), exact_loop (the exact
 # layer-by-layer loop with and without look-ahead, extra arguments in EXACT_ARGS, the JSON and log named
 # with EXACT_TAG; and its tests); and MLX on CUDA, after
-# `source .mlxb/env.sh` (../shared/device/mlx-cuda-prepare.sh; with benchmarks/mlx_lm_wheels.sh, mlx-lm is
+# `source .mlxb/env.sh` (../shared/device/mlx-cuda-prepare.sh; with kq/bench/jobs/mlx_lm_wheels.sh, mlx-lm is
 # installed beside it): mlx_check (`kq check --backends mlx-cuda`), mlx_tests (tests/test_mlx.py, test_mlx_lm.py),
 # mlx_bench (`kq bench`: mlx-cuda beside mlx-ops-gpu, the pure-`mx` path on the GPU stream,
 # on the same GPU), mlx_decode (mlx-lm decode through
-# the arena, `python -m benchmarks mlx_decode`, extra arguments in MLX_DECODE_ARGS). Each part's log and
+# the arena, `python -m kq.bench.jobs mlx_decode`, extra arguments in MLX_DECODE_ARGS). Each part's log and
 # JSON go under $OUT, with the device and versions in device.txt and one line per part in
 # summary.txt; a part is cut at PART_TIMEOUT seconds (default 500). Exits non-zero if a part failed.
 # Wheels in WHEELS (default .whl, e.g. Numba's for the host side: `pip download numba`) are installed
@@ -31,7 +31,7 @@ WHEELS=${WHEELS:-.whl}
 if [ -d "$WHEELS" ] && ls "$WHEELS"/numba-*.whl >/dev/null 2>&1 && ! python3 -c "import numba" 2>/dev/null; then
   PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --no-index --find-links "$WHEELS" numba
 fi
-if [ -d /tmp/mlxparts/wheels ] && ! python3 -c "import mlx_lm" 2>/dev/null; then  # benchmarks/mlx_lm_wheels.sh
+if [ -d /tmp/mlxparts/wheels ] && ! python3 -c "import mlx_lm" 2>/dev/null; then  # kq/bench/jobs/mlx_lm_wheels.sh
   PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --no-index --find-links /tmp/mlxparts/wheels mlx-lm
 fi
 {
@@ -61,20 +61,20 @@ for name in ${PARTS:-tests check memcheck}; do
     check) part check python3 -m kq check --backends jax-pallas jax-reference cuda-source-cupy \
              --random-rows "${ROWS:-50000}" ;;
     memcheck) part memcheck compute-sanitizer --tool memcheck --leak-check no \
-                python3 -m benchmarks launches --variants default tiled lanes ;;
+                python3 -m kq.bench.jobs launches --variants default tiled lanes ;;
     bench) for set in ${BENCH_SETS:-decode prefill}; do
              part "bench_$set" python3 -m kq bench --sets "$set" --backends jax-pallas jax-reference jax-naive \
                --repeats 9 --no-progress --json "$OUT/bench_$set.json"
            done ;;
-    sweep) part sweep_route_shed python3 -m benchmarks sweep_route_shed --json "$OUT/sweep_route_shed.json"
-           part sweep_topk python3 -m benchmarks sweep_topk --json "$OUT/sweep_topk.json" ;;
-    moe) part moe_overhead python3 -m benchmarks moe_overhead --profile --json "$OUT/moe_overhead.json" ;;
+    sweep) part sweep_route_shed python3 -m kq.bench.jobs sweep_route_shed --json "$OUT/sweep_route_shed.json"
+           part sweep_topk python3 -m kq.bench.jobs sweep_topk --json "$OUT/sweep_topk.json" ;;
+    moe) part moe_overhead python3 -m kq.bench.jobs moe_overhead --profile --json "$OUT/moe_overhead.json" ;;
     sharding) part sharding python3 -m pytest -q -p no:cacheprovider -rs tests/test_sharding.py \
                 tests/test_expert_parallel.py ;;
     decode_e2e) part decode_e2e python3 -m kq bench --sets decode-e2e ${DECODE_MODELS:+--models $DECODE_MODELS} \
                   --no-progress --json "$OUT/decode_e2e.json" ;;
     host) part host python3 -m kq bench --sets host --no-progress --json "$OUT/host.json" ;;
-    h2d) part h2d python3 -m benchmarks h2d_staging --json "$OUT/h2d_staging.json" ;;
+    h2d) part h2d python3 -m kq.bench.jobs h2d_staging --json "$OUT/h2d_staging.json" ;;
     arena_tests) part arena_tests python3 -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_publish_faults.py \
                    tests/test_arena.py ;;
     decode_tests) part decode_tests python3 -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_decode_e2e.py \
@@ -82,7 +82,7 @@ for name in ${PARTS:-tests check memcheck}; do
     host_tests) part host_tests python3 -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_residency_replay.py \
                   tests/test_bookkeeping_numba.py tests/test_faults.py ;;
     compile) part compile python3 -m kq bench --sets compile --no-progress --json "$OUT/compile.json" ;;
-    expert_parallel) part expert_parallel python3 -m benchmarks expert_parallel --json "$OUT/expert_parallel.json" ;;
+    expert_parallel) part expert_parallel python3 -m kq.bench.jobs expert_parallel --json "$OUT/expert_parallel.json" ;;
     mlx_check) part mlx_check python3 -m kq check --backends mlx-cuda mlx-ops-gpu --random-rows "${ROWS:-50000}" ;;
     mlx_tests) part mlx_tests python3 -m pytest -q -p no:cacheprovider -n 0 -rs --durations=10 tests/test_mlx_lm.py \
                  tests/test_mlx.py ;;
@@ -99,14 +99,14 @@ for name in ${PARTS:-tests check memcheck}; do
                    fi
                  done
                done ;;
-    mlx_decode) part mlx_decode python3 -m benchmarks mlx_decode --json "$OUT/mlx_decode.json" ${MLX_DECODE_ARGS:-} ;;
-    exact_loop) part "exact_loop${EXACT_TAG:-}" python3 -m benchmarks exact_loop --json "$OUT/exact_loop${EXACT_TAG:-}.json" \
+    mlx_decode) part mlx_decode python3 -m kq.bench.jobs mlx_decode --json "$OUT/mlx_decode.json" ${MLX_DECODE_ARGS:-} ;;
+    exact_loop) part "exact_loop${EXACT_TAG:-}" python3 -m kq.bench.jobs exact_loop --json "$OUT/exact_loop${EXACT_TAG:-}.json" \
                   ${EXACT_ARGS:-}
                 part exact_loop_tests python3 -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_exact_loop.py ;;
-    decode_floor) part decode_floor python3 -m benchmarks decode_floor --json "$OUT/decode_floor.json" ;;
-    tier_decode) part tier_decode python3 -m benchmarks tier_decode --json "$OUT/tier_decode.json" ;;
+    decode_floor) part decode_floor python3 -m kq.bench.jobs decode_floor --json "$OUT/decode_floor.json" ;;
+    tier_decode) part tier_decode python3 -m kq.bench.jobs tier_decode --json "$OUT/tier_decode.json" ;;
     study_grid) for model in ${STUDY_MODELS:-stdlib-moe wheels-moe}; do
-                  part "study_grid_$model" python3 -m benchmarks study_grid --checkpoint "models/$model" \
+                  part "study_grid_$model" python3 -m kq.bench.jobs study_grid --checkpoint "models/$model" \
                     --json "$OUT/study_grid_$model.json" ${STUDY_ARGS:-}
                 done ;;
     *) echo "unknown part: $name (tests check memcheck bench sweep moe sharding compile expert_parallel decode_e2e host" \

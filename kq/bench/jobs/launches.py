@@ -1,9 +1,9 @@
 """route_shed launches for the GPU tools: ``compute-sanitizer`` and Nsight Compute (``ncu``).
 
 Usage (on a GPU, from the repo root):
-    python -m benchmarks launches                      # the memcheck cases
-    python -m benchmarks launches --shape 1048576 8 256  # one shape, for a profile
-    python -m benchmarks launches --shape 65536 8 256 --variants strided+ptx tiled+ptx
+    python -m kq.bench.jobs launches                      # the memcheck cases
+    python -m kq.bench.jobs launches --shape 1048576 8 256  # one shape, for a profile
+    python -m kq.bench.jobs launches --shape 65536 8 256 --variants strided+ptx tiled+ptx
 
 The memcheck cases: ragged tails (rows not a multiple of the block), K not a
 power of two, E = 1, zero rows. Every result is also compared with the oracle.

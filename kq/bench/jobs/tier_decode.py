@@ -1,6 +1,6 @@
 """Decode speed through the low-precision tier against the resident model, in one run.
 
-    python -m benchmarks tier_decode --json docs/h200/tier_decode.json
+    python -m kq.bench.jobs tier_decode --json docs/h200/tier_decode.json
 
 Greedy autoregressive decode of one sequence through ``kq.study.make_step``'s graphs: ``resident``
 (every expert in memory), the arena that sheds at full residency (its graph without a tier) and
@@ -8,26 +8,27 @@ Greedy autoregressive decode of one sequence through ``kq.study.make_step``'s gr
 layer, every other expert served from its ``--bits`` copy in the same graph; the slot tables held
 fixed, so this is the graph's cost, not the host's). Token t+1 is dispatched before token t's id is
 read back, one readback per token, the compiles before the clock; the figures are the median of
-``--rounds`` rounds of ``--tokens`` tokens. Models: the trained checkpoints, and ``olmoe-size``, a
-random Qwen3-MoE whose experts are OLMoE's size (hidden 2048, width 1024, 64 experts, top-8), its
-tier random words of the right shapes (speed does not depend on their values).
+``--rounds`` rounds of ``--tokens`` tokens. Models: the trained checkpoints, and ``random-8L-olmoe-experts``,
+a whole random Qwen3-MoE of 8 layers whose float32 experts are OLMoE's size (hidden 2048, width 1024, 64
+experts, top-8), its tier random words of the right shapes (speed does not depend on their values). It is
+not ``kq bench --sets decode-e2e``'s ``olmoe-size`` (experts alone, 16 layers of bf16, recorded routing).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from benchmarks import jax_run_header
+from kq.bench.common import EXPERT_SIZES, run_header, write_json
 from kq import study
 
-OLMOE_SIZE = dict(vocab_size=8192, hidden_size=2048, num_hidden_layers=8, num_attention_heads=16,
-                  num_key_value_heads=4, head_dim=128, num_experts=64, num_experts_per_tok=8,
-                  moe_intermediate_size=1024)
+RANDOM_MODEL = "random-8L-olmoe-experts"
+RANDOM_MODEL_CONFIG = dict(vocab_size=8192, hidden_size=EXPERT_SIZES["olmoe"][0], num_hidden_layers=8,
+                           num_attention_heads=16, num_key_value_heads=4, head_dim=128, num_experts=64,
+                           num_experts_per_tok=8, moe_intermediate_size=EXPERT_SIZES["olmoe"][1])
 
 
 def _model(name: str, bits: int, group_size: int):
@@ -39,8 +40,8 @@ def _model(name: str, bits: int, group_size: int):
     from kq_host.tier import build_tier
     from kq_jax import qwen3_moe
 
-    if name == "olmoe-size":
-        cfg = qwen3_moe.Qwen3MoeConfig(**OLMOE_SIZE)
+    if name == RANDOM_MODEL:
+        cfg = qwen3_moe.Qwen3MoeConfig(**RANDOM_MODEL_CONFIG)
         params = qwen3_moe.init_params(cfg, jax.random.key(0))
         key = jax.random.key(1)
         tier = {}
@@ -120,7 +121,7 @@ def measure(name: str, residencies, *, bits: int, group_size: int, tokens: int, 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=["models/stdlib-moe", "models/wheels-moe", "olmoe-size"])
+    parser.add_argument("--models", nargs="+", default=["models/stdlib-moe", "models/wheels-moe", RANDOM_MODEL])
     parser.add_argument("--residency", type=float, nargs="+", default=[1.0, 0.5, 0.25])
     parser.add_argument("--bits", type=int, default=3)
     parser.add_argument("--group-size", type=int, default=32)
@@ -129,12 +130,12 @@ def main() -> int:
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
 
-    payload = {**jax_run_header(), "bits": args.bits, "group_size": args.group_size, "tokens": args.tokens, "rounds": args.rounds,
+    payload = {**run_header(), "bits": args.bits, "group_size": args.group_size, "tokens": args.tokens, "rounds": args.rounds,
                "rows": []}
     for name in args.models:
         payload["rows"] += measure(name, args.residency, bits=args.bits, group_size=args.group_size,
                                    tokens=args.tokens, rounds=args.rounds)
-        args.json.write_text(json.dumps(payload, indent=1) + "\n")
+        write_json(args.json, payload)
     return 0
 
 

@@ -5,7 +5,7 @@
 # travel in a call of their own between that script's two:
 #   call 1: carry [".mlxa"]  mkdir -p /tmp/mlxparts && cp .mlxa/part.aa /tmp/mlxparts/
 #   call 2: carry [".mlxc"]  cp -r .mlxc/wheels /tmp/mlxparts/
-#   call 3: carry [".mlxb"]  source .mlxb/env.sh && PARTS="mlx_tests ..." bash benchmarks/gpu_job.sh
+#   call 3: carry [".mlxb"]  source .mlxb/env.sh && PARTS="mlx_tests ..." bash kq/bench/jobs/gpu_job.sh
 # gpu_job.sh installs from /tmp/mlxparts/wheels what the machine lacks.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"

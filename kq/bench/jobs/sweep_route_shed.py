@@ -1,6 +1,6 @@
 """Sweeps the Pallas kernel's launch parameters on a GPU: bits checked, device time per call.
 
-Usage: python -m benchmarks sweep_route_shed [--json PATH] [--shapes ROWSxKxE ...]
+Usage: python -m kq.bench.jobs sweep_route_shed [--json PATH] [--shapes ROWSxKxE ...]
 
 For each benchmark shape, prefill shapes first: stage 1 times the code paths
 (strided, ``tiled_io`` for K <= 16, ``entry_lanes``; each with and without
@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
-from pathlib import Path
 
 
 import jax
@@ -31,6 +29,7 @@ from kq_core.inputs import router_inputs
 from kq_core.oracle import route_shed_oracle
 from kq_jax.pallas_config import MAX_UNROLLED_K, KernelConfig, block_config
 from kq_jax.route_shed_pallas import route_shed_pallas
+from kq.bench.common import run_header, write_json
 
 # (block_rows, num_warps): one row per thread, and fewer warps than rows / 32 (rows per thread > 1);
 # for entry_lanes (a row per K lanes) also blocks of a few rows.
@@ -80,7 +79,7 @@ def main() -> int:
         print(f"{rows:>8} x {top_k:<2} E={experts:<5} best {timed[best]:8.2f} us at {tuple(best)}; "
               f"default {tuple(default)}: {timed[default]:8.2f} us", flush=True)
         if args.json:  # rewritten after every shape, so a run cut short keeps what it measured
-            Path(args.json).write_text(json.dumps(rows_out, indent=1))
+            write_json(args.json, run_header(results=rows_out))
     print(f"SUMMARY: {len(rows_out)} configurations, {bad} with mismatching bits")
     return 1 if bad else 0
 

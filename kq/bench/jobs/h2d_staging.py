@@ -11,28 +11,15 @@ expert-sized arrays (``--experts`` arrays of ``--expert-mib``):
 * ``locked_numpy`` (with CuPy): ``jax.device_put`` of NumPy arrays whose memory is page-locked
   (``cupyx.empty_pinned``), i.e. a loader reading straight into pinned buffers.
 
-``python -m benchmarks h2d_staging --json out.json``
+``python -m kq.bench.jobs h2d_staging --json out.json``
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import statistics
-import time
 
 import numpy as np
-
-
-def _timed(function, repeats: int) -> float:
-    function()  # first call: compiles, allocates
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from kq.bench.common import median_seconds, run_header, write_json
 
 
 def measure(experts: int, expert_mib: float, repeats: int) -> dict:
@@ -65,15 +52,14 @@ def measure(experts: int, expert_mib: float, repeats: int) -> dict:
         except ImportError:
             pass
         for path, function in paths.items():
-            seconds = _timed(function, repeats)
+            seconds = median_seconds(function, repeats)
             rows.append(dict(arrays=label, path=path, mib=nbytes / 2**20, ms=seconds * 1e3,
                              gib_per_s=nbytes / seconds / 2**30))
-    return dict(date=time.strftime("%Y-%m-%d"), machine=platform.platform(), python=platform.python_version(),
-                jax=jax.__version__, device=str(device), method=__doc__, results=rows)
+    return run_header(method=__doc__, results=rows)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks h2d_staging", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kq.bench.jobs h2d_staging", description=__doc__.splitlines()[0])
     parser.add_argument("--experts", type=int, default=32, help="expert-sized arrays per token (default 32)")
     parser.add_argument("--expert-mib", type=float, default=4.5, help="MiB per array (default 4.5: an 8x64-2048 "
                         "expert's three f16 projections)")
@@ -85,6 +71,5 @@ def main() -> int:
         print(f"{row['arrays']:>28}  {row['path']:>12}  {row['mib']:8.1f} MiB  {row['ms']:8.2f} ms  "
               f"{row['gib_per_s']:6.1f} GiB/s")
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(result, handle, indent=1)
+        write_json(args.json, result)
     return 0

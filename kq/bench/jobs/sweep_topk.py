@@ -1,7 +1,7 @@
 """topk_route_shed's kernel on a GPU: bits checked, kernel time per launch configuration and against the
 two-launch path it replaces.
 
-Usage: python -m benchmarks sweep_topk [--json PATH] [--shapes ROWSxKxE ...]
+Usage: python -m kq.bench.jobs sweep_topk [--json PATH] [--shapes ROWSxKxE ...]
 
 For each shape: ``lax.top_k`` alone, then ``lax.top_k`` + XLA's renormalisation + ``route_shed_pallas``
 (what a MoE layer on an arena ran before), then the fused kernel at topk_block_config's default and
@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
-from pathlib import Path
 
 
 import jax
@@ -29,6 +27,7 @@ from kq_core.oracle import topk_route_shed_oracle
 from kq_jax.pallas_config import KernelConfig, topk_block_config
 from kq_jax.route_shed_pallas import route_shed_pallas
 from kq_jax.topk_route_shed_pallas import topk_route_shed_pallas
+from kq.bench.common import run_header, write_json
 
 BLOCKS = ((1, 1), (2, 1), (4, 1), (8, 1), (8, 2), (8, 4), (16, 2), (16, 4), (32, 4), (32, 8))
 DEFAULT_SHAPES = ("1x8x64", "8x8x64", "1x8x256", "8x8x256", "1x8x128", "4096x8x128", "65536x8x256")
@@ -72,8 +71,7 @@ def main() -> int:
             print(f"{shape:>14} {what:>22} {kernel_us if kernel_us is not None else float('nan'):>10.2f}  "
                   f"{'' if exact is None else 'ok' if exact else 'MISMATCH'}", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(device=str(jax.devices()[0]), jax=jax.__version__,
-                                                   results=results), indent=1))
+        write_json(args.json, run_header(results=results))
     print(f"{bad} configurations with differing bits")
     return 1 if bad else 0
 

@@ -9,19 +9,17 @@ layers gather each entry's expert weights (``[T, k, F, D]``), so rows stop at
 prefill sizes that fit (256 at the default layer: 4.8 GB per projection). The
 compiled program's collectives are counted from its HLO.
 
-    python -m benchmarks expert_parallel --json out/expert_parallel.json
+    python -m kq.bench.jobs expert_parallel --json out/expert_parallel.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import re
-import statistics
-import time
 
 import numpy as np
+from kq.bench.common import median_seconds, run_header, write_json
 
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
 
@@ -29,13 +27,7 @@ COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "
 def _median_ms(fn, args, repeats: int) -> float:
     import jax
 
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e3
+    return median_seconds(lambda: jax.block_until_ready(fn(*args)), repeats) * 1e3
 
 
 def _collectives(hlo: str) -> dict[str, int]:
@@ -93,8 +85,7 @@ def run(rows=(1, 8, 64, 256), *, hidden: int = 2048, ffn: int = 768, experts: in
                 entry[f"sharded_{impl}_collectives"] = _collectives(fn.lower(*args).compile().as_text())
             results.append(entry)
             print(json.dumps(entry), flush=True)
-    return {"devices": [str(d.device_kind) for d in devices], "jax": jax.__version__,
-            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
+    return {**run_header(), "devices": [str(d.device_kind) for d in devices],
             "layer": dict(hidden=hidden, ffn=ffn, experts=experts, top_k=top_k, dtype="float32"),
             "results": results}
 
@@ -111,6 +102,5 @@ def main() -> int:
     with jax.default_matmul_precision("highest"):
         result = run(tuple(args.rows), repeats=args.repeats)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.json, result)
     return 0 if all(v for r in result["results"] for k, v in r.items() if k.endswith("bits_exact")) else 1

@@ -1,6 +1,6 @@
 """The shedding study's full grid on one checkpoint, with intervals, and perplexity against the experts' memory.
 
-    python -m benchmarks study_grid --checkpoint models/wheels-moe --json docs/study_grid_wheels.json \
+    python -m kq.bench.jobs study_grid --checkpoint models/wheels-moe --json docs/study_grid_wheels.json \
         --plot docs/study_grid_wheels.png
 
 Every run decodes ``--streams`` windows of the held-out text side by side (``kq study --streams``),
@@ -13,12 +13,11 @@ arena's slots in the checkpoint's format plus the tier.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
-from benchmarks import jax_run_header
+from kq.bench.common import run_header, write_json
 from kq import study
 
 RULES = ("shed", "route_shed", "reroute", "prior", "stall")
@@ -53,7 +52,7 @@ def main() -> int:
     runner = study.make_study(config(args.tier_bits[0]))
     resident = runner.resident()
     rows = []
-    payload = {**jax_run_header(), "checkpoint": str(args.checkpoint), "streams": args.streams, "tokens_per_stream": args.tokens,
+    payload = {**run_header(), "checkpoint": str(args.checkpoint), "streams": args.streams, "tokens_per_stream": args.tokens,
                "warmup": args.warmup, "group_size": args.group_size, "resident": resident.summary(), "runs": rows}
 
     def record(run: study.RunResult, bits: int) -> None:
@@ -64,7 +63,7 @@ def main() -> int:
               f"{rows[-1]['vs_resident']:+7.2%} [{low:+.2%}, {high:+.2%}] hit {rows[-1]['hit_rate']:.3f} "
               f"{rows[-1]['memory_mib']:7.2f} MiB  {run.seconds:5.1f} s", flush=True)
         payload["seconds"] = round(time.perf_counter() - started, 1)
-        args.json.write_text(json.dumps(payload, indent=1) + "\n")  # after every run: a cut job keeps its rows
+        write_json(args.json, payload)  # after every run: a cut job keeps its rows
 
     for residency in args.residency:
         for rule in args.rules:

@@ -44,17 +44,17 @@ manager; the in-memory experts are the 'disk', so this is the arena's cost, not 
 state: the time between successive tokens over the last ``tokens`` of ``warmup + tokens``, each loop run
 ``rounds`` times, the loops interleaved within a round, the median round reported with the range.
 
-    python -m benchmarks mlx_decode --json out/mlx_decode.json [--residencies 1.0] [--variants 0 2]
+    python -m kq.bench.jobs mlx_decode --json out/mlx_decode.json [--residencies 1.0] [--variants 0 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
+from kq.bench.common import run_header, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 # (name, checkpoint, quantized by nn.quantize here)
@@ -324,8 +324,6 @@ def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, p
 def run(tokens: int = 64, warmup: int = 16, residencies=(1.0, 0.25), rounds: int = 3, variants=VARIANTS,
         modes=MODES) -> dict:
     """Every loop ``rounds`` times, the loops interleaved within a round; a row is a loop's median round."""
-    import mlx.core as mx
-    import numpy as np
 
     from kq_host.quantized import Quantization
 
@@ -361,8 +359,7 @@ def run(tokens: int = 64, warmup: int = 16, residencies=(1.0, 0.25), rounds: int
                                 if key in middle},
                              **({"phases_ms": middle["phases_ms"]} if middle["phases_ms"] else {})))
             print(json.dumps(rows[-1]), flush=True)
-    return {"device": str(mx.default_device()), "mlx": mx.__version__, "python": platform.python_version(),
-            "numpy": np.__version__, "date": time.strftime("%Y-%m-%d"), "tokens": tokens, "warmup": warmup,
+    return {**run_header("mlx"), "tokens": tokens, "warmup": warmup,
             "rounds": rounds, "rows": rows}
 
 
@@ -390,7 +387,6 @@ def main() -> int:
     result = run(args.tokens, args.warmup, tuple(args.residencies), args.rounds,
                  tuple(VARIANTS[i] for i in args.variants), tuple(args.modes))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.json, result)
     # Every expert resident, every loop must give the unmodified model's tokens; the exact loop, at any residency.
     return 0 if all(r["same_tokens"] for r in result["rows"] if r["residency"] == 1.0 or r["mode"] == "exact") else 1

@@ -1,6 +1,6 @@
 """Overhead of the JAX MoE layer on an arena over the fully resident layer (the target: at most 5%).
 
-Usage: python -m benchmarks moe_overhead [--hidden 2048 --ffn 768] [--json PATH]
+Usage: python -m kq.bench.jobs moe_overhead [--hidden 2048 --ffn 768] [--json PATH]
 Decode sizes: T in 1, 2, 4, 8; E in 64, 256; K = 8; bf16 weights. For each, the resident layer
 (E experts in memory, gathered by router ids) and the arena layer (S slots fed by route_shed) are
 timed as N calls unrolled in one jitted function, each call's input tied to the previous call's
@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 
 import jax
@@ -33,6 +31,7 @@ import numpy as np
 
 from kq.bench.kernels import trace_kernels
 from kq_jax.moe import Experts, moe_ffn_arena, moe_ffn_resident
+from kq.bench.common import run_header, write_json
 
 
 @functools.cache  # one jitted chain per (layer, n): the profile reuses the timer's compiled chain
@@ -119,9 +118,7 @@ def main() -> int:
                         print(f"    {name}: {profile['kernels']:.1f} kernels, {profile['kernel_us']:.1f} us of "
                               f"kernels, {profile['span_us']:.1f} us busy span per layer")
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(device=str(device), jax=jax.__version__,
-                                                   xla_flags=os.environ.get("XLA_FLAGS", ""), args=vars(args),
-                                                   results=rows), indent=1))
+        write_json(args.json, run_header(xla_flags=os.environ.get("XLA_FLAGS", ""), args=vars(args), results=rows))
     return 0
 
 

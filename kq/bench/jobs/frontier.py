@@ -8,7 +8,7 @@ manager's default; each row's cost is the study's of the checkpoint whose routin
 Prints a Markdown table and, with ``--plot``, draws tokens/s over the resident model's against the
 perplexity cost, one line per mode and model.
 
-    python -m benchmarks frontier --decode docs/h200/decode_e2e.json \
+    python -m kq.bench.jobs frontier --decode docs/h200/decode_e2e.json \
         --study docs/h200/study_grid_stdlib.json docs/h200/study_grid_wheels.json --plot docs/decode_frontier.png
 """
 

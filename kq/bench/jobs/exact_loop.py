@@ -1,6 +1,6 @@
 """The exact layer-by-layer loop end to end, with and without look-ahead prefetch, against the resident model.
 
-    python -m benchmarks exact_loop --json docs/h200/exact_loop.json
+    python -m kq.bench.jobs exact_loop --json docs/h200/exact_loop.json
 
 Each trained checkpoint decodes its held-out text teacher-forced (``--warmup`` tokens, then ``--tokens``
 measured) through :class:`kq_jax.exact_loop.ExactLoop`: an arena of each residency, its experts read
@@ -16,14 +16,13 @@ their wait, prefetch reads, and of those the used and wasted ones (evicted befor
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks import jax_run_header
+from kq.bench.common import run_header, write_json
 
 
 def _resident(params, cfg, tokens):
@@ -136,12 +135,12 @@ def main() -> int:
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
 
-    payload = {**jax_run_header(), "tokens": args.tokens, "warmup": args.warmup, "queue_depth": args.queue_depth, "rows": []}
+    payload = {**run_header(), "tokens": args.tokens, "warmup": args.warmup, "queue_depth": args.queue_depth, "rows": []}
     for checkpoint in args.models:
         for row in measure(checkpoint, args.residency, args.policies, args.lookahead, tokens=args.tokens,
                            warmup=args.warmup, queue_depth=args.queue_depth):
             payload["rows"].append(row)  # written row by row: a run cut short keeps what it measured
-            args.json.write_text(json.dumps(payload, indent=1) + "\n")
+            write_json(args.json, payload)
     return 0 if all(row.get("exact", True) for row in payload["rows"]) else 1
 
 
