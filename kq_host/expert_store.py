@@ -44,6 +44,10 @@ class ExpertStoreError(ValueError):
     """A tensor is missing, mis-shaped or unreadable; the message names file, tensor and expert."""
 
 
+class ExpertStoreClosed(RuntimeError):
+    """A read or a submission reached an :class:`ExpertStore` after :meth:`ExpertStore.close`."""
+
+
 # The safetensors format caps the header at 100 MB.
 MAX_HEADER_BYTES = 100_000_000
 
@@ -154,7 +158,8 @@ class ExpertStore:
         host_allocator: ``(shape, dtype) -> array`` the reads land in, one call per projection read
             (default: fresh memory per read). Give one that returns page-locked memory, e.g. CuPy's
             ``cupyx.empty_pinned`` (its pool recycles the buffers once the arrays are freed), and a
-            GPU arena copies landed experts at the pinned rate rather than the pageable one.
+            GPU arena copies landed experts at the pinned rate rather than the pageable one. Each
+            projection of a read needs memory of its own: buffers that overlap are refused.
 
     Raises:
         ExpertStoreError: no safetensors file found.
@@ -189,6 +194,8 @@ class ExpertStore:
         self._pool = ThreadPoolExecutor(max_workers=queue_depth, thread_name_prefix="kq-expert-read")
         self._descriptors: dict[Path, int] = {}
         self._lock = threading.Lock()
+        self._closing = self._closed = False  # closing: no submission taken; closed: no read either
+        self._reads_running = 0  # reads holding descriptors: close closes the files once none is left
         self.bytes_read = 0
 
     @staticmethod
@@ -205,6 +212,8 @@ class ExpertStore:
     def _descriptor(self, entry: TensorEntry) -> int:
         """An open descriptor of the entry's file, checked to be the file whose header was read."""
         with self._lock:
+            if self._closed:
+                raise ExpertStoreClosed(self._closed_message("read_expert"))
             if entry.path not in self._descriptors:
                 self._descriptors[entry.path] = os.open(entry.path, os.O_RDONLY)
             descriptor = self._descriptors[entry.path]
@@ -268,10 +277,27 @@ class ExpertStore:
             ``{projection: array}`` in the file's dtype and shape.
 
         Raises:
-            ExpertStoreError: a missing tensor, a short read, or a shape/dtype that
-                differs from ``expected``; the message names file, tensor and expert.
+            ExpertStoreError: a missing tensor, a short read, a shape/dtype that
+                differs from ``expected`` (the message names file, tensor and expert), or
+                ``host_allocator`` buffers of two projections that overlap.
+            ExpertStoreClosed: the store was closed.
         """
+        with self._lock:
+            if self._closed:
+                raise ExpertStoreClosed(self._closed_message("read_expert"))
+            self._reads_running += 1
+        try:
+            return self._read_projections(layer, expert, expected)
+        finally:
+            with self._lock:
+                self._reads_running -= 1
+                if self._closed and not self._reads_running:
+                    self._close_descriptors()
+
+    def _read_projections(self, layer: int, expert: int, expected) -> dict[str, np.ndarray]:
+        """:meth:`read_expert`'s reads, one ``pread`` per projection."""
         out = {}
+        nbytes_total = 0
         for projection in self.projections:
             entry, offset, nbytes, shape = self._locate(layer, expert, projection)
             name = self.template.format(layer=layer, expert=expert, projection=projection)
@@ -289,13 +315,20 @@ class ExpertStore:
                 array = np.frombuffer(data, dtype=entry.dtype).reshape(shape)
             else:
                 array = self._allocated(shape, entry.dtype)
+                for other, earlier in out.items():
+                    if np.shares_memory(array, earlier):
+                        raise ExpertStoreError(
+                            f"ExpertStore: host_allocator returned {projection}'s buffer overlapping {other}'s "
+                            f"(expert {expert} of layer {layer}); each projection of a read needs memory of its own "
+                            f"(an allocator keeping one buffer per shape hands the same one out twice)")
                 count = os.preadv(self._descriptor(entry), [array.reshape(-1).view(np.uint8)], offset)
             if count != nbytes:
                 raise ExpertStoreError(f"{entry.path}: tensor {name} (expert {expert} of layer {layer}): "
                                        f"read {count} of {nbytes} bytes; the file is truncated")
             out[projection] = array
-            with self._lock:
-                self.bytes_read += nbytes
+            nbytes_total += nbytes
+        with self._lock:
+            self.bytes_read += nbytes_total
         return out
 
     def _allocated(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -310,15 +343,36 @@ class ExpertStore:
         return array
 
     def submit(self, layer: int, expert: int, **kwargs) -> Future:
-        """Queues :meth:`read_expert` on the reader pool; the future holds the arrays or the error."""
-        return self._pool.submit(self.read_expert, layer, expert, **kwargs)
+        """Queues :meth:`read_expert` on the reader pool; the future holds the arrays or the error.
+
+        Raises:
+            ExpertStoreClosed: the store was closed.
+        """
+        with self._lock:
+            if self._closing:
+                raise ExpertStoreClosed(self._closed_message("submit"))
+            return self._pool.submit(self.read_expert, layer, expert, **kwargs)
 
     def close(self) -> None:
+        """Waits for the submitted reads and closes the files; later reads and submissions raise
+        :class:`ExpertStoreClosed`. A read still running on another thread keeps its file open until it ends."""
+        with self._lock:
+            self._closing = True
         self._pool.shutdown(wait=True)
         with self._lock:
-            for descriptor in self._descriptors.values():
-                os.close(descriptor)
-            self._descriptors.clear()
+            self._closed = True
+            if not self._reads_running:
+                self._close_descriptors()
+
+    def _close_descriptors(self) -> None:
+        """Closes every open file (with ``_lock`` held)."""
+        for descriptor in self._descriptors.values():
+            os.close(descriptor)
+        self._descriptors.clear()
+
+    @staticmethod
+    def _closed_message(method: str) -> str:
+        return f"ExpertStore.{method}: the store was closed (its files are closed); open a new ExpertStore to read"
 
     def __enter__(self):
         return self
