@@ -292,6 +292,70 @@ def test_store_refuses_a_host_buffer_that_is_not_the_read(tmp_path, allocate, wh
         ExpertStore(tmp_path, layout="stacked", host_allocator=np.zeros((2, 2)))
 
 
+def test_store_refuses_a_host_allocator_handing_one_buffer_to_two_projections(tmp_path):
+    """gate_proj and up_proj share a shape: an allocator keeping one buffer per shape would return the same
+    memory for both, and the expert would come back with up_proj's bits under gate_proj."""
+    write_stacked(tmp_path, 1, 2, np.float32)
+    staging = {}
+
+    def one_buffer_per_shape(shape, dtype):
+        return staging.setdefault((tuple(shape), np.dtype(dtype)), np.empty(shape, dtype))
+
+    with ExpertStore(tmp_path, layout="stacked", host_allocator=one_buffer_per_shape) as store:
+        with pytest.raises(ExpertStoreError, match="host_allocator.*up_proj.*gate_proj"):
+            store.read_expert(0, 1)
+        assert store.bytes_read == 0
+
+
+def test_store_reads_through_disjoint_views_of_one_block(tmp_path):
+    """Buffers cut from one block without overlap are each the read's own."""
+    write_stacked(tmp_path, 1, 2, np.float32)
+    block = np.full(sum(int(np.prod(shape)) for shape in SHAPES.values()), 7, np.float32)
+    cuts = iter(np.cumsum([0] + [int(np.prod(SHAPES[p])) for p in PROJECTIONS]).tolist())
+    start = next(cuts)
+
+    def from_block(shape, dtype):
+        nonlocal start
+        end = next(cuts)
+        view, start = block[start:end].reshape(shape), end
+        return view
+
+    with ExpertStore(tmp_path, layout="stacked", host_allocator=from_block) as store:
+        got = store.read_expert(0, 1)
+    for p in PROJECTIONS:
+        assert got[p].view(np.uint32).tolist() == weights(0, 1, p, np.float32).view(np.uint32).tolist()
+
+
+def _descriptors_to(path) -> int | None:
+    """How many of this process's descriptors are open on ``path`` (Linux), or None where /proc is missing."""
+    import os
+
+    try:
+        links = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")]
+    except OSError:
+        return None
+    return sum(link == str(path) for link in links)
+
+
+def test_store_after_close_refuses_reads_and_submissions_by_name(tmp_path):
+    from kq_host.expert_store import ExpertStoreClosed
+
+    write_stacked(tmp_path, 1, 2, np.float32)
+    path = (tmp_path / "experts.safetensors").resolve()
+    store = ExpertStore(tmp_path, layout="stacked")
+    assert store.read_expert(0, 0)["up_proj"].view(np.uint32).tolist() == \
+        weights(0, 0, "up_proj", np.float32).view(np.uint32).tolist()
+    store.close()
+    assert _descriptors_to(path) in (0, None)
+    with pytest.raises(ExpertStoreClosed, match="ExpertStore.read_expert: the store was closed"):
+        store.read_expert(0, 1)
+    assert _descriptors_to(path) in (0, None)  # nothing reopened
+    with pytest.raises(ExpertStoreClosed, match="ExpertStore.submit: the store was closed"):
+        store.submit(0, 1)
+    assert isinstance(ExpertStoreClosed("x"), RuntimeError)
+    store.close()  # a second close is harmless
+
+
 def test_store_concurrent_reads(tmp_path):
     write_stacked(tmp_path, 3, 16, np.float32)
     with ExpertStore(tmp_path, layout="stacked", queue_depth=8) as store:
