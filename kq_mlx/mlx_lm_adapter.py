@@ -34,7 +34,7 @@ import numpy as np
 import kq_mlx
 from kq_mlx import report_pack
 from kq_host.arena import check_payload, checked_payloads
-from kq_host.residency import LayerReport
+from kq_host.residency import LayerReport, PreloadError
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -106,7 +106,7 @@ class ArenaMoeBlock(nn.Module):
         self._published = None  # set_tables' last row for this block (_Published: outside the module's tree)
         self.rule = "route_shed"
         self.tier = None  # a SwitchGLU of every expert at low precision (attach_tier)
-        self.manager, self.layer = None, None  # rule "exact" (attach_exact)
+        self.manager, self.layer, self.timeout = None, None, None  # rule "exact" (attach_exact)
         self.last = None
         self.last_mix = None
 
@@ -160,7 +160,8 @@ class ArenaMoeBlock(nn.Module):
         if self.manager is None:
             raise ValueError("ArenaMoeBlock: rule 'exact' needs a residency manager: call attach_exact first")
         mx.eval(inds, scores)
-        table = self.manager.acquire(self.layer, np.array(inds), np.array(scores.astype(mx.float32)))
+        table = self.manager.acquire(self.layer, np.array(inds), np.array(scores.astype(mx.float32)),
+                                     timeout=self.timeout)
         self.slot_table = mx.array(table)
 
     def _tiered(self, x):
@@ -342,8 +343,110 @@ def pack_predictions(model: nn.Module) -> mx.array:
                                                             for p in predicted])
 
 
+def _restorer(cache) -> Callable[[], None] | None:
+    """A function that puts one mlx-lm cache back as it is now, or None for a cache that cannot be put back.
+
+    A trimmable cache (``KVCache`` and its kin) is trimmed back to its offset; an ``ArraysCache`` (the
+    state of a linear-attention or state-space layer, replaced a pass at a time) gets its arrays back;
+    a ``CacheList`` each of its caches.
+    """
+    from mlx_lm.models.cache import ArraysCache, CacheList
+
+    if isinstance(cache, CacheList):
+        parts = [_restorer(part) for part in cache.caches]
+        return None if None in parts else lambda: [part() for part in parts]
+    if isinstance(cache, ArraysCache):
+        arrays, left_padding, lengths = list(cache.cache), cache.left_padding, cache.lengths
+
+        def restore():
+            cache.cache, cache.left_padding, cache.lengths = list(arrays), left_padding, lengths
+        return restore
+    if cache.is_trimmable():
+        offset = cache.offset
+        return lambda: cache.trim(cache.offset - offset)
+    return None
+
+
+class _CacheCheckpoint:
+    """Caches as they were when added; :meth:`restore` puts every one back (a pass undone)."""
+
+    def __init__(self, caches=()):
+        self._restorers: dict[int, tuple[object, Callable[[], None] | None]] = {}
+        for cache in caches:
+            self.add(cache)
+
+    def add(self, cache) -> None:
+        if id(cache) not in self._restorers:
+            self._restorers[id(cache)] = (cache, _restorer(cache))
+
+    def restorable(self) -> bool:
+        return all(restore is not None for _, restore in self._restorers.values())
+
+    def restore(self) -> None:
+        """Puts every cache back; raises RuntimeError naming the caches that cannot be put back."""
+        stuck = [type(cache).__name__ for cache, restore in self._restorers.values() if restore is None]
+        for _, restore in self._restorers.values():
+            if restore is not None:
+                restore()
+        self._restorers.clear()
+        if stuck:
+            raise RuntimeError(f"the pass failed after its {', '.join(stuck)} caches took its tokens, and those "
+                               f"cannot be cut back: make a new cache (mlx_lm.models.cache.make_prompt_cache) and "
+                               f"feed the tokens again")
+
+
+class _SharedCheckpoint:
+    """The current pass's checkpoint, shared by a model's guarded decoder layers."""
+
+    def __init__(self):
+        self.checkpoint = _CacheCheckpoint()
+
+
+class _PassGuardLayer(nn.Module):
+    """A decoder layer that records the caches it is handed; when it raises, every cache the pass has
+    touched (from the first decoder layer on) is put back as it was before the pass, then the error goes on."""
+
+    def __init__(self, layer: nn.Module, shared: _SharedCheckpoint, first: bool):
+        super().__init__()
+        self.layer = layer
+        self._shared, self._first = shared, first
+
+    def __getattr__(self, key):
+        try:
+            return super().__getattr__(key)
+        except AttributeError:
+            inner = self.get("layer")
+            if inner is None:
+                raise
+            return getattr(inner, key)  # a family's model reads its decoder layers' attributes
+
+    def __call__(self, *args, **kwargs):
+        from mlx_lm.models.cache import _BaseCache
+
+        if self._first:
+            self._shared.checkpoint = _CacheCheckpoint()
+        checkpoint = self._shared.checkpoint
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, _BaseCache):
+                checkpoint.add(value)
+        try:
+            return self.layer(*args, **kwargs)
+        except BaseException as error:
+            try:
+                checkpoint.restore()
+            except RuntimeError as stuck:
+                raise stuck from error
+            raise
+
+
+def _check_timeout(function: str, timeout) -> None:
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not timeout >= 0):
+        raise ValueError(f"{function}: timeout must be None or a number of seconds >= 0, got {timeout!r}")
+
+
 def attach_exact(model: nn.Module, blocks: list[ArenaMoeBlock], manager, *, lookahead: bool = True,
-                 prefetch_budget: int | None = None) -> None:
+                 prefetch_budget: int | None = None, timeout: float | None = None) -> None:
     """Makes the model exact at any residency, layer by layer: each block evaluates its routing, and
     ``manager.acquire`` makes every routed expert resident before the block's experts run (the misses
     read on the critical path); with ``lookahead``, after each layer but the last the next layer's
@@ -351,20 +454,37 @@ def attach_exact(model: nn.Module, blocks: list[ArenaMoeBlock], manager, *, look
     ``prefetch_budget`` a layer). The logits are the model's with every expert resident, bit for bit.
     Call ``manager.next_token()`` after each token.
 
+    A pass that raises (a read failed or timed out: :class:`~kq_host.residency.PreloadError`) leaves every
+    KV cache as it was before the pass: the decoder layers are wrapped so that each records its cache's
+    state, and the caches the pass touched are cut back before the error goes on. Running the same tokens
+    again (once the reads can land) gives the model's logits. A cache that cannot be cut back (a rotating
+    window already wrapped) turns the error into a RuntimeError saying so.
+
     Args:
         model: an mlx-lm model whose MoE blocks :func:`attach_arena` wrapped (``blocks``, one per layer).
         manager: a :class:`kq_host.residency.ResidencyManager` of ``len(blocks)`` layers whose loader
             fills :class:`SwitchGLUArena` ``(blocks)``.
+        timeout: seconds each ``acquire`` waits for its reads (None: no limit); past it the pass raises
+            PreloadError listing the reads still out.
+
+    Raises:
+        ValueError: the manager's shape is not the blocks', or ``timeout`` is not None or a number >= 0.
     """
+    _check_timeout("attach_exact", timeout)
     if manager.num_layers != len(blocks) or any(block.num_slots != manager.num_slots for block in blocks):
         raise ValueError(f"attach_exact: the manager has {manager.num_layers} layers of {manager.num_slots} slots; "
                          f"the model {len(blocks)} blocks of {sorted({b.num_slots for b in blocks})}")
     for layer, block in enumerate(blocks):
-        block.rule, block.manager, block.layer = "exact", manager, layer
-    if lookahead:
+        block.rule, block.manager, block.layer, block.timeout = "exact", manager, layer, timeout
+    layers = getattr(model, "model", model).layers
+    if lookahead and not any(isinstance(layer, _PassGuardLayer) for layer in layers):
         attach_lookahead(model, blocks)
-        for layer, wrapped in enumerate(getattr(model, "model", model).layers[:-1]):
+        for layer, wrapped in enumerate(layers[:-1]):
             wrapped.prefetch = functools.partial(manager.prefetch, layer + 1, budget=prefetch_budget)
+    if not any(isinstance(layer, _PassGuardLayer) for layer in layers):
+        shared = _SharedCheckpoint()
+        for index in range(len(layers)):
+            layers[index] = _PassGuardLayer(layers[index], shared, index == 0)
 
 
 def attach_tier(blocks: list[ArenaMoeBlock], tier) -> None:
@@ -446,9 +566,45 @@ def pack_reports(blocks: list[ArenaMoeBlock]) -> mx.array:
                              "miss_scores": [shed.miss_scores for _, _, shed in lasts]})
 
 
+def _retry_failed_reads(manager, report: LayerReport, read_retries: int, timeout: float | None) -> None:
+    """Reads again, ignoring the manager's back-off, the experts a pass missed whose reads failed
+    (``manager.acquire`` of the layer's routed set, up to ``read_retries`` times a layer).
+
+    Raises:
+        PreloadError: a layer's reads still failed after ``read_retries`` tries, or were out past
+            ``timeout``; the message names each expert and its last error.
+    """
+    tables = manager.snapshot()
+    for layer in range(manager.num_layers):
+        missed = report.miss_ids[layer]
+        unread = [e for e in np.unique(missed[missed >= 0]).tolist()
+                  if tables[layer, e] < 0 and (layer, e) in manager.failures]
+        if not unread:
+            continue
+        error = None
+        for _ in range(read_retries):
+            try:
+                manager.acquire(layer, report.indices[layer], report.scores[layer], timeout=timeout)
+                error = None
+                break
+            except PreloadError as caught:
+                error = caught
+                if caught.pending:
+                    break
+        if error is None and read_retries:
+            continue
+        failed = error.failed if error is not None else [manager.failures[(layer, e)] for e in unread]
+        pending = error.pending if error is not None else []
+        details = "; ".join(f"expert {r.expert}: {r.error_type}: {r.message}, {r.count} failures in a row"
+                            for r in failed)
+        out = f", {len(pending)} still out after {timeout} s" if pending else ""
+        raise PreloadError(f"generate_greedy: layer {layer}: the reads of experts {sorted(r.expert for r in failed)} "
+                           f"failed after {read_retries} retries ({details}){out}", failed, pending) from error
+
+
 def generate_greedy(model: nn.Module, blocks: list[ArenaMoeBlock], manager, prompt: list[int], max_tokens: int,
-                    *, overlap: bool = True, exact: bool = False,
-                    on_token: Callable[[int], None] | None = None) -> list[int]:
+                    *, overlap: bool = True, exact: bool = False, timeout: float | None = None,
+                    read_retries: int = 2, on_token: Callable[[int], None] | None = None) -> list[int]:
     """Greedy decode through the arenas as an engine runs it: one readback per token, the host's boundary
     overlapped with the next token.
 
@@ -461,48 +617,61 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaMoeBlock], manager, prom
     graph holds them). Without ``overlap`` each boundary comes before the next token.
 
     With ``exact`` a token is kept only if it ran with every routed expert resident: when its reports
-    show misses, the reads are waited for (``manager.drain``), the token's entries are cut from the KV
-    cache (with the next token's, built on it) and the token runs again on the new tables. The prompt
-    then goes in a token a pass, as decoding does (a pass needs the slots for every expert it routes),
-    and the tokens are the unmodified model's fed the same way, at any residency: each miss is read on
-    the token's critical path.
+    show misses, the reads are waited for (``manager.drain``), the cache is put back as it was before the
+    token (the next token's entries, built on it, with it) and the token runs again on the new tables. The
+    prompt then goes in a token a pass, as decoding does (a pass needs the slots for every expert it
+    routes), and the tokens are the unmodified model's fed the same way, at any residency: each miss is
+    read on the token's critical path. A missed expert whose read failed (this token, or earlier: the
+    manager then backs off from it) is read again at once through ``manager.acquire``, up to
+    ``read_retries`` times; a read that keeps failing raises PreloadError naming it, and the manager
+    serves a later call once the reads succeed again.
 
     Args:
         model: the mlx-lm model, its blocks wrapped by :func:`attach_arena` (``blocks``).
         manager: the :class:`~kq_host.residency.ResidencyManager` filling the blocks' arenas.
         prompt: the prompt's token ids (at least one); max_tokens: tokens to generate (at least one).
         overlap: dispatch the next token before this token's boundary.
-        exact: run a token again until it misses nothing (needs a trimmable KV cache).
+        exact: run a token again until it misses nothing (needs caches that can be put back: trimmable
+            KV caches, or the arrays caches of linear-attention and state-space layers).
+        timeout: with ``exact``, seconds each wait for reads (``drain``, ``acquire``) may take (None: no
+            limit).
+        read_retries: with ``exact``, times a missed expert whose read failed is read again before the
+            error (0: the first failure raises).
         on_token: called with each generated id as it is kept (to stream the output).
 
     Returns:
         The ``max_tokens`` generated ids.
 
     Raises:
-        ValueError: an empty prompt, ``max_tokens < 1``, or ``exact`` with a KV cache that cannot be cut.
-        RuntimeError: with ``exact``, a token still misses after ``L + 1`` runs (an arena too small for
-            one token's experts, or reads that never land).
+        ValueError: an empty prompt, ``max_tokens < 1``, a bad ``timeout`` or ``read_retries``, or
+            ``exact`` with a cache that cannot be put back.
+        PreloadError: with ``exact``, a read failed ``read_retries`` more times, or reads were out past
+            ``timeout`` (``.failed`` and ``.pending`` list them).
+        RuntimeError: with ``exact``, a token still misses after ``L + 1`` runs with no read failing (an
+            arena too small for one token's experts).
     """
-    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
-
-    from kq_host.residency import LayerReport
+    from mlx_lm.models.cache import make_prompt_cache
 
     if not prompt or max_tokens < 1:
         raise ValueError(f"generate_greedy: needs a prompt of at least one token and max_tokens >= 1, got "
                          f"{len(prompt)} prompt tokens and max_tokens={max_tokens}")
+    _check_timeout("generate_greedy", timeout)
+    if isinstance(read_retries, bool) or not isinstance(read_retries, (int, np.integer)) or read_retries < 0:
+        raise ValueError(f"generate_greedy: read_retries must be an int >= 0, got {read_retries!r}")
     cache = make_prompt_cache(model)
-    if exact and not can_trim_prompt_cache(cache):
-        raise ValueError("generate_greedy: exact=True runs a token again, which needs a KV cache that can be "
-                         "trimmed; this model's cannot")
+    if exact and not _CacheCheckpoint(cache).restorable():
+        raise ValueError("generate_greedy: exact=True runs a token again, which needs caches that can be put "
+                         "back (trimmable KV caches or arrays caches); this model's cannot")
     set_tables(blocks, manager.snapshot())
     tokens: list[int] = []
 
-    def build(x):
-        return x, mx.argmax(model(x, cache=cache)[0, -1], axis=-1), pack_reports(blocks)
+    def build(x):  # (input, greedy token, packed reports, the cache as it was before: exact only)
+        before = _CacheCheckpoint(cache) if exact else None
+        return x, mx.argmax(model(x, cache=cache)[0, -1], axis=-1), pack_reports(blocks), before
 
     def dispatch(x):
         built = build(x)
-        mx.async_eval(*built[1:])
+        mx.async_eval(*built[1:3])
         return built
 
     # Exact runs the prompt a token a pass, as it decodes: a pass needs every expert it routes resident.
@@ -518,7 +687,7 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaMoeBlock], manager, prom
         report = LayerReport.from_packed(packed)
         missed = exact and bool((report.miss_ids >= 0).any())
         if following is not None and not missed:
-            mx.async_eval(*following[1:])
+            mx.async_eval(*following[1:3])
         if runs == 0 or missed:  # a run again that hits everything was credited by the run before it
             tables = manager.step(report)
         if missed:
@@ -526,10 +695,14 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaMoeBlock], manager, prom
             if runs > len(blocks):
                 raise RuntimeError(f"generate_greedy: a pass still misses {int((report.miss_ids >= 0).sum())} "
                                    f"experts after {runs} runs (an arena too small for one token's experts?)")
-            manager.drain()
+            out = manager.drain(timeout)
+            if out:
+                raise PreloadError(f"generate_greedy: {len(out)} read(s) still out after {timeout} s ("
+                                   + ", ".join(f"layer {r.layer} expert {r.expert}" for r in out[:4]) + ")", [], out)
+            _retry_failed_reads(manager, report, read_retries, timeout)
             tables = manager.snapshot()
             set_tables(blocks, tables)
-            trim_prompt_cache(cache, current[0].shape[1] + (following is not None))
+            current[3].restore()  # the following token's entries, built on this one, go with it
             current = dispatch(current[0])
             continue
         set_tables(blocks, tables)

@@ -571,3 +571,159 @@ def test_report_pack_is_each_fields_bits(layers, shape, score_dtype):
     fields["scores"][0] = fields["scores"][0][..., :1]
     with pytest.raises(ValueError, match="pack_reports: every layer's ids, scores, miss ids and miss scores"):
         pack(fields)
+
+
+class FlakyLoader:
+    """Reads experts from the blocks; the reads numbered in ``failing`` (1-based, counted over the run) raise, and
+    while ``broken`` holds a (layer, expert) -> bool test, every read it selects raises."""
+
+    def __init__(self, blocks, failing=()):
+        self.blocks, self.failing, self.count, self.broken = blocks, set(failing), 0, None
+
+    def __call__(self, layer, expert, slot):
+        self.count += 1
+        if self.count in self.failing or (self.broken is not None and self.broken(layer, expert)):
+            raise OSError(f"read {self.count} failed: input/output error")
+        return self.blocks[layer].expert_weights(expert)
+
+
+def _cache_offsets(cache):
+    return [c.offset for c in cache]
+
+
+@pytest.mark.parametrize("lookahead", [True, False], ids=["lookahead", "no-lookahead"])
+def test_a_failed_read_in_the_exact_mode_leaves_every_cache_as_before_the_token(lookahead):
+    """A read failing in layer 1 of a token: layer 0's cache already took the token; the error leaves every
+    cache without it, and the same token run again once the disk heals gives the unmodified model's bits."""
+    from kq_host.residency import PreloadError
+    from kq_mlx.mlx_lm_adapter import attach_exact
+
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    want = _decode_one_at_a_time(evaluated(qwen3_model, seed=8), tokens)
+    model = evaluated(qwen3_model, seed=8)
+    blocks = attach_arena(model, num_slots=EXPERTS // 4)
+    loader = FlakyLoader(blocks)
+    manager = ResidencyManager(LAYERS, EXPERTS, EXPERTS // 4, loader=loader, arena=SwitchGLUArena(blocks),
+                               queue_depth=0)
+    attach_exact(model, blocks, manager, lookahead=lookahead)
+    cache, failures = make_prompt_cache(model), 0
+    for position, token in enumerate(tokens):
+        loader.broken = (lambda layer, expert: layer == 1) if position % 2 else None
+        before = _cache_offsets(cache)
+        try:
+            logits = model(mx.array([[token]]), cache=cache)[0, -1]
+        except PreloadError:
+            failures += 1
+            assert _cache_offsets(cache) == before, "a failed token must leave every cache as before it"
+            loader.broken = None
+            logits = model(mx.array([[token]]), cache=cache)[0, -1]
+        mx.eval(logits)
+        manager.next_token()
+        assert np.array_equal(np.array(logits).view(np.uint32), want[position]), f"token {position}"
+    manager.close()
+    assert failures > 0, "the case must fail some reads mid-token"
+
+
+def test_attach_exact_passes_its_timeout_to_every_wait_and_leaves_the_caches_as_before():
+    import threading
+
+    from kq_host.residency import PreloadError
+    from kq_mlx.mlx_lm_adapter import attach_exact
+
+    model = evaluated(qwen3_model, seed=8)
+    blocks = attach_arena(model, num_slots=EXPERTS // 4)
+    release = threading.Event()
+
+    def hanging(layer, expert, slot):
+        release.wait(60)
+        return blocks[layer].expert_weights(expert)
+
+    manager = ResidencyManager(LAYERS, EXPERTS, EXPERTS // 4, loader=hanging, arena=SwitchGLUArena(blocks),
+                               queue_depth=2)
+    attach_exact(model, blocks, manager, timeout=0.1)
+    cache = make_prompt_cache(model)
+    try:
+        with pytest.raises(PreloadError, match="still out"):
+            model(mx.array([[3]]), cache=cache)
+        assert _cache_offsets(cache) == [0] * LAYERS
+    finally:
+        release.set()
+        manager.close()
+    with pytest.raises(ValueError, match="attach_exact: timeout"):
+        attach_exact(model, blocks, manager, timeout=-1)
+
+
+def _greedy_one_at_a_time(make_model, seed, prompt, steps):
+    """The unmodified model's greedy tokens, the prompt fed a token a pass (as exact=True runs it)."""
+    model = evaluated(make_model, seed=seed)
+    cache = make_prompt_cache(model)
+    for token in prompt[:-1]:
+        mx.eval(model(mx.array([[token]]), cache=cache))
+    want, x = [], mx.array([prompt[-1:]])
+    for _ in range(steps):
+        want.append(int(mx.argmax(model(x, cache=cache)[0, -1]).item()))
+        x = mx.array([want[-1:]])
+    return want
+
+
+@pytest.mark.parametrize("failing_read", [1, 5, 12])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "serial"])
+def test_generate_greedy_exact_retries_a_transient_read_failure(failing_read, overlap):
+    from kq_mlx.mlx_lm_adapter import generate_greedy
+
+    want = _greedy_one_at_a_time(qwen3_model, 7, [2, 7, 1, 8], 10)
+    model = evaluated(qwen3_model, seed=7)
+    blocks = attach_arena(model, num_slots=6)
+    loader = FlakyLoader(blocks, failing=[failing_read])
+    manager = ResidencyManager(LAYERS, EXPERTS, 6, loader=loader, arena=SwitchGLUArena(blocks), queue_depth=0)
+    assert generate_greedy(model, blocks, manager, [2, 7, 1, 8], 10, overlap=overlap, exact=True) == want
+    _, total = manager.stats()
+    assert loader.count > failing_read and total.reads_failed == 1
+    manager.close()
+
+
+def test_generate_greedy_exact_names_a_persistent_read_failure_and_works_once_the_disk_heals():
+    from kq_host.residency import PreloadError
+    from kq_mlx.mlx_lm_adapter import generate_greedy
+
+    want = _greedy_one_at_a_time(qwen3_model, 7, [2, 7, 1, 8], 10)
+    model = evaluated(qwen3_model, seed=7)
+    blocks = attach_arena(model, num_slots=6)
+    loader = FlakyLoader(blocks)
+    loader.broken = lambda layer, expert: layer == 1 and expert % 2 == 0
+    manager = ResidencyManager(LAYERS, EXPERTS, 6, loader=loader, arena=SwitchGLUArena(blocks), queue_depth=0)
+    with pytest.raises(PreloadError, match=r"generate_greedy: layer 1: the reads of experts? \[.*\] failed after 2 "
+                                           r"retries \(expert \d+: OSError: read \d+ failed: input/output error, "
+                                           r"\d+ failures in a row") as caught:
+        generate_greedy(model, blocks, manager, [2, 7, 1, 8], 10, exact=True, read_retries=2)
+    assert caught.value.failed and all(record.layer == 1 for record in caught.value.failed)
+    loader.broken = None
+    assert generate_greedy(model, blocks, manager, [2, 7, 1, 8], 10, exact=True) == want
+    manager.close()
+
+
+def test_generate_greedy_exact_times_out_on_a_hanging_read():
+    import threading
+
+    from kq_host.residency import PreloadError
+    from kq_mlx.mlx_lm_adapter import generate_greedy
+
+    model = evaluated(qwen3_model, seed=7)
+    blocks = attach_arena(model, num_slots=6)
+    release = threading.Event()
+
+    def hanging(layer, expert, slot):
+        release.wait(60)
+        return blocks[layer].expert_weights(expert)
+
+    manager = ResidencyManager(LAYERS, EXPERTS, 6, loader=hanging, arena=SwitchGLUArena(blocks), queue_depth=2)
+    try:
+        with pytest.raises(PreloadError, match=r"generate_greedy: .*still out after 0.1 s") as caught:
+            generate_greedy(model, blocks, manager, [2, 7, 1, 8], 4, exact=True, timeout=0.1)
+        assert caught.value.pending
+    finally:
+        release.set()
+        manager.close()
+    for bad in (dict(timeout=-1.0), dict(read_retries=-1), dict(read_retries=1.5)):
+        with pytest.raises(ValueError, match=f"generate_greedy: {next(iter(bad))}"):
+            generate_greedy(model, blocks, manager, [2], 1, exact=True, **bad)
