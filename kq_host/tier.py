@@ -7,13 +7,20 @@ its copy here instead of being dropped. The format is affine group quantization 
 ``q`` in ``[0, 2**bits)``, the q of a row packed as one little-endian bit stream into uint32
 words. A JAX layer dequantizes the rows it gathers; an MLX layer hands the arrays to
 ``gather_qmm`` as they are. Built once from an :class:`~kq_host.expert_store.ExpertStore`
-and cached on disk, keyed by the checkpoint's files and the options.
+and cached on disk: one entry per checkpoint and options, valid while the checkpoint's bytes are those
+it was built from.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import os
+import struct
+import tempfile
+import warnings
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, NamedTuple
@@ -21,11 +28,16 @@ from typing import Mapping, NamedTuple
 import ml_dtypes
 import numpy as np
 
+from kq_host.expert_store import ExpertStoreError
+
 BITS = (2, 3, 4, 8)
 GROUP_SIZES = (32, 64, 128)
 # The packing word: q values run through uint32 words as one little-endian bit stream.
 WORD_BITS = 32
-_CACHE_VERSION = "1"
+# The dtypes of scales and biases, by name (as the cache stores them).
+SCALE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+                "float16": np.dtype(np.float16)}
+_CACHE_VERSION = "2"
 
 
 class TierOptionError(ValueError):
@@ -64,34 +76,54 @@ def quantize(weight: np.ndarray, *, bits: int, group_size: int) -> QuantizedWeig
 
     Per group: ``bias = min``, ``scale = (max - min) / (2**bits - 1)``, both rounded to the weight's
     dtype first (a float32 scale to 16 significant bits, so ``scale * q`` is exact); then ``q = clip(rint((w - bias) / scale), 0, 2**bits - 1)`` (0 where ``scale`` is 0).
+    A float64 weight is quantized as its float32 rounding.
 
     Args:
-        weight: float32, bfloat16 or float16 ``[..., in]``, ``in`` a multiple of ``group_size``.
+        weight: float32, bfloat16, float16 or float64 ``[..., in]``, ``in`` a multiple of ``group_size``,
+            every value finite in float32.
         bits: 2, 3, 4 or 8.
         group_size: 32, 64 or 128.
 
     Returns:
-        :class:`QuantizedWeight`, scales and biases in ``weight``'s dtype.
+        :class:`QuantizedWeight`, scales and biases in ``weight``'s dtype (float32 for a float64 weight).
 
     Raises:
-        TierOptionError: an option or the shape the format does not take.
+        TierOptionError: an option, dtype or shape the format does not take, a value that is not finite in
+            float32, or a group whose range ``max - min`` is too wide for its top value to dequantize finite.
     """
     check_options(bits, group_size)
     weight = np.asarray(weight)
+    if weight.dtype == np.float64:
+        with np.errstate(over="ignore"):  # out-of-range values become inf, refused below
+            weight = weight.astype(np.float32)
+    if weight.dtype not in SCALE_DTYPES.values():
+        raise TierOptionError(f"tier: a weight to quantize must be float32, bfloat16, float16 or float64, "
+                              f"got {weight.dtype}")
     if weight.ndim < 1 or weight.shape[-1] % group_size:
         raise TierOptionError(f"tier: a weight's last axis must be a multiple of group_size={group_size}, "
                               f"got shape {weight.shape}")
     if not np.all(np.isfinite(weight.astype(np.float32))):
-        raise TierOptionError("tier: a weight to quantize holds inf or NaN")
+        raise TierOptionError("tier: a weight to quantize holds inf or NaN (or float64 values beyond float32's range)")
     groups = weight.astype(np.float32).reshape(*weight.shape[:-1], -1, group_size)
     low, high = groups.min(axis=-1), groups.max(axis=-1)
     levels = (1 << bits) - 1
     biases = low.astype(weight.dtype)
-    scales = _short_significand(((high - low) / np.float32(levels)).astype(weight.dtype))
-    scale32, bias32 = scales.astype(np.float32)[..., None], biases.astype(np.float32)[..., None]
+    with np.errstate(over="ignore"):  # a range beyond float32's: refused below
+        scales = _short_significand(((high - low) / np.float32(levels)).astype(weight.dtype))
+        scale32, bias32 = scales.astype(np.float32)[..., None], biases.astype(np.float32)[..., None]
+        top = scale32 * np.float32(levels) + bias32  # each group's largest dequantized value
+    if not np.all(np.isfinite(top)):
+        raise TierOptionError(f"tier: a weight has a group whose range (max - min) overflows float32 at "
+                              f"bits={bits}: its values cannot come back finite from the format")
     q = np.rint((groups - bias32) / np.where(scale32 > 0, scale32, np.float32(1.0)))
     q = np.where(scale32 > 0, np.clip(q, 0, levels), 0).astype(np.uint32)
     return QuantizedWeight(pack(q.reshape(weight.shape), bits), scales, biases)
+
+
+def scale_dtype(weight_dtype) -> np.dtype:
+    """The dtype :func:`quantize` gives the scales and biases of a weight of ``weight_dtype``."""
+    weight_dtype = np.dtype(weight_dtype)
+    return np.dtype(np.float32) if weight_dtype == np.float64 else weight_dtype
 
 
 # Scales carry at most this many significant bits, so that scale * q (q < 2**8) is exact in float32:
@@ -172,72 +204,236 @@ def build_tier(store, num_layers: int, num_experts: int, *, bits: int = 3, group
                cache_dir: str | os.PathLike | None = None) -> Tier:
     """Quantizes every expert the store holds, or loads the cached result of the same build.
 
+    The cache keeps one entry per checkpoint (its files' paths, the store's layout) and options, valid
+    while the checkpoint's files hold the bytes it was built from (a digest of their whole content); a
+    changed checkpoint's entry is rebuilt in place. An entry that is unreadable or does not hold the
+    request's layers, experts, projections, shapes and dtypes is rebuilt with a warning; a cache that
+    cannot be written leaves the tier uncached with a warning.
+
     Args:
-        store: an :class:`~kq_host.expert_store.ExpertStore`.
-        num_layers, num_experts: L and E of the checkpoint.
+        store: an :class:`~kq_host.expert_store.ExpertStore` (or a store with its ``read_expert``,
+            ``expert_shapes``, ``projections`` and ``tensors``).
+        num_layers, num_experts: L and E of the checkpoint, as the store holds them.
         bits, group_size: as for :func:`quantize`.
         cache_dir: where built tiers are kept (``None``: ``$KQ_CACHE_DIR/tier`` or
-            ``~/.cache/kq/tier``); the key is every tensor's file identity, place and size, and the options.
+            ``~/.cache/kq/tier``).
 
     Returns:
         :class:`Tier` with leading dims ``[num_layers, num_experts]``.
+
+    Raises:
+        TierOptionError: an option the format does not take, or ``num_layers`` / ``num_experts`` that
+            disagree with the store.
+        ExpertStoreError: a read failed, two projections of one read share memory (a store whose
+            ``host_allocator`` hands one buffer to two reads), or the checkpoint's files changed.
     """
     check_options(bits, group_size)
     for name, value in (("num_layers", num_layers), ("num_experts", num_experts)):
         if not (isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1):
             raise TierOptionError(f"tier: {name} must be an int >= 1, got {value!r}")
+    num_layers, num_experts = int(num_layers), int(num_experts)
+    shapes = _expert_shapes(store, num_layers, num_experts)
     path = _cache_path(store, num_layers, num_experts, bits, group_size, cache_dir)
-    if path.exists():
-        with np.load(path) as cached:
-            return _from_arrays(cached, store.projections, bits, group_size)
+    content = _content_digest(store)
+    meta = {"version": _CACHE_VERSION, "content": content, "num_layers": num_layers, "num_experts": num_experts,
+            "bits": bits, "group_size": group_size, "projections": list(store.projections)}
+    cached = _load(path, meta, shapes)
+    if cached is not None:
+        return cached
+    tier = Tier(_quantize_store(store, num_layers, num_experts, bits, group_size), bits, group_size)
+    if _content_digest(store) != content:
+        raise ExpertStoreError(f"build_tier: the checkpoint's files ({', '.join(sorted(_files(store)))}) changed "
+                               f"while the tier was built from them; build it again")
+    try:
+        _save(path, tier.weights, meta)
+    except OSError as error:
+        warnings.warn(f"build_tier: could not cache the tier in {path.parent} ({error}); it is returned uncached",
+                      stacklevel=2)
+    return tier
+
+
+def _expert_shapes(store, num_layers: int, num_experts: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """``{projection: (shape, dtype)}`` every expert shares, once the store is checked to hold exactly
+    ``num_layers`` layers of ``num_experts`` experts (from the headers alone)."""
+
+    def holds(layer: int, expert: int) -> bool:
+        try:
+            store.expert_shapes(layer, expert)
+        except ExpertStoreError:
+            return False
+        return True
+
+    if holds(num_layers, 0):
+        raise TierOptionError(f"tier: num_layers={num_layers} disagrees with the store, which holds layer "
+                              f"{num_layers} too")
+    shapes = None
+    for layer in range(num_layers):
+        if not holds(layer, 0):
+            raise TierOptionError(f"tier: num_layers={num_layers} disagrees with the store, which holds no "
+                                  f"experts of layer {layer}")
+        if not holds(layer, num_experts - 1):
+            raise TierOptionError(f"tier: num_experts={num_experts} disagrees with the store: layer {layer} "
+                                  f"holds no expert {num_experts - 1}")
+        if holds(layer, num_experts):
+            raise TierOptionError(f"tier: num_experts={num_experts} disagrees with the store: layer {layer} "
+                                  f"holds expert {num_experts} too")
+        layer_shapes = store.expert_shapes(layer, 0)
+        if shapes is None:
+            shapes = layer_shapes
+        elif layer_shapes != shapes:
+            raise ExpertStoreError(f"tier: layer {layer}'s experts are {layer_shapes}, layer 0's {shapes}; "
+                                   f"a tier stacks one shape per projection")
+    return shapes
+
+
+def _quantize_store(store, num_layers: int, num_experts: int, bits: int,
+                    group_size: int) -> dict[str, QuantizedWeight]:
+    """Every expert read and quantized, each read's projections quantized before the next read."""
     per_projection: dict[str, list[list[QuantizedWeight]]] = {p: [] for p in store.projections}
     for layer in range(num_layers):
         rows = {p: [] for p in store.projections}
         for expert in range(num_experts):
-            for name, weight in store.read_expert(layer, expert).items():
+            read = store.read_expert(layer, expert)
+            _refuse_shared_memory(read, layer, expert)
+            for name, weight in read.items():
                 rows[name].append(quantize(weight, bits=bits, group_size=group_size))
         for name in store.projections:
             per_projection[name].append(rows[name])
-    weights = {name: QuantizedWeight(*(np.stack([np.stack([getattr(w, field) for w in layer]) for layer in layers])
-                                       for field in QuantizedWeight._fields))
-               for name, layers in per_projection.items()}
-    _save(path, weights)
-    return Tier(weights, bits, group_size)
+    return {name: QuantizedWeight(*(np.stack([np.stack([getattr(w, field) for w in layer]) for layer in layers])
+                                    for field in QuantizedWeight._fields))
+            for name, layers in per_projection.items()}
+
+
+def _refuse_shared_memory(read: Mapping[str, np.ndarray], layer: int, expert: int) -> None:
+    """Raises ExpertStoreError if two projections of one read share memory: one holds the other's bytes."""
+    arrays = list(read.items())
+    for index, (first, a) in enumerate(arrays):
+        for second, b in arrays[index + 1:]:
+            if np.shares_memory(a, b):
+                raise ExpertStoreError(
+                    f"build_tier: expert {expert} of layer {layer}: the store's reads of {first} and {second} share "
+                    f"memory (its host_allocator hands one buffer to both), so one holds the other's weights; "
+                    f"build the tier through a store without that host_allocator")
+
+
+def _files(store) -> dict[str, tuple[int, int, int]]:
+    """``{path: (inode, size, mtime_ns)}`` of the store's files when their headers were read."""
+    return {str(entry.path): entry.identity for entry in store.tensors.values()}
+
+
+# Bytes read at a time while the checkpoint's files are digested.
+_DIGEST_CHUNK = 1 << 22
+
+
+def _content_digest(store) -> str:
+    """A digest of every byte of the store's files (about 1.8 GB/s on one core).
+
+    Raises:
+        ExpertStoreError: a file is not the one whose header the store read.
+    """
+    digest = hashlib.sha1(usedforsecurity=False)
+    buffer = bytearray(_DIGEST_CHUNK)
+    view = memoryview(buffer)
+    for path, identity in sorted(_files(store).items()):
+        try:
+            handle = open(path, "rb")
+        except OSError as error:
+            raise ExpertStoreError(f"{path}: cannot be opened to digest it ({error.strerror or error})") from None
+        with handle:
+            stat = os.fstat(handle.fileno())
+            if (stat.st_ino, stat.st_size, stat.st_mtime_ns) != tuple(identity):
+                raise ExpertStoreError(f"{path} changed after its header was read (inode, size or modification time "
+                                       f"differ); open a new store on the new file")
+            digest.update(f"{Path(path).name}\0{stat.st_size}\0".encode())
+            while count := handle.readinto(buffer):
+                digest.update(view[:count])
+    return digest.hexdigest()
 
 
 def _cache_path(store, num_layers, num_experts, bits, group_size, cache_dir) -> Path:
+    """The entry of this checkpoint (its files' paths and the store's layout) and these options."""
     root = Path(cache_dir) if cache_dir is not None else Path(
         os.environ.get("KQ_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kq") / "tier"
     key = hashlib.sha256(repr((_CACHE_VERSION, num_layers, num_experts, bits, group_size, store.projections,
-                               store.template, store.layout,
-                               sorted((name, str(e.path.resolve()), e.identity, e.offset, e.nbytes)
-                                      for name, e in store.tensors.items()))).encode()).hexdigest()[:20]
+                               type(store).__name__, store.template, store.layout,
+                               repr(getattr(store, "quantization", None)),
+                               sorted(str(Path(path).resolve()) for path in _files(store)))).encode()).hexdigest()[:20]
     return root / f"tier_{bits}bit_g{group_size}_{key}.npz"
 
 
-def _save(path: Path, weights: Mapping[str, QuantizedWeight]) -> None:
-    """Writes the tier atomically (a temporary file renamed), scales and biases as their raw bits."""
+def _save(path: Path, weights: Mapping[str, QuantizedWeight], meta: Mapping) -> None:
+    """Writes the tier atomically (a temporary file of this call renamed over the entry), scales and biases
+    as their raw bits; the temporary is removed on any failure.
+
+    Raises:
+        OSError: the directory cannot be made or written.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
-    arrays = {}
+    arrays = {"meta": np.array(json.dumps(meta, sort_keys=True))}
     for name, weight in weights.items():
         arrays[f"{name}.packed"] = weight.packed
         for field in ("scales", "biases"):
             array = getattr(weight, field)
             arrays[f"{name}.{field}"] = array.view(np.uint16) if array.dtype.itemsize == 2 else array
             arrays[f"{name}.{field}.dtype"] = np.array(array.dtype.name)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(temporary, "wb") as out:
-        np.savez(out, **arrays)
-    os.replace(temporary, path)
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(descriptor, "wb") as out:
+            np.savez(out, **arrays)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+# What reading a damaged entry can raise.
+_UNREADABLE = (OSError, ValueError, KeyError, EOFError, TypeError, zipfile.BadZipFile, struct.error)
+
+
+def _load(path: Path, meta: Mapping, shapes: Mapping[str, tuple[tuple[int, ...], np.dtype]]) -> Tier | None:
+    """The cached tier at ``path`` if it is this build's, else None (a damaged or mismatched entry warned of)."""
+    if not path.is_file():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as cached:
+            if json.loads(str(cached["meta"][()])) != json.loads(json.dumps(meta)):
+                return None  # another checkpoint content's entry: rebuilt in place
+            tier = _from_arrays(cached, meta["projections"], meta["bits"], meta["group_size"])
+    except _UNREADABLE as error:
+        warnings.warn(f"build_tier: the cached tier {path} is unreadable ({type(error).__name__}: {error}); "
+                      f"building it again", stacklevel=3)
+        return None
+    mismatch = _mismatch(tier, meta["num_layers"], meta["num_experts"], shapes)
+    if mismatch:
+        warnings.warn(f"build_tier: the cached tier {path} does not hold the request ({mismatch}); building it again",
+                      stacklevel=3)
+        return None
+    return tier
+
+
+def _mismatch(tier: Tier, num_layers: int, num_experts: int,
+              shapes: Mapping[str, tuple[tuple[int, ...], np.dtype]]) -> str | None:
+    """What in ``tier`` differs from the tier of experts of ``shapes`` would be, or None."""
+    for name, (shape, dtype) in shapes.items():
+        out, width = shape[:-1], shape[-1]
+        leading = (num_layers, num_experts, *out)
+        want = {"packed": (leading + (width * tier.bits // WORD_BITS,), np.dtype(np.uint32)),
+                "scales": (leading + (width // tier.group_size,), scale_dtype(dtype)),
+                "biases": (leading + (width // tier.group_size,), scale_dtype(dtype))}
+        for field, (want_shape, want_dtype) in want.items():
+            array = getattr(tier.weights[name], field)
+            if array.shape != want_shape or array.dtype != want_dtype:
+                return (f"{name}.{field} is {array.dtype.name}{list(array.shape)}, the request's "
+                        f"{want_dtype.name}{list(want_shape)}")
+    return None
 
 
 def _from_arrays(cached, projections, bits: int, group_size: int) -> Tier:
-    dtypes = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
-              "float32": np.dtype(np.float32)}
     weights = {}
     for name in projections:
         fields = [cached[f"{name}.packed"]]
         for field in ("scales", "biases"):
-            fields.append(cached[f"{name}.{field}"].view(dtypes[str(cached[f"{name}.{field}.dtype"])]))
+            fields.append(cached[f"{name}.{field}"].view(SCALE_DTYPES[str(cached[f"{name}.{field}.dtype"])]))
         weights[name] = QuantizedWeight(*fields)
     return Tier(weights, bits, group_size)

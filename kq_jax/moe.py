@@ -16,6 +16,7 @@ exactly 1).
 
 from __future__ import annotations
 
+from numbers import Integral
 from typing import NamedTuple
 
 import jax
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kq_core.contract import TopkRouteShedResult
+from kq_host.tier import BITS, GROUP_SIZES
 from kq_jax.api import topk_route_shed
 from kq_jax.reference import normalize_topk_ref
 
@@ -55,6 +57,67 @@ def tier_experts(layer: dict, *, bits: int, group_size: int, names=("gate_proj",
                        bits=bits, group_size=group_size)
 
 
+def _check_options(bits, group_size, where: str) -> None:
+    """Raises ValueError naming ``bits`` or ``group_size`` if the tier's format does not take it."""
+    if not (isinstance(bits, Integral) and not isinstance(bits, bool) and bits in BITS):
+        raise ValueError(f"{where}: bits must be one of {BITS}, got {bits!r}")
+    if not (isinstance(group_size, Integral) and not isinstance(group_size, bool) and group_size in GROUP_SIZES):
+        raise ValueError(f"{where}: group_size must be one of {GROUP_SIZES}, got {group_size!r}")
+
+
+def _check_format(weights: TierWeights, *, bits, group_size, where: str, width: int | None = None) -> None:
+    """Raises ValueError naming the argument if ``weights``' arrays are not one tier projection quantized
+    with ``bits`` and ``group_size`` (rows ``width`` values wide where given). Shapes only: free under jit."""
+    _check_options(bits, group_size, where)
+    packed, scales, biases = weights
+    if packed.dtype != jnp.dtype("uint32"):
+        raise ValueError(f"{where}.packed must be uint32 words, got {packed.dtype}")
+    if packed.ndim < 2 or scales.shape != biases.shape or scales.shape[:-1] != packed.shape[:-1]:
+        raise ValueError(f"{where}: packed {list(packed.shape)}, scales {list(scales.shape)} and biases "
+                         f"{list(biases.shape)} must agree on every axis but the last")
+    words, groups = packed.shape[-1], scales.shape[-1]
+    values = words * 32 // bits if words * 32 % bits == 0 else None
+    if width is not None and values != width:
+        raise ValueError(f"{where}.packed: rows of {words} uint32 words are not {width} values of bits={bits}; "
+                         f"bits disagrees with the packed arrays")
+    if values is None or groups * group_size != values:
+        held = f"{values} values" if values is not None else "no whole number of values"
+        raise ValueError(f"{where}: rows of {words} uint32 words hold {held} at bits={bits}, the scales {groups} "
+                         f"groups of group_size={group_size}; bits or group_size disagrees with the arrays")
+
+
+def check_tier(tier: TierExperts, arena: Experts, *, num_experts: int | None = None,
+               where: str = "tier") -> None:
+    """Checks that ``tier`` fits the layer: its format, each projection's shape against ``arena``'s, and
+    (where given) that it holds all ``num_experts`` experts the router routes among.
+
+    Shapes only, so under ``jax.jit`` the check runs once, at trace time.
+
+    Args:
+        tier: :class:`TierExperts`; arena: :class:`Experts` ``[N, out, in]`` per projection.
+        num_experts: E of the router, or None.
+
+    Raises:
+        ValueError: naming the projection and ``bits``, ``group_size`` or the expert count that disagrees.
+    """
+    _check_options(tier.bits, tier.group_size, where)
+    counts = {}
+    for name in Experts._fields:
+        out, width = getattr(arena, name).shape[1:]
+        weights = getattr(tier, name)
+        _check_format(weights, bits=tier.bits, group_size=tier.group_size, where=f"{where}.{name}", width=width)
+        if weights.packed.ndim != 3 or weights.packed.shape[1] != out:
+            raise ValueError(f"{where}.{name}.packed is {list(weights.packed.shape)}; the arena's {name} has "
+                             f"{out} rows an expert, so it takes [E, {out}, words]")
+        counts[name] = weights.packed.shape[0]
+    if len(set(counts.values())) != 1:
+        raise ValueError(f"{where}: its projections hold different expert counts {counts}")
+    held = counts["gate"]
+    if num_experts is not None and held != num_experts:
+        raise ValueError(f"{where} holds {held} experts, the router routes among {num_experts}: every expert the "
+                         f"router can pick needs its copy in the tier")
+
+
 def _unpack_rows(weights: TierWeights, rows, *, bits: int):
     """The q of the experts ``rows`` ``[...]`` of one tier projection: float32 ``[..., out, in]``, read out of
     the gathered words as the little-endian bit stream they were packed in."""
@@ -74,7 +137,11 @@ def dequantize_rows(weights: TierWeights, rows, *, bits: int, group_size: int, d
     """The experts ``rows`` ``[...]`` of one tier projection, dequantized: ``[..., out, in]`` of ``dtype``.
 
     ``scale * q + bias`` in float32 per group, :func:`kq_host.tier.dequantize`'s bits.
+
+    Raises:
+        ValueError: ``bits`` or ``group_size`` disagrees with the arrays.
     """
+    _check_format(weights, bits=bits, group_size=group_size, where="dequantize_rows: weights")
     q = _unpack_rows(weights, rows, bits=bits)
     groups = q.reshape(*q.shape[:-1], -1, group_size)
     scales = weights.scales[rows].astype(jnp.float32)[..., None]
@@ -90,7 +157,11 @@ def quantized_apply(weights: TierWeights, rows, v, *, bits: int, group_size: int
 
     Per group, ``scale * sum(q * v) + bias * sum(v)``: a reduction over the gathered words that XLA fuses
     with their unpacking, so a miss reads its packed bits and scales, not a float copy of the expert.
+
+    Raises:
+        ValueError: ``bits`` or ``group_size`` disagrees with the arrays.
     """
+    _check_format(weights, bits=bits, group_size=group_size, where="quantized_apply: weights")
     q = _unpack_rows(weights, rows, bits=bits)  # [T, k, out, in]
     groups = q.reshape(*q.shape[:-1], -1, group_size)  # [T, k, out, G, g]
     v = v.astype(jnp.float32).reshape(*v.shape[:-1], 1, -1, group_size)  # [T, k, 1, G, g]
@@ -176,7 +247,12 @@ def moe_ffn_arena(x, router_w, arena: Experts, slot_table, *, top_k: int, impl: 
 
 def tiered_apply(x, arena: Experts, tier: TierExperts, slots):
     """Each token's k experts on it, from the arena or the tier: ``slots`` ``[T, k]`` as ``route_shed``'s
-    with ``on_miss="tier"`` (``< S``: an arena slot; ``S + e``: expert e of the tier) -> ``[T, k, D]``."""
+    with ``on_miss="tier"`` (``< S``: an arena slot; ``S + e``: expert e of the tier) -> ``[T, k, D]``.
+
+    Raises:
+        ValueError: the tier does not fit the arena's experts (:func:`check_tier`).
+    """
+    check_tier(tier, arena, where="tiered_apply: tier")
     num_slots = arena.gate.shape[0]
     from_tier = slots >= num_slots  # [T, k]
     arena_rows, tier_rows = jnp.where(from_tier, 0, slots), jnp.where(from_tier, slots - num_slots, 0)
@@ -207,7 +283,12 @@ def moe_ffn_tiered(x, router_w, arena: Experts, tier: TierExperts, slot_table, *
 
     Returns:
         ``(y [T, D], TopkRouteShedResult)``, as :func:`moe_ffn_arena`.
+
+    Raises:
+        ValueError: the tier does not hold the router's E experts or does not fit the arena
+            (:func:`check_tier`; at trace time under ``jax.jit``).
     """
+    check_tier(tier, arena, num_experts=router_w.shape[-1], where="moe_ffn_tiered: tier")
     num_slots = arena.gate.shape[0]
     routing: TopkRouteShedResult = topk_route_shed(router_probs(x, router_w), slot_table, top_k=top_k,
                                                    num_slots=num_slots, on_miss="tier", impl=impl)

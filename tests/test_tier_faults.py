@@ -1,0 +1,386 @@
+"""The low-precision tier under bad inputs: counts and formats that disagree, stores whose reads alias,
+stale, corrupt and unwritable caches, failed writes, and weights the format cannot hold."""
+
+import os
+import threading
+import zipfile
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import kq_host.tier as tier_module
+from kq_host.expert_store import ExpertStore, ExpertStoreError
+from kq_host.tier import QuantizedWeight, TierOptionError, build_tier, quantize
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _write_checkpoint(path, rng, *, layers=2, experts=4, hidden=64, ffn=32, dtype=np.float32, scale=1.0):
+    from safetensors.numpy import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for layer in range(layers):
+        for expert in range(experts):
+            prefix = f"model.layers.{layer}.mlp.experts.{expert}"
+            for projection, shape in zip(PROJECTIONS, ((ffn, hidden), (ffn, hidden), (hidden, ffn))):
+                tensors[f"{prefix}.{projection}.weight"] = (rng.normal(size=shape) * scale).astype(dtype)
+    save_file(tensors, str(path / "model.safetensors"))
+    return tensors
+
+
+def _expected(tensors, layer, expert, projection, bits=3, group_size=32):
+    return quantize(tensors[f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight"], bits=bits,
+                    group_size=group_size)
+
+
+def _assert_tier_is(tier, tensors, *, layers=2, experts=4, bits=3, group_size=32):
+    assert (tier.num_layers, tier.num_experts, tier.bits, tier.group_size) == (layers, experts, bits, group_size)
+    for layer in range(layers):
+        for expert in range(experts):
+            for projection in PROJECTIONS:
+                got = QuantizedWeight(*(a[layer, expert] for a in tier.weights[projection]))
+                want = _expected(tensors, layer, expert, projection, bits, group_size)
+                for a, b in zip(got, want):
+                    assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), \
+                        (layer, expert, projection)
+
+
+def _build(checkpoint, cache, layers=2, experts=4, **options):
+    with ExpertStore(checkpoint) as store:
+        return build_tier(store, layers, experts, cache_dir=cache, **options)
+
+
+def _cached(cache):
+    return sorted(p.name for p in cache.iterdir()) if cache.exists() else []
+
+
+# ---- counts that disagree with the store ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("layers, experts, argument", [(2, 2, "num_experts"), (2, 5, "num_experts"),
+                                                       (1, 4, "num_layers"), (3, 4, "num_layers")])
+def test_build_tier_refuses_counts_the_store_does_not_hold(tmp_path, rng, layers, experts, argument):
+    _write_checkpoint(tmp_path / "ckpt", rng)
+    with pytest.raises(TierOptionError, match=argument):
+        _build(tmp_path / "ckpt", tmp_path / "cache", layers, experts)
+    assert _cached(tmp_path / "cache") == []
+
+
+# ---- a store whose host_allocator hands out one buffer per shape ---------------------------------
+
+
+def test_a_reusing_allocator_never_gives_or_caches_a_wrong_tier(tmp_path, rng):
+    tensors = _write_checkpoint(tmp_path / "ckpt", rng)
+    buffers = {}
+
+    def one_buffer_per_shape(shape, dtype):
+        return buffers.setdefault((tuple(shape), np.dtype(dtype)), np.empty(shape, dtype))
+
+    cache = tmp_path / "cache"
+    with ExpertStore(tmp_path / "ckpt", host_allocator=one_buffer_per_shape) as store:
+        try:
+            tier = build_tier(store, 2, 4, cache_dir=cache)
+        except (ExpertStoreError, TierOptionError) as error:
+            assert "host_allocator" in str(error)
+            assert _cached(cache) == []
+        else:
+            _assert_tier_is(tier, tensors)
+    _assert_tier_is(_build(tmp_path / "ckpt", cache), tensors)
+
+
+# ---- stale and mismatched cache entries ----------------------------------------------------------
+
+
+def test_a_same_size_rewrite_with_its_mtime_restored_is_not_served_the_old_tier(tmp_path, rng):
+    checkpoint, cache = tmp_path / "ckpt", tmp_path / "cache"
+    _write_checkpoint(checkpoint, rng)
+    file = checkpoint / "model.safetensors"
+    before = os.stat(file)
+    _build(checkpoint, cache)
+    tensors = _write_checkpoint(tmp_path / "new", rng)
+    with open(file, "r+b") as out:  # in place: the same inode
+        out.write((tmp_path / "new" / "model.safetensors").read_bytes())
+    os.utime(file, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(file)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    _assert_tier_is(_build(checkpoint, cache), tensors)
+
+
+def test_a_cached_file_that_does_not_answer_the_request_is_rebuilt(tmp_path, rng):
+    """A tier of other options (or another checkpoint) under the request's name is not returned."""
+    tensors = _write_checkpoint(tmp_path / "ckpt", rng)
+    _write_checkpoint(tmp_path / "other", rng, experts=8)
+    cache, elsewhere = tmp_path / "cache", tmp_path / "elsewhere"
+    _build(tmp_path / "ckpt", cache)
+    (name,) = _cached(cache)
+    for options, layers, experts, checkpoint in (({"bits": 2}, 2, 4, "ckpt"), ({}, 2, 8, "other")):
+        _build(tmp_path / checkpoint, elsewhere, layers, experts, **options)
+        planted = max(elsewhere.iterdir(), key=lambda p: p.stat().st_mtime_ns)
+        os.replace(planted, cache / name)
+        _assert_tier_is(_build(tmp_path / "ckpt", cache), tensors)
+    assert _cached(cache) == [name]
+
+
+def test_touching_or_rewriting_the_checkpoint_keeps_one_cached_tier(tmp_path, rng):
+    checkpoint, cache = tmp_path / "ckpt", tmp_path / "cache"
+    _write_checkpoint(checkpoint, rng)
+    for _ in range(3):
+        os.utime(checkpoint / "model.safetensors")
+        _build(checkpoint, cache)
+    tensors = _write_checkpoint(checkpoint, rng)
+    _assert_tier_is(_build(checkpoint, cache), tensors)
+    assert len(_cached(cache)) == 1
+
+
+# ---- failed writes -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("failure", [OSError(28, "No space left on device"), KeyboardInterrupt()])
+def test_a_failed_write_leaves_no_temporary(tmp_path, rng, monkeypatch, failure):
+    tensors = _write_checkpoint(tmp_path / "ckpt", rng)
+    cache = tmp_path / "cache"
+
+    def half_written(out, **arrays):
+        out.write(b"PK\x03\x04 partial")
+        raise failure
+
+    monkeypatch.setattr(tier_module.np, "savez", half_written)
+    if isinstance(failure, KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt):
+            _build(tmp_path / "ckpt", cache)
+    else:
+        with pytest.warns(UserWarning, match="No space left"):
+            _assert_tier_is(_build(tmp_path / "ckpt", cache), tensors)
+    assert _cached(cache) == []
+
+
+def test_a_failed_rename_leaves_no_temporary(tmp_path, rng, monkeypatch):
+    tensors = _write_checkpoint(tmp_path / "ckpt", rng)
+    cache = tmp_path / "cache"
+
+    def refuse(source, target):
+        raise PermissionError(13, "Permission denied", str(target))
+
+    monkeypatch.setattr(tier_module.os, "replace", refuse)
+    with pytest.warns(UserWarning, match=str(cache)):
+        _assert_tier_is(_build(tmp_path / "ckpt", cache), tensors)
+    assert _cached(cache) == []
+
+
+def test_an_unusable_cache_directory_returns_the_tier_with_a_warning(tmp_path, rng, monkeypatch):
+    tensors = _write_checkpoint(tmp_path / "ckpt", rng)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("KQ_CACHE_DIR", str(blocker))
+    with pytest.warns(UserWarning, match=str(blocker)):
+        _assert_tier_is(_build(tmp_path / "ckpt", None), tensors)
+    with pytest.warns(UserWarning, match="a_file"):
+        _assert_tier_is(_build(tmp_path / "ckpt", blocker / "tier"), tensors)
+    assert blocker.read_text() == "not a directory"
+
+
+def test_two_threads_building_one_tier_do_not_collide(tmp_path, rng, monkeypatch, recwarn):
+    """Both threads write their temporary at once (a barrier inside the write), then both rename."""
+    tensors = _write_checkpoint(tmp_path / "ckpt", rng)
+    cache = tmp_path / "cache"
+    savez, barrier = np.savez, threading.Barrier(2, timeout=30)
+
+    def together(out, **arrays):
+        barrier.wait()
+        savez(out, **arrays)
+        barrier.wait()
+
+    monkeypatch.setattr(tier_module.np, "savez", together)
+    results, errors = [None, None], []
+
+    def build(index):
+        try:
+            results[index] = _build(tmp_path / "ckpt", cache)
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=build, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert errors == [] and not [w for w in recwarn if "tier" in str(w.message)]
+    for result in results:
+        _assert_tier_is(result, tensors)
+    monkeypatch.setattr(tier_module.np, "savez", savez)
+    assert len(_cached(cache)) == 1
+    _assert_tier_is(_build(tmp_path / "ckpt", cache), tensors)
+
+
+# ---- corrupt cache entries -----------------------------------------------------------------------
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _garbage(path):
+    path.write_bytes(b"\x00garbage" * 64)
+
+
+def _empty(path):
+    path.write_bytes(b"")
+
+
+def _missing_member(path):
+    with zipfile.ZipFile(path) as old:
+        members = {name: old.read(name) for name in old.namelist()}
+    with zipfile.ZipFile(path, "w") as new:
+        for name, data in members.items():
+            if not name.startswith("down_proj.scales"):
+                new.writestr(name, data)
+
+
+def _wrong_shape(path):
+    with np.load(path) as old:
+        arrays = dict(old)
+    arrays["gate_proj.packed"] = arrays["gate_proj.packed"][:, :3]
+    with open(path, "wb") as out:
+        np.savez(out, **arrays)
+
+
+@pytest.mark.parametrize("damage", [_truncate, _garbage, _empty, _missing_member, _wrong_shape])
+def test_a_damaged_cached_tier_is_rebuilt(tmp_path, rng, damage):
+    tensors = _write_checkpoint(tmp_path / "ckpt", rng)
+    cache = tmp_path / "cache"
+    _build(tmp_path / "ckpt", cache)
+    (name,) = _cached(cache)
+    damage(cache / name)
+    with pytest.warns(UserWarning, match=name):
+        _assert_tier_is(_build(tmp_path / "ckpt", cache), tensors)
+    assert _cached(cache) == [name]
+    _assert_tier_is(_build(tmp_path / "ckpt", cache), tensors)  # the rebuilt entry loads
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float16, ml_dtypes.bfloat16])
+def test_a_checkpoint_of_any_float_dtype_caches_a_tier_that_loads(tmp_path, rng, dtype):
+    tensors = _write_checkpoint(tmp_path / "ckpt", rng, dtype=dtype)
+    cache = tmp_path / "cache"
+    first = _build(tmp_path / "ckpt", cache)
+    _assert_tier_is(first, tensors)
+    again = _build(tmp_path / "ckpt", cache)
+    _assert_tier_is(again, tensors)
+
+
+# ---- quantize: weights the format cannot hold ----------------------------------------------------
+
+
+def test_float64_weights_are_quantized_as_their_float32_rounding(rng):
+    weight = rng.normal(size=(4, 64))
+    got = quantize(weight, bits=3, group_size=32)
+    want = quantize(weight.astype(np.float32), bits=3, group_size=32)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    assert got.scales.dtype == np.float32
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int8, np.uint8, np.bool_, np.complex64])
+def test_weights_that_are_not_floats_are_refused(dtype):
+    with pytest.raises(TierOptionError, match="weight"):
+        quantize(np.ones((2, 32), dtype), bits=4, group_size=32)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.float64])
+def test_a_range_that_overflows_float32_is_refused(dtype):
+    weight = np.ones((2, 64), np.float32)
+    weight[1, 33], weight[1, 40] = -3e38, 3e38
+    with pytest.raises(TierOptionError, match="weight"):
+        quantize(weight.astype(dtype), bits=4, group_size=32)
+    with pytest.raises(TierOptionError, match="weight"):
+        quantize(np.array([[1e300] + [0.0] * 31]), bits=4, group_size=32)
+
+
+def test_a_large_range_that_fits_dequantizes_finite():
+    weight = np.zeros((1, 32), np.float32)
+    weight[0, 0], weight[0, 1] = -1e38, 1e38
+    quantized = quantize(weight, bits=8, group_size=32)
+    back = tier_module.dequantize(quantized, bits=8, group_size=32)
+    assert np.all(np.isfinite(back)) and back.min() == np.float32(-1e38)
+
+
+# ---- the JAX layer: a tier that does not fit the layer -------------------------------------------
+
+
+def _layer(rng, experts=16, hidden=64, ffn=32, tokens=5):
+    jnp = pytest.importorskip("jax.numpy")
+    from kq_jax.moe import Experts
+
+    full = Experts(*(jnp.asarray(rng.normal(size=shape).astype(np.float32) * 0.2)
+                     for shape in ((experts, ffn, hidden), (experts, ffn, hidden), (experts, hidden, ffn))))
+    x = jnp.asarray(rng.normal(size=(tokens, hidden)).astype(np.float32))
+    router = jnp.asarray(rng.normal(size=(hidden, experts)).astype(np.float32))
+    return x, router, full
+
+
+def _tier(full, bits=3, group_size=32, experts=None, as_bits=None, as_group_size=None):
+    from kq_jax.moe import tier_experts
+
+    layer = {name: QuantizedWeight(*(a[:experts] for a in quantize(np.asarray(w), bits=bits, group_size=group_size)))
+             for name, w in zip(PROJECTIONS, full)}
+    return tier_experts(layer, bits=as_bits or bits, group_size=as_group_size or group_size)
+
+
+def _arena(full, resident=(0, 2, 3, 5, 8, 13)):
+    from kq_jax.moe import Experts
+
+    resident = np.asarray(resident, np.int32)
+    table = np.full(full.gate.shape[0], -1, np.int32)
+    table[resident] = np.arange(resident.size, dtype=np.int32)
+    return Experts(*(w[resident] for w in full)), table
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_tiered_layer_refuses_a_tier_of_fewer_experts_than_the_router(rng, jit):
+    jax = pytest.importorskip("jax")
+    from kq_jax.moe import moe_ffn_tiered
+
+    x, router, full = _layer(rng)
+    arena, table = _arena(full)
+    short = _tier(full, experts=12)
+
+    def layer(x):
+        return moe_ffn_tiered(x, router, arena, short, table, top_k=4)
+
+    with pytest.raises(ValueError, match="tier.*12.*16|16.*tier.*12"):
+        (jax.jit(layer) if jit else layer)(x)
+
+
+@pytest.mark.parametrize("mismatch, argument", [({"as_bits": 4}, "bits"), ({"as_bits": 2}, "bits"),
+                                                ({"as_group_size": 64}, "group_size"),
+                                                ({"bits": 4, "as_bits": 8}, "bits")])
+@pytest.mark.parametrize("jit", [False, True])
+def test_tiered_layer_names_a_format_that_disagrees_with_the_arrays(rng, mismatch, argument, jit):
+    jax = pytest.importorskip("jax")
+    from kq_jax.moe import moe_ffn_tiered
+
+    x, router, full = _layer(rng)
+    arena, table = _arena(full)
+    tier = _tier(full, **mismatch)
+
+    def layer(x):
+        return moe_ffn_tiered(x, router, arena, tier, table, top_k=4)
+
+    with pytest.raises(ValueError, match=argument):
+        (jax.jit(layer) if jit else layer)(x)
+
+
+def test_dequantize_rows_and_quantized_apply_name_a_format_that_disagrees(rng):
+    jnp = pytest.importorskip("jax.numpy")
+    from kq_jax.moe import dequantize_rows, quantized_apply
+
+    _, _, full = _layer(rng)
+    tier = _tier(full, bits=3)
+    rows = jnp.asarray([[1, 2]])
+    with pytest.raises(ValueError, match="bits"):
+        dequantize_rows(tier.down, rows, bits=4, group_size=32, dtype=jnp.float32)
+    with pytest.raises(ValueError, match="group_size"):
+        quantized_apply(tier.gate, rows, jnp.ones((1, 2, 64)), bits=3, group_size=64)
+    with pytest.raises(ValueError, match="bits"):
+        quantized_apply(tier.gate, rows, jnp.ones((1, 2, 64)), bits=5, group_size=32)
