@@ -29,18 +29,25 @@ resident for exactly one expert, and the tables point only at resident slots.
 
 Loader threads are daemon threads: a loader that never returns does not keep the process
 from exiting after :meth:`ManagerBase.close`.
+
+Every call that waits for reads (:meth:`ResidencyManager.acquire`, :meth:`ResidencyManager.preload`,
+:meth:`ManagerBase.drain`, :meth:`ManagerBase.close`) takes a ``timeout`` in seconds, kept as one deadline
+for the whole call, and waits only for the reads it needs. With ``queue_depth=0`` loads run on the calling
+thread, except in a call given a timeout: its loads run on a thread of their own, so the wait can end.
+:meth:`ManagerBase.close` may be called from any thread: a call waiting for reads on another thread
+then raises :class:`ManagerClosed`.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import numbers
 import queue
 import threading
 import time
 from collections.abc import Mapping as MappingABC
 from concurrent.futures import Future
-from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
@@ -53,7 +60,7 @@ from kq_host.bookkeeping import SlotState, Tables
 Loader = Callable[[int, int, int], Any]  # (layer, expert, slot) -> payload for the arena, or None
 
 __all__ = ["MAX_BACKOFF_DOUBLINGS", "MAX_BYTE_COUNT", "FailedRead", "LayerReport", "LayerStats", "Loader", "ManagerBase",
-           "PendingRead", "PreloadError", "ResidencyManager", "SlotState"]
+           "ManagerClosed", "PendingRead", "PreloadError", "ResidencyManager", "SlotState"]
 
 # The largest int a loader may return as the bytes it read.
 MAX_BYTE_COUNT = 2**62 - 1
@@ -129,6 +136,25 @@ class PreloadError(RuntimeError):
         self.failed, self.pending = failed, pending
 
 
+class ManagerClosed(RuntimeError):
+    """A call reached a closed manager, or was waiting for reads when :meth:`ManagerBase.close` ran on
+    another thread (the reads it started stay pending; the manager starts no further read)."""
+
+
+def deadline_of(method: str, timeout) -> float | None:
+    """The ``time.monotonic()`` at which ``timeout`` seconds from now run out (None: no limit).
+
+    Raises:
+        ValueError: ``timeout`` is not None nor a number of seconds >= 0 (``inf`` is no limit).
+    """
+    if timeout is None:
+        return None
+    if (not isinstance(timeout, numbers.Real) or isinstance(timeout, (bool, np.bool_)) or math.isnan(timeout)
+            or timeout < 0):
+        raise ValueError(f"{method}: timeout must be None or a number of seconds >= 0, got {timeout!r}")
+    return None if math.isinf(timeout) else time.monotonic() + float(timeout)
+
+
 def describe_error(error: BaseException) -> str:
     """``str(error)``, or a stand-in when the exception's own ``__str__`` raises."""
     try:
@@ -164,6 +190,21 @@ class _DaemonPool:
                 future.set_result(fn(*args))
             except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the future
                 future.set_exception(error)
+
+    @staticmethod
+    def run_detached(fn: Callable, *args) -> Future:
+        """Runs ``fn(*args)`` on a daemon thread of its own; the future holds its result or exception."""
+        future: Future = Future()
+        future.set_running_or_notify_cancel()
+
+        def work() -> None:
+            try:
+                future.set_result(fn(*args))
+            except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(error)
+
+        threading.Thread(target=work, name="kq-inline-read", daemon=True).start()
+        return future
 
     def shutdown(self, wait_seconds: float = 0.0) -> None:
         """Cancels the calls not started and stops the threads (waiting up to ``wait_seconds`` for each)."""
@@ -202,7 +243,13 @@ class _ReadBatch:
     def done_count(self) -> int:
         return self._done.count(1)
 
-    def run(self, loader: Loader, cancelled: threading.Event | None = None) -> None:
+    def all_done(self, positions: np.ndarray | None = None) -> bool:
+        """Whether every read (or every read at ``positions``) is done."""
+        return self._done.count(1) == self.size if positions is None else bool(self.done[positions].all())
+
+    def run(self, loader: Loader, cancelled: threading.Event | None = None,
+            landed: threading.Condition | None = None) -> None:
+        """Claims and runs reads until none is left (or ``cancelled`` is set), notifying ``landed`` after each."""
         layers, experts, slots = self._reads
         outcomes, failed, done, count = self.outcomes, self._failed, self._done, len(layers)
         for index in self._claims:
@@ -214,6 +261,9 @@ class _ReadBatch:
                 outcomes[index] = error
                 failed[index] = 1
             done[index] = 1
+            if landed is not None:
+                with landed:
+                    landed.notify_all()
 
 
 @dataclass
@@ -254,29 +304,33 @@ _COUNTERS = tuple(f.name for f in fields(LayerStats))
 
 
 class _Exclusive:
-    """``with _Exclusive(lock, method):`` holds ``lock``, refusing a second thread instead of waiting."""
+    """``with _Exclusive(manager, method):`` holds the manager's ``_busy`` lock, refusing a second thread
+    instead of waiting, and records the holding thread in ``_busy_owner``."""
 
-    __slots__ = ("lock", "method")
+    __slots__ = ("manager", "method")
 
-    def __init__(self, lock: threading.Lock, method: str):
-        self.lock, self.method = lock, method
+    def __init__(self, manager: "ManagerBase", method: str):
+        self.manager, self.method = manager, method
 
     def __enter__(self) -> None:
-        if not self.lock.acquire(blocking=False):
+        if not self.manager._busy.acquire(blocking=False):
             raise RuntimeError(f"ResidencyManager.{self.method}: called from two threads at once; a manager serves "
                                f"one decode thread (call it from that thread, or give each thread its own manager)")
+        self.manager._busy_owner = threading.get_ident()
 
     def __exit__(self, *exc) -> None:
-        self.lock.release()
+        self.manager._busy_owner = None
+        self.manager._busy.release()
 
 
 class ManagerBase:
     """What every residency manager shares: its arguments, checked; the read queue and its
-    lifecycle (``pending``, ``drain``, ``close``); the one-thread guard.
+    lifecycle (``pending``, ``drain``, ``close``); waiting for reads; the one-thread guard.
 
     A subclass builds its tables after ``__init__`` (``pinned_experts`` holds the checked
-    pinned sets), sets ``_snapshot``, keeps its reads in flight in ``_pending`` as it likes, and
-    defines ``snapshot()``, ``pending()`` and ``_publish_landed(timeout=...)``.
+    pinned sets), sets ``_snapshot``, keeps its reads in flight in ``_pending`` as it likes, calls
+    ``_notify_landed()`` when a read finishes on a loader thread, and defines ``snapshot()``,
+    ``pending()``, ``_all_landed()`` and ``_publish_landed()`` (publishes the reads done now).
     """
 
     def __init__(self, num_layers: int, num_experts: int, num_slots: int, *, loader: Loader,
@@ -309,9 +363,11 @@ class ManagerBase:
         self._pool = _DaemonPool(queue_depth, "kq-prestage") if queue_depth else None
         self._pending: list = []
         self._cancelled = threading.Event()  # set by close: pooled workers start no further read
+        self._landed = threading.Condition()  # notified when a read finishes, and by close
         self._closed = False
         self.failures: dict[tuple[int, int], FailedRead] = {}
         self._busy = threading.Lock()
+        self._busy_owner: int | None = None  # the thread inside step, acquire, preload, ... (None: none)
         self.token = 0
 
     def _preload_experts(self, layer: int, experts: Iterable[int]) -> list[int]:
@@ -325,38 +381,98 @@ class ManagerBase:
         return experts
 
     def _exclusive(self, method: str) -> "_Exclusive":
-        return _Exclusive(self._busy, method)
+        return _Exclusive(self, method)
 
     def _check_open(self, method: str) -> None:
         if self._closed:
-            raise RuntimeError(f"{type(self).__name__}.{method}: the manager was closed; it starts no read "
-                               f"(make a new manager to decode again)")
+            raise ManagerClosed(f"{type(self).__name__}.{method}: the manager was closed; it starts no read "
+                                f"(make a new manager to decode again)")
+
+    def _notify_landed(self) -> None:
+        with self._landed:
+            self._landed.notify_all()
+
+    def _wait(self, method: str, ready: Callable[[], bool], deadline: float | None, *,
+              interruptible: bool = True) -> bool:
+        """Waits until ``ready()`` (checked whenever a read finishes) or ``deadline`` passes.
+
+        Returns:
+            Whether ``ready()`` held.
+
+        Raises:
+            ManagerClosed: ``interruptible`` and the manager was closed (by another thread) meanwhile.
+        """
+        with self._landed:
+            while True:
+                if interruptible and self._closed:
+                    raise ManagerClosed(f"{type(self).__name__}.{method}: the manager was closed while this call "
+                                        f"waited for reads (close ran on another thread); its reads stay pending")
+                if ready():
+                    return True
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._landed.wait(remaining)
 
     def drain(self, timeout: float | None = None) -> list[PendingRead]:
         """Waits up to ``timeout`` seconds (None: no limit) for the reads in flight and publishes those done.
 
         Returns:
             The reads still out (they stay pending and publish at a later step or drain).
+
+        Raises:
+            ValueError: ``timeout`` is no number of seconds >= 0.
+            ManagerClosed: the manager was closed (before, or by another thread while this call waited).
+            RuntimeError: another thread is inside the manager.
         """
+        deadline = deadline_of("drain", timeout)
+        self._check_open("drain")
         with self._exclusive("drain"):
-            self._publish_landed(timeout=timeout)
+            self._wait("drain", self._all_landed, deadline)
+            self._publish_landed()
             self._snapshot = self.snapshot()
             return self.pending()
 
     def close(self, timeout: float | None = 30.0) -> list[PendingRead]:
         """Publishes what lands within ``timeout`` seconds, then stops the loader threads.
 
-        Reads not started are cancelled; a loader still running is left to finish on its own thread
-        (Python cannot stop it), and its result is dropped.
+        Callable from any thread: a call of another thread waiting for reads (``acquire``, ``preload``,
+        ``drain``) raises :class:`ManagerClosed` at once; one busy otherwise (a fence, a load running
+        inline) is waited for within the same ``timeout``, and past it nothing is published. Reads not
+        started are cancelled; a loader still running is left to finish on its own thread (Python cannot
+        stop it), and its result is dropped; its thread ends when the loader returns. A second close
+        returns the reads out.
 
         Returns:
             The reads that were still out.
+
+        Raises:
+            ValueError: ``timeout`` is no number of seconds >= 0.
+            RuntimeError: called from inside the manager's own call (a fence or an inline loader).
         """
-        out = self.drain(timeout)
-        self._closed = True
-        self._cancelled.set()
-        if self._pool is not None:
-            self._pool.shutdown(wait_seconds=0.0 if out else 1.0)
+        deadline = deadline_of("close", timeout)
+        if self._busy_owner == threading.get_ident():
+            raise RuntimeError(f"{type(self).__name__}.close: called from inside the manager's own call (a fence or "
+                               f"a loader running inline); close it once that call has returned")
+        with self._landed:
+            closed_before, self._closed = self._closed, True
+            self._landed.notify_all()  # a wait of another thread ends with ManagerClosed
+        if closed_before:
+            return self.pending()
+        remaining = -1 if deadline is None else max(0.0, deadline - time.monotonic())
+        entered = self._busy.acquire(timeout=remaining)
+        try:
+            if entered:
+                self._wait("close", self._all_landed, deadline, interruptible=False)
+                self._publish_landed()
+                self._snapshot = self.snapshot()
+            out = self.pending()
+        finally:
+            self._cancelled.set()
+            if self._pool is not None:
+                self._pool.shutdown(wait_seconds=0.0 if not entered or self._pending else 1.0)
+            if entered:
+                self._busy.release()
         return out
 
     def __enter__(self):
@@ -486,32 +602,52 @@ class ResidencyManager(ManagerBase):
 
     # ---- loading ------------------------------------------------------------------------
 
-    def _start_reads(self, layers: np.ndarray, experts: np.ndarray, slots: np.ndarray) -> None:
-        """Starts the reads of claimed slots, in order."""
+    def _start_reads(self, layers: np.ndarray, experts: np.ndarray, slots: np.ndarray, *,
+                     detached: bool = False) -> _ReadBatch:
+        """Starts the reads of claimed slots, in order: on the pool, or inline without one (on a thread of
+        their own if ``detached``, so that a caller's timeout can end its wait)."""
         batch = _ReadBatch(layers, experts, slots)
-        if self._pool is None:
-            batch.run(self.loader)
-        else:
-            batch.futures = [self._pool.submit(batch.run, self.loader, self._cancelled)
+        if self._pool is not None:
+            batch.futures = [self._pool.submit(batch.run, self.loader, self._cancelled, self._landed)
                              for _ in range(min(self.queue_depth, layers.size))]
+        elif detached:
+            batch.futures = [_DaemonPool.run_detached(batch.run, self.loader, self._cancelled, self._landed)]
+        else:
+            batch.run(self.loader)
         self._pending.append(batch)
+        return batch
 
     def pending(self) -> list[PendingRead]:
         """The reads submitted and not yet published."""
-        return [PendingRead(int(layer), int(expert), int(slot)) for batch in self._pending
-                for layer, expert, slot in zip(batch.layers[batch.open], batch.experts[batch.open],
-                                                batch.slots[batch.open])]
+        out = []
+        for batch in list(self._pending):
+            still_open = batch.open.copy()  # one look, should another thread be publishing
+            out.extend(PendingRead(int(layer), int(expert), int(slot)) for layer, expert, slot in
+                       zip(batch.layers[still_open], batch.experts[still_open], batch.slots[still_open]))
+        return out
 
-    def _publish_landed(self, *, timeout: float | None = 0.0) -> None:
-        """Publishes the reads done within ``timeout`` seconds (0: those done now; None: all).
+    def _all_landed(self) -> bool:
+        return all(batch.all_done() for batch in self._pending)
+
+    def _open_reads(self, layer: int, experts: np.ndarray | None = None) -> list[tuple[_ReadBatch, np.ndarray]]:
+        """The reads of ``layer`` (of ``experts`` only, if given) not yet published: ``(batch, positions)``."""
+        out = []
+        for batch in self._pending:
+            mask = batch.open & (batch.layers == layer)
+            if experts is not None:
+                mask &= np.isin(batch.experts, experts)
+            positions = np.flatnonzero(mask)
+            if positions.size:
+                out.append((batch, positions))
+        return out
+
+    def _publish_landed(self) -> None:
+        """Publishes the reads done now.
 
         Each batch's landed reads are settled first (byte counts, shared buffers, the arena's
         write), with every error caught and made that read's failure; only then are the reads
         closed and the tables changed, so no exception leaves a slot loading for a read that is gone.
         """
-        futures = [future for batch in self._pending for future in batch.futures]
-        if futures and timeout != 0.0:
-            wait_for_futures(futures, timeout=timeout)
         interrupt = None
         for batch in self._pending:
             if batch.open_count == batch.size and batch.done_count() == batch.size:  # all of it: no picking
@@ -597,16 +733,19 @@ class ResidencyManager(ManagerBase):
         """Loads experts into free slots now and publishes them (start-up, pinned sets).
 
         Args:
-            layer: the layer; experts: expert ids of it (already resident or loading ones are skipped).
-            timeout: seconds to wait for the reads (None: no limit).
+            layer: the layer; experts: expert ids of it (already resident or loading ones are skipped,
+                not waited for).
+            timeout: seconds to wait for the reads this call starts (None: no limit).
 
         Raises:
-            ValueError: ``layer`` or an id of ``experts`` is out of range, or no slot is free.
+            ValueError: ``layer``, an id of ``experts`` or ``timeout`` is out of range, or no slot is free.
             PreloadError: a read failed (its slot is free again; the others are published), or reads
                 were still out after ``timeout`` (they publish at a later step); ``.failed`` and
                 ``.pending`` list them.
-            RuntimeError: the manager was closed.
+            ManagerClosed: the manager was closed (before, or by another thread while this call waited).
+            RuntimeError: another thread is inside the manager.
         """
+        deadline = deadline_of("preload", timeout)
         self._check_open("preload")
         experts = self._preload_experts(layer, experts)
         tables = self._tables
@@ -616,14 +755,17 @@ class ResidencyManager(ManagerBase):
             wanted = [e for e in dict.fromkeys(experts) if not tables.held[layer, e]]
             free = np.flatnonzero(tables.state[layer] == SlotState.FREE)
             placed = np.array(wanted[:free.size], np.int64)
+            batch = None
             if placed.size:
                 read = (np.full(placed.size, layer, np.int64), placed, free[:placed.size].astype(np.int64))
                 bookkeeping.claim(tables, *read)
-                self._start_reads(*read)
+                batch = self._start_reads(*read, detached=timeout is not None)
             if len(wanted) > free.size:
                 raise ValueError(f"preload: layer {layer} has no free slot for expert {wanted[free.size]}")
             requested = {(layer, e) for e in wanted}
-            self._publish_landed(timeout=timeout)
+            if batch is not None:
+                self._wait("preload", batch.all_done, deadline)
+            self._publish_landed()
             self._snapshot = self.snapshot()
             failed = [record for key, record in self.failures.items()
                       if key in requested and record.count != failures_before.get(key, 0)]
@@ -681,22 +823,28 @@ class ResidencyManager(ManagerBase):
 
         Credits the routed set (as :meth:`step` does), publishes reads that have landed (prefetches
         among them), then reads the routed experts still missing into free slots or victims (never an
-        expert this layer routed) and waits for them: the token's critical path. Their count and the
-        wait go to :meth:`lookahead_stats`. Call :meth:`next_token` after the token's last layer.
+        expert this layer routed) and waits for them: the token's critical path. It waits only for the
+        reads of this layer's routed experts, and for the layer's other reads in flight when they hold
+        the slots it needs; reads of other layers go on meanwhile. An expert whose read fails here is not
+        read again in this call. Their count and the wait go to :meth:`lookahead_stats`. Call
+        :meth:`next_token` after the token's last layer.
 
         Args:
             layer: the layer; indices: int ``[T, K]`` its routed ids; scores: ``[T, K]`` their scores.
-            timeout: seconds to wait for the reads (None: no limit).
+            timeout: seconds this call may wait for reads, in all (None: no limit).
 
         Returns:
             ``int32 [E]``: the layer's table, every routed expert in it.
 
         Raises:
-            ValueError: ``layer`` or an id is out of range, or the layer has too few slots to hold its
-                routed set beside its pinned experts.
-            PreloadError: a read failed or was still out after ``timeout``.
+            ValueError: ``layer``, an id or ``timeout`` is out of range, or the layer has too few slots to
+                hold its routed set beside its pinned experts.
+            PreloadError: a read failed, was still out after ``timeout``, or the slots the routed experts
+                need were still held by reads loading after ``timeout`` (``.pending`` lists those reads).
+            ManagerClosed: the manager was closed (before, or by another thread while this call waited).
             RuntimeError: as :meth:`step`.
         """
+        deadline = deadline_of("acquire", timeout)
         self._check_open("acquire")
         ids, scores = self._layer_routing("acquire", layer, indices, scores)
         tables, view = self._tables, self._layer_view(layer)
@@ -712,32 +860,58 @@ class ResidencyManager(ManagerBase):
                     self._lookahead[outcome][layer] += 1
             missing = wanted[tables.table[layer, wanted] < 0]
             self._lookahead["critical_reads"][layer] += missing.size
+            read_here = np.zeros(self.num_experts, bool)  # the experts this call started reading
             start = time.perf_counter()
-            for _ in range(2):  # a second pass once reads in flight have landed and freed victims
-                absent = missing[~tables.held[layer, missing]]
-                if absent.size:
-                    reads = self._ops.place(view, absent[None].astype(np.int64),
-                                            np.zeros((1, absent.size), np.float32), routed, token=self.token,
-                                            read_budget=None, backing_off=False)
-                    if reads[0].size:
-                        self._start_reads(reads[0] + layer, reads[1], reads[2])
-                        self._note_evicted_prefetches(layer)
-                if (tables.table[layer, missing] >= 0).all():
-                    break
-                self._publish_landed(timeout=timeout)
-            self._lookahead["critical_wait_s"][layer] += time.perf_counter() - start
-            self._snapshot = self.snapshot()
+            try:
+                while True:
+                    absent = missing[~tables.held[layer, missing] & ~read_here[missing]]
+                    if absent.size:
+                        reads = self._ops.place(view, absent[None].astype(np.int64),
+                                                np.zeros((1, absent.size), np.float32), routed, token=self.token,
+                                                read_budget=None, backing_off=False)
+                        if reads[0].size:
+                            read_here[reads[1]] = True
+                            self._start_reads(reads[0] + layer, reads[1], reads[2], detached=timeout is not None)
+                            self._note_evicted_prefetches(layer)
+                    unread = missing[tables.table[layer, missing] < 0]
+                    if not unread.size:
+                        break
+                    if (~tables.held[layer, unread] & ~read_here[unread]).any():
+                        # No slot for some: one frees when a read of the layer lands (a prefetch not routed).
+                        awaited, landed = self._open_reads(layer), any
+                    else:
+                        awaited, landed = self._open_reads(layer, unread), all
+                    if not awaited or not self._wait(
+                            "acquire", lambda: landed(batch.all_done(positions) for batch, positions in awaited),
+                            deadline):
+                        break
+                    self._publish_landed()
+            finally:
+                self._lookahead["critical_wait_s"][layer] += time.perf_counter() - start
+                self._snapshot = self.snapshot()
             unread = missing[tables.table[layer, missing] < 0]
-        if unread.size:
-            out = [read for read in self.pending() if read.layer == layer and read.expert in set(unread.tolist())]
-            failed = [self.failures[(layer, e)] for e in unread.tolist() if (layer, e) in self.failures]
-            if not out and not failed:
-                raise ValueError(f"acquire: layer {layer} routed {wanted.size} experts into {self.num_slots} slots; "
-                                 f"{unread.tolist()} found none (the routed and the pinned are never evicted: "
-                                 f"give the arena more slots, or the layer fewer tokens at once)")
-            raise PreloadError(f"acquire: layer {layer}: {len(failed)} read(s) failed and {len(out)} still out "
-                               f"after {timeout} s", [f for f in failed if f is not None], out)
-        return self._snapshot[layer].copy()
+            if unread.size:
+                self._raise_unread(layer, wanted.size, unread, timeout)
+            return self._snapshot[layer].copy()
+
+    def _raise_unread(self, layer: int, routed_count: int, unread: np.ndarray, timeout: float | None) -> None:
+        """:meth:`acquire`'s error for the routed experts of ``layer`` left unread."""
+        unread_set = set(unread.tolist())
+        loading = [read for read in self.pending() if read.layer == layer]
+        out = [read for read in loading if read.expert in unread_set]
+        failed = [self.failures[(layer, e)] for e in sorted(unread_set) if (layer, e) in self.failures]
+        unplaced = sorted(unread_set - {read.expert for read in out} - {record.expert for record in failed})
+        if unplaced and loading:
+            raise PreloadError(f"acquire: layer {layer}: no slot for experts {unplaced} after {timeout} s: the "
+                               f"slots they need are held by reads still loading (experts "
+                               f"{sorted(read.expert for read in loading)})", failed, loading)
+        if unplaced:
+            raise ValueError(f"acquire: layer {layer} routed {routed_count} experts into {self.num_slots} slots; "
+                             f"{unplaced} found none (the routed and the pinned are never evicted: "
+                             f"give the arena more slots, or the layer fewer tokens at once)")
+        raise PreloadError(f"acquire: layer {layer}: {len(failed)} read(s) failed "
+                           f"({', '.join(f'expert {r.expert}: {r.error_type}: {r.message}' for r in failed[:3])}) "
+                           f"and {len(out)} still out after {timeout} s", failed, out)
 
     def prefetch(self, layer: int, ids, scores, *, budget: int | None = None) -> int:
         """Starts reading predicted experts of ``layer`` (look-ahead), below its real misses.

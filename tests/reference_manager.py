@@ -6,7 +6,6 @@ checks, the read queue's lifecycle and the thread guard are the package's own; o
 from __future__ import annotations
 
 from concurrent.futures import Future
-from concurrent.futures import wait as wait_for_futures
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
@@ -15,7 +14,7 @@ import numpy as np
 from kq_host.arena import Arena
 from kq_host.prestage import prestage_order
 from kq_host.residency import (MAX_BACKOFF_DOUBLINGS, FailedRead, LayerReport, LayerStats, Loader, ManagerBase,
-                               PendingRead, SlotState)
+                               PendingRead, SlotState, deadline_of)
 
 
 @dataclass
@@ -91,6 +90,7 @@ class ReferenceManager(ManagerBase):
                 future.set_exception(error)
         else:
             future = self._pool.submit(self.loader, layer, expert, slot)
+            future.add_done_callback(lambda _: self._notify_landed())
         self._pending.append(_Pending(layer, expert, slot, future))
         state.stats.reads_submitted += 1
 
@@ -98,10 +98,11 @@ class ReferenceManager(ManagerBase):
         """The reads submitted and not yet published."""
         return [PendingRead(read.layer, read.expert, read.slot) for read in self._pending]
 
-    def _publish_landed(self, *, timeout: float | None = 0.0) -> None:
-        """Publishes the reads done within ``timeout`` seconds (0: those done now; None: all)."""
-        if self._pending and timeout != 0.0:
-            wait_for_futures([read.future for read in self._pending], timeout=timeout)
+    def _all_landed(self) -> bool:
+        return all(read.future.done() for read in self._pending)
+
+    def _publish_landed(self) -> None:
+        """Publishes the reads done now."""
         still, interrupt = [], None
         for read in self._pending:
             if not read.future.done():
@@ -138,12 +139,14 @@ class ReferenceManager(ManagerBase):
                                         self.token)
         self._retry_after[key] = self.token + 2 ** min(count, MAX_BACKOFF_DOUBLINGS)
 
-    def preload(self, layer: int, experts: Iterable[int]) -> None:
-        """Loads experts into free slots now and publishes them (start-up, pinned sets).
+    def preload(self, layer: int, experts: Iterable[int], *, timeout: float | None = None) -> None:
+        """Loads experts into free slots now and publishes those landed within ``timeout`` seconds (None: no
+        limit; start-up, pinned sets).
 
         Raises:
-            ValueError: ``layer`` or an id of ``experts`` is out of range, or no slot is free.
+            ValueError: ``layer``, an id of ``experts`` or ``timeout`` is out of range, or no slot is free.
         """
+        deadline = deadline_of("preload", timeout)
         experts = self._preload_experts(layer, experts)
         with self._exclusive("preload"):
             for expert in experts:
@@ -154,7 +157,8 @@ class ReferenceManager(ManagerBase):
                 if free.size == 0:
                     raise ValueError(f"preload: layer {layer} has no free slot for expert {expert}")
                 self._submit(layer, expert, int(free[0]))
-            self._publish_landed(timeout=None)
+            self._wait("preload", self._all_landed, deadline)
+            self._publish_landed()
             self._snapshot = self.snapshot()
 
     def _victim(self, layer: int, shielded: set[int]) -> int | None:

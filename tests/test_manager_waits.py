@@ -1,0 +1,209 @@
+"""What the residency manager waits for, for how long, and how a wait ends: each blocking call waits only
+for the reads it needs, within one timeout, with loads inline or on threads; ``close`` from another thread
+interrupts a wait with :class:`~kq_host.residency.ManagerClosed` and leaves no loader thread behind.
+
+Every loader here blocks on a ``threading.Event`` the test (or the call under test) sets; a wall-clock
+bound appears only as a generous upper bound proving that a timeout fired.
+"""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kq import route_shed
+from kq_host.residency import LayerReport, ManagerClosed, PreloadError, ResidencyManager
+
+# A timeout must fire within this many seconds of its end, however loaded the machine.
+SLACK_S = 2.0
+
+
+def gated_loader(gates: dict, started: dict | None = None):
+    """A loader that blocks each read of ``(layer, expert)`` in ``gates`` until its event is set (10 s at most),
+    setting ``started[(layer, expert)]`` when the read begins."""
+
+    def loader(layer, expert, slot):
+        if started is not None and (layer, expert) in started:
+            started[(layer, expert)].set()
+        gate = gates.get((layer, expert))
+        if gate is not None:
+            gate.wait(10)
+        return 1
+
+    return loader
+
+
+def routed(*experts):
+    ids = np.array([experts], np.int64)
+    return ids, np.full(ids.shape, 1.0 / ids.size)
+
+
+def test_acquire_waits_only_for_its_own_layers_reads():
+    stuck = threading.Event()
+    manager = ResidencyManager(2, 8, 4, loader=gated_loader({(1, 5): stuck}), queue_depth=2, impl="numpy")
+    try:
+        assert manager.prefetch(1, np.array([[5]]), np.array([[0.9]])) == 1
+        table = manager.acquire(0, *routed(2, 3))
+        assert table[2] >= 0 and table[3] >= 0
+        assert [(read.layer, read.expert) for read in manager.pending()] == [(1, 5)]  # still loading
+    finally:
+        stuck.set()
+        manager.close()
+
+
+def test_acquire_applies_its_timeout_once():
+    stuck = threading.Event()
+    manager = ResidencyManager(1, 8, 4, loader=gated_loader({(0, 3): stuck}), queue_depth=2, impl="numpy")
+    timeout = 2.5
+    try:
+        start = time.perf_counter()
+        with pytest.raises(PreloadError, match="still out") as raised:
+            manager.acquire(0, *routed(3), timeout=timeout)
+        assert time.perf_counter() - start < timeout + SLACK_S
+        assert [(read.layer, read.expert) for read in raised.value.pending] == [(0, 3)]
+    finally:
+        stuck.set()
+        manager.close()
+
+
+@pytest.mark.parametrize("call", ["acquire", "preload"])
+def test_a_timeout_holds_with_inline_loads(call):
+    """``queue_depth=0`` runs loads on the caller's thread; given a timeout, the load runs where the wait can
+    end, is reported out, and publishes once it lands."""
+    stuck = threading.Event()
+    manager = ResidencyManager(1, 8, 4, loader=gated_loader({(0, 3): stuck}), queue_depth=0, impl="numpy")
+    try:
+        start = time.perf_counter()
+        with pytest.raises(PreloadError, match="still out") as raised:
+            if call == "acquire":
+                manager.acquire(0, *routed(3), timeout=0.2)
+            else:
+                manager.preload(0, [3], timeout=0.2)
+        assert time.perf_counter() - start < 0.2 + SLACK_S
+        assert [(read.layer, read.expert) for read in raised.value.pending] == [(0, 3)]
+        stuck.set()
+        assert manager.drain() == []
+        assert 3 in manager.resident(0)
+    finally:
+        stuck.set()
+        manager.close()
+
+
+def test_slots_held_by_loading_prefetches_are_a_preload_error_then_freed():
+    gate = threading.Event()
+    loader = gated_loader({(0, 5): gate, (0, 6): gate})
+    manager = ResidencyManager(1, 8, 2, loader=loader, queue_depth=2, impl="numpy")
+    try:
+        assert manager.prefetch(0, np.array([[5, 6]]), np.array([[0.9, 0.8]])) == 2
+        with pytest.raises(PreloadError, match="held by reads still loading") as raised:
+            manager.acquire(0, *routed(1), timeout=0.2)
+        assert sorted(read.expert for read in raised.value.pending) == [5, 6]
+        gate.set()
+        table = manager.acquire(0, *routed(1))  # waits for a prefetch to land, then evicts it
+        assert table[1] >= 0
+    finally:
+        gate.set()
+        manager.close()
+
+
+def test_too_few_slots_with_nothing_loading_is_still_a_value_error():
+    manager = ResidencyManager(1, 8, 2, loader=lambda *read: 1, queue_depth=2, impl="numpy")
+    with pytest.raises(ValueError, match="give the arena more slots"):
+        manager.acquire(0, *routed(1, 2, 3), timeout=1)
+    manager.close()
+
+
+def test_preload_waits_only_for_its_own_reads():
+    stuck = threading.Event()
+    manager = ResidencyManager(2, 8, 4, loader=gated_loader({(1, 5): stuck}), queue_depth=2, impl="numpy")
+    try:
+        manager.prefetch(1, np.array([[5]]), np.array([[0.9]]))
+        manager.preload(0, [1, 2])
+        assert sorted(manager.resident(0)) == [1, 2]
+        assert [(read.layer, read.expert) for read in manager.pending()] == [(1, 5)]
+    finally:
+        stuck.set()
+        manager.close()
+
+
+def _wait_in(manager, call: str):
+    if call == "acquire":
+        manager.acquire(0, *routed(3))
+    elif call == "preload":
+        manager.preload(0, [3])
+    else:
+        manager.prefetch(0, np.array([[3]]), np.array([[1.0]]))
+        manager.drain()
+
+
+@pytest.mark.parametrize("call, queue_depth", [("acquire", 1), ("preload", 1), ("drain", 1), ("acquire", 0),
+                                               ("preload", 0)])
+def test_close_from_another_thread_interrupts_a_wait(call, queue_depth):
+    threads_before = set(threading.enumerate())
+    stuck, started = threading.Event(), {(0, 3): threading.Event()}
+    manager = ResidencyManager(1, 8, 4, loader=gated_loader({(0, 3): stuck}, started), queue_depth=queue_depth,
+                               impl="numpy")
+    if queue_depth == 0:  # inline: the load runs on the waiting thread, so only a timeout lets close in
+        waiting = manager.acquire if call == "acquire" else manager.preload
+        args = routed(3) if call == "acquire" else ([3],)
+        target = lambda: waiting(0, *args, timeout=30)  # noqa: E731
+    else:
+        target = lambda: _wait_in(manager, call)  # noqa: E731
+    raised = []
+
+    def run():
+        try:
+            target()
+        except BaseException as error:  # noqa: BLE001 - examined below
+            raised.append(error)
+
+    waiter = threading.Thread(target=run)
+    waiter.start()
+    try:
+        assert started[(0, 3)].wait(10), "the read never started"
+        out = manager.close(timeout=0.2)
+        waiter.join(0.2 + SLACK_S)
+        assert not waiter.is_alive(), f"{call} still waits after close"
+        assert len(raised) == 1 and isinstance(raised[0], ManagerClosed), raised
+        assert f"{call}: the manager was closed" in str(raised[0])
+        assert [(read.layer, read.expert) for read in out] == [(0, 3)]
+        with pytest.raises(ManagerClosed, match="acquire: the manager was closed"):
+            manager.acquire(0, *routed(1))
+    finally:
+        stuck.set()
+        waiter.join(10)
+    started_since = set(threading.enumerate()) - threads_before - {waiter}
+    for thread in started_since:  # the loader threads end once their loads return
+        thread.join(10)
+    assert not [thread.name for thread in started_since if thread.is_alive()], "a loader thread outlived close"
+
+
+def test_close_from_inside_the_manager_is_refused_not_a_deadlock():
+    manager = ResidencyManager(1, 8, 4, loader=lambda *read: 1, queue_depth=0, impl="numpy")
+    refused = []
+
+    def fence():
+        try:
+            manager.close()
+        except RuntimeError as error:
+            refused.append(str(error))
+
+    ids, scores = np.array([[1]], np.int32), np.ones((1, 1), np.float32)
+    shed = route_shed(ids, scores, manager.snapshot()[0])
+    manager.step([LayerReport(ids, scores, shed.miss_ids, shed.miss_scores)], fence=fence)
+    assert refused and "from inside" in refused[0]
+    manager.close()
+
+
+@pytest.mark.parametrize("timeout", [-1, float("nan"), True, "1", [1.0]])
+@pytest.mark.parametrize("call", ["acquire", "preload", "drain", "close"])
+def test_a_timeout_that_is_no_number_of_seconds_is_refused_by_name(call, timeout):
+    manager = ResidencyManager(1, 8, 4, loader=lambda *read: 1, queue_depth=0, impl="numpy")
+    calls = {"acquire": lambda: manager.acquire(0, *routed(1), timeout=timeout),
+             "preload": lambda: manager.preload(0, [1], timeout=timeout),
+             "drain": lambda: manager.drain(timeout=timeout), "close": lambda: manager.close(timeout=timeout)}
+    with pytest.raises(ValueError, match=f"{call}: timeout"):
+        calls[call]()
+    assert manager.resident(0) == {} and manager.pending() == []
+    manager.close()
