@@ -93,7 +93,7 @@ def _output_path(text: str) -> Path | None:
     return path
 
 
-def _bench(args) -> int:
+def _bench(args, parser) -> int:
     from kq.bench import kernels
 
     # Sets that run alone, each a module with run(progress=...), format_table(result), write_json(result, path).
@@ -119,8 +119,13 @@ def _bench(args) -> int:
         print("kq bench: --models picks decode-e2e's models; give --sets decode-e2e")
         return 2
     sets = args.sets or ([] if args.shapes else ["decode"])
-    results = kernels.run(tuple(sets), args.backends, shapes=tuple(args.shapes or ()), repeats=args.repeats,
-                        resident_fraction=args.resident_fraction, progress=not args.no_progress)
+    try:
+        results = kernels.run(tuple(sets), args.backends, shapes=tuple(args.shapes or ()), repeats=args.repeats,
+                              resident_fraction=args.resident_fraction, progress=not args.no_progress)
+    except ValueError as error:  # the backends are known only once their frameworks have started
+        if "unknown or unavailable backends" not in str(error):
+            raise
+        parser.error(f"--backends: {str(error).removeprefix('kq bench: ')}")
     print(kernels.format_table(results))
     if args.json:
         kernels.write_json(results, args.json)
@@ -328,9 +333,11 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--json", metavar="PATH", type=_output_path, help="write the results as JSON")
     bench.add_argument("--plot", metavar="PATH", type=_output_path, help="write a PNG plot (needs matplotlib)")
     bench.add_argument("--no-progress", action="store_true")
-    bench.set_defaults(func=_bench)
+    bench.set_defaults(func=lambda args: _bench(args, bench))
 
     from kq import study
+    from kq_host.tier import BITS as TIER_BITS
+    from kq_host.tier import GROUP_SIZES as TIER_GROUP_SIZES
 
     demo = sub.add_parser("demo", help="generate text with the shipped model through an arena of a quarter of its "
                                        "experts (--random: a random MoE stack)",
@@ -360,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
                            "default), shed (route_shed rescales the kept weights, shed does not), or read before "
                            "their layer's experts run, the next layer's experts prefetched (exact: the layer-by-layer "
                            "loop, the resident model's text)")
-    demo.add_argument("--tier-bits", type=int, choices=[2, 3, 4, 8], default=argparse.SUPPRESS,
+    demo.add_argument("--tier-bits", type=int, choices=TIER_BITS, default=argparse.SUPPRESS,
                       help="bits per weight of the tier (default 4: the shipped model's greedy text through a 25%% "
                            "arena then matches the resident model's for its first 20 tokens; 8: all 48)")
     demo.add_argument("--keep-mass", type=float, default=argparse.SUPPRESS,
@@ -390,14 +397,15 @@ def main(argv: list[str] | None = None) -> int:
     study_parser.add_argument("--warmup", type=int, default=64, help="tokens decoded before scoring (default 64)")
     study_parser.add_argument("--residency", type=float, nargs="+", default=list(study.RESIDENCIES),
                               help="fractions of each layer's experts in the arena (default: 1 .75 .5 .25 .125)")
-    study_parser.add_argument("--policies", nargs="+", choices=study.POLICIES, default=list(study.POLICIES))
+    study_parser.add_argument("--policies", nargs="+", choices=study.POLICIES, default=list(study.POLICIES),
+                              help="eviction policies of the arena: lfu evicts the least frequently used expert "
+                                   "(counts decayed over time), lru the least recently used (default: both)")
     study_parser.add_argument("--rules", nargs="+", choices=study.RULES,
                               help="default: every rule the framework runs")
-    study_parser.add_argument("--tier-bits", type=int, default=3,
-                              help="bits per weight of the tier rule's low-precision copy of every expert (2, 3, 4 "
-                                   "or 8; default 3)")
-    study_parser.add_argument("--tier-group-size", type=int, default=32,
-                              help="weights sharing one scale and bias in the tier (32, 64 or 128; default 32)")
+    study_parser.add_argument("--tier-bits", type=int, choices=TIER_BITS, default=3,
+                              help="bits per weight of the tier rule's low-precision copy of every expert (default 3)")
+    study_parser.add_argument("--tier-group-size", type=int, choices=TIER_GROUP_SIZES, default=32,
+                              help="weights sharing one scale and bias in the tier (default 32)")
     study_parser.add_argument("--streams", type=int, default=1,
                               help="windows of --warmup + --tokens decoded side by side, spread over the text, each "
                                    "with its own arena's state; their tokens are the run's, the bootstrap draws "
@@ -411,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     study_parser.add_argument("--json", metavar="PATH", type=_output_path, help="write every run's numbers as JSON")
     study_parser.add_argument("--plot", metavar="PATH", type=_output_path,
                               help="write perplexity and hit rate against residency (PNG)")
-    study_parser.add_argument("--no-progress", action="store_true")
+    study_parser.add_argument("--no-progress", action="store_true",
+                              help="print no progress on stderr (a bar on a terminal; elsewhere a line now and then)")
     study_parser.set_defaults(func=lambda args: _study(args, study_parser))
     args = parser.parse_args(argv)
     return args.func(args)

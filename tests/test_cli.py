@@ -2,6 +2,7 @@
 
 import functools
 import json
+import re
 
 import numpy as np
 import pytest
@@ -159,6 +160,24 @@ def test_check_refuses_an_unknown_backend_listing_the_names(capsys):
     assert exit_info.value.code == 2 and "invalid choice: 'foo'" in err and "jax-reference" in err
 
 
+def test_bench_command_refuses_an_unknown_backend_naming_the_argument(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--backends", "nonexistent", "--no-progress"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--backends" in err and "'nonexistent'" in err
+    assert "numpy-oracle" in err and "jax-reference" in err
+
+
+def test_study_help_explains_every_option_and_shows_the_choices(capsys):
+    with pytest.raises(SystemExit):
+        main(["study", "--help"])
+    out = capsys.readouterr().out
+    assert "--tier-bits {2,3,4,8}" in out and "--tier-group-size {32,64,128}" in out
+    # Each option's help follows its flags (on the same line or the next): text, not the next option.
+    for flags in (r"--policies \{lfu,lru\} \[\{lfu,lru\} \.\.\.\]", r"--no-progress"):
+        assert re.search(flags + r"\s+[A-Za-z(]", out), flags
+
+
 def test_bench_refuses_an_unknown_backend_listing_the_names():
     """A misspelt backend gets the names this machine has, though the run starts only the frameworks
     the requested backends need."""
@@ -233,6 +252,9 @@ def test_demo_generates_with_the_shipped_model_through_a_quarter_arena(capsys):
     assert main(["demo", "--frameworks", "jax", "--tokens", "6"]) == 0
     out = capsys.readouterr().out
     assert "through the arena (16 slots per layer)" in out and "every expert resident" in out and "hit rate" in out
+    # Before any text: the lossy rule's text may differ, and how to get the resident model's word for word.
+    note = out.index("may differ from the resident model's")
+    assert note < out.index("== jax") and "--rule exact" in out[:out.index("== jax")]
     assert "4-bit copy" in out and "experts in memory" in out
     # With the tier no routed weight goes unserved; shedding leaves some.
     assert "4 layers: 0.000 per token" in out
@@ -247,7 +269,17 @@ def test_demo_exact_gives_the_resident_text_through_a_quarter_arena(framework, c
     assert main(["demo", "--frameworks", framework, "--tokens", "8", "--rule", "exact"]) == 0
     out = capsys.readouterr().out
     assert "the exact loop (16 slots per layer)" in out and "every expert resident (the same text)" in out
-    assert "expert reads per token waited for" in out and "prefetched" in out and "experts in memory 3.0 MiB" in out
+    assert "expert reads per token waited for" in out and "experts in memory 3.0 MiB" in out
+    # Every prefetch is in one category, so the printed counts add up.
+    counts = re.search(r"prefetches over the 8 tokens: (\d+) started(?: \+ (\d+) still unused from the prompt)? = "
+                       r"(\d+) used \+ (\d+) late .*?\+ (\d+) wasted .*?\+ (\d+) still unused at the end", out)
+    assert counts, out
+    started, from_prompt, used, late, wasted, unused = (int(n or 0) for n in counts.groups())
+    assert started > 0 and started + from_prompt == used + late + wasted + unused
+    # The hit rate says what it counts: a late prefetch is a miss; counted as a hit, the rate is the predictions'.
+    rates = re.search(rf"hit rate (\d\.\d+) .*?; (\d\.\d+) counting the {late} late prefetches as hits", out)
+    assert rates, out
+    assert float(rates[2]) >= float(rates[1]) and "how fast" in out
 
 
 def test_bench_host_times_the_token_boundary(monkeypatch, tmp_path, capsys):

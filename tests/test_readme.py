@@ -30,3 +30,44 @@ def test_every_local_link_resolves():
     for page in PAGES:
         for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
             assert (page.parent / target).exists(), f"{page.name} links to {target}, which is not there"
+
+
+README_TEST_COMMAND = 'python -m pip install -e ".[all]" && python -m pytest -q'
+
+
+def _fake_python(tmp_path, pip_install_fails: bool):
+    """A `python3` whose venv's `python` logs every call instead of running it, `pip install -e` failing at will."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(f"""#!/bin/sh
+# python3 -m venv DIR: a venv whose activate puts the fake python first
+mkdir -p "$3/bin" && echo 'PATH="{bin_dir}:$PATH"' > "$3/bin/activate"
+""")
+    (bin_dir / "python").write_text(f"""#!/bin/sh
+echo "$*" >> {log}
+case "$*" in
+  *"pip install -e"*) exit {1 if pip_install_fails else 0} ;;
+  *"pip list"*) echo "numpy==2.4.6" ;;
+esac
+""")
+    for script in ("python3", "python"):
+        (bin_dir / script).chmod(0o755)
+    return bin_dir, log
+
+
+@pytest.mark.parametrize("pip_install_fails", [True, False])
+def test_ci_runs_the_readme_test_command_and_stops_when_the_install_fails(tmp_path, pip_install_fails):
+    import os
+    import subprocess
+
+    assert README_TEST_COMMAND in (ROOT / "README.md").read_text()
+    assert README_TEST_COMMAND in (ROOT / ".ci" / "run").read_text()
+    bin_dir, log = _fake_python(tmp_path, pip_install_fails)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    result = subprocess.run(["bash", str(ROOT / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60)
+    calls = log.read_text().splitlines()
+    if pip_install_fails:
+        assert result.returncode != 0 and not any("pytest" in call for call in calls), calls
+    else:
+        assert result.returncode == 0, result.stderr
+        assert [call for call in calls if "pytest" in call] == ["-m pytest -q", "-m pytest -q -m exhaustive"]
