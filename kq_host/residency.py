@@ -629,6 +629,12 @@ class ResidencyManager(ManagerBase):
     def _all_landed(self) -> bool:
         return all(batch.all_done() for batch in self._pending)
 
+    def _wait_for_detached(self, batch: _ReadBatch | None, method: str, deadline: float | None) -> None:
+        """Without loader threads, waits until ``deadline`` for the loads of ``batch`` that a timeout moved off the
+        calling thread (what running them inline would have waited for); with loader threads, nothing."""
+        if batch is not None and self._pool is None and batch.futures:
+            self._wait(method, batch.all_done, deadline)
+
     def _open_reads(self, layer: int, experts: np.ndarray | None = None) -> list[tuple[_ReadBatch, np.ndarray]]:
         """The reads of ``layer`` (of ``experts`` only, if given) not yet published: ``(batch, positions)``."""
         out = []
@@ -778,7 +784,7 @@ class ResidencyManager(ManagerBase):
     # ---- the token boundary -------------------------------------------------------------
 
     def step(self, reports: Sequence[LayerReport] | LayerReport, *,
-             fence: Callable[[], Any] | None = None) -> np.ndarray:
+             fence: Callable[[], Any] | None = None, timeout: float | None = None) -> np.ndarray:
         """The token-boundary step (module docstring); returns the next token's tables.
 
         Args:
@@ -787,16 +793,22 @@ class ResidencyManager(ManagerBase):
                 ``[L, T, K]`` (as a graph hands them back in one transfer).
             fence: called first; returns once the token's gathers are done
                 (e.g. ``lambda: mx.eval(outputs)`` or ``jax.block_until_ready``).
+            timeout: with ``queue_depth=0``, the most seconds the step runs its loads (given, they run on a
+                thread of their own, and those still out publish at a later step); None: they run inline.
+                With loader threads the step never waits for reads.
 
         Returns:
             ``int32 [L, E]`` slot tables for the next token.
 
         Raises:
-            ValueError: the reports are malformed (nothing is credited then, so a retry counts once).
-            RuntimeError: the manager was closed, or another thread is inside ``step``, ``preload`` or ``drain`` of this
+            ValueError: the reports or ``timeout`` are malformed (nothing is credited then, so a retry counts once).
+            ManagerClosed: the manager was closed (before, or by another thread while the step waited for its
+                loads; its bookkeeping is done then).
+            RuntimeError: another thread is inside ``step``, ``preload`` or ``drain`` of this
                 manager. A manager serves one decode thread: concurrent calls are refused, never
                 interleaved.
         """
+        deadline = deadline_of("step", timeout)
         self._check_open("step")
         ids, scores, miss_ids, miss_scores = self._gather(reports)  # every report checked before any credit
         tables = self._tables
@@ -807,12 +819,12 @@ class ResidencyManager(ManagerBase):
             self._publish_landed()  # (3)
             reads = self._ops.place(tables, miss_ids, miss_scores, shielded, token=self.token,  # (4)
                                     read_budget=self.read_budget, backing_off=bool(self.failures))
-            if reads[0].size:
-                self._start_reads(*reads)  # (5)
+            batch = self._start_reads(*reads, detached=timeout is not None) if reads[0].size else None  # (5)
             if self.decay_interval and self.token % self.decay_interval == self.decay_interval - 1:
                 bookkeeping.decay(tables)
             self.token += 1
             self._snapshot = self.snapshot()  # (6)
+            self._wait_for_detached(batch, "step", deadline)
             return self._snapshot
 
     # ---- the layer-by-layer exact loop -----------------------------------------------------
@@ -913,7 +925,7 @@ class ResidencyManager(ManagerBase):
                            f"({', '.join(f'expert {r.expert}: {r.error_type}: {r.message}' for r in failed[:3])}) "
                            f"and {len(out)} still out after {timeout} s", failed, out)
 
-    def prefetch(self, layer: int, ids, scores, *, budget: int | None = None) -> int:
+    def prefetch(self, layer: int, ids, scores, *, budget: int | None = None, timeout: float | None = None) -> int:
         """Starts reading predicted experts of ``layer`` (look-ahead), below its real misses.
 
         The predictions not already held are read best score first, up to ``budget``, into free slots
@@ -924,10 +936,16 @@ class ResidencyManager(ManagerBase):
         Args:
             layer: the layer predicted; ids: int ``[..., K]`` predicted ids (-1: none); scores: their scores.
             budget: most reads for this call (None: no limit).
+            timeout: as :meth:`step`'s: with ``queue_depth=0``, the most seconds the call runs its loads.
 
         Returns:
             The reads started.
+
+        Raises:
+            ValueError: ``layer``, an id, ``budget`` or ``timeout`` is out of range.
+            ManagerClosed: as :meth:`step`.
         """
+        deadline = deadline_of("prefetch", timeout)
         self._check_open("prefetch")
         if budget is not None and (not isinstance(budget, (int, np.integer)) or isinstance(budget, bool)
                                    or budget < 0):
@@ -939,12 +957,14 @@ class ResidencyManager(ManagerBase):
             predicted[0, ids[ids >= 0]] = True
             reads = self._ops.place(view, ids, scores.astype(np.float32), predicted, token=self.token,
                                     read_budget=budget, backing_off=bool(self.failures))
+            batch = None
             if reads[0].size:
-                self._start_reads(reads[0] + layer, reads[1], reads[2])
+                batch = self._start_reads(reads[0] + layer, reads[1], reads[2], detached=timeout is not None)
                 self._note_evicted_prefetches(layer)
                 for expert in reads[1].tolist():
                     self._unused_prefetches[(layer, expert)] = True
                 self._lookahead["prefetches"][layer] += reads[0].size
+            self._wait_for_detached(batch, "prefetch", deadline)
             return int(reads[0].size)
 
     def next_token(self) -> np.ndarray:

@@ -197,13 +197,41 @@ def test_close_from_inside_the_manager_is_refused_not_a_deadlock():
 
 
 @pytest.mark.parametrize("timeout", [-1, float("nan"), True, "1", [1.0]])
-@pytest.mark.parametrize("call", ["acquire", "preload", "drain", "close"])
+@pytest.mark.parametrize("call", ["acquire", "preload", "prefetch", "step", "drain", "close"])
 def test_a_timeout_that_is_no_number_of_seconds_is_refused_by_name(call, timeout):
     manager = ResidencyManager(1, 8, 4, loader=lambda *read: 1, queue_depth=0, impl="numpy")
+    ids, scores = np.array([[1]], np.int32), np.ones((1, 1), np.float32)
+    shed = route_shed(ids, scores, manager.snapshot()[0])
     calls = {"acquire": lambda: manager.acquire(0, *routed(1), timeout=timeout),
              "preload": lambda: manager.preload(0, [1], timeout=timeout),
+             "prefetch": lambda: manager.prefetch(0, ids, scores, timeout=timeout),
+             "step": lambda: manager.step([LayerReport(ids, scores, shed.miss_ids, shed.miss_scores)], timeout=timeout),
              "drain": lambda: manager.drain(timeout=timeout), "close": lambda: manager.close(timeout=timeout)}
     with pytest.raises(ValueError, match=f"{call}: timeout"):
         calls[call]()
-    assert manager.resident(0) == {} and manager.pending() == []
+    assert manager.resident(0) == {} and manager.pending() == [] and manager.token == 0
+    assert manager.stats()[1].lookups == 0
     manager.close()
+
+
+@pytest.mark.parametrize("call", ["step", "prefetch"])
+def test_step_and_prefetch_bound_their_inline_loads_by_a_timeout(call):
+    """With ``queue_depth=0`` the loads of a token boundary or a prefetch run in the call; given a timeout
+    they run on a thread of their own, the call returns once it runs out, and they publish once landed."""
+    stuck = threading.Event()
+    manager = ResidencyManager(1, 8, 4, loader=gated_loader({(0, 3): stuck}), queue_depth=0, impl="numpy")
+    try:
+        start = time.perf_counter()
+        if call == "step":
+            ids, scores = np.array([[3]], np.int32), np.ones((1, 1), np.float32)
+            shed = route_shed(ids, scores, manager.snapshot()[0])
+            manager.step([LayerReport(ids, scores, shed.miss_ids, shed.miss_scores)], timeout=0.2)
+        else:
+            assert manager.prefetch(0, np.array([[3]]), np.array([[1.0]]), timeout=0.2) == 1
+        assert time.perf_counter() - start < 0.2 + SLACK_S
+        assert [(read.layer, read.expert) for read in manager.pending()] == [(0, 3)]
+        stuck.set()
+        assert manager.drain() == [] and 3 in manager.resident(0)
+    finally:
+        stuck.set()
+        manager.close()
