@@ -1,7 +1,6 @@
 """The host side of the arena: prestage order, residency manager, expert store, adapters."""
 
 import threading
-import time
 
 import ml_dtypes
 import numpy as np
@@ -169,18 +168,49 @@ def expert_content(layer, expert):
     return np.full(64, layer * 1000 + expert, np.float32)
 
 
+class GatherPasses:
+    """Counts the test's gather passes; a loader half way through its write waits for the next one, so every
+    read is seen half written by at least one pass."""
+
+    def __init__(self):
+        self.condition = threading.Condition()
+        self.count = 0
+        self.half_written = 0
+        self.finished = False
+
+    def wait_for_next(self, after: int) -> None:
+        with self.condition:
+            self.half_written += 1
+            self.condition.notify_all()
+            assert self.condition.wait_for(lambda: self.count > after or self.finished, 10), "no gather pass came"
+
+    def wait_until_half_written(self, reads: int) -> None:
+        with self.condition:
+            assert self.condition.wait_for(lambda: self.half_written >= reads, 10), "a read never started"
+
+    def passed(self, finished: bool = False) -> None:
+        with self.condition:
+            self.count += 1
+            self.finished = finished
+            self.condition.notify_all()
+
+
 def test_fence_under_slow_concurrent_reads():
+    """Each read writes half its slot, then waits for the next gather pass before writing the rest: the
+    passes always run while slots are half written, and must never see one through the tables."""
     layers, experts, slots = 2, 24, 6
     arena = NumpyArena(layers, slots, {"w": ((64,), np.float32)})
     writing = set()
     lock = threading.Lock()
+    passes = GatherPasses()
 
     def slow_loader(layer, expert, slot):
         with lock:
             writing.add((layer, slot))
+            seen = passes.count
         target = arena.arrays["w"][layer, slot]
         target[:32] = expert_content(layer, expert)[:32]  # half written...
-        time.sleep(0.004)
+        passes.wait_for_next(seen)
         target[32:] = expert_content(layer, expert)[32:]  # ...then the rest
         with lock:
             writing.discard((layer, slot))
@@ -189,11 +219,14 @@ def test_fence_under_slow_concurrent_reads():
     rng = np.random.default_rng(0)
     manager = ResidencyManager(layers, experts, slots, loader=slow_loader, queue_depth=4, read_budget=4)
     tables = manager.snapshot()
-    checked = 0
+    checked = passes_beside_a_write = 0
     for token in range(150):
         hot = rng.choice(experts, 4, replace=False) if token % 20 < 10 else rng.choice(8, 4, replace=False)
-        # "The gathers" of this token read every mapped slot while loads keep running.
+        passes.wait_until_half_written(manager.stats()[1].reads_submitted)
+        # "The gathers" of this token read every mapped slot while loads are half written.
         for _ in range(3):
+            with lock:
+                passes_beside_a_write += bool(writing)
             for layer in range(layers):
                 for expert in np.flatnonzero(tables[layer] >= 0):
                     slot = tables[layer, expert]
@@ -201,13 +234,15 @@ def test_fence_under_slow_concurrent_reads():
                         assert (layer, slot) not in writing, "a mapped slot is being written"
                     np.testing.assert_array_equal(arena.arrays["w"][layer, slot], expert_content(layer, expert))
                     checked += 1
-            time.sleep(0.001)
+            passes.passed()
         reports = [report(hot, table=tables[layer]) for layer in range(layers)]
         tables = manager.step(reports, fence=lambda: None)
-    manager.drain()
+    passes.passed(finished=True)
+    assert manager.drain(timeout=30) == []
     manager.close()
     _, total = manager.stats()
-    assert checked > 1000 and total.evictions > 20 and total.reads_landed > 20
+    assert not manager.failures
+    assert checked > 1000 and total.evictions > 20 and total.reads_landed > 20 and passes_beside_a_write > 20
 
 
 # ---- expert store ----------------------------------------------------------------------------

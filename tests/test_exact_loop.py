@@ -208,22 +208,27 @@ def test_the_exact_loop_refuses_a_manager_of_another_shape(model):
 
 
 def test_a_prefetch_still_loading_when_its_layer_routes_it_is_late():
+    """The prefetch of 5 is held until acquire's own read of 6 starts: 5 is certainly still loading when the
+    layer routes it, and acquire waits for it."""
     import threading
 
-    release = threading.Event()
+    acquire_reading = threading.Event()
 
     def loader(layer, expert, slot):
-        release.wait(10)
+        if expert == 5:
+            assert acquire_reading.wait(10), "acquire never started its own read"
+        if expert == 6:
+            acquire_reading.set()
 
-    manager = ResidencyManager(1, 8, 3, loader=loader, queue_depth=1)
+    manager = ResidencyManager(1, 8, 3, loader=loader, queue_depth=2)
     manager.prefetch(0, np.array([[5]]), np.array([[0.9]]))
-    threading.Timer(0.05, release.set).start()
-    table = manager.acquire(0, np.array([[5]]), np.array([[1.0]]))
+    table = manager.acquire(0, np.array([[5, 6]]), np.array([[0.6, 0.4]]), timeout=30)
     stats = manager.lookahead_stats()
     manager.close()
-    assert table[5] >= 0
-    assert (stats["prefetch_late"][0], stats["prefetch_used"][0], stats["critical_reads"][0]) == (1, 0, 1)
-    assert stats["critical_wait_s"][0] > 0.01
+    assert acquire_reading.is_set() and table[5] >= 0 and table[6] >= 0
+    assert (stats["prefetch_late"][0], stats["prefetch_used"][0], stats["critical_reads"][0]) == (1, 0, 2)
+    assert stats["critical_wait_s"][0] > 0
+    assert not manager.failures
 
 
 def test_a_layer_routing_more_experts_than_it_has_slots_is_refused_by_name():

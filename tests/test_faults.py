@@ -121,20 +121,27 @@ def test_a_loader_raising_a_base_exception_fails_that_read_once(queue_depth):
 
 
 def test_drain_and_close_time_out_on_a_hanging_loader_and_report_the_reads_out():
-    release = threading.Event()
+    """The loader hangs until released; drain and close each return once their timeout runs out (a generous
+    upper bound: well before the loader's own 10 s), listing the reads still out."""
+    release, started = threading.Event(), threading.Event()
 
     def loader(layer, expert, slot):
-        release.wait(5)
+        started.set()
+        release.wait(10)
         return 0
 
     manager = ResidencyManager(1, 4, 2, loader=loader, queue_depth=1)
     decode(manager, [[0, 1]])
-    start = time.perf_counter()
-    out = manager.drain(timeout=0.2)
-    assert time.perf_counter() - start < 2 and sorted(read.expert for read in out) == [0, 1]
-    out = manager.close(timeout=0.2)
-    assert time.perf_counter() - start < 4 and out
-    release.set()
+    assert started.wait(10)
+    try:
+        start = time.perf_counter()
+        out = manager.drain(timeout=0.2)
+        assert time.perf_counter() - start < 0.2 + 2 and sorted(read.expert for read in out) == [0, 1]
+        start = time.perf_counter()
+        out = manager.close(timeout=0.2)
+        assert time.perf_counter() - start < 0.2 + 2 and sorted(read.expert for read in out) == [0, 1]
+    finally:
+        release.set()
 
 
 # ---- payloads ---------------------------------------------------------------------------------
