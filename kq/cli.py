@@ -192,6 +192,11 @@ def _demo_model(args, parser) -> int:
     print(f"{args.checkpoint}: greedy text after {args.prompt!r}, {args.tokens} tokens, experts served from an arena "
           f"of {args.residency:.0%} of each layer's experts ({misses}; {args.policy}), beside the model with every "
           f"expert in memory")
+    if args.rule != "exact":
+        served = "a miss's low-precision copy" if args.rule == "tier" else "shedding a miss"
+        print(f"The text through the arena may differ from the resident model's after a few tokens: {served} changes "
+              f"the layer's output a little, and a greedy decode follows the change. `kq demo --rule exact` reads "
+              f"each miss before its layer runs and gives the resident model's text word for word.")
     for framework in frameworks:
         if args.rule == "exact":
             _demo_exact(framework, args)
@@ -227,10 +232,17 @@ def _demo_exact(framework: str, args) -> None:
     same = "the same text" if streamed == resident else "a different text"
     print(f"\n== {framework}: the exact loop ({run.slots} slots per layer)\n{args.prompt}{streamed}")
     print(f"== {framework}: every expert resident ({same})\n{args.prompt}{resident}")
-    print(f"== {framework}: hit rate {run.hit_rate:.3f}; {run.critical_reads_per_token:.1f} expert reads per token "
-          f"waited for; {run.prefetches_per_token:.1f} prefetched ({run.prefetch_used_per_token:.1f} used, "
-          f"{run.prefetch_wasted_per_token:.1f} wasted); {run.mib_per_token:.2f} MiB read per token; experts in "
-          f"memory {run.memory_mib:.1f} MiB")
+    print(f"== {framework}: hit rate {run.hit_rate:.3f} (a prefetch still loading when routed is a miss); "
+          f"{run.hit_rate_counting_late:.3f} counting the {run.prefetch_late} late prefetches as hits (the first "
+          f"depends on how fast reads land against this framework's compute, the second on the predictions "
+          f"alone); {run.critical_reads_per_token:.1f} "
+          f"expert reads per token waited for; {run.mib_per_token:.2f} MiB read per token; experts in memory "
+          f"{run.memory_mib:.1f} MiB")
+    from_prompt = f" + {run.unused_before} still unused from the prompt" if run.unused_before else ""
+    print(f"== {framework}: prefetches over the {run.generated} tokens: {run.prefetches} started{from_prompt} = "
+          f"{run.prefetch_used} used + {run.prefetch_late} late (still loading when routed: waited for) + "
+          f"{run.prefetch_wasted} wasted (evicted or failed before any use) + {run.unused_after} still unused at "
+          f"the end")
     print(f"== {framework}: {1 / float(np.median(run.token_seconds)):.0f} tokens/s (the median generated token, "
           f"layer by layer with the host between layers)")
 
