@@ -90,6 +90,24 @@ def test_a_reusing_allocator_never_gives_or_caches_a_wrong_tier(tmp_path, rng):
     _assert_tier_is(_build(tmp_path / "ckpt", cache), tensors)
 
 
+class _AliasingStore(ExpertStore):
+    """A store whose reads hand gate_proj and up_proj one array (up_proj's weights)."""
+
+    def read_expert(self, layer, expert, **options):
+        read = super().read_expert(layer, expert, **options)
+        return {**read, "gate_proj": read["up_proj"]}
+
+
+def test_reads_whose_projections_share_memory_are_refused_and_not_cached(tmp_path, rng):
+    tensors = _write_checkpoint(tmp_path / "ckpt", rng)
+    cache = tmp_path / "cache"
+    with _AliasingStore(tmp_path / "ckpt") as store:
+        with pytest.raises(ExpertStoreError, match="gate_proj and up_proj share memory"):
+            build_tier(store, 2, 4, cache_dir=cache)
+    assert _cached(cache) == []
+    _assert_tier_is(_build(tmp_path / "ckpt", cache), tensors)
+
+
 # ---- stale and mismatched cache entries ----------------------------------------------------------
 
 
