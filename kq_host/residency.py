@@ -638,10 +638,13 @@ class ResidencyManager(ManagerBase):
     def _open_reads(self, layer: int, experts: np.ndarray | None = None) -> list[tuple[_ReadBatch, np.ndarray]]:
         """The reads of ``layer`` (of ``experts`` only, if given) not yet published: ``(batch, positions)``."""
         out = []
+        if experts is not None:
+            chosen = np.zeros(self.num_experts, bool)
+            chosen[experts] = True
         for batch in self._pending:
             mask = batch.open & (batch.layers == layer)
             if experts is not None:
-                mask &= np.isin(batch.experts, experts)
+                mask &= chosen[batch.experts]
             positions = np.flatnonzero(mask)
             if positions.size:
                 out.append((batch, positions))

@@ -235,3 +235,46 @@ def test_step_and_prefetch_bound_their_inline_loads_by_a_timeout(call):
     finally:
         stuck.set()
         manager.close()
+
+
+def test_close_while_another_thread_is_busy_in_a_fence_returns_within_its_timeout():
+    in_fence, release = threading.Event(), threading.Event()
+    manager = ResidencyManager(1, 8, 4, loader=lambda *read: 1, queue_depth=2, impl="numpy")
+    ids, scores = np.array([[1]], np.int32), np.ones((1, 1), np.float32)
+    shed = route_shed(ids, scores, manager.snapshot()[0])
+    stepped = []
+
+    def fence():
+        in_fence.set()
+        release.wait(10)
+
+    worker = threading.Thread(target=lambda: stepped.append(
+        manager.step([LayerReport(ids, scores, shed.miss_ids, shed.miss_scores)], fence=fence)))
+    worker.start()
+    try:
+        assert in_fence.wait(10)
+        start = time.perf_counter()
+        assert manager.close(timeout=0.2) == []
+        assert time.perf_counter() - start < 0.2 + SLACK_S
+    finally:
+        release.set()
+        worker.join(10)
+    assert len(stepped) == 1 and stepped[0].shape == (1, 8)  # the step itself ran to its end
+    with pytest.raises(ManagerClosed, match="step: the manager was closed"):
+        manager.step([LayerReport(ids, scores, shed.miss_ids, shed.miss_scores)])
+
+
+@pytest.mark.parametrize("call", ["step", "acquire", "prefetch", "preload", "drain", "next_token"])
+def test_every_call_after_close_raises_manager_closed_by_name(call):
+    manager = ResidencyManager(1, 8, 4, loader=lambda *read: 1, queue_depth=2, impl="numpy")
+    manager.preload(0, [1])
+    assert manager.close() == []
+    ids, scores = np.array([[2]], np.int32), np.ones((1, 1), np.float32)
+    shed = route_shed(ids, scores, manager.snapshot()[0])
+    calls = {"step": lambda: manager.step([LayerReport(ids, scores, shed.miss_ids, shed.miss_scores)]),
+             "acquire": lambda: manager.acquire(0, *routed(2)), "prefetch": lambda: manager.prefetch(0, ids, scores),
+             "preload": lambda: manager.preload(0, [2]), "drain": manager.drain, "next_token": manager.next_token}
+    with pytest.raises(ManagerClosed, match=f"ResidencyManager.{call}: the manager was closed"):
+        calls[call]()
+    assert manager.resident(0) == {1: 0} and manager.token == 0
+    assert manager.close() == []  # a second close is harmless
