@@ -38,16 +38,40 @@ Files: the shipped model is read where it is; with --random the random checkpoin
 directory, deleted at the end, and the plot goes to --plot."""
 
 
-def _check(args) -> int:
-    from kq.check import format_table, run_checks
+def _check(args, parser) -> int:
+    from kq.check import ImplementationError, format_failed_case, format_table, implementation_backend, run_checks
 
-    chosen = tuple(backend(n) for n in args.backends) if args.backends else all_backends()
+    if args.impl_arrays != "numpy" and not args.impl:
+        parser.error("--impl-arrays applies to the functions of --impl; give --impl MODULE:FUNCTION")
+    if args.impl_arrays != "numpy" and importlib.util.find_spec(args.impl_arrays) is None:
+        parser.error(f"--impl-arrays {args.impl_arrays}: {args.impl_arrays} is not installed")
+    impls = []
+    if args.impl:
+        # MODULE is found as `python -m` finds it: from the current directory first.
+        if "" not in sys.path and str(Path.cwd()) not in sys.path:
+            sys.path.insert(0, str(Path.cwd()))
+        for target in args.impl:
+            try:
+                impls.append(implementation_backend(target, args.impl_arrays))
+            except ImplementationError as error:
+                parser.error(f"--impl {error}")
+    names = args.backends or ([] if impls else [b.name for b in all_backends()])
+    chosen = (*(backend(n) for n in names), *impls)
     random_rows = args.random_rows if args.random_rows is not None else (16384 if args.thorough else 4096)
     reports = run_checks(chosen, random_rows=random_rows, seed=args.seed, thorough=args.thorough, progress=True)
     print(format_table(reports))
+    for report in reports:
+        if report.skipped_cases:
+            print(f"\n{report.name}: {report.skipped_cases} cases skipped: {report.skip_reason}, and the like")
+    for report in reports:
+        if report.first_failed_case is not None:
+            print(f"\n{report.name}: the first differing case, as a test:\n```python\n"
+                  f"{format_failed_case(report.name, report.first_failed_case, seed=args.seed, random_rows=random_rows)}"
+                  f"\n```")
     failed = [r for r in reports if not r.skipped and not r.ok]
     ran = [r for r in reports if not r.skipped]
-    print(f"\n{len(ran)} backends ran, {len(failed)} with mismatches, {len(reports) - len(ran)} skipped")
+    what = "implementations" if impls else "backends"
+    print(f"\n{len(ran)} {what} ran, {len(failed)} with mismatches, {len(reports) - len(ran)} skipped")
     return 1 if failed or not ran else 0
 
 
@@ -320,8 +344,15 @@ def main(argv: list[str] | None = None) -> int:
                             "shape, unless --thorough")
     check.add_argument("--thorough", action="store_true",
                        help="every backend, the interpreter too, over every random shape and dtype pair")
-    check.add_argument("--seed", type=int, default=0)
-    check.set_defaults(func=_check)
+    check.add_argument("--seed", type=int, default=0, help="seed of the random rows")
+    check.add_argument("--impl", action="append", metavar="MODULE:FUNCTION",
+                       help="also check this function of another project (repeatable; MODULE found from the current "
+                            "directory first): it gets the golden cases and the random rows, num_slots and on_miss "
+                            "only if its signature takes them (the cases needing one it lacks are skipped and "
+                            "counted); kq's backends then run only as --backends names them (docs/conformance.md)")
+    check.add_argument("--impl-arrays", choices=("numpy", "jax", "mlx"), default="numpy",
+                       help="the arrays --impl functions are given; their outputs may be any arrays NumPy reads")
+    check.set_defaults(func=lambda args: _check(args, check))
 
     from kq.bench.kernels import SHAPE_SETS
 

@@ -1,0 +1,132 @@
+"""The spec of ``route_shed`` as test cases for any implementation, for another project's test suite.
+
+The golden vectors of ``shared/spec.json`` and seeded random rows (router-like and edge-value mixes over
+every index and score dtype), each with the oracle's outputs, and a bit-for-bit check of a function
+against them. A project that implements ``route_shed`` (a Metal or CUDA kernel, a port to another
+framework) parametrizes its tests over the spec in a few lines::
+
+    import pytest
+    from kq.spec import assert_matches, golden_cases, random_cases
+    from mypackage import route_shed
+
+    @pytest.mark.parametrize("case", golden_cases() + random_cases(seed=0, rows=256), ids=str)
+    def test_route_shed_matches_the_spec(case):
+        assert_matches(route_shed, case)
+
+``kq check --impl mypackage:route_shed`` runs the same cases from the command line. The cases come from
+:mod:`kq_core` (the spec, the generators, the oracle); this module only packages them for tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kq.check import (ARRAY_KINDS, CaseSkipped, check_case, format_failed_case, implementation_runner,
+                      printable_case)
+from kq.check import random_cases as _random_inputs
+from kq_core.contract import RouteShedResult
+from kq_core.oracle import route_shed_oracle
+from kq_core.spec import load_spec
+
+__all__ = ["Case", "assert_matches", "golden_cases", "random_cases"]
+
+
+@dataclass(frozen=True, eq=False)
+class Case:
+    """One call of ``route_shed`` and the outputs the contract assigns it.
+
+    Attributes:
+        name: the case's name (``str(case)`` too, so ``ids=str`` names pytest's parameters).
+        indices: int32 or uint32 ``[..., K]``; scores: float32, bfloat16 or float16 ``[..., K]``;
+            slot_table: int32 ``[E]`` (NumPy arrays).
+        options: the keyword options the call takes, e.g. ``{"num_slots": 6, "on_miss": "tier"}``.
+        expected: the oracle's :class:`~kq_core.contract.RouteShedResult`, NumPy arrays shaped like ``indices``.
+    """
+
+    name: str
+    indices: np.ndarray
+    scores: np.ndarray
+    slot_table: np.ndarray
+    options: dict = field(default_factory=dict)
+    expected: RouteShedResult | None = None
+
+    def __post_init__(self):
+        if self.expected is None:
+            object.__setattr__(self, "expected", route_shed_oracle(self.indices, self.scores, self.slot_table,
+                                                                   **self.options))
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def inputs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self.indices, self.scores, self.slot_table
+
+
+def golden_cases() -> list[Case]:
+    """Every golden vector of ``shared/spec.json``, in the file's order (some with options)."""
+    return [Case(c.name, *c.inputs.values(), dict(c.options), c.expected) for c in load_spec().cases]
+
+
+def random_cases(seed: int = 0, rows: int = 4096) -> list[Case]:
+    """``rows`` random rows in all, over shapes (K from 1 to 64), every index and score dtype, router-like
+    and edge-value mixes, as ``kq check`` runs them; the same seed gives the same cases on any machine.
+
+    Raises:
+        ValueError: ``rows`` is negative or not an int.
+    """
+    if not isinstance(rows, (int, np.integer)) or isinstance(rows, bool) or rows < 0:
+        raise ValueError(f"random_cases: rows must be an int >= 0, got {rows!r}")
+    return [Case(name, *inputs) for name, inputs in _random_inputs(seed, int(rows))]
+
+
+def assert_matches(fn: Callable, cases: Case | Iterable[Case] | None = None, *, arrays: str = "numpy") -> None:
+    """Asserts that ``fn`` gives the oracle's outputs, bit for bit, on ``cases``.
+
+    ``fn(indices, scores, slot_table)`` is given ``num_slots`` and ``on_miss`` only when its signature
+    takes them; a case needing one it does not take is skipped (with one case, or when every case is
+    skipped, through ``pytest.skip``).
+
+    Args:
+        fn: the implementation; returns ``(slots, mix, miss_ids, miss_scores)``, arrays NumPy can read.
+        cases: one :class:`Case`, several, or None for every golden case and ``random_cases()``.
+        arrays: what ``fn`` is given: ``"numpy"``, ``"jax"`` or ``"mlx"`` arrays.
+
+    Raises:
+        AssertionError: a case differs (or ``fn`` raised on it, or returned no four arrays): how many,
+            and the first in full, as Python to paste into a test.
+    """
+    if not callable(fn):
+        raise TypeError(f"assert_matches: fn must be callable, got {type(fn).__name__}")
+    if arrays not in ARRAY_KINDS:
+        raise ValueError(f"assert_matches: arrays must be one of {ARRAY_KINDS}, got {arrays!r}")
+    cases = [cases] if isinstance(cases, Case) else golden_cases() + random_cases() if cases is None else list(cases)
+    if not all(isinstance(case, Case) for case in cases):
+        raise TypeError("assert_matches: cases must be a Case or an iterable of Case (kq.spec.golden_cases(), "
+                        "kq.spec.random_cases())")
+    label = f"{getattr(fn, '__module__', None)}:{getattr(fn, '__qualname__', type(fn).__name__)}"
+    runner = implementation_runner(fn, label, arrays)
+    failures, skipped, first = 0, [], None
+    for case in cases:
+        try:
+            failed = check_case(runner, case.name, case.inputs, case.expected, case.options)
+        except CaseSkipped as why:
+            skipped.append(f"{case.name}: {why}")
+            continue
+        if failed is not None:
+            failures += 1
+            first = first or printable_case(runner, failed)
+    if failures:
+        ran = len(cases) - len(skipped)
+        raise AssertionError(f"{failures} of {ran} cases differ; the first, {first.name}: {first.problem}\n"
+                             f"{format_failed_case(label, first)}")
+    if cases and len(skipped) == len(cases):
+        reason = skipped[0] if len(skipped) == 1 else f"every case skipped; the first, {skipped[0]}"
+        try:
+            import pytest
+        except ImportError:
+            raise CaseSkipped(reason) from None
+        pytest.skip(reason)
