@@ -165,7 +165,7 @@ def run_checks(backends: tuple[Backend, ...] | None = None, *, random_rows: int 
                     failed = check_case(runner, name, inputs, expected, options)
                 except CaseSkipped as why:
                     report.skipped_cases += 1
-                    report.skip_reason = report.skip_reason or str(why)
+                    report.skip_reason = report.skip_reason or f"{name}: {why}"
                     advance(name)
                     continue
                 report.run += 1
@@ -300,7 +300,7 @@ def _converter(arrays: str) -> Callable[[np.ndarray], object]:
         from kq_mlx.route_shed_mlx import from_numpy
 
         return from_numpy
-    return lambda array: array
+    return np.copy  # the function may write into its inputs; the cases stay as they are
 
 
 def _as_outputs(result) -> RouteShedResult:

@@ -62,7 +62,8 @@ def _check(args, parser) -> int:
     print(format_table(reports))
     for report in reports:
         if report.skipped_cases:
-            print(f"\n{report.name}: {report.skipped_cases} cases skipped: {report.skip_reason}, and the like")
+            print(f"\n{report.name}: {report.skipped_cases} cases skipped, each needing an option the function does "
+                  f"not take; the first, {report.skip_reason}")
     for report in reports:
         if report.first_failed_case is not None:
             print(f"\n{report.name}: the first differing case, as a test:\n```python\n"
@@ -70,7 +71,7 @@ def _check(args, parser) -> int:
                   f"\n```")
     failed = [r for r in reports if not r.skipped and not r.ok]
     ran = [r for r in reports if not r.skipped]
-    what = "implementations" if impls else "backends"
+    what = ("implementation" if impls else "backend") + ("" if len(ran) == 1 else "s")
     print(f"\n{len(ran)} {what} ran, {len(failed)} with mismatches, {len(reports) - len(ran)} skipped")
     return 1 if failed or not ran else 0
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -31,7 +32,15 @@ from kq_core.contract import RouteShedResult
 from kq_core.oracle import route_shed_oracle
 from kq_core.spec import load_spec
 
-__all__ = ["Case", "assert_matches", "golden_cases", "random_cases"]
+__all__ = ["Case", "Matched", "assert_matches", "golden_cases", "random_cases"]
+
+
+class Matched(NamedTuple):
+    """What :func:`assert_matches` checked: ``cases`` matched bit for bit; ``skipped``, one line per case
+    skipped (its name and the option the function does not take)."""
+
+    cases: int
+    skipped: tuple[str, ...]
 
 
 @dataclass(frozen=True, eq=False)
@@ -67,8 +76,10 @@ class Case:
 
 
 def golden_cases() -> list[Case]:
-    """Every golden vector of ``shared/spec.json``, in the file's order (some with options)."""
-    return [Case(c.name, *c.inputs.values(), dict(c.options), c.expected) for c in load_spec().cases]
+    """Every golden vector of ``shared/spec.json``, in the file's order (some with options); the arrays are
+    the caller's own copies."""
+    return [Case(c.name, *(np.copy(a) for a in c.inputs.values()), dict(c.options),
+                 RouteShedResult(*(np.copy(a) for a in c.expected))) for c in load_spec().cases]
 
 
 def random_cases(seed: int = 0, rows: int = 4096) -> list[Case]:
@@ -83,7 +94,7 @@ def random_cases(seed: int = 0, rows: int = 4096) -> list[Case]:
     return [Case(name, *inputs) for name, inputs in _random_inputs(seed, int(rows))]
 
 
-def assert_matches(fn: Callable, cases: Case | Iterable[Case] | None = None, *, arrays: str = "numpy") -> None:
+def assert_matches(fn: Callable, cases: Case | Iterable[Case] | None = None, *, arrays: str = "numpy") -> Matched:
     """Asserts that ``fn`` gives the oracle's outputs, bit for bit, on ``cases``.
 
     ``fn(indices, scores, slot_table)`` is given ``num_slots`` and ``on_miss`` only when its signature
@@ -94,6 +105,9 @@ def assert_matches(fn: Callable, cases: Case | Iterable[Case] | None = None, *, 
         fn: the implementation; returns ``(slots, mix, miss_ids, miss_scores)``, arrays NumPy can read.
         cases: one :class:`Case`, several, or None for every golden case and ``random_cases()``.
         arrays: what ``fn`` is given: ``"numpy"``, ``"jax"`` or ``"mlx"`` arrays.
+
+    Returns:
+        :class:`Matched`: how many cases matched, and the skipped ones.
 
     Raises:
         AssertionError: a case differs (or ``fn`` raised on it, or returned no four arrays): how many,
@@ -130,3 +144,4 @@ def assert_matches(fn: Callable, cases: Case | Iterable[Case] | None = None, *, 
         except ImportError:
             raise CaseSkipped(reason) from None
         pytest.skip(reason)
+    return Matched(len(cases) - len(skipped), tuple(skipped))
