@@ -66,9 +66,8 @@ def _check(args, parser) -> int:
                   f"not take; the first, {report.skip_reason}")
     for report in reports:
         if report.first_failed_case is not None:
-            print(f"\n{report.name}: the first differing case, as a test:\n```python\n"
-                  f"{format_failed_case(report.name, report.first_failed_case, seed=args.seed, random_rows=random_rows)}"
-                  f"\n```")
+            case = format_failed_case(report.name, report.first_failed_case, seed=args.seed, random_rows=random_rows)
+            print(f"\n{report.name}: the first differing case, as a test:\n```python\n{case}\n```")
     failed = [r for r in reports if not r.skipped and not r.ok]
     ran = [r for r in reports if not r.skipped]
     what = ("implementation" if impls else "backend") + ("" if len(ran) == 1 else "s")
