@@ -193,7 +193,6 @@ def check_case(runner: Runner, name: str, inputs, expected: RouteShedResult, opt
     Raises:
         CaseSkipped: the runner does not take an option the case needs.
     """
-    got = None
     try:
         got = runner(*inputs, **options)
         problem = first_mismatch(expected, got)

@@ -165,6 +165,23 @@ def test_a_large_case_is_printed_as_its_first_differing_row(project, capsys, tmp
     assert "golden_cases()" in out  # how to get the whole case back
 
 
+def test_a_large_case_without_one_differing_entry_is_fetched_by_name(project, capsys, tmp_path):
+    (tmp_path / "large_raise_impl.py").write_text(textwrap.dedent("""
+        from kq_core.oracle import route_shed_oracle
+
+        def route_shed(indices, scores, slot_table):
+            if indices.shape[0] == 4096:
+                raise MemoryError("4096 rows do not fit")
+            return route_shed_oracle(indices, scores, slot_table)
+    """))
+    assert main(["check", "--impl", "large_raise_impl:route_shed", "--random-rows", "0"]) == 1
+    out = capsys.readouterr().out
+    snippet = out[out.index("```python\n") + len("```python\n"):out.rindex("```")]
+    assert "# 4096 rows, too many to print" in snippet and "indices = " not in snippet
+    with pytest.raises(AssertionError, match="random_block: raised MemoryError: 4096 rows do not fit"):
+        exec(compile(snippet, "pasted", "exec"), {})
+
+
 def test_a_raising_function_fails_that_case_and_the_run_goes_on(project, capsys):
     assert main(["check", "--impl", "raising_impl:route_shed", "--random-rows", "8"]) == 1
     out = capsys.readouterr().out
@@ -305,3 +322,10 @@ def test_the_pytest_helper_parametrizes_another_projects_tests(tmp_path):
     summary = result.stdout.strip().splitlines()[-1]
     assert f"{GOLDEN - TIER_CASES + randoms} passed, {TIER_CASES} skipped" in summary, result.stdout + result.stderr
     assert "takes no on_miss" in result.stdout  # the skips' reason, in pytest's summary (-rs)
+
+
+def test_impl_arrays_without_impl_is_refused_naming_both(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["check", "--impl-arrays", "jax"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--impl-arrays applies to the functions of --impl" in err
