@@ -1,30 +1,36 @@
-"""Runs an mlx-lm MoE model's expert blocks on a bounded arena, fed by ``route_shed``.
+"""Runs an mlx-lm MoE model's experts on a bounded arena, at the seam every mlx-lm MoE family shares.
 
-Each MoE block (Qwen3-MoE's ``Qwen3MoeSparseMoeBlock``, Mixtral's
-``MixtralSparseMoeBlock``) is wrapped by :class:`ArenaMoeBlock`: it routes
-exactly as the block does, calls :func:`kq_mlx.route_shed` against the layer's
-slot table, and runs an mlx-lm ``SwitchGLU`` with S experts (the arena) on
-``slots``, combining by ``mix``. mlx-lm's gather kernels are used unchanged;
-only the expert index and the weights they see differ.
+Every MoE family of mlx-lm hands its routed experts to a ``SwitchGLU`` or ``SwitchMLP``
+(``mlx_lm.models.switch_layers``) as ``module(x, indices)``: after its own router and before its own
+combine and shared experts. :func:`attach_arena` finds each of them by type and puts an
+:class:`ArenaSwitch` there: it maps ``indices`` to arena slots with the layer's slot table
+(:func:`kq_mlx.route_shed`) and runs a copy of that same module whose per-expert arrays are cut to
+``num_slots`` slots (the arena), so whatever the original's ``__call__`` does (biases, a clamped
+activation, ``QuantizedSwitchLinear`` of any mode) runs unchanged; the family's router, scores,
+shared experts and combine are untouched. The rules that need no gate weights work for every family:
+``exact``, ``tier``, ``shed`` and ``stall``.
 
-Quantized checkpoints (mlx-lm's ``QuantizedSwitchLinear``: packed weights,
-scales and biases, any mode) get an arena of the same class and quantization:
-each slot holds one expert's packed arrays as the checkpoint stores them, and
-mlx-lm's ``gather_qmm`` runs on ``slots``.
+For the families whose routers kq knows (:data:`ROUTERS`: Qwen3-MoE, Mixtral), the whole MoE block is
+wrapped by :class:`ArenaMoeBlock` instead: it routes exactly as the block does, calls ``route_shed``
+against the layer's slot table and runs the same arena on ``slots``, combining by ``mix``; this adds
+the rules that rescale gate weights (``route_shed``, ``renormalize``, ``substitute``).
 
-With every expert resident the wrapped model produces the original model's
-bits: an all-kept row's ``mix`` equals its scores exactly.
+Quantized checkpoints (mlx-lm's ``QuantizedSwitchLinear``: packed weights, scales and biases, any
+mode) get an arena of the same class and quantization: each slot holds one expert's packed arrays as
+the checkpoint stores them, and mlx-lm's ``gather_qmm`` runs on the slots.
 
-:func:`attach_tier` gives each block a low-precision copy of all its experts
-(:class:`kq_host.tier.Tier`, MLX's quantized layout, run by ``gather_qmm``);
-with rule ``"tier"`` a miss is computed with its copy at its full weight
-(``route_shed(..., on_miss="tier")``) instead of being shed.
+With every expert resident the model produces the original model's bits.
+
+:func:`attach_tier` gives each layer a low-precision copy of all its experts
+(:class:`kq_host.tier.Tier`, MLX's quantized layout, run by ``gather_qmm``); with rule ``"tier"`` a
+miss is computed with its copy at its full weight instead of being shed.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import re
 from typing import Callable
 
 import mlx.core as mx
@@ -36,6 +42,7 @@ from kq_mlx import report_pack
 from kq_host.arena import check_payload, checked_payloads
 from kq_host.residency import LayerReport, PreloadError
 
+# SwitchGLU's projections (a SwitchMLP has fc1 and fc2): the names a tier's weights carry.
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
@@ -57,88 +64,226 @@ def _route_mixtral(block, x):
     return inds, scores
 
 
+# The MoE blocks whose routers kq runs itself (ArenaMoeBlock), with the rules that rescale gate weights.
 ROUTERS: dict[str, Callable] = {
     "Qwen3MoeSparseMoeBlock": _route_qwen3_moe,
     "MixtralSparseMoeBlock": _route_mixtral,
 }
 
 
-# What a block does with a routed expert that is not resident (kq study compares them):
-# route_shed (shed, the kept weights keep the routed mass), shed (kept weights as they are),
-# renormalize (kept weights to sum 1), substitute (the best resident expert the row did not
-# choose, at the miss's weight; Qwen3-MoE only), tier (the miss's low-precision copy, at its weight;
-# after attach_tier), stall (the wrapped block's own experts: exact).
+# What a layer does with a routed expert that is not resident (kq study compares them):
+# route_shed (shed, the kept weights keep the routed mass), shed (the miss's output zeroed, the kept
+# weights as they are), renormalize (kept weights to sum 1), substitute (the best resident expert the
+# row did not choose, at the miss's weight; Qwen3-MoE only), tier (the miss's low-precision copy, at its
+# weight; after attach_tier), stall (the layer's own experts: exact), exact (the misses read before the
+# experts run; after attach_exact).
 MISS_RULES = ("route_shed", "shed", "renormalize", "substitute", "tier", "stall", "exact")
+# The rules that need no gate weights: every family, at the SwitchGLU seam.
+SEAM_RULES = ("shed", "tier", "stall", "exact")
 
 
-class ArenaMoeBlock(nn.Module):
-    """An mlx-lm MoE block whose experts live in an arena of ``num_slots`` slots.
+def _switch_types() -> tuple[type, ...]:
+    from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+
+    return SwitchGLU, SwitchMLP
+
+
+def _projection_names(switch: nn.Module) -> tuple[str, ...]:
+    """The per-expert linear layers of a SwitchGLU / SwitchMLP, in its order (``gate_proj``, ... or ``fc1``, ...)."""
+    return tuple(name for name, child in switch.children().items()
+                 if isinstance(child, nn.Module) and isinstance(child.get("weight"), mx.array)
+                 and child["weight"].ndim == 3)
+
+
+class ArenaLayer(nn.Module):
+    """What :class:`ArenaMoeBlock` and :class:`ArenaSwitch` share: one layer's arena and its slot table.
 
     Attributes:
-        slot_table: ``mx.array int32 [E]`` for the next forward pass (set by the engine).
-        rule: one of :data:`MISS_RULES` (default ``"route_shed"``).
+        slot_table: ``mx.array int32 [E]`` for the next forward pass (set by :func:`set_tables`).
+        rule: one of the class's ``RULES``.
         last: ``(inds, scores, RouteShedResult)`` of the last forward pass, for the host.
-        last_mix: the weights the last pass combined the experts' outputs with.
+        last_mix: the weights the last pass combined the experts' outputs with (0: not served).
+        module_path: the path of the layer's SwitchGLU in the model as loaded (``"model.layers.3.mlp.switch_mlp"``):
+            the prefix of its tensors in an mlx-lm checkpoint (:meth:`tensor_names`).
+        model_layer: the decoder layer's index in that path (3 above).
     """
 
-    def __init__(self, block: nn.Module, num_slots: int, *, keep_experts: bool = True):
+    RULES: tuple[str, ...] = SEAM_RULES
+
+    def __init__(self, switch: nn.Module, num_slots: int, keep_experts: bool, module_path: str):
         super().__init__()
-        name = type(block).__name__
-        if name not in ROUTERS:
-            raise TypeError(f"ArenaMoeBlock: no router for {name}; supported: {sorted(ROUTERS)}")
-        self._route = ROUTERS[name]
-        self.block = block
-        source = block.switch_mlp
-        self.num_experts = source.gate_proj.weight.shape[0]
-        self.num_slots = num_slots
-        # The arena: the block's own SwitchGLU class, each projection a copy of the block's (its class,
+        if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)) or num_slots < 1:
+            raise ValueError(f"attach_arena: num_slots must be an int >= 1, got {num_slots!r}")
+        object.__setattr__(self, "projections", _projection_names(switch))  # names, not part of the module tree
+        self.num_experts = switch[self.projections[0]]["weight"].shape[0]
+        self.num_slots = int(num_slots)
+        # The arena: the layer's own SwitchGLU class, each projection a copy of the original (its class,
         # quantization and hyper-parameters) with every per-expert array cut to num_slots zero slots.
-        self.arena = copy.copy(source)
-        for projection in PROJECTIONS:
-            setattr(self.arena, projection, _arena_projection(getattr(source, projection), self.num_experts,
-                                                             num_slots))
-        if not keep_experts:
-            # Dropped before anything evaluates them: from a lazily loaded checkpoint the experts are then
-            # never read into memory (the arena is filled from disk by the residency manager).
-            block.pop("switch_mlp")
+        self.arena = copy.copy(switch)
+        for projection in self.projections:
+            setattr(self.arena, projection, _arena_projection(switch[projection], self.num_experts, num_slots))
         self.keeps_experts = keep_experts
+        self.module_path = module_path
+        numbers = re.findall(r"\.(\d+)(?=\.|$)", "." + module_path)
+        self.model_layer = int(numbers[0]) if numbers else None
         self.slot_table = mx.full((self.num_experts,), -1, mx.int32)
-        self._published = None  # set_tables' last row for this block (_Published: outside the module's tree)
-        self.rule = "route_shed"
-        self.tier = None  # a SwitchGLU of every expert at low precision (attach_tier)
+        self._published = None  # set_tables' last row for this layer (_Published: outside the module's tree)
+        self._rule = self.RULES[0]
+        self.tier = None  # a copy of the arena holding every expert at low precision (attach_tier)
         self.manager, self.layer, self.timeout = None, None, None  # rule "exact" (attach_exact)
         self.last = None
         self.last_mix = None
 
-    def _wrapped_experts(self, why: str):
+    @property
+    def rule(self) -> str:
+        return self._rule
+
+    @rule.setter
+    def rule(self, rule: str) -> None:
+        if rule not in self.RULES:
+            if rule in MISS_RULES:
+                raise ValueError(f"{type(self).__name__}: rule {rule!r} rescales the gate weights, which this family's "
+                                 f"own router computes; it takes {self.RULES} (kq runs the routers of "
+                                 f"{sorted(ROUTERS)} itself, and gives those every rule of {MISS_RULES})")
+            raise ValueError(f"{type(self).__name__}: rule must be one of {self.RULES}, got {rule!r}")
+        self._rule = rule
+
+    def _source(self, why: str) -> nn.Module:
+        """The layer's own SwitchGLU (every expert), kept unless attach_arena dropped it."""
+        raise NotImplementedError
+
+    def slot_layout(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """``{payload key: (shape, dtype)}`` of one slot: what a loader hands :class:`SwitchGLUArena`.
+
+        A float projection's weight is keyed by the projection (``"gate_proj"``, float32 or narrower);
+        every other per-expert array by ``"<projection>.<array>"``: a quantized projection's
+        ``"gate_proj.weight"`` (packed uint32), ``"gate_proj.scales"``, ``"gate_proj.biases"``, and a
+        projection bias ``"gate_proj.bias"`` (gpt-oss). :meth:`tensor_names` gives each key's tensor in an
+        mlx-lm checkpoint.
+        """
+        return {key: (tuple(array.shape[1:]), _host_dtype(array.dtype)) for key, array in _slot_arrays(self.arena)}
+
+    def tensor_names(self) -> dict[str, str]:
+        """``{payload key: tensor name}``: where each of :meth:`slot_layout`'s arrays is stacked ``[E, ...]`` in
+        a checkpoint saved from the model as loaded (mlx_lm.convert's, mlx-community's), e.g.
+        ``"gate_proj"`` -> ``"model.layers.3.mlp.switch_mlp.gate_proj.weight"``."""
+        return {key: f"{self.module_path}.{key}" + ("" if "." in key else ".weight") for key in self.slot_layout()}
+
+    def expert_weights(self, expert: int) -> dict[str, np.ndarray]:
+        """One expert's payload (:meth:`slot_layout`'s keys) from the original experts: the in-memory 'disk' for tests."""
+        return {key: np.array(array[expert].astype(mx.float32) if _host_dtype(array.dtype) == np.float32
+                              else array[expert])
+                for key, array in _slot_arrays(self._source("expert_weights"))}
+
+    def _acquire(self, inds, scores):
+        """Rule ``"exact"``: the routing evaluated and read back, every routed expert made resident by the
+        residency manager (:func:`attach_exact`), the table set for this layer's experts."""
+        if self.manager is None:
+            raise ValueError(f"{type(self).__name__}: rule 'exact' needs a residency manager: call attach_exact first")
+        mx.eval(inds, scores)
+        table = self.manager.acquire(self.layer, np.array(inds), np.array(scores.astype(mx.float32)),
+                                     timeout=self.timeout)
+        self.slot_table = mx.array(table)
+
+    def _experts(self, x, inds, scores, on_miss: str = "shed"):
+        """route_shed against the slot table, then the arena (and with ``on_miss="tier"`` the tier for the
+        misses) on the slots: ``(y [..., K, D], RouteShedResult)``."""
+        shed = kq_mlx.route_shed(inds.astype(mx.uint32), scores, self.slot_table, num_slots=self.num_slots,
+                                 on_miss=on_miss)
+        if on_miss != "tier":
+            return self.arena(x, shed.slots), shed
+        if self.tier is None:
+            raise ValueError(f"{type(self).__name__}: rule 'tier' needs a tier: call attach_tier(blocks, tier) first")
+        from_tier = shed.slots >= self.num_slots
+        # The hits through the arena exactly as route_shed's graph runs them: with no miss, the model's bits.
+        hits = self.arena(x, mx.where(from_tier, 0, shed.slots))
+        misses = self.tier(x, mx.where(from_tier, shed.slots - self.num_slots, 0))
+        return mx.where(from_tier[..., None], misses, hits), shed
+
+    def report(self) -> LayerReport:
+        """The last pass's routing and misses as host arrays (call after evaluating the step)."""
+        inds, scores, shed = self.last
+        k = inds.shape[-1]
+        return LayerReport(*(np.array(a.astype(mx.float32) if a.dtype in (mx.bfloat16, mx.float16) else a)
+                             .reshape(-1, k) for a in (inds, scores, shed.miss_ids, shed.miss_scores)))
+
+
+class ArenaSwitch(ArenaLayer):
+    """An arena in place of a family's ``SwitchGLU`` / ``SwitchMLP``: ``__call__(x, indices)`` as the original.
+
+    The family's router has chosen ``indices`` (``[..., K]``) and combines the output ``[..., K, D]`` with
+    its own scores; the arena serves each routed expert from its slot. Its scores are not seen here, so the
+    reports carry position-decreasing pseudo scores (``(K - k) / K`` for the ``k``-th routed entry): the
+    misses come ordered by top-k position. Rules (:data:`SEAM_RULES`): ``"shed"`` (a miss's output zeroed;
+    the default), ``"tier"`` (a miss from the tier, :func:`attach_tier`), ``"stall"`` (the original module,
+    every expert: needs ``keep_experts``), ``"exact"`` (:func:`attach_exact`).
+    """
+
+    def __init__(self, switch: nn.Module, num_slots: int, *, keep_experts: bool = True, module_path: str = ""):
+        super().__init__(switch, num_slots, keep_experts, module_path)
+        if keep_experts:
+            self.source = switch
+
+    def _source(self, why: str) -> nn.Module:
+        if not self.keeps_experts:
+            raise ValueError(f"ArenaSwitch: {why} needs the layer's own experts, dropped by "
+                             f"attach_arena(..., keep_experts=False)")
+        return self.source
+
+    def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        k = indices.shape[-1]
+        scores = mx.broadcast_to(mx.arange(k, 0, -1, dtype=mx.float32) / k, indices.shape)
+        if self.rule == "stall":
+            self.last = (indices, scores, kq_mlx.route_shed(indices.astype(mx.uint32), scores, self.slot_table,
+                                                             num_slots=self.num_slots))
+            self.last_mix = scores
+            return self._source("rule 'stall'")(x, indices)
+        if self.rule == "exact":
+            self._acquire(indices, scores)
+        y, shed = self._experts(x, indices, scores, on_miss="tier" if self.rule == "tier" else "shed")
+        self.last = (indices, scores, shed)
+        if self.rule == "shed":
+            kept = shed.mix > 0
+            self.last_mix = mx.where(kept, scores, 0.0)
+            return mx.where(kept[..., None], y, mx.zeros_like(y))
+        self.last_mix = scores
+        return y
+
+
+class ArenaMoeBlock(ArenaLayer):
+    """An mlx-lm MoE block whose router kq knows (:data:`ROUTERS`), its experts in an arena of ``num_slots``
+    slots: the block's routing, ``route_shed`` and the arena's experts combined by ``mix``. Every rule of
+    :data:`MISS_RULES` (default ``"route_shed"``); the reports carry the router's scores."""
+
+    RULES = MISS_RULES
+
+    def __init__(self, block: nn.Module, num_slots: int, *, keep_experts: bool = True, module_path: str = ""):
+        name = type(block).__name__
+        if name not in ROUTERS:
+            raise TypeError(f"ArenaMoeBlock: no router for {name}; supported: {sorted(ROUTERS)} (attach_arena puts "
+                            f"an ArenaSwitch at any family's SwitchGLU)")
+        super().__init__(block.switch_mlp, num_slots, keep_experts, module_path or "switch_mlp")
+        self._route = ROUTERS[name]
+        self.block = block
+        if not keep_experts:
+            # Dropped before anything evaluates them: from a lazily loaded checkpoint the experts are then
+            # never read into memory (the arena is filled from disk by the residency manager).
+            block.pop("switch_mlp")
+
+    def _source(self, why: str) -> nn.Module:
         if not self.keeps_experts:
             raise ValueError(f"ArenaMoeBlock: {why} needs the block's own experts, dropped by "
                              f"attach_arena(..., keep_experts=False)")
         return self.block.switch_mlp
 
-    def slot_layout(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-        """``{payload key: (shape, dtype)}`` of one slot: what a loader hands :class:`SwitchGLUArena`.
-
-        A float arena takes one array per projection, keyed by the projection
-        (``"gate_proj"``, float32 or narrower). A quantized arena takes every
-        per-expert array of each projection, keyed ``"<projection>.<array>"``
-        (``"gate_proj.weight"`` packed uint32, ``"gate_proj.scales"``,
-        ``"gate_proj.biases"``): mlx-community's stacked tensor names under
-        ``switch_mlp``, so ``ExpertStore(..., layout="stacked")`` reads them as they are.
-        """
-        return {key: (tuple(array.shape[1:]), _host_dtype(array.dtype)) for key, array in _slot_arrays(self.arena)}
-
-    def expert_weights(self, expert: int) -> dict[str, np.ndarray]:
-        """One expert's payload (:meth:`slot_layout`'s keys) from the wrapped block: the in-memory 'disk' for tests."""
-        return {key: np.array(array[expert].astype(mx.float32) if _host_dtype(array.dtype) == np.float32
-                              else array[expert])
-                for key, array in _slot_arrays(self._wrapped_experts("expert_weights"))}
-
     def __call__(self, x: mx.array) -> mx.array:
         if self.rule == "substitute":
             inds, scores, shed = self._substitute(x)
         elif self.rule == "tier":
-            return self._tiered(x)
+            inds, scores = self._route(self.block, x)
+            y, shed = self._experts(x, inds, scores, on_miss="tier")
+            self.last, self.last_mix = (inds, scores, shed), shed.mix
+            return (y * shed.mix.astype(scores.dtype)[..., None]).sum(axis=-2).astype(y.dtype)
         else:
             inds, scores = self._route(self.block, x)
             if self.rule == "exact":
@@ -146,38 +291,13 @@ class ArenaMoeBlock(nn.Module):
             shed = kq_mlx.route_shed(inds.astype(mx.uint32), scores, self.slot_table, num_slots=self.num_slots)
         self.last = (inds, scores, shed)
         if self.rule == "stall":
-            self._wrapped_experts("rule 'stall'")
+            self._source("rule 'stall'")
             self.last_mix = scores
             return self.block(x)
         mix = self._mix(inds, scores, shed)
         self.last_mix = mix
         y = self.arena(x, shed.slots)
         return (y * mix.astype(scores.dtype)[..., None]).sum(axis=-2).astype(y.dtype)
-
-    def _acquire(self, inds, scores):
-        """Rule ``"exact"``: the routing evaluated and read back, every routed expert made resident by the
-        residency manager (:func:`attach_exact`), the table set for this layer's experts."""
-        if self.manager is None:
-            raise ValueError("ArenaMoeBlock: rule 'exact' needs a residency manager: call attach_exact first")
-        mx.eval(inds, scores)
-        table = self.manager.acquire(self.layer, np.array(inds), np.array(scores.astype(mx.float32)),
-                                     timeout=self.timeout)
-        self.slot_table = mx.array(table)
-
-    def _tiered(self, x):
-        """Hits from the arena, misses from the tier at their full weights, in one graph."""
-        if self.tier is None:
-            raise ValueError("ArenaMoeBlock: rule 'tier' needs a tier: call attach_tier(blocks, tier) first")
-        inds, scores = self._route(self.block, x)
-        shed = kq_mlx.route_shed(inds.astype(mx.uint32), scores, self.slot_table, num_slots=self.num_slots,
-                                 on_miss="tier")
-        self.last, self.last_mix = (inds, scores, shed), shed.mix
-        from_tier = shed.slots >= self.num_slots
-        # The hits through the arena exactly as route_shed's graph runs them: with no miss, the model's bits.
-        hits = self.arena(x, mx.where(from_tier, 0, shed.slots))
-        misses = self.tier(x, mx.where(from_tier, shed.slots - self.num_slots, 0))
-        y = mx.where(from_tier[..., None], misses, hits)
-        return (y * shed.mix.astype(scores.dtype)[..., None]).sum(axis=-2).astype(y.dtype)
 
     def _substitute(self, x):
         """The routing and its substitutes in one op (kq_mlx.topk_route_shed; Qwen3-MoE routers)."""
@@ -196,27 +316,18 @@ class ArenaMoeBlock(nn.Module):
         kept = self.slot_table[inds] >= 0
         if self.rule == "shed":
             return mx.where(kept, scores, 0.0)
-        if self.rule == "renormalize":
-            kept_mass = mx.sum(mx.where(kept, scores, 0.0), axis=-1, keepdims=True)
-            return mx.where(kept, scores / mx.where(kept_mass > 0, kept_mass, 1.0), 0.0)
-        raise ValueError(f"ArenaMoeBlock: rule must be one of {MISS_RULES}, got {self.rule!r}")
-
-    def report(self) -> LayerReport:
-        """The last pass's routing and misses as host arrays (call after evaluating the step)."""
-        inds, scores, shed = self.last
-        k = inds.shape[-1]
-        return LayerReport(*(np.array(a.astype(mx.float32) if a.dtype in (mx.bfloat16, mx.float16) else a)
-                             .reshape(-1, k) for a in (inds, scores, shed.miss_ids, shed.miss_scores)))
+        kept_mass = mx.sum(mx.where(kept, scores, 0.0), axis=-1, keepdims=True)
+        return mx.where(kept, scores / mx.where(kept_mass > 0, kept_mass, 1.0), 0.0)
 
 
 class SwitchGLUArena:
-    """The residency manager's arena adapter for a list of :class:`ArenaMoeBlock` (one per layer)."""
+    """The residency manager's arena adapter for :func:`attach_arena`'s layers (one per MoE layer)."""
 
-    def __init__(self, blocks: list[ArenaMoeBlock]):
+    def __init__(self, blocks: list[ArenaLayer]):
         self.blocks = blocks
 
     def write_slot(self, layer: int, slot: int, payload: dict[str, np.ndarray]) -> None:
-        """One expert into ``[layer, slot]`` (keys and shapes of :meth:`ArenaMoeBlock.slot_layout`); float
+        """One expert into ``[layer, slot]`` (keys and shapes of :meth:`ArenaSwitch.slot_layout`); float
         arrays cast to the arena's dtype through float32, packed quantized weights written as they are.
 
         Raises:
@@ -247,15 +358,18 @@ class SwitchGLUArena:
         return list(arrays.values())
 
 
-def _slot_arrays(switch_glu) -> list[tuple[str, mx.array]]:
-    """``(payload key, [N, ...] array)`` of every per-expert array of a SwitchGLU's projections."""
+def _slot_arrays(switch) -> list[tuple[str, mx.array]]:
+    """``(payload key, [N, ...] array)`` of every per-expert array of a SwitchGLU's / SwitchMLP's projections:
+    a float weight keyed by its projection, every other array ``"<projection>.<array>"``."""
     out = []
-    for projection in PROJECTIONS:
-        module = getattr(switch_glu, projection)
-        if module.get("scales") is None:  # a float projection: its weight alone, keyed by the projection
-            out.append((projection, module["weight"]))
-        else:
-            out += [(f"{projection}.{n}", module[n]) for n in ("weight", "scales", "biases") if module.get(n) is not None]
+    for projection in _projection_names(switch):
+        module = switch[projection]
+        experts = module["weight"].shape[0]
+        quantized = module.get("scales") is not None
+        for name, value in module.items():
+            if isinstance(value, mx.array) and value.ndim and value.shape[0] == experts:
+                float_weight = name == "weight" and not quantized
+                out.append((projection if float_weight else f"{projection}.{name}", value))
     return out
 
 
@@ -273,28 +387,68 @@ def _arena_projection(source: nn.Module, num_experts: int, num_slots: int) -> nn
     return projection
 
 
-def attach_arena(model: nn.Module, num_slots: int, *, keep_experts: bool = True) -> list[ArenaMoeBlock]:
-    """Wraps every supported MoE block of an mlx-lm model; returns the wrappers, one per MoE layer.
+def _path_key(path: str) -> tuple:
+    """Sorts module paths in model order (``layers.2`` before ``layers.10``)."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in path.split("."))
+
+
+def _resolve(model: nn.Module, path: str):
+    """The module or list at a dotted path (list items by index)."""
+    node = model
+    for part in path.split(".") if path else ():
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    return node
+
+
+def _replace(model: nn.Module, path: str, new: nn.Module) -> None:
+    parent_path, _, name = path.rpartition(".")
+    parent = _resolve(model, parent_path)
+    if isinstance(parent, list):
+        parent[int(name)] = new
+    else:
+        setattr(parent, name, new)
+
+
+def attach_arena(model: nn.Module, num_slots: int, *, keep_experts: bool = True) -> list[ArenaLayer]:
+    """Puts an arena at every ``SwitchGLU`` / ``SwitchMLP`` of an mlx-lm model; returns them, one per MoE layer,
+    in model order.
+
+    A block whose router kq knows (:data:`ROUTERS`) is wrapped whole by :class:`ArenaMoeBlock` (every rule of
+    :data:`MISS_RULES`); every other family gets an :class:`ArenaSwitch` in place of its SwitchGLU (the rules
+    of :data:`SEAM_RULES`), found by type wherever it sits (``switch_mlp``, ``experts``, ``switch_glu``,
+    nested, inside lists). Each records its path (``module_path``): :meth:`ArenaSwitch.tensor_names`.
 
     Args:
-        model: an mlx-lm model (Qwen3-MoE or Mixtral), quantized or not.
+        model: an mlx-lm MoE model, quantized or not.
         num_slots: arena slots per layer.
-        keep_experts: keep each block's own experts (for rule ``"stall"`` and
-            :meth:`ArenaMoeBlock.expert_weights`). ``False`` drops them; with a
-            model from ``mlx_lm.load(path, lazy=True)`` they are then never
+        keep_experts: keep each layer's own experts (for rule ``"stall"`` and ``expert_weights``).
+            ``False`` drops them; with a model from ``mlx_lm.load(path, lazy=True)`` they are then never
             read, and only the other weights and the arenas take memory.
+
+    Raises:
+        TypeError: the model has no SwitchGLU / SwitchMLP, or already runs on arenas.
+        ValueError: ``num_slots`` is not an int >= 1.
     """
-    blocks = []
-    for layer in model.layers:
-        # Qwen3-MoE names the block `mlp`, Mixtral `block_sparse_moe`.
-        for name, child in layer.children().items():
-            if type(child).__name__ in ROUTERS:
-                wrapper = ArenaMoeBlock(child, num_slots, keep_experts=keep_experts)
-                setattr(layer, name, wrapper)
-                blocks.append(wrapper)
-    if not blocks:
-        raise TypeError("attach_arena: the model has no supported MoE block")
-    return blocks
+    switch_types = _switch_types()
+    named = dict(model.named_modules())
+    if any(isinstance(module, ArenaLayer) for module in named.values()):
+        raise TypeError("attach_arena: the model already runs on arenas (attach_arena was called on it)")
+    switches = sorted((path for path, module in named.items() if isinstance(module, switch_types)), key=_path_key)
+    if not switches:
+        raise TypeError(f"attach_arena: {type(model).__module__}.{type(model).__name__} has no SwitchGLU or "
+                        f"SwitchMLP (mlx_lm.models.switch_layers): no MoE layer to put an arena in")
+    layers = []
+    for path in switches:
+        parent_path, _, name = path.rpartition(".")
+        parent = named.get(parent_path)
+        if type(parent).__name__ in ROUTERS and name == "switch_mlp":
+            layer = ArenaMoeBlock(parent, num_slots, keep_experts=keep_experts, module_path=path)
+            _replace(model, parent_path, layer)
+        else:
+            layer = ArenaSwitch(named[path], num_slots, keep_experts=keep_experts, module_path=path)
+            _replace(model, path, layer)
+        layers.append(layer)
+    return layers
 
 
 class _LookaheadLayer(nn.Module):
@@ -325,6 +479,10 @@ def attach_lookahead(model: nn.Module, blocks: list[ArenaMoeBlock]) -> None:
         model: an mlx-lm model whose blocks :func:`attach_arena` wrapped (``blocks``), one MoE block per
             layer. Call it last: the decoder layers are wrapped in turn.
     """
+    seams = [index for index, block in enumerate(blocks) if not isinstance(block, ArenaMoeBlock)]
+    if seams:
+        raise ValueError(f"attach_lookahead: predicts with kq's own routers ({sorted(ROUTERS)}); layers {seams} run "
+                         f"at the SwitchGLU seam ({blocks[seams[0]].module_path}), their family's router unknown")
     # mlx-lm's `model.layers` is a fresh slice of the inner model's list (pipeline_layers): wrap in the list.
     layers = getattr(model, "model", model).layers
     if len(blocks) != len(layers):
@@ -445,13 +603,24 @@ def _check_timeout(function: str, timeout) -> None:
         raise ValueError(f"{function}: timeout must be None or a number of seconds >= 0, got {timeout!r}")
 
 
-def attach_exact(model: nn.Module, blocks: list[ArenaMoeBlock], manager, *, lookahead: bool = True,
+def _decoder_layers(model: nn.Module, blocks: list[ArenaLayer]) -> list:
+    """The model's list of decoder layers: where the first arena's path is indexed (``model.layers``)."""
+    parts = blocks[0].module_path.split(".")
+    index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+    if index is not None:
+        layers = _resolve(model, ".".join(parts[:index]))
+        if isinstance(layers, list):
+            return layers
+    return getattr(model, "model", model).layers
+
+
+def attach_exact(model: nn.Module, blocks: list[ArenaLayer], manager, *, lookahead: bool | None = None,
                  prefetch_budget: int | None = None, timeout: float | None = None) -> None:
     """Makes the model exact at any residency, layer by layer: each block evaluates its routing, and
     ``manager.acquire`` makes every routed expert resident before the block's experts run (the misses
-    read on the critical path); with ``lookahead``, after each layer but the last the next layer's
-    predicted experts are evaluated and ``manager.prefetch`` starts reading them (at most
-    ``prefetch_budget`` a layer). The logits are the model's with every expert resident, bit for bit.
+    read on the critical path); with ``lookahead`` (None: where kq knows every layer's router,
+    :class:`ArenaMoeBlock`), after each layer but the last the next layer's predicted experts are
+    evaluated and ``manager.prefetch`` starts reading them (at most ``prefetch_budget`` a layer). The logits are the model's with every expert resident, bit for bit.
     Call ``manager.next_token()`` after each token.
 
     A pass that raises (a read failed or timed out: :class:`~kq_host.residency.PreloadError`) leaves every
@@ -468,7 +637,8 @@ def attach_exact(model: nn.Module, blocks: list[ArenaMoeBlock], manager, *, look
             PreloadError listing the reads still out.
 
     Raises:
-        ValueError: the manager's shape is not the blocks', or ``timeout`` is not None or a number >= 0.
+        ValueError: the manager's shape is not the blocks', ``timeout`` is not None or a number >= 0, or
+            ``lookahead=True`` with layers at the SwitchGLU seam.
     """
     _check_timeout("attach_exact", timeout)
     if manager.num_layers != len(blocks) or any(block.num_slots != manager.num_slots for block in blocks):
@@ -476,7 +646,13 @@ def attach_exact(model: nn.Module, blocks: list[ArenaMoeBlock], manager, *, look
                          f"the model {len(blocks)} blocks of {sorted({b.num_slots for b in blocks})}")
     for layer, block in enumerate(blocks):
         block.rule, block.manager, block.layer, block.timeout = "exact", manager, layer, timeout
-    layers = getattr(model, "model", model).layers
+    if lookahead is None:
+        lookahead = all(isinstance(block, ArenaMoeBlock) for block in blocks)
+    seams = [index for index, block in enumerate(blocks) if not isinstance(block, ArenaMoeBlock)]
+    if lookahead and seams:
+        raise ValueError(f"attach_exact: lookahead predicts with kq's own routers ({sorted(ROUTERS)}); layers {seams} "
+                         f"run at the SwitchGLU seam ({blocks[seams[0]].module_path}): pass lookahead=False")
+    layers = _decoder_layers(model, blocks)
     if lookahead and not any(isinstance(layer, _PassGuardLayer) for layer in layers):
         attach_lookahead(model, blocks)
         for layer, wrapped in enumerate(layers[:-1]):
@@ -487,29 +663,34 @@ def attach_exact(model: nn.Module, blocks: list[ArenaMoeBlock], manager, *, look
             layers[index] = _PassGuardLayer(layers[index], shared, index == 0)
 
 
-def attach_tier(blocks: list[ArenaMoeBlock], tier) -> None:
+def attach_tier(blocks: list[ArenaLayer], tier) -> None:
     """Gives every block the low-precision copy of its layer's experts, for rule ``"tier"``.
 
     Args:
         blocks: :func:`attach_arena`'s wrappers, one per layer.
         tier: a :class:`kq_host.tier.Tier` of ``len(blocks)`` layers and the blocks' expert count,
-            projections named ``gate_proj``, ``up_proj``, ``down_proj`` (mlx-lm's, and the
-            ``ExpertStore`` default); its scales and biases go to the device in the arena's float dtype.
+            projections named as the layers' (``block.projections``: ``gate_proj``, ``up_proj``,
+            ``down_proj`` for a SwitchGLU, ``fc1``, ``fc2`` for a SwitchMLP); its scales and biases go
+            to the device in the arena's float dtype. Projection biases (gpt-oss) are taken whole from
+            the layer's own experts.
 
     Raises:
-        ValueError: the tier's layers, experts or projections do not match the blocks.
+        ValueError: the tier's layers, experts or projections do not match the blocks, or the layers have
+            projection biases and their experts were dropped (``keep_experts=False``).
     """
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
     if tier.num_layers != len(blocks) or any(tier.num_experts != b.num_experts for b in blocks):
         raise ValueError(f"attach_tier: the tier holds {tier.num_layers} layers of {tier.num_experts} experts, the "
                          f"model {len(blocks)} MoE layers of {blocks[0].num_experts}")
-    if set(tier.weights) != set(PROJECTIONS):
-        raise ValueError(f"attach_tier: the tier's projections are {sorted(tier.weights)}, the blocks' {PROJECTIONS}")
+    for block in blocks:
+        if set(tier.weights) != set(block.projections):
+            raise ValueError(f"attach_tier: the tier's projections are {sorted(tier.weights)}, the layers' "
+                             f"{block.projections}")
     for layer, block in enumerate(blocks):
         low = copy.copy(block.arena)
         for projection, weight in tier.layer(layer).items():
-            arena_weight = _slot_arrays(block.arena)[PROJECTIONS.index(projection)][1]
+            arena_weight = block.arena[projection]["weight"]
             float_dtype = arena_weight.dtype if mx.issubdtype(arena_weight.dtype, mx.floating) else mx.float32
             out_dims, words = weight.packed.shape[1:]
             linear = QuantizedSwitchLinear(words * 32 // tier.bits, out_dims, tier.num_experts, bias=False,
@@ -517,6 +698,8 @@ def attach_tier(blocks: list[ArenaMoeBlock], tier) -> None:
             linear["weight"] = mx.array(weight.packed)
             linear["scales"], linear["biases"] = (mx.array(np.asarray(a, np.float32)).astype(float_dtype)
                                                   for a in (weight.scales, weight.biases))
+            if "bias" in block.arena[projection]:  # a projection bias (gpt-oss): every expert's, full precision
+                linear["bias"] = block._source(f"attach_tier ({projection}'s per-expert bias)")[projection]["bias"]
             setattr(low, projection, linear)
         block.tier = low
 
@@ -530,7 +713,7 @@ class _Published:
         self.row, self.table = row, table
 
 
-def set_tables(blocks: list[ArenaMoeBlock], tables: np.ndarray) -> None:
+def set_tables(blocks: list[ArenaLayer], tables: np.ndarray) -> None:
     """Hands each block its layer's slot table for the next forward pass (``tables``: int ``[L, E]``).
 
     Only the rows that changed since this function last set them travel to the device, each as an array
@@ -549,7 +732,7 @@ def set_tables(blocks: list[ArenaMoeBlock], tables: np.ndarray) -> None:
         block._published = _Published(row.copy(), block.slot_table)
 
 
-def pack_reports(blocks: list[ArenaMoeBlock]) -> mx.array:
+def pack_reports(blocks: list[ArenaLayer]) -> mx.array:
     """Every block's last routing and misses in one array of the graph, so the host reads a token's
     reports back in one transfer (:meth:`kq_host.residency.LayerReport.from_packed`).
 
@@ -602,7 +785,7 @@ def _retry_failed_reads(manager, report: LayerReport, read_retries: int, timeout
                            f"failed after {read_retries} retries ({details}){out}", failed, pending) from error
 
 
-def generate_greedy(model: nn.Module, blocks: list[ArenaMoeBlock], manager, prompt: list[int], max_tokens: int,
+def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt: list[int], max_tokens: int,
                     *, overlap: bool = True, exact: bool = False, timeout: float | None = None,
                     read_retries: int = 2, on_token: Callable[[int], None] | None = None) -> list[int]:
     """Greedy decode through the arenas as an engine runs it: one readback per token, the host's boundary

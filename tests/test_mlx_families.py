@@ -1,0 +1,307 @@
+"""The arena at the SwitchGLU seam over every MoE family of the installed mlx-lm.
+
+Each family is a tiny random model built from its own ``ModelArgs`` (2 layers, hidden 32, 8 experts,
+top-2), float and 4-bit ``nn.quantize``d. With every expert resident its logits are the unmodified
+model's bits (rules shed and tier too); with a quarter of the experts resident ``generate_greedy(exact=True)``
+gives the unmodified model's greedy tokens. A family that cannot be built from a small config is listed
+in ``UNBUILT`` with the reason; a family mlx-lm adds shows up as a failure until it is listed.
+"""
+
+import importlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+import mlx.nn as nn  # noqa: E402
+import mlx_lm.models  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+from kq_host.residency import ResidencyManager  # noqa: E402
+from kq_host.tier import Tier, quantize  # noqa: E402
+from kq_mlx.mlx_lm_adapter import (ArenaMoeBlock, ArenaSwitch, SwitchGLUArena, attach_arena, attach_exact,  # noqa: E402
+                                   attach_tier, generate_greedy, set_tables)
+
+EXPERTS, LAYERS = 8, 2
+SMALL = dict(
+    hidden_size=32, num_hidden_layers=LAYERS, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=8, vocab_size=64, rms_norm_eps=1e-6, norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=128,
+    model_max_length=128, tie_word_embeddings=False,
+    # the expert count and width under every family's own name
+    num_experts=EXPERTS, num_local_experts=EXPERTS, n_routed_experts=EXPERTS, moe_num_experts=EXPERTS,
+    num_experts_per_tok=2, moe_k=2, moe_topk=2, moe_top_k=2, top_k=2, share_expert_dim=32, moe_intermediate_size=32,
+    shared_expert_intermediate_size=32, shared_intermediate_size=32, n_shared_experts=1, num_shared_experts=1,
+    num_shared_expert=1, moe_layer_freq=1, first_k_dense_replace=0, num_dense_layers=0, decoder_sparse_step=1,
+    mlp_only_layers=[], norm_topk_prob=True, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+    use_expert_bias=False, use_mixed_mlp_moe=False,
+    # multi-head latent attention (DeepSeek, GLM-4-MoE-Lite, Kimi)
+    kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+    # attention options the families require
+    attention_bias=False, use_bias=False, use_qk_norm=False, partial_rotary_factor=1.0, rotary_dim=8,
+    rope_scaling=None, num_attention_groups=2, sliding_window=64, layer_types=["full_attention"] * LAYERS,
+    is_moe_layer=[True] * LAYERS, use_cla=False, cla_share_factor=1, layer_group_size=1, group_norm_size=1,
+    logits_scaling=1.0, attention_multiplier=1.0, embedding_multiplier=1.0, residual_multiplier=1.0,
+    # linear attention (Qwen3-Next, Bailing linear)
+    linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+    linear_conv_kernel_dim=4, full_attention_interval=2, conv_bias=False, conv_L_cache=3)
+YARN = {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 0.0}
+# Families that need more than the shared small config.
+SPECIAL = {
+    "gpt_oss": dict(layer_types=["sliding_attention", "full_attention"]),
+    "deepseek_v2": dict(rope_scaling=YARN),
+    "deepseek_v41": dict(hc_mult=1),  # one residual stream: a token's routed experts fit a quarter arena
+    "hunyuan": dict(rope_scaling={"type": "dynamic", "alpha": 1.0, "factor": 1.0}),
+}
+# Families not built from a config here, and why (the error each gives with the small config above).
+UNBUILT = {
+    "bailing_moe_linear": "mlx-lm's own forward with a KV cache fails (create_attention_mask called without "
+                          "return_array and window_size: a TypeError in the unmodified model)",
+    "gemma4_text": "its ModelArgs takes the layer pattern as nested per-layer configs; the small config leaves "
+                   "them empty (IndexError building the layers)",
+    "granitemoehybrid": "its Mamba layers need their state-space sizes (mamba_* fields) beyond the small config",
+    "jamba": "ModelArgs requires the attention / expert layer periods and offsets and Mamba's d_conv, d_state, "
+             "expand",
+    "kimi_k3": "its attention needs a rope_scaling of its own form (a None subscript with the small config)",
+    "kimi_linear": "ModelArgs requires linear_attn_config (Kimi Delta Attention's layout)",
+    "lfm2_moe": "ModelArgs takes its layer pattern (full_attn_idxs) as a list the small config does not give",
+    "llama4": "ModelArgs requires text_config (a nested configuration of a vision-language model)",
+    "longcat_flash": "ModelArgs requires 8 fields of its own (zero experts, attention method, FFN sizes)",
+    "mellum": "its rotary embeddings are per layer type, keyed by a rope_parameters mapping the small config "
+              "lacks",
+    "mimo_v2_flash": "ModelArgs requires 12 fields of its own (hybrid layer pattern, sink biases, window sizes)",
+    "minimax_m3_vl": "ModelArgs requires text_config (a nested configuration of a vision-language model)",
+    "mistral4": "its attention needs a rope_scaling of its own form (a None subscript with the small config)",
+    "muse_spark": "ModelArgs requires text_config (a nested configuration)",
+    "nemotron_h": "ModelArgs requires 9 Mamba-2 fields (heads, head dim, state size, conv kernel, groups)",
+    "phixtral": "its ModelArgs names its sizes its own way (n_embd, n_layer, ...); left at their defaults the "
+                "model is full size",
+}
+
+# Families whose caches can be neither trimmed nor put back: generate_greedy(exact=True) refuses them by name.
+EXACT_REFUSED = {"deepseek_v41": "its LayerCache (a compressed sliding-window KV cache of its own) has no trim"}
+
+
+def moe_families() -> list[str]:
+    """Every module of the installed mlx_lm.models that builds a SwitchGLU or SwitchMLP."""
+    root = Path(mlx_lm.models.__path__[0])
+    return sorted(path.stem for path in root.glob("*.py") if path.stem != "switch_layers"
+                  and ("SwitchGLU" in (text := path.read_text()) or "SwitchMLP" in text))
+
+
+FAMILIES = [family for family in moe_families() if family not in UNBUILT]
+
+
+def build(family: str, *, quantized: bool, seed: int = 0):
+    """The family's tiny model of random weights drawn from ``seed``, evaluated."""
+    module = importlib.import_module(f"mlx_lm.models.{family}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict({"model_type": family, **SMALL, **SPECIAL.get(family, {})}))
+    if quantized:
+        # every layer whose input splits into groups of 32 (the experts always do); others stay float
+        nn.quantize(model, group_size=32, bits=4,
+                    class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0)
+    mx.eval(model.parameters())
+    return model
+
+
+VARIANTS = [pytest.param(False, id="float"), pytest.param(True, id="q4")]
+
+
+def test_every_moe_family_is_tested_or_listed_with_its_reason():
+    assert len(moe_families()) > 30
+    assert set(UNBUILT) <= set(moe_families())
+    assert len(FAMILIES) >= 25
+
+
+def logits_of(model, prompt, steps):
+    """Greedy decoding of ``steps`` tokens after ``prompt``: each step's last-position logits as uint32 bits."""
+    cache, x, seen = make_prompt_cache(model), mx.array([prompt]), []
+    for _ in range(steps):
+        logits = model(x, cache=cache)[0, -1]
+        mx.eval(logits)
+        seen.append(np.array(logits).view(np.uint32))
+        x = mx.argmax(logits).reshape(1, 1)
+    return seen
+
+
+def fill_every_expert(blocks):
+    """Every expert resident, in slots that are not the expert ids."""
+    arena, tables = SwitchGLUArena(blocks), np.empty((len(blocks), EXPERTS), np.int32)
+    for layer, block in enumerate(blocks):
+        slots = np.roll(np.arange(EXPERTS), 3 + layer)
+        tables[layer] = slots
+        for expert in range(EXPERTS):
+            arena.write_slot(layer, int(slots[expert]), block.expert_weights(expert))
+    set_tables(blocks, tables)
+
+
+def random_tier(blocks) -> Tier:
+    """A 4-bit tier of random experts in the layers' projection shapes."""
+    rng = np.random.default_rng(0)
+    weights = {}
+    for projection in blocks[0].projections:
+        linear = blocks[0].arena[projection]
+        shape = (len(blocks), EXPERTS, linear.output_dims, linear.input_dims)
+        weights[projection] = quantize(rng.normal(0, 0.1, shape).astype(np.float32), bits=4, group_size=32)
+    return Tier(weights, 4, 32)
+
+
+@pytest.mark.parametrize("quantized", VARIANTS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_expert_resident_is_the_model_bit_for_bit_under_every_seam_rule(family, quantized):
+    prompt = [1, 2, 3]
+    want = logits_of(build(family, quantized=quantized), prompt, 3)
+    model = build(family, quantized=quantized)
+    blocks = attach_arena(model, EXPERTS)
+    assert len(blocks) >= 1 and all(block.num_experts == EXPERTS for block in blocks)
+    assert all(isinstance(block, ArenaMoeBlock if family in ("qwen3_moe", "mixtral") else ArenaSwitch)
+               for block in blocks)
+    fill_every_expert(blocks)
+    attach_tier(blocks, random_tier(blocks))
+    for rule in ("shed", "tier", "stall") + (("route_shed",) if isinstance(blocks[0], ArenaMoeBlock) else ()):
+        for block in blocks:
+            block.rule = rule
+        got = logits_of(model, prompt, 3)
+        for step, (a, b) in enumerate(zip(got, want)):
+            assert np.array_equal(a, b), f"rule {rule}, step {step}"
+
+
+@pytest.mark.parametrize("quantized", VARIANTS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_exact_decoding_at_a_quarter_of_the_experts_gives_the_models_tokens(family, quantized):
+    prompt, steps = [2, 7, 1], 4
+    plain = build(family, quantized=quantized, seed=1)
+    cache = make_prompt_cache(plain)
+    for token in prompt[:-1]:  # the prompt a token a pass, as exact=True feeds it
+        mx.eval(plain(mx.array([[token]]), cache=cache))
+    want, x = [], mx.array([prompt[-1:]])
+    for _ in range(steps):
+        want.append(int(mx.argmax(plain(x, cache=cache)[0, -1]).item()))
+        x = mx.array([want[-1:]])
+
+    model = build(family, quantized=quantized, seed=1)
+    blocks = attach_arena(model, EXPERTS // 4)
+    manager = ResidencyManager(len(blocks), EXPERTS, EXPERTS // 4, arena=SwitchGLUArena(blocks), queue_depth=0,
+                               loader=lambda layer, expert, slot: blocks[layer].expert_weights(expert))
+    if family in EXACT_REFUSED:
+        with pytest.raises(ValueError, match="generate_greedy: exact=True .* caches that can be put back"):
+            generate_greedy(model, blocks, manager, prompt, steps, exact=True)
+        return
+    assert generate_greedy(model, blocks, manager, prompt, steps, exact=True) == want
+    _, total = manager.stats()
+    assert total.misses > 0 and total.reads_landed > 0
+    manager.close()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss", "qwen3_next"])
+def test_attach_exact_at_the_seam_is_the_model_to_the_bit(family):
+    """Layer by layer (acquire before the experts run), for families whose routers kq does not know."""
+    tokens = [3, 1, 4, 1, 5, 9]
+    plain = build(family, quantized=False, seed=2)
+    cache, want = make_prompt_cache(plain), []
+    for token in tokens:
+        want.append(np.array(plain(mx.array([[token]]), cache=cache)[0, -1]).view(np.uint32))
+    model = build(family, quantized=False, seed=2)
+    blocks = attach_arena(model, EXPERTS // 4)
+    manager = ResidencyManager(len(blocks), EXPERTS, EXPERTS // 4, arena=SwitchGLUArena(blocks), queue_depth=0,
+                               loader=lambda layer, expert, slot: blocks[layer].expert_weights(expert))
+    attach_exact(model, blocks, manager)
+    cache = make_prompt_cache(model)
+    for position, token in enumerate(tokens):
+        got = np.array(model(mx.array([[token]]), cache=cache)[0, -1]).view(np.uint32)
+        manager.next_token()
+        assert np.array_equal(got, want[position]), f"token {position}"
+    assert manager.lookahead_stats()["critical_reads"].sum() > 0
+    manager.close()
+    with pytest.raises(ValueError, match="attach_exact: lookahead predicts with kq.s own routers"):
+        attach_exact(model, blocks, manager, lookahead=True)
+
+
+def test_rules_that_rescale_gate_weights_are_refused_by_name_at_the_seam():
+    blocks = attach_arena(build("deepseek_v3", quantized=False), 4)
+    for rule in ("route_shed", "renormalize", "substitute"):
+        with pytest.raises(ValueError, match=f"rule '{rule}' rescales the gate weights"):
+            blocks[0].rule = rule
+    with pytest.raises(ValueError, match="rule must be one of"):
+        blocks[0].rule = "drop"
+
+
+def test_shed_at_the_seam_zeroes_a_misses_output_and_reports_it_by_top_k_position():
+    model = build("olmoe", quantized=False)
+    blocks = attach_arena(model, 4)
+    arena = SwitchGLUArena(blocks)
+    tables = np.full((len(blocks), EXPERTS), -1, np.int32)
+    for layer, block in enumerate(blocks):
+        for slot, expert in enumerate((0, 2, 4, 6)):
+            tables[layer, expert] = slot
+            arena.write_slot(layer, slot, block.expert_weights(expert))
+    set_tables(blocks, tables)
+    x = mx.random.normal((1, 5, 32))
+    indices = mx.array(np.array([[[0, 1], [3, 2], [5, 7], [6, 4], [2, 0]]], np.uint32))
+    got = blocks[0](x, indices)
+    want = blocks[0].source(x, indices)
+    mx.eval(got, want)
+    kept = np.isin(np.array(indices), (0, 2, 4, 6))
+    got, want = np.array(got), np.array(want)
+    assert np.array_equal(got[kept].view(np.uint32), want[kept].view(np.uint32))
+    assert not got[~kept].any() and want[~kept].any()
+    report = blocks[0].report()
+    assert report.miss_ids.tolist() == [[1, -1], [3, -1], [5, 7], [-1, -1], [-1, -1]]  # top-k position order
+
+
+def test_each_arena_names_its_checkpoint_tensors():
+    """The layer -> tensor prefix is in the model: each arena's module_path and tensor_names, as the
+    family's checkpoint (saved from the model) names its stacked experts."""
+    from mlx.utils import tree_flatten
+
+    for family, quantized in (("deepseek_v3", False), ("gpt_oss", True), ("dots1", False), ("laguna", False)):
+        model = build(family, quantized=quantized)
+        names = dict(tree_flatten(model.parameters()))
+        blocks = attach_arena(model, 4)
+        for block in blocks:
+            for key, name in block.tensor_names().items():
+                stacked = names[name]
+                assert stacked.shape[0] == EXPERTS and tuple(stacked.shape[1:]) == block.slot_layout()[key][0], name
+            assert f".{block.model_layer}." in f".{block.module_path}."
+
+
+def test_the_lazy_checkpoint_of_a_seam_family_streams_from_its_own_tensor_names(tmp_path):
+    """deepseek_v3 saved, loaded lazily, its experts dropped: the arena reads each expert from the file
+    under tensor_names(), and exact decoding gives the unmodified model's tokens."""
+    import dataclasses
+
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model, save_config, save_model
+
+    from kq_host.expert_store import read_safetensors_header
+
+    model = build("deepseek_v3", quantized=False, seed=3)
+    save_model(tmp_path, model)
+    save_config({**dataclasses.asdict(model.args), "model_type": "deepseek_v3"}, tmp_path / "config.json")
+    lazy, _ = load_model(tmp_path, lazy=True)
+    blocks = attach_arena(lazy, 2, keep_experts=False)
+    mx.eval(lazy.parameters())
+    kept = dict(tree_flatten(lazy.parameters()))
+    assert not any(name in kept for block in blocks for name in block.tensor_names().values())
+    [file] = sorted(tmp_path.glob("*.safetensors"))
+    header = read_safetensors_header(file)
+    tensors = mx.load(str(file))
+
+    def load(layer, expert, slot):
+        for name in blocks[layer].tensor_names().values():
+            assert name in header
+        return {key: np.array(tensors[name][expert]) for key, name in blocks[layer].tensor_names().items()}
+
+    manager = ResidencyManager(len(blocks), EXPERTS, 2, arena=SwitchGLUArena(blocks), queue_depth=0, loader=load)
+    plain = build("deepseek_v3", quantized=False, seed=3)
+    cache = make_prompt_cache(plain)
+    mx.eval(plain(mx.array([[5]]), cache=cache))
+    want, x = [], mx.array([[6]])
+    for _ in range(3):
+        want.append(int(mx.argmax(plain(x, cache=cache)[0, -1]).item()))
+        x = mx.array([want[-1:]])
+    assert generate_greedy(lazy, blocks, manager, [5, 6], 3, exact=True) == want
+    manager.close()
