@@ -1,0 +1,360 @@
+"""Flax NNX MoE modules whose experts live in a bounded arena, with an optional low-precision tier.
+
+:class:`ArenaMoE` is the MoE feed-forward of :mod:`kq_jax.moe` as an ``nnx.Module``: ``__call__(inputs)``
+routes with its :class:`Router`, runs ``topk_route_shed`` against the module's slot table, computes the hits
+with the arena's weights and the misses with the tier's copy (``on_miss="tier"``) or sheds them
+(``on_miss="shed"``), and returns the output beside the routing reports the host reads back. The step is
+:func:`kq_jax.moe.moe_ffn_arena` / :func:`kq_jax.moe.moe_ffn_tiered` itself; the module only holds its state.
+
+That state is NNX variables of three kinds of their own, so filters tell them apart from the trainable
+:class:`flax.nnx.Param` router: :class:`ArenaSlots` (the arena's weights, ``[S, ...]`` a projection),
+:class:`SlotTable` (int32 ``[E]``, -1 = not resident) and :class:`TierCopy` (the tier's packed words, scales
+and biases). The host updates them between steps with :meth:`ArenaMoE.set_residency`: the slot tables the
+residency manager returns and the arrays of the :class:`kq_jax.arena.JaxArena` it writes. A stack of layers
+built with ``nnx.vmap`` holds them ``[L, ...]``, the layout of ``JaxArena.arrays`` and
+``ResidencyManager.snapshot()``, so the stack takes them as they are, without a copy.
+
+:class:`DenseMoE` is the same layer with every expert held as a parameter; :meth:`ArenaMoE.from_dense` with
+every expert resident gives its output bit for bit.
+
+Weights keep the checkpoint layout kq uses everywhere (``[out, in]`` per expert); each name ends with its
+axes: D the hidden size, F the expert's intermediate size, E the experts, S the arena's slots.
+
+Needs Flax (``pip install 'kq[nnx]'``); the rest of :mod:`kq_jax` does not import it.
+"""
+
+from __future__ import annotations
+
+from numbers import Integral
+from typing import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+try:
+    from flax import nnx
+except ImportError as error:  # the one module of kq_jax that needs Flax
+    raise ImportError("kq_jax.nnx needs Flax: pip install 'kq[nnx]'") from error
+
+from kq_host.tier import BITS, GROUP_SIZES, quantize
+from kq_jax.api import IMPLS
+from kq_jax.arena import pack_reports
+from kq_jax.moe import Experts, TierExperts, TierWeights, moe_ffn_arena, moe_ffn_resident, moe_ffn_tiered, route
+
+# The arena's projections, named as the expert store's tensors, ``JaxArena.arrays`` and the tier's layers.
+ARENA_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+_TIER_PARTS = ("packed", "scales", "biases")
+ON_MISS = ("shed", "tier")
+
+
+class ArenaSlots(nnx.Variable):
+    """The arena's weights of one projection: ``[S, out, in]`` (``[L, S, out, in]`` in a stack of layers)."""
+
+
+class SlotTable(nnx.Variable):
+    """int32 ``[E]`` (``[L, E]`` in a stack): ``slot_table[e]`` is the arena slot of expert e, -1 not resident."""
+
+
+class TierCopy(nnx.Variable):
+    """One array of the tier (:class:`kq_jax.moe.TierWeights`' packed words, scales or biases) of every expert."""
+
+
+def _check_size(where: str, name: str, value, minimum: int = 1) -> int:
+    if not isinstance(value, Integral) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{where}: {name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, dtype):
+    return (jax.random.normal(rngs.params(), shape, jnp.float32) / np.sqrt(fan_in)).astype(dtype)
+
+
+def _rows(where: str, inputs, hidden_size: int):
+    """``inputs`` ``[..., D]`` as rows ``[T, D]``; ValueError naming ``inputs`` where D disagrees."""
+    if jnp.ndim(inputs) < 1 or jnp.shape(inputs)[-1] != hidden_size:
+        raise ValueError(f"{where}: inputs must be [..., {hidden_size}] (the hidden size), got shape "
+                         f"{list(jnp.shape(inputs))}")
+    return jnp.reshape(inputs, (-1, hidden_size))
+
+
+def _check_array(where: str, name: str, given, held) -> None:
+    """ValueError naming ``name`` unless ``given`` is an array of ``held``'s shape and dtype (never converted)."""
+    dtype = getattr(given, "dtype", None)
+    if dtype != held.dtype or tuple(getattr(given, "shape", ())) != held.shape:
+        raise ValueError(f"{where}: {name} must be {held.dtype} {list(held.shape)}, got "
+                         f"{type(given).__name__} {dtype} {list(getattr(given, 'shape', ()))}")
+
+
+class Router(nnx.Module):
+    """Softmax router over E experts, top-k renormalised (Qwen3-MoE with ``norm_topk_prob``).
+
+    Args:
+        hidden_size: D; num_experts: E; top_k: experts a token routes to, ``1 <= top_k <= min(E, 64)``.
+        dtype: the kernel's dtype.
+        rngs: ``nnx.Rngs`` with a ``params`` stream.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        hidden_size = _check_size("Router", "hidden_size", hidden_size)
+        num_experts = _check_size("Router", "num_experts", num_experts)
+        top_k = _check_size("Router", "top_k", top_k)
+        if top_k > min(num_experts, 64):
+            raise ValueError(f"Router: top_k must be at most min(num_experts, 64) = {min(num_experts, 64)}, "
+                             f"got {top_k}")
+        self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
+        self.kernel_DE = nnx.Param(_normal(rngs, (hidden_size, num_experts), hidden_size, dtype))
+
+    def __call__(self, inputs):
+        """The router's top-k: ``inputs`` ``[..., D]`` -> ``(weights_TX float32, experts_TX int32)``, each
+        ``[T, top_k]`` over the ``T`` rows of ``inputs``, the weights renormalised to sum to 1."""
+        experts_TX, weights_TX = route(_rows("Router", inputs, self.hidden_size), self.kernel_DE[...],
+                                       top_k=self.top_k)
+        return weights_TX, experts_TX.astype(jnp.int32)
+
+
+class DenseMoE(nnx.Module):
+    """The MoE feed-forward with every expert held as a parameter: SwiGLU experts ``down(silu(gate(x)) *
+    up(x))`` mixed by the :class:`Router`'s renormalised top-k (:func:`kq_jax.moe.moe_ffn_resident`).
+
+    Args:
+        hidden_size: D; intermediate_size: F (each expert's); num_experts: E; top_k: as :class:`Router`'s.
+        dtype: the weights' dtype.
+        rngs: ``nnx.Rngs`` with a ``params`` stream.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
+                 dtype=jnp.float32, rngs: nnx.Rngs):
+        self.router = Router(hidden_size, num_experts, top_k, dtype=dtype, rngs=rngs)
+        d, f, e = self.router.hidden_size, _check_size("DenseMoE", "intermediate_size", intermediate_size), num_experts
+        self.kernel_gating_EFD = nnx.Param(_normal(rngs, (e, f, d), d, dtype))
+        self.kernel_up_proj_EFD = nnx.Param(_normal(rngs, (e, f, d), d, dtype))
+        self.kernel_down_proj_EDF = nnx.Param(_normal(rngs, (e, d, f), f, dtype))
+
+    def experts(self) -> Experts:
+        """Every expert's weights: gate, up ``[E, F, D]``, down ``[E, D, F]``."""
+        return Experts(self.kernel_gating_EFD[...], self.kernel_up_proj_EFD[...], self.kernel_down_proj_EDF[...])
+
+    def __call__(self, inputs):
+        """``inputs`` ``[..., D]`` -> outputs ``[..., D]`` (float32 weights: float32)."""
+        rows = _rows("DenseMoE", inputs, self.router.hidden_size)
+        outputs = moe_ffn_resident(rows, self.router.kernel_DE[...], self.experts(), top_k=self.router.top_k)
+        return jnp.reshape(outputs, jnp.shape(inputs)[:-1] + outputs.shape[-1:])
+
+
+class ArenaMoE(nnx.Module):
+    """The MoE feed-forward on an arena of S expert slots, a slot table, and (``on_miss="tier"``) a
+    low-precision copy of every expert.
+
+    The arena starts empty (zeros, every table entry -1); :meth:`set_residency` fills it, or
+    :meth:`from_dense` builds it from a :class:`DenseMoE`'s weights. ``__call__`` works under ``nnx.jit``,
+    ``nnx.vmap`` / ``nnx.scan`` over a stack of layers and ``nnx.grad`` (the output is differentiable in the
+    router's kernel through the renormalised gate weights), and with its input rows sharded: the router's
+    ``topk_route_shed`` keeps each device on its own rows (:mod:`kq_jax.partition`), the variables replicated.
+
+    Args:
+        hidden_size: D; intermediate_size: F; num_experts: E; num_slots: S; top_k: as :class:`Router`'s.
+        on_miss: ``"shed"`` (a miss's weight goes to the row's kept experts) or ``"tier"`` (a miss runs
+            from the tier at its own weight).
+        tier_bits, tier_group_size: the tier's format (:mod:`kq_host.tier`), used where ``on_miss="tier"``;
+            D and F must be multiples of ``tier_group_size``.
+        dtype: the router's and the arena's dtype (and the tier's scales and biases).
+        impl: ``topk_route_shed``'s (``"auto"``: the Pallas kernel on a GPU, the jnp reference elsewhere).
+        rngs: ``nnx.Rngs`` with a ``params`` stream (the router's initial kernel).
+
+    Raises:
+        ValueError: a size, ``on_miss``, ``impl`` or a tier option the layer cannot take, naming it.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, num_slots: int, top_k: int, *,
+                 on_miss: str = "shed", tier_bits: int = 3, tier_group_size: int = 32, dtype=jnp.float32,
+                 impl: str = "auto", rngs: nnx.Rngs):
+        self.router = Router(hidden_size, num_experts, top_k, dtype=dtype, rngs=rngs)
+        d, e = self.router.hidden_size, self.router.num_experts
+        f = _check_size("ArenaMoE", "intermediate_size", intermediate_size)
+        s = _check_size("ArenaMoE", "num_slots", num_slots)
+        if on_miss not in ON_MISS:
+            raise ValueError(f"ArenaMoE: on_miss must be one of {ON_MISS}, got {on_miss!r}")
+        if impl not in IMPLS:
+            raise ValueError(f"ArenaMoE: impl must be one of {IMPLS}, got {impl!r}")
+        self.intermediate_size, self.num_slots, self.on_miss, self.impl = f, s, on_miss, impl
+        self.arena_gating_SFD = ArenaSlots(jnp.zeros((s, f, d), dtype))
+        self.arena_up_proj_SFD = ArenaSlots(jnp.zeros((s, f, d), dtype))
+        self.arena_down_proj_SDF = ArenaSlots(jnp.zeros((s, d, f), dtype))
+        self.slot_table_E = SlotTable(jnp.full((e,), -1, jnp.int32))
+        self.tier_bits = self.tier_group_size = None
+        if on_miss == "tier":
+            for name, value, allowed in (("tier_bits", tier_bits, BITS), ("tier_group_size", tier_group_size,
+                                                                          GROUP_SIZES)):
+                if not isinstance(value, Integral) or isinstance(value, bool) or value not in allowed:
+                    raise ValueError(f"ArenaMoE: {name} must be one of {allowed}, got {value!r}")
+            for name, width in (("hidden_size", d), ("intermediate_size", f)):
+                if width % tier_group_size:
+                    raise ValueError(f"ArenaMoE: {name} {width} is not a multiple of tier_group_size "
+                                     f"{tier_group_size}; the tier quantizes each row in groups of that many")
+            self.tier_bits, self.tier_group_size = int(tier_bits), int(tier_group_size)
+            for projection, (out, width) in zip(("gating", "up_proj", "down_proj"), ((f, d), (f, d), (d, f))):
+                words, groups = width * tier_bits // 32, width // tier_group_size
+                setattr(self, f"tier_{projection}_packed", TierCopy(jnp.zeros((e, out, words), jnp.uint32)))
+                setattr(self, f"tier_{projection}_scales", TierCopy(jnp.zeros((e, out, groups), dtype)))
+                setattr(self, f"tier_{projection}_biases", TierCopy(jnp.zeros((e, out, groups), dtype)))
+
+    # ---- the state, as kq_jax.moe's functions take it -------------------------------------------
+
+    def arena(self) -> Experts:
+        """The arena's weights: gate, up ``[S, F, D]``, down ``[S, D, F]``."""
+        return Experts(self.arena_gating_SFD[...], self.arena_up_proj_SFD[...], self.arena_down_proj_SDF[...])
+
+    def tier(self) -> TierExperts:
+        """The tier of every expert (``on_miss="tier"``), as :func:`kq_jax.moe.tier_experts` builds it.
+
+        Raises:
+            ValueError: the module sheds its misses and holds no tier.
+        """
+        if self.on_miss != "tier":
+            raise ValueError("ArenaMoE.tier: this module sheds its misses (on_miss='shed') and holds no tier")
+        return TierExperts(*(TierWeights(*(getattr(self, f"tier_{projection}_{part}")[...] for part in _TIER_PARTS))
+                             for projection in ("gating", "up_proj", "down_proj")),
+                           bits=self.tier_bits, group_size=self.tier_group_size)
+
+    # ---- the step ----------------------------------------------------------------------------------
+
+    def __call__(self, inputs):
+        """One MoE step on the arena.
+
+        Args:
+            inputs: ``[..., D]``, e.g. ``[B, T, D]``; its ``T`` rows (every leading position) are routed.
+
+        Returns:
+            ``(outputs [..., D], reports int32 [4, T, top_k])``: the reports hold, over the rows of
+            ``inputs``, the routed ids, their scores (float32 bits), the misses (-1 padded) and their scores
+            (float32 bits): ``kq_jax.arena.pack_reports``' layout for one layer. Stacked over layers on axis 1
+            (``nnx.scan(..., out_axes=(nnx.Carry, 1))``) they are ``[4, L, T, top_k]``, what
+            ``kq_host.residency.LayerReport.from_packed`` reads.
+
+        Raises:
+            ValueError: ``inputs``' last axis is not D (at trace time under ``nnx.jit``).
+        """
+        rows = _rows("ArenaMoE", inputs, self.router.hidden_size)
+        options = dict(top_k=self.router.top_k, impl=self.impl)
+        if self.on_miss == "tier":
+            outputs, routing = moe_ffn_tiered(rows, self.router.kernel_DE[...], self.arena(), self.tier(),
+                                              self.slot_table_E[...], **options)
+        else:
+            outputs, routing = moe_ffn_arena(rows, self.router.kernel_DE[...], self.arena(), self.slot_table_E[...],
+                                             **options)
+        outputs = jnp.reshape(outputs, jnp.shape(inputs)[:-1] + outputs.shape[-1:])
+        return outputs, pack_reports([routing])[:, 0]
+
+    # ---- the host side, between steps ----------------------------------------------------------
+
+    def set_residency(self, slot_table, arena: Mapping[str, jax.Array] | None = None) -> None:
+        """Points the module at the host's new residency: call it between steps, outside ``nnx.jit``.
+
+        Args:
+            slot_table: int ``[E]`` (``[L, E]`` for a stack of layers): ``ResidencyManager.step``'s or
+                ``snapshot()``'s tables, or ``acquire``'s table of one layer. An entry outside ``[0, S)``
+                counts as not resident.
+            arena: ``{"gate_proj": [S, F, D], "up_proj": [S, F, D], "down_proj": [S, D, F]}`` (each
+                ``[L, S, ...]`` for a stack), the arena's dtype, e.g. ``JaxArena.arrays``; held as they are,
+                not copied. None keeps the arena. A :class:`~kq_jax.arena.JaxArena` donates its arrays
+                when it writes a slot, so after every write hand the module its new ``arrays``.
+
+        Raises:
+            ValueError: a shape, dtype or projection name that is not the module's, naming the argument
+                (nothing is changed then).
+        """
+        table_variable = self.slot_table_E
+        table = np.asarray(slot_table) if not isinstance(slot_table, jax.Array) else slot_table
+        if not jnp.issubdtype(table.dtype, jnp.integer) or table.shape != table_variable[...].shape:
+            raise ValueError(f"ArenaMoE.set_residency: slot_table must be int {list(table_variable[...].shape)}, "
+                             f"got {table.dtype} {list(table.shape)}")
+        if isinstance(table, np.ndarray):
+            bounds = np.iinfo(np.int32)
+            if table.size and (table.min() < bounds.min or table.max() > bounds.max):
+                raise ValueError("ArenaMoE.set_residency: slot_table holds values outside int32")
+        variables = dict(zip(ARENA_PROJECTIONS, (self.arena_gating_SFD, self.arena_up_proj_SFD,
+                                                 self.arena_down_proj_SDF)))
+        if arena is not None:
+            if not isinstance(arena, Mapping) or set(arena) != set(ARENA_PROJECTIONS):
+                names = sorted(arena) if isinstance(arena, Mapping) else type(arena).__name__
+                raise ValueError(f"ArenaMoE.set_residency: arena must map exactly {list(ARENA_PROJECTIONS)} to "
+                                 f"arrays, got {names}")
+            for name, variable in variables.items():
+                _check_array("ArenaMoE.set_residency", f"arena[{name!r}]", arena[name], variable[...])
+        table_variable.set_value(jnp.asarray(table, jnp.int32))
+        if arena is not None:
+            for name, variable in variables.items():
+                variable.set_value(jnp.asarray(arena[name]))
+
+    def set_tier(self, tier: TierExperts) -> None:
+        """Loads the tier (``on_miss="tier"``): :func:`kq_jax.moe.tier_experts` of ``Tier.layer(l)``, every
+        array ``[E, ...]`` (``[L, E, ...]`` for a stack), in this module's format.
+
+        Raises:
+            ValueError: the module holds no tier, or ``tier``'s format, a shape or a dtype is not the
+                module's (nothing is changed then).
+        """
+        if self.on_miss != "tier":
+            raise ValueError("ArenaMoE.set_tier: this module sheds its misses (on_miss='shed') and holds no tier")
+        if not isinstance(tier, TierExperts):
+            raise ValueError(f"ArenaMoE.set_tier: tier must be a kq_jax.moe.TierExperts, got {type(tier).__name__}")
+        if (tier.bits, tier.group_size) != (self.tier_bits, self.tier_group_size):
+            raise ValueError(f"ArenaMoE.set_tier: tier is bits={tier.bits}, group_size={tier.group_size}; this "
+                             f"module's tier_bits={self.tier_bits}, tier_group_size={self.tier_group_size}")
+        pairs = [(getattr(self, f"tier_{projection}_{part}"), getattr(getattr(tier, field), part), f"{field}.{part}")
+                 for projection, field in zip(("gating", "up_proj", "down_proj"), Experts._fields)
+                 for part in _TIER_PARTS]
+        for variable, given, name in pairs:
+            _check_array("ArenaMoE.set_tier", f"tier.{name}", given, variable[...])
+        for variable, given, _ in pairs:
+            variable.set_value(jnp.asarray(given))
+
+    @classmethod
+    def from_dense(cls, dense: DenseMoE, *, resident: Sequence[int] | None = None, num_slots: int | None = None,
+                   on_miss: str = "shed", tier_bits: int = 3, tier_group_size: int = 32,
+                   impl: str = "auto") -> "ArenaMoE":
+        """The arena layer of a :class:`DenseMoE`'s weights: its router, and the experts ``resident`` in
+        slots 0, 1, ... (the rest of the slots empty); the tier, where ``on_miss="tier"``, quantized from
+        every expert on the host (:func:`kq_host.tier.quantize`).
+
+        With every expert resident the output is ``dense``'s, bit for bit.
+
+        Args:
+            dense: the layer (concrete weights, not traced).
+            resident: expert ids, distinct, in slot order (None: every expert, expert e in slot e).
+            num_slots: S, at least ``len(resident)`` (None: ``len(resident)``).
+            on_miss, tier_bits, tier_group_size, impl: as for :class:`ArenaMoE`.
+
+        Raises:
+            ValueError: ``resident`` holds an id outside ``[0, E)`` or twice, or ``num_slots`` is too small.
+        """
+        if not isinstance(dense, DenseMoE):
+            raise ValueError(f"ArenaMoE.from_dense: dense must be a DenseMoE, got {type(dense).__name__}")
+        router, experts = dense.router, dense.experts()
+        e = router.num_experts
+        ids = np.arange(e) if resident is None else np.asarray(resident, np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= e or np.unique(ids).size != ids.size):
+            raise ValueError(f"ArenaMoE.from_dense: resident must be distinct expert ids in [0, {e}), got "
+                             f"{ids.tolist()}")
+        num_slots = max(ids.size, 1) if num_slots is None else num_slots
+        _check_size("ArenaMoE.from_dense", "num_slots", num_slots)
+        if num_slots < ids.size:
+            raise ValueError(f"ArenaMoE.from_dense: num_slots {num_slots} cannot hold the {ids.size} resident experts")
+        kernel = router.kernel_DE[...]
+        if experts.gate.dtype != kernel.dtype:
+            raise ValueError(f"ArenaMoE.from_dense: the dense layer's experts are {experts.gate.dtype} and its "
+                             f"router {kernel.dtype}; the arena layer keeps one dtype")
+        module = cls(router.hidden_size, experts.gate.shape[1], e, num_slots, router.top_k, on_miss=on_miss,
+                     tier_bits=tier_bits, tier_group_size=tier_group_size, dtype=kernel.dtype, impl=impl,
+                     rngs=nnx.Rngs(0))
+        module.router.kernel_DE.set_value(kernel)
+        table = np.full(e, -1, np.int32)
+        table[ids] = np.arange(ids.size, dtype=np.int32)
+        module.set_residency(table, {name: jnp.zeros((num_slots, *w.shape[1:]), w.dtype).at[:ids.size].set(w[ids])
+                                     for name, w in zip(ARENA_PROJECTIONS, experts)})
+        if on_miss == "tier":
+            module.set_tier(TierExperts(*(TierWeights(*(jnp.asarray(a) for a in quantize(
+                np.asarray(w), bits=tier_bits, group_size=tier_group_size))) for w in experts),
+                bits=tier_bits, group_size=tier_group_size))
+        return module
