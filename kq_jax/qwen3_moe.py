@@ -27,9 +27,25 @@ from kq_jax.moe import Experts, experts_apply
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
+class CheckpointError(ValueError):
+    """A checkpoint this model cannot run: a ``config.json`` value no model has, a weights file that cannot
+    be read, or tensors that disagree with the model ``config.json`` describes. The message names the
+    file, and the key or tensor."""
+
+
+_POSITIVE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                    "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+
 @dataclass(frozen=True)
 class Qwen3MoeConfig:
-    """The ``config.json`` fields this implementation reads (Hugging Face names)."""
+    """The ``config.json`` fields this implementation reads (Hugging Face names).
+
+    Raises:
+        ValueError: a size is not an int >= 1, ``num_experts_per_tok`` exceeds ``num_experts``,
+            ``num_attention_heads`` is not a multiple of ``num_key_value_heads`` or ``head_dim`` is odd
+            (the rotary embedding splits it in halves).
+    """
 
     vocab_size: int
     hidden_size: int
@@ -46,13 +62,44 @@ class Qwen3MoeConfig:
     tie_word_embeddings: bool = True
     max_position_embeddings: int = 2048
 
+    def __post_init__(self):
+        for name in _POSITIVE_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} exceeds num_experts {self.num_experts}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_key_value_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even (the rotary embedding splits it in halves), got {self.head_dim}")
+
     @classmethod
     def load(cls, directory: str | Path) -> "Qwen3MoeConfig":
-        raw = json.loads((Path(directory) / "config.json").read_text())
+        """The checkpoint directory's ``config.json``.
+
+        Raises:
+            CheckpointError: the file is missing or not JSON, not ``qwen3_moe``, lacks a required key or
+                holds a value no model has (the message names the file and the key).
+        """
+        path = Path(directory) / "config.json"
+        try:
+            raw = json.loads(path.read_bytes())
+        except (OSError, ValueError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise CheckpointError(f"{path}: cannot be read as JSON ({error})") from None
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{path}: holds {type(raw).__name__}, not a JSON object")
         if raw.get("model_type") != "qwen3_moe":
-            raise ValueError(f"{directory}/config.json: model_type {raw.get('model_type')!r}; this JAX model is "
-                             f"qwen3_moe (kq study --framework mlx also runs mixtral)")
-        return cls(**{name: raw[name] for name in cls.__dataclass_fields__ if name in raw})
+            raise CheckpointError(f"{path}: model_type {raw.get('model_type')!r}; this JAX model is "
+                                  f"qwen3_moe (kq study --framework mlx also runs mixtral)")
+        missing = [name for name in _POSITIVE_FIELDS if name not in raw]
+        if missing:
+            raise CheckpointError(f"{path}: lacks {', '.join(missing)}")
+        try:
+            return cls(**{name: raw[name] for name in cls.__dataclass_fields__ if name in raw})
+        except (TypeError, ValueError) as error:
+            raise CheckpointError(f"{path}: {error}") from None
 
     def hf_config(self) -> dict:
         """The whole ``config.json`` mlx-lm and transformers expect for this model."""
@@ -115,19 +162,43 @@ def load_params(directory: str | Path, cfg: Qwen3MoeConfig, *, experts: bool = T
 
     A checkpoint mlx-lm stored quantized (``config.json`` has ``"quantization"``) is read
     dequantized (:func:`kq_host.quantized.dense_tensors`), its stacked experts as they are.
-    With ``experts=False`` the expert weights are not read (an arena serves them).
-    """
-    from safetensors.numpy import load_file
+    With ``experts=False`` the expert weights are not read (an arena serves them); they are checked all
+    the same. Every tensor of the model ``cfg`` describes must be there with its shape, and no other
+    (the layers, the experts, the hidden size, the vocabulary, the heads), as mlx-lm's loader requires.
 
+    Returns:
+        ``{"embed": [V, D], "norm": [D], "layers": [{name: array}] * L}``, float32; each layer's experts
+        ``gate_proj``/``up_proj`` ``[E, F, D]`` and ``down_proj`` ``[E, D, F]`` where ``experts``.
+
+    Raises:
+        CheckpointError: the directory holds no ``*.safetensors`` file, one cannot be read (truncated,
+            corrupt), tensors are missing or extra, or a tensor's shape is not the one ``cfg`` gives
+            (the message names the file and the tensor), or ``cfg`` unties the output projection from
+            the embedding (this model reads it from the embedding).
+    """
     from kq_host.quantized import Quantization, dense_tensors
 
+    directory = Path(directory)
+    if not cfg.tie_word_embeddings:
+        raise CheckpointError(f"{directory / 'config.json'}: tie_word_embeddings false; this JAX model reads its "
+                              f"output projection from the embedding")
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: holds no *.safetensors weights file")
+    sources = _tensor_files(files)
     quantization = Quantization.of(directory)
-    if quantization is not None:
-        tensors = dense_tensors(directory, quantization)
-    else:
-        tensors = {}
-        for path in sorted(Path(directory).glob("*.safetensors")):
-            tensors.update(load_file(str(path)))
+    try:
+        if quantization is not None:
+            tensors = dense_tensors(directory, quantization)
+        else:
+            from safetensors.numpy import load_file
+
+            tensors = {}
+            for path in files:
+                tensors.update(load_file(str(path)))
+    except Exception as error:  # a tensor past a file's end, a quantized module without its scales...
+        raise CheckpointError(f"{directory}: its safetensors files cannot be read ({error})") from None
+    _check_tensors(directory, cfg, {name: tuple(array.shape) for name, array in tensors.items()}, sources)
 
     def get(name):
         return jnp.asarray(tensors[name].astype(np.float32))
@@ -146,6 +217,66 @@ def load_params(directory: str | Path, cfg: Qwen3MoeConfig, *, experts: bool = T
             p.update({projection: stacked(layer, projection) for projection in PROJECTIONS})
         layers.append(p)
     return {"embed": get("model.embed_tokens.weight"), "norm": get("model.norm.weight"), "layers": layers}
+
+
+def _tensor_files(files: list[Path]) -> dict[str, Path]:
+    """``{tensor name: the file holding it}`` from each file's header (which safetensors checks against
+    the file's size); CheckpointError naming a file that cannot be read."""
+    from safetensors import safe_open
+
+    sources = {}
+    for path in files:
+        try:
+            with safe_open(str(path), "numpy") as handle:
+                sources.update(dict.fromkeys(handle.keys(), path))
+        except Exception as error:  # safetensors raises its own SafetensorError, and OSError
+            raise CheckpointError(f"{path}: cannot be read as safetensors ({error})") from None
+    return sources
+
+
+def _expected_shapes(cfg: Qwen3MoeConfig, stacked_layers: set[int]) -> dict[str, tuple[int, ...]]:
+    """Every tensor name of the model ``cfg`` describes and its shape; the layers in ``stacked_layers``
+    hold their experts stacked (mlx-lm's ``switch_mlp``), the others one tensor per expert."""
+    d, hd, f = cfg.hidden_size, cfg.head_dim, cfg.moe_intermediate_size
+    heads, kv_heads = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    layer_shapes = {"input_layernorm": (d,), "post_attention_layernorm": (d,), "q_norm": (hd,), "k_norm": (hd,),
+                    "router": (cfg.num_experts, d), "q_proj": (heads, d), "k_proj": (kv_heads, d),
+                    "v_proj": (kv_heads, d), "o_proj": (d, heads)}
+    expert_shapes = {"gate_proj": (f, d), "up_proj": (f, d), "down_proj": (d, f)}
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d), "model.norm.weight": (d,)}
+    for layer in range(cfg.num_hidden_layers):
+        shapes.update({name: layer_shapes[key] for key, name in _hf_names(layer).items()})
+        for projection, shape in expert_shapes.items():
+            if layer in stacked_layers:
+                shapes[f"model.layers.{layer}.mlp.switch_mlp.{projection}.weight"] = (cfg.num_experts, *shape)
+            else:
+                shapes.update({f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight": shape
+                               for expert in range(cfg.num_experts)})
+    return shapes
+
+
+def _check_tensors(directory: Path, cfg: Qwen3MoeConfig, shapes: dict[str, tuple[int, ...]],
+                   sources: dict[str, Path]) -> None:
+    """CheckpointError unless ``shapes`` (``{tensor name: shape}``) are exactly the model ``cfg`` describes."""
+    stacked = {int(name.split(".")[2]) for name in shapes if ".mlp.switch_mlp." in name}
+    expected = _expected_shapes(cfg, stacked)
+    described = (f"the model {directory / 'config.json'} describes ({cfg.num_hidden_layers} layers of "
+                 f"{cfg.num_experts} experts, hidden_size {cfg.hidden_size}, vocab_size {cfg.vocab_size})")
+
+    def listed(names):
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    extra = [name for name in shapes if name not in expected]
+    if extra:
+        files = sorted({str(sources.get(name, directory)) for name in extra})
+        raise CheckpointError(f"{', '.join(files)}: {len(extra)} tensors not in {described}: {listed(extra)}")
+    missing = [name for name in expected if name not in shapes]
+    if missing:
+        raise CheckpointError(f"{directory}: lacks {len(missing)} tensors of {described}: {listed(missing)}")
+    for name, shape in expected.items():
+        if tuple(shapes[name]) != shape:
+            raise CheckpointError(f"{sources.get(name, directory)}: {name} has shape {tuple(shapes[name])}; "
+                                  f"{described} gives {shape}")
 
 
 # ---- the model ---------------------------------------------------------------------------------
