@@ -23,6 +23,7 @@ bits (``tests/test_exact_loop.py``; docs/lookahead.md).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,9 @@ def _experts(arena, layer, table, x, h, indices, scores, ahead, cfg):
     return h, tuple(qwen3_moe.predict_next(p, h[:, 0], cfg) for p in ahead)
 
 
+DEFAULT_TIMEOUT_S = 60.0  # the longest a layer waits for its misses' reads before PreloadError
+
+
 @jax.jit
 def _embed(embed, token):
     return embed[jnp.reshape(token, (1,))][:, None]
@@ -69,10 +73,19 @@ class ExactLoop:
         lookahead: how many layers ahead each layer predicts and prefetches: 0 (or ``False``) none,
             1 (or ``True``) the next layer, 2 the next two.
         prefetch_budget: most prefetch reads per predicted layer, layer and token (None: no limit).
+        timeout: the longest, in seconds, a layer waits for its misses' reads (and the reads in flight
+            before them) in :meth:`~kq_host.residency.ResidencyManager.acquire`; past it, :meth:`step`
+            raises :class:`~kq_host.residency.PreloadError`. Default :data:`DEFAULT_TIMEOUT_S` (60 s:
+            an expert read takes milliseconds, so only a stuck disk or loader waits that long); None
+            waits forever.
+
+    Raises:
+        ValueError: the manager does not fit the model, or ``lookahead``, ``length`` or ``timeout`` is
+            out of range.
     """
 
     def __init__(self, params, cfg, manager, arena, *, length: int, lookahead: bool = True,
-                 prefetch_budget: int | None = None):
+                 prefetch_budget: int | None = None, timeout: float | None = DEFAULT_TIMEOUT_S):
         if manager.num_layers != cfg.num_hidden_layers or manager.num_experts != cfg.num_experts:
             raise ValueError(f"ExactLoop: manager has {manager.num_layers} layers of {manager.num_experts} experts; "
                              f"the model {cfg.num_hidden_layers} of {cfg.num_experts}")
@@ -83,25 +96,38 @@ class ExactLoop:
             raise ValueError(f"ExactLoop: lookahead must be 0, 1, 2 or a bool, got {lookahead!r}")
         if not isinstance(length, int) or isinstance(length, bool) or length < 1:
             raise ValueError(f"ExactLoop: length must be an int >= 1, got {length!r}")
+        if timeout is not None and (not isinstance(timeout, (int, float, np.integer, np.floating))
+                                    or isinstance(timeout, bool) or not 0 < timeout < math.inf):
+            raise ValueError(f"ExactLoop: timeout must be seconds > 0 (finite) or None to wait forever, "
+                             f"got {timeout!r}")
         self.params, self.cfg, self.manager, self.arena = params, cfg, manager, arena
         self.lookahead, self.prefetch_budget, self.length = int(lookahead), prefetch_budget, length
+        self.timeout = None if timeout is None else float(timeout)
         shape = (1, length, cfg.num_key_value_heads, cfg.head_dim)
         self._cache = [(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
                        for _ in range(cfg.num_hidden_layers)]
 
     def step(self, token, position: int):
-        """One token: ``token`` (int, or an int32 ``[1]`` device array such as the last argmax) at
-        ``position`` -> logits float32 ``[1, V]`` (on the device)."""
-        if not isinstance(position, (int, np.integer)) or not 0 <= position < self.length:
+        """One token: ``token`` (int, or an integer ``[1]`` or scalar array such as the last argmax, read
+        back to check it) at ``position`` -> logits float32 ``[1, V]`` (on the device).
+
+        Raises:
+            ValueError: ``token`` is not one integer in ``[0, vocab_size)`` or ``position`` not an int in
+                ``[0, length)``; nothing runs.
+            kq_host.residency.PreloadError: a layer's read failed or was still out after ``timeout``.
+        """
+        if not isinstance(position, (int, np.integer)) or isinstance(position, bool) or \
+                not 0 <= position < self.length:
             raise ValueError(f"ExactLoop.step: position must be an int in [0, {self.length}), got {position!r}")
+        token = self._token_id(token)
         cfg, layers, manager = self.cfg, self.params["layers"], self.manager
-        h = _embed(self.params["embed"], jnp.asarray(token, jnp.int32))
+        h = _embed(self.params["embed"], np.int32(token))
         routed = _route(layers[0], h, position, *self._cache[0], cfg)
         for layer, p in enumerate(layers):
             h, x, indices, scores, keys, values = routed
             self._cache[layer] = keys, values
             ids, weights = jax.device_get((indices, scores))
-            table = manager.acquire(layer, ids, weights)  # the critical path: this layer's misses
+            table = manager.acquire(layer, ids, weights, timeout=self.timeout)  # the critical path
             targets = range(layer + 1, min(layer + 1 + self.lookahead, len(layers)))
             h, predicted = _experts(self.arena.arrays, np.int32(layer), table, x, h, indices, scores,
                                     tuple(layers[target] for target in targets), cfg)
@@ -111,3 +137,17 @@ class ExactLoop:
                 manager.prefetch(target, ids, weights, budget=self.prefetch_budget)
         manager.next_token()
         return _logits(self.params, h, cfg)
+
+    def _token_id(self, token) -> int:
+        """``token`` as an int in ``[0, vocab_size)``; ValueError naming ``token`` otherwise."""
+        vocab = self.cfg.vocab_size
+        value = np.asarray(token) if isinstance(token, (np.ndarray, jax.Array)) else token
+        if isinstance(value, np.ndarray):
+            if value.size != 1 or value.ndim > 1 or not np.issubdtype(value.dtype, np.integer):
+                raise ValueError(f"ExactLoop.step: token must be one integer (an int, or an integer array of "
+                                 f"shape () or [1]), got {value.dtype} {value.shape}")
+            value = value.reshape(()).item()
+        if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or \
+                not 0 <= value < vocab:
+            raise ValueError(f"ExactLoop.step: token must be an int in [0, {vocab}) (the vocabulary), got {token!r}")
+        return int(value)
