@@ -53,6 +53,7 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 import numpy as np
 
+from kq_core import reports as report_layout
 from kq_host import bookkeeping
 from kq_host.arena import Arena, write_landed
 from kq_host.bookkeeping import SlotState, Tables
@@ -272,32 +273,38 @@ class LayerReport:
 
     Attributes:
         indices: ``[T, K]`` routed ids; scores: ``[T, K]`` routed scores;
-        miss_ids / miss_scores: ``route_shed``'s miss lists ``[T, K]``.
+        miss_ids / miss_scores: ``route_shed``'s miss lists ``[T, K]``;
+        served: ``[T, K]`` each entry's score where its expert (or a stand-in) was computed, 0 where shed;
+            None where the graph did not report it.
     """
 
     indices: np.ndarray
     scores: np.ndarray
     miss_ids: np.ndarray
     miss_scores: np.ndarray
+    served: np.ndarray | None = None
 
     @classmethod
     def from_packed(cls, packed: np.ndarray) -> "LayerReport":
-        """The stacked report from one int32 ``[4, L, T, K]`` array: ids, scores' float32 bits, miss ids,
-        miss scores' float32 bits (what ``kq_jax.arena.pack_reports`` and
-        ``kq_mlx.mlx_lm_adapter.pack_reports`` build in the graph, so a token's reports come back in one
-        transfer)."""
-        packed = np.asarray(packed)
-        if packed.dtype != np.int32 or packed.ndim != 4 or packed.shape[0] != 4:
-            raise ValueError(f"LayerReport.from_packed: packed must be int32 [4, L, T, K], got {packed.dtype} "
-                             f"{packed.shape}")
-        ids, score_bits, miss_ids, miss_bits = packed
-        return cls(ids, score_bits.view(np.float32), miss_ids, miss_bits.view(np.float32))
+        """The stacked report (``[L, T, K]`` arrays) from the packed layout of :mod:`kq_core.reports`, int32
+        ``[5, L, T, K]``, which every decode step builds in its graph so a token's reports come back in one
+        transfer.
+
+        Raises:
+            ValueError: ``packed`` is not that layout.
+        """
+        try:
+            unpacked = report_layout.unpack(packed)
+        except ValueError as error:
+            raise ValueError(f"LayerReport.from_packed: {error}") from None
+        return cls(*(unpacked[name] for name in report_layout.REPORT_FIELDS))
 
     @classmethod
-    def stacked(cls, reports: Sequence["LayerReport"]) -> "LayerReport":
+    def stacked(cls, layers: Sequence["LayerReport"]) -> "LayerReport":
         """One report of ``[L, T, K]`` arrays from one report per layer (what :meth:`ResidencyManager.step`
         takes in one piece)."""
-        return cls(*(np.stack([getattr(r, f.name) for r in reports]) for f in fields(cls)))
+        return cls(*(None if any(getattr(r, f.name) is None for r in layers)
+                     else np.stack([getattr(r, f.name) for r in layers]) for f in fields(cls)))
 
 
 _COUNTERS = tuple(f.name for f in fields(LayerStats))

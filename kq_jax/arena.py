@@ -17,6 +17,8 @@ import numpy as np
 
 from jax import lax
 
+from kq_core.contract import TopkRouteShedResult
+from kq_core.reports import REPORT_FIELDS
 from kq_host.arena import check_payload, checked_payloads
 
 
@@ -94,21 +96,30 @@ class JaxArena:
         return errors
 
 
-def pack_reports(routings):
-    """Every layer's routing and misses as one array, so the host reads a token's reports back in one
-    transfer (inside the jitted step).
+def pack_reports(reports):
+    """Every layer's report as one array, so the host reads a token's reports back in one transfer
+    (inside the jitted step).
 
     Args:
-        routings: one ``TopkRouteShedResult`` per layer (``moe_ffn_arena``'s second output), ``[T, K]``.
+        reports: per layer, the fields of :mod:`kq_core.reports` in its order (``arena_moe``'s second
+            output), each ``[T, K]``; or a ``TopkRouteShedResult`` (``moe_ffn_arena``'s second output),
+            whose served entries are those its ``mix`` weights.
 
     Returns:
-        int32 ``[4, L, T, K]``: ids, scores (float32 bits), miss ids, miss scores (float32 bits); on the
-        host, ``LayerReport.from_packed`` reads it.
+        int32 ``[5, L, T, K]``: ids, scores, miss ids, miss scores, served (float fields as float32 bits);
+        on the host, ``LayerReport.from_packed`` reads it.
     """
-    def as_bits(scores):
-        return lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.int32)
+    def fields(report):
+        if isinstance(report, TopkRouteShedResult):
+            shed = report.shed
+            return (report.indices, report.scores, shed.miss_ids, shed.miss_scores,
+                    jnp.where(shed.mix > 0, report.scores, 0.0))
+        return report
 
-    return jnp.stack([jnp.stack([r.indices.astype(jnp.int32) for r in routings]),
-                      jnp.stack([as_bits(r.scores) for r in routings]),
-                      jnp.stack([r.shed.miss_ids.astype(jnp.int32) for r in routings]),
-                      jnp.stack([as_bits(r.shed.miss_scores) for r in routings])])
+    def as_int32(field):
+        if jnp.issubdtype(field.dtype, jnp.floating):
+            return lax.bitcast_convert_type(field.astype(jnp.float32), jnp.int32)
+        return field.astype(jnp.int32)
+
+    rows = [fields(report) for report in reports]
+    return jnp.stack([jnp.stack([as_int32(row[f]) for row in rows]) for f in range(len(REPORT_FIELDS))])

@@ -204,8 +204,9 @@ class ArenaLayer(nn.Module):
         """The last pass's routing and misses as host arrays (call after evaluating the step)."""
         inds, scores, shed = self.last
         k = inds.shape[-1]
+        served = mx.where(self.last_mix > 0, scores, 0.0)
         return LayerReport(*(np.array(a.astype(mx.float32) if a.dtype in (mx.bfloat16, mx.float16) else a)
-                             .reshape(-1, k) for a in (inds, scores, shed.miss_ids, shed.miss_scores)))
+                             .reshape(-1, k) for a in (inds, scores, shed.miss_ids, shed.miss_scores, served)))
 
 
 class ArenaSwitch(ArenaLayer):
@@ -740,13 +741,14 @@ def pack_reports(blocks: list[ArenaLayer]) -> mx.array:
     MLX's CUDA backend).
 
     Returns:
-        int32 ``[4, L, T, K]``: ids, scores (float32 bits), miss ids, miss scores (float32 bits); ``T``
-        the rows of the last pass.
+        int32 ``[5, L, T, K]`` (:mod:`kq_core.reports`): ids, scores, miss ids, miss scores and the scores
+        of the entries served (float fields as float32 bits); ``T`` the rows of the last pass.
     """
     lasts = [block.last for block in blocks]
     return report_pack.pack({"ids": [inds for inds, _, _ in lasts], "scores": [scores for _, scores, _ in lasts],
                              "miss_ids": [shed.miss_ids for _, _, shed in lasts],
-                             "miss_scores": [shed.miss_scores for _, _, shed in lasts]})
+                             "miss_scores": [shed.miss_scores for _, _, shed in lasts],
+                             "mix": [block.last_mix for block in blocks]})
 
 
 def _retry_failed_reads(manager, report: LayerReport, read_retries: int, timeout: float | None) -> None:

@@ -1,7 +1,7 @@
-"""A token's reports, every layer's four arrays, packed into one int32 array of the graph.
+"""A token's reports, every layer's fields, packed into one int32 array of the graph (:mod:`kq_core.reports`).
 
 On MLX's CUDA backend one kernel launch copies them all: a concatenation there launches a copy per
-input, 4 L of them a token. Elsewhere (the CPU, Metal) each field is one concatenation over the
+input, 5 L of them a token. Elsewhere (the CPU, Metal) each field is one concatenation over the
 layers, converted once. Both give the same bits: ids as int32, scores as their float32 bits (bfloat16
 and float16 widened exactly).
 """
@@ -12,12 +12,14 @@ import functools
 
 import mlx.core as mx
 
+from kq_core.reports import FLOAT_FIELDS, REPORT_FIELDS
 from kq_core.validate import dtype_name
 from kq_mlx.route_shed_mlx import implementation_for
 
-FIELDS = ("ids", "scores", "miss_ids", "miss_scores")
-# Fields packed as float32 bits; the others as int32 values.
-FLOAT_FIELDS = ("scores", "miss_scores")
+# What the graph hands the packer, per layer: the report's fields, but for ``served``, which the packer
+# derives from the scores and the weights the layer combined with (``mix``): the scores where ``mix > 0``,
+# else +0.0, computed once over every layer.
+INPUT_FIELDS = ("ids", "scores", "miss_ids", "miss_scores", "mix")
 THREADS_PER_GROUP = 256
 
 
@@ -25,18 +27,25 @@ def _input_name(field: str, layer: int) -> str:
     return f"{field}_{layer}"
 
 
+def _as_int_bits(value: str) -> str:
+    return f"__float_as_int(static_cast<float>({value}))"
+
+
 @functools.lru_cache(maxsize=None)
 def cuda_kernel(layers: int, dtypes: tuple[str, ...]):
-    """The packing kernel for ``layers`` layers and the fields' ``dtypes`` (built once per variant; MLX
+    """The packing kernel for ``layers`` layers and the inputs' ``dtypes`` (built once per variant; MLX
     writes each input's type into the signature, and its JIT cache is keyed by the name, so the name
     carries the dtypes)."""
-    names = [_input_name(field, layer) for field in FIELDS for layer in range(layers)]
+    names = [_input_name(field, layer) for field in INPUT_FIELDS for layer in range(layers)]
     lines = []
-    for f, field in enumerate(FIELDS):
+    for f, field in enumerate(REPORT_FIELDS):
         for layer in range(layers):
-            value = _input_name(field, layer) + "[i]"
-            value = (f"__float_as_int(static_cast<float>({value}))" if field in FLOAT_FIELDS
-                     else f"static_cast<int32_t>({value})")
+            if field == "served":
+                score, mix = _input_name("scores", layer) + "[i]", _input_name("mix", layer) + "[i]"
+                value = f"(static_cast<float>({mix}) > 0.0f ? {_as_int_bits(score)} : 0)"
+            else:
+                value = _input_name(field, layer) + "[i]"
+                value = _as_int_bits(value) if field in FLOAT_FIELDS else f"static_cast<int32_t>({value})"
             lines.append(f"  packed[{f * layers + layer} * n + i] = {value};")
     first = names[0]
     body = "\n".join([
@@ -51,27 +60,26 @@ def cuda_kernel(layers: int, dtypes: tuple[str, ...]):
 
 
 def pack(fields: dict[str, list[mx.array]]) -> mx.array:
-    """``{field: one array per layer}`` (:data:`FIELDS`, each ``[..., K]`` of one shape) -> int32
-    ``[4, L, T, K]``, ``T`` the rows of one array."""
-    arrays = [fields[field] for field in FIELDS]
+    """``{field: one array per layer}`` (:data:`INPUT_FIELDS`, each ``[..., K]`` of one shape) -> int32
+    ``[F, L, T, K]`` (:mod:`kq_core.reports`' layout), ``T`` the rows of one array."""
+    arrays = [fields[field] for field in INPUT_FIELDS]
     layers, shape = len(arrays[0]), arrays[0][0].shape
     if any(len(field) != layers or any(a.shape != shape for a in field) for field in arrays):
-        raise ValueError(f"pack_reports: every layer's ids, scores, miss ids and miss scores must have one shape, got "
-                         f"{ {name: [tuple(a.shape) for a in field] for name, field in zip(FIELDS, arrays)} }")
+        raise ValueError(f"pack_reports: every layer's report fields ({', '.join(INPUT_FIELDS)}) must have one "
+                         f"shape, got { {name: [tuple(a.shape) for a in field] for name, field in zip(INPUT_FIELDS, arrays)} }")
     k, n = shape[-1], arrays[0][0].size
+    out_shape = (len(REPORT_FIELDS), layers, n // k if k else 0, k)
     if n > 0 and implementation_for() == "cuda":
         kernel = cuda_kernel(layers, tuple(dtype_name(field[0]) for field in arrays))
         (packed,) = kernel(inputs=[a for field in arrays for a in field], grid=(n, 1, 1),
-                           threadgroup=(min(THREADS_PER_GROUP, n), 1, 1), output_shapes=[(4, layers, n // k, k)],
+                           threadgroup=(min(THREADS_PER_GROUP, n), 1, 1), output_shapes=[out_shape],
                            output_dtypes=[mx.int32])
         return packed
 
-    def joined(field):  # [L x B, T, K]: layer-major, as the final reshape reads it
-        return mx.concatenate(field, axis=0)
-
-    def bits(field):
-        return joined(field).astype(mx.float32).view(mx.int32)
-
-    converted = [bits(field) if name in FLOAT_FIELDS else joined(field).astype(mx.int32)
-                 for name, field in zip(FIELDS, arrays)]
-    return mx.concatenate(converted, axis=0).reshape(4, layers, -1, k)
+    joined = {name: mx.concatenate(field, axis=0) for name, field in zip(INPUT_FIELDS, arrays)}  # [L x B, T, K]
+    scores = joined["scores"].astype(mx.float32)
+    converted = {"ids": joined["ids"].astype(mx.int32), "scores": scores.view(mx.int32),
+                 "miss_ids": joined["miss_ids"].astype(mx.int32),
+                 "miss_scores": joined["miss_scores"].astype(mx.float32).view(mx.int32),
+                 "served": mx.where(joined["mix"] > 0, scores, 0.0).view(mx.int32)}
+    return mx.concatenate([converted[name] for name in REPORT_FIELDS], axis=0).reshape(out_shape)

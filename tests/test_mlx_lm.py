@@ -333,11 +333,11 @@ def test_packed_reports_are_the_blocks_reports_bit_for_bit():
                 score_dtype)))
         got = LayerReport.from_packed(np.array(pack_reports(blocks)))
         want = LayerReport.stacked([block.report() for block in blocks])
-        for name in ("indices", "scores", "miss_ids", "miss_scores"):
+        for name in ("indices", "scores", "miss_ids", "miss_scores", "served"):
             a, b = getattr(got, name), getattr(want, name)
             assert a.shape == b.shape == (LAYERS, 5, 4) and a.tobytes() == b.tobytes(), name
     with pytest.raises(ValueError, match="packed must be int32"):
-        LayerReport.from_packed(np.zeros((4, 2, 5, 4), np.float32))
+        LayerReport.from_packed(np.zeros((5, 2, 5, 4), np.float32))
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "serial"])
@@ -536,12 +536,12 @@ def test_packed_reports_add_the_same_ops_however_many_layers():
             shed = RouteShedResult(inds, scores.astype(mx.float32), mx.array(rng.integers(-1, EXPERTS, (1, 1, 4))
                                                                              .astype(np.int32)), scores.astype(mx.float32))
             mx.eval(inds, scores, *shed)
-            blocks.append(SimpleNamespace(last=(inds, scores, shed)))
+            blocks.append(SimpleNamespace(last=(inds, scores, shed), last_mix=scores))
         dot = io.StringIO()
         mx.export_to_dot(dot, pack_reports(blocks))
         return dot.getvalue().count("shape=rectangle")
 
-    assert primitives(2) == primitives(16) <= 12
+    assert primitives(2) == primitives(16) <= 16  # five fields, served derived from the weights
 
 
 @pytest.mark.parametrize("layers, shape, score_dtype", [(3, (2, 3, 4), "bfloat16"), (16, (1, 1, 8), "float32"),
@@ -556,20 +556,24 @@ def test_report_pack_is_each_fields_bits(layers, shape, score_dtype):
     wide = rng.integers(0, 2**31 - 1, (layers, *shape[:-1], 2 * shape[-1])).astype(np.uint32)
     host = {"ids": wide[..., 1::2], "scores": rng.standard_normal((layers, *shape)).astype(np.float32),
             "miss_ids": rng.integers(-1, 64, (layers, *shape)).astype(np.int32),
-            "miss_scores": rng.standard_normal((layers, *shape)).astype(np.float32)}
+            "miss_scores": rng.standard_normal((layers, *shape)).astype(np.float32),
+            "mix": np.where(rng.random((layers, *shape)) < 0.5, 0.0, rng.random((layers, *shape))).astype(np.float32)}
     dtype = getattr(mx, score_dtype)
     fields = {"ids": [mx.array(wide[layer])[..., 1::2] for layer in range(layers)],
               "scores": [mx.array(host["scores"][layer]).astype(dtype) for layer in range(layers)],
               "miss_ids": [mx.array(a) for a in host["miss_ids"]],
-              "miss_scores": [mx.array(a) for a in host["miss_scores"]]}
+              "miss_scores": [mx.array(a) for a in host["miss_scores"]],
+              "mix": [mx.array(a) for a in host["mix"]]}
     host["scores"] = np.stack([np.array(a.astype(mx.float32)) for a in fields["scores"]])
+    host["served"] = np.where(host["mix"] > 0, host["scores"], np.float32(0))  # the scores the layer combined
     rows = int(np.prod(shape[:-1]))
     want = np.stack([host["ids"].astype(np.int32), host["scores"].view(np.int32), host["miss_ids"],
-                     host["miss_scores"].view(np.int32)]).reshape(4, layers, rows, shape[-1])
+                     host["miss_scores"].view(np.int32), host["served"].view(np.int32)]).reshape(5, layers, rows,
+                                                                                               shape[-1])
     got = np.array(pack(fields))
     assert got.dtype == np.int32 and got.shape == want.shape and got.tobytes() == want.tobytes()
     fields["scores"][0] = fields["scores"][0][..., :1]
-    with pytest.raises(ValueError, match="pack_reports: every layer's ids, scores, miss ids and miss scores"):
+    with pytest.raises(ValueError, match="pack_reports: every layer's report fields"):
         pack(fields)
 
 

@@ -72,5 +72,7 @@ def test_packed_reports_are_the_layers_reports_bit_for_bit():
         for name, got in (("indices", stacked.indices), ("miss_ids", stacked.miss_ids)):
             want = np.asarray(routing.indices if name == "indices" else routing.shed.miss_ids)
             assert np.array_equal(got[layer], want.astype(np.int32)), name
-        for got, want in ((stacked.scores, routing.scores), (stacked.miss_scores, routing.shed.miss_scores)):
+        served = jnp.where(routing.shed.mix > 0, routing.scores, 0.0)
+        for got, want in ((stacked.scores, routing.scores), (stacked.miss_scores, routing.shed.miss_scores),
+                          (stacked.served, served)):
             assert np.array_equal(got[layer].view(np.uint32), np.asarray(want, np.float32).view(np.uint32))

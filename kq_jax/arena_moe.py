@@ -1,0 +1,136 @@
+"""One MoE layer's step on an arena, written once: route_shed, the rule, the experts, the combine, the report.
+
+Every decode loop of kq (the study's steps, the end-to-end benchmark's engine, the demo's stack, the
+exact loop, the tier benchmark) runs a layer through :func:`arena_moe` with its own routing and
+weights, so what a rule does with a miss, how hits and tier copies are gathered and how the
+entries are combined is defined here alone.
+
+Rules for a routed expert that is not resident (:data:`RULES`):
+
+* ``route_shed``: shed it, the kept weights scaled to keep the row's routed mass (``route_shed``'s ``mix``);
+* ``shed``: shed it, the kept weights as they are;
+* ``renormalize``: shed it, the kept weights scaled to sum to 1;
+* ``substitute``: the most probable resident expert the row did not choose, at the miss's weight;
+* ``tier``: its low-precision copy at its own weight (``on_miss="tier"``); ``uniform`` is the same
+  step with an arena that holds nothing (every entry from the tier);
+* ``reroute``, ``prior``: cache-aware routing (the router's top-2k and resident experts; see
+  :func:`serve`);
+* ``stall``: every routed expert computed from the whole set of experts (the exact output).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+import kq_jax
+from kq_jax.moe import Experts, TierExperts, experts_apply, tiered_apply
+from kq_jax.reference import bounded_table
+
+RULES = ("route_shed", "shed", "renormalize", "substitute", "tier", "uniform", "stall", "reroute", "prior")
+TIER_RULES = ("tier", "uniform")
+RESIDENT_PRIOR = 1.0  # the ``prior`` rule's bonus to a resident expert's log-probability (nats)
+
+
+def combine(y, mix):
+    """The layer's output: each token's k expert outputs weighted by ``mix``. ``y`` ``[T, k, D]``, ``mix``
+    ``[T, k]`` -> ``[T, D]`` of ``y``'s dtype."""
+    return jnp.einsum("tkd,tk->td", y, mix.astype(y.dtype))
+
+
+def serve(rule: str, indices, scores, probs, slot_table, shed, *, normalize: bool = False,
+          num_slots: int | None = None):
+    """``(slots [T, k], mix [T, k])`` a layer on an arena gathers and weights with, under a shedding rule.
+
+    Args:
+        rule: ``route_shed``, ``shed``, ``renormalize``, ``substitute``, ``reroute`` or ``prior``.
+        indices, scores: the router's top-k ``[T, k]`` (int32, float32); probs: float32 ``[T, E]``;
+        slot_table: int32 ``[E]``; shed: ``route_shed(indices, scores, slot_table, num_slots=num_slots)``;
+        normalize: whether the router renormalises its top-k; num_slots: the arena's S.
+    """
+    kept = bounded_table(slot_table, num_slots)[indices] >= 0
+    if rule == "route_shed":
+        return shed.slots, shed.mix
+    if rule == "shed":
+        return shed.slots, jnp.where(kept, scores, 0.0)
+    if rule == "renormalize":
+        kept_mass = jnp.sum(jnp.where(kept, scores, 0.0), axis=-1, keepdims=True)
+        return shed.slots, jnp.where(kept, scores / jnp.where(kept_mass > 0, kept_mass, 1.0), 0.0)
+    if rule in ("reroute", "prior"):
+        return _cache_aware(rule, indices, probs, bounded_table(slot_table, num_slots), normalize=normalize)
+    if rule == "substitute":
+        routed = kq_jax.topk_route_shed(probs, slot_table, top_k=indices.shape[-1], normalize=normalize,
+                                        on_miss="substitute", num_slots=num_slots)
+        return routed.shed.slots, routed.shed.mix
+    raise ValueError(f"serve: rule must be one of {[r for r in RULES if r not in (*TIER_RULES, 'stall')]}, "
+                     f"got {rule!r}")
+
+
+def _cache_aware(rule: str, indices, probs, table, *, normalize: bool):
+    """``(slots, mix)`` of ``reroute`` (keep the first k/2 choices, fill the rest with the most probable
+    resident experts of the top 2k) and ``prior`` (top-k of log-probabilities plus
+    :data:`RESIDENT_PRIOR` for resident experts); ``table`` bounded."""
+    k = indices.shape[-1]
+    resident = table >= 0  # [E]
+    if rule == "prior":
+        _, chosen = lax.top_k(jnp.log(probs) + jnp.where(resident, RESIDENT_PRIOR, 0.0), k)
+    else:
+        keep = k // 2
+        _, window = lax.top_k(probs, min(2 * k, probs.shape[-1]))
+        rest = window[:, keep:]
+        fill = jnp.take_along_axis(rest, jnp.argsort(~resident[rest], axis=-1, stable=True), axis=-1)
+        chosen = jnp.concatenate([window[:, :keep], fill[:, :k - keep]], axis=-1)
+    weights = jnp.take_along_axis(probs, chosen, axis=-1)
+    if normalize:  # on the scale of the router's own top-k
+        weights = weights / jnp.sum(jnp.take_along_axis(probs, indices, axis=-1), axis=-1, keepdims=True)
+    slots = table[chosen]
+    return jnp.where(slots >= 0, slots, 0), jnp.where(slots >= 0, weights, 0.0)
+
+
+def arena_moe(x, indices, scores, slot_table, *, rule: str, weights: Experts, num_slots: int,
+              tier: TierExperts | None = None, probs=None, slot_rows=None, normalize: bool = False,
+              impl: str = "auto"):
+    """One MoE layer's experts for a token batch on an arena, under ``rule``.
+
+    Args:
+        x: ``[T, D]`` the layer's MoE input.
+        indices, scores: the router's top-k, int32 and float32 ``[T, k]``.
+        slot_table: int32 ``[E]``, expert -> arena slot (negative: not resident).
+        rule: one of :data:`RULES`.
+        weights: the experts the slots gather from, :class:`~kq_jax.moe.Experts` ``[N, ...]``: the arena
+            (``N = num_slots``), or with ``slot_rows`` any stack the slots map into; for ``stall``, all E
+            experts, gathered by expert id.
+        num_slots: the arena's S.
+        tier: every expert's low-precision copy (rules ``tier`` and ``uniform``).
+        probs: float32 ``[T, E]``, the router's probabilities (``substitute``, ``reroute``, ``prior``).
+        slot_rows: int32 ``[S]``, the row of ``weights`` each slot holds (None: slot s is row s).
+        normalize: whether the router renormalises its top-k (``substitute``, ``reroute``, ``prior``).
+        impl: ``route_shed``'s implementation.
+
+    Returns:
+        ``(out [T, D], report)``: the combined output in ``weights``' dtype, and the report's fields
+        ``(indices, scores, miss_ids, miss_scores, served)`` (:mod:`kq_core.reports`), each ``[T, k]``.
+    """
+    if rule not in RULES:
+        raise ValueError(f"arena_moe: rule must be one of {RULES}, got {rule!r}")
+    on_miss = "tier" if rule in TIER_RULES else "shed"
+    if on_miss == "tier" and tier is None:
+        raise ValueError(f"arena_moe: rule {rule!r} needs the tier's experts (tier=...)")
+    shed = kq_jax.route_shed(indices, scores, slot_table, num_slots=num_slots, on_miss=on_miss, impl=impl)
+
+    def rows(slots):
+        return slots if slot_rows is None else slot_rows[slots]
+
+    if rule == "stall":
+        y, mix = experts_apply(x, weights, indices), scores
+    elif on_miss == "tier":
+        hit = shed.slots < num_slots
+        stacked = weights.gate.shape[0]  # tiered_apply reads entry r >= N as the tier's expert r - N
+        entries = jnp.where(hit, rows(jnp.where(hit, shed.slots, 0)), stacked + shed.slots - num_slots)
+        y, mix = tiered_apply(x, weights, tier, entries), shed.mix
+    else:
+        slots, mix = serve(rule, indices, scores, probs, slot_table, shed, normalize=normalize,
+                           num_slots=num_slots)
+        y = experts_apply(x, weights, rows(slots))
+    served = scores if rule == "stall" else jnp.where(mix > 0, scores, 0.0)
+    return combine(y, mix), (indices, scores, shed.miss_ids, shed.miss_scores, served)
