@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import kq_jax
+from kq_core.contract import RouteShedResult
 from kq_jax.moe import Experts, TierExperts, experts_apply, tiered_apply
 from kq_jax.reference import bounded_table
 
@@ -89,7 +90,7 @@ def _cache_aware(rule: str, indices, probs, table, *, normalize: bool):
 
 def arena_moe(x, indices, scores, slot_table, *, rule: str, weights: Experts, num_slots: int,
               tier: TierExperts | None = None, probs=None, slot_rows=None, normalize: bool = False,
-              impl: str = "auto"):
+              shed: RouteShedResult | None = None, impl: str = "auto"):
     """One MoE layer's experts for a token batch on an arena, under ``rule``.
 
     Args:
@@ -105,6 +106,8 @@ def arena_moe(x, indices, scores, slot_table, *, rule: str, weights: Experts, nu
         probs: float32 ``[T, E]``, the router's probabilities (``substitute``, ``reroute``, ``prior``).
         slot_rows: int32 ``[S]``, the row of ``weights`` each slot holds (None: slot s is row s).
         normalize: whether the router renormalises its top-k (``substitute``, ``reroute``, ``prior``).
+        shed: ``route_shed``'s result for this routing and table when the caller has it (``topk_route_shed``
+            routes and sheds in one launch); None: computed here.
         impl: ``route_shed``'s implementation.
 
     Returns:
@@ -116,7 +119,8 @@ def arena_moe(x, indices, scores, slot_table, *, rule: str, weights: Experts, nu
     on_miss = "tier" if rule in TIER_RULES else "shed"
     if on_miss == "tier" and tier is None:
         raise ValueError(f"arena_moe: rule {rule!r} needs the tier's experts (tier=...)")
-    shed = kq_jax.route_shed(indices, scores, slot_table, num_slots=num_slots, on_miss=on_miss, impl=impl)
+    if shed is None:
+        shed = kq_jax.route_shed(indices, scores, slot_table, num_slots=num_slots, on_miss=on_miss, impl=impl)
 
     def rows(slots):
         return slots if slot_rows is None else slot_rows[slots]

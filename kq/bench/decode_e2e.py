@@ -180,17 +180,9 @@ class Engine:
         import jax.numpy as jnp
 
         import kq_jax
-        from kq_core.contract import TopkRouteShedResult
         from kq_jax.arena import pack_reports
-        from kq_jax.moe import (
-            Experts,
-            TierExperts,
-            TierWeights,
-            experts_apply,
-            route,
-            router_probs,
-            tiered_apply,
-        )
+        from kq_jax.arena_moe import arena_moe, combine
+        from kq_jax.moe import Experts, TierExperts, TierWeights, experts_apply, route, router_probs
 
         if (routing is None) == (router is None):
             raise ValueError("Engine: give the recorded routing or the routers, one of them")
@@ -221,33 +213,31 @@ class Engine:
         def resident(x, position, weights):
             for layer in range(self.layers):
                 indices, scores = routed(x, position, layer)
-                y = experts_apply(x, layer_weights(weights, layer), indices)
-                x = x + jnp.einsum("tkd,tk->td", y, scores.astype(y.dtype))
+                x = x + combine(experts_apply(x, layer_weights(weights, layer), indices), scores)
             return next_input(x, position), jnp.argmax(x[0]).astype(jnp.int32)
 
-        def streamed(x, position, arrays, tables, tier, on_miss):
-            routings, num_slots = [], arrays[PROJECTIONS[0]].shape[1]
+        def streamed(x, position, arrays, tables, tier, rule):
+            reports, num_slots = [], arrays[PROJECTIONS[0]].shape[1]
+            on_miss = "tier" if rule == "tier" else "shed"
             for layer in range(self.layers):
                 if self.recorded:
-                    indices, scores = routed(x, position, layer)
-                    routing = TopkRouteShedResult(indices, scores, kq_jax.route_shed(
-                        indices, scores, tables[layer], num_slots=num_slots, on_miss=on_miss, impl=impl))
-                else:
+                    (indices, scores), shed = routed(x, position, layer), None
+                else:  # routed and shed in one launch
                     routing = kq_jax.topk_route_shed(router_probs(x, routers[layer]), tables[layer], top_k=top_k,
                                                      num_slots=num_slots, on_miss=on_miss, impl=impl)
-                arena = layer_weights(arrays, layer)
-                if on_miss == "tier":
-                    low = TierExperts(*(TierWeights(*(a[layer] for a in tier[name])) for name in PROJECTIONS),
-                                      bits=TIER_BITS, group_size=TIER_GROUP_SIZE)
-                    y = tiered_apply(x, arena, low, routing.shed.slots)
-                else:
-                    y = experts_apply(x, arena, routing.shed.slots)
-                x = x + jnp.einsum("tkd,tk->td", y, routing.shed.mix.astype(y.dtype))
-                routings.append(routing)
-            return next_input(x, position), pack_reports(routings)
+                    indices, scores, shed = routing
+                low = None if tier is None else TierExperts(
+                    *(TierWeights(*(a[layer] for a in tier[name])) for name in PROJECTIONS), bits=TIER_BITS,
+                    group_size=TIER_GROUP_SIZE)
+                y, report = arena_moe(x, indices, scores, tables[layer], rule=rule, weights=layer_weights(arrays, layer),
+                                      num_slots=num_slots, tier=low, shed=shed, impl=impl)
+                x = x + y
+                reports.append(report)
+            return next_input(x, position), pack_reports(reports)
 
         self.resident = jax.jit(resident)
-        self.streamed = jax.jit(lambda x, position, arrays, tables: streamed(x, position, arrays, tables, None, "shed"))
+        self.streamed = jax.jit(lambda x, position, arrays, tables: streamed(x, position, arrays, tables, None,
+                                                                             "route_shed"))
         tiered = jax.jit(lambda x, position, arrays, tables, tier: streamed(x, position, arrays, tables, tier, "tier"))
         self.tiered = lambda x, position, arrays, tables: tiered(x, position, arrays, tables, self.tier)
 
