@@ -4,7 +4,8 @@
 routes with its :class:`Router`, runs ``topk_route_shed`` against the module's slot table, computes the hits
 with the arena's weights and the misses with the tier's copy (``on_miss="tier"``) or sheds them
 (``on_miss="shed"``), and returns the output beside the routing reports the host reads back. The step is
-:func:`kq_jax.moe.moe_ffn_arena` / :func:`kq_jax.moe.moe_ffn_tiered` itself; the module only holds its state.
+the library's one MoE step, :func:`kq_jax.arena_moe.arena_moe` (rules ``route_shed`` and ``tier``): the
+module holds the state, the library computes.
 
 That state is NNX variables of three kinds of their own, so filters tell them apart from the trainable
 :class:`flax.nnx.Param` router: :class:`ArenaSlots` (the arena's weights, ``[S, ...]`` a projection),
@@ -38,9 +39,10 @@ except ImportError as error:  # the one module of kq_jax that needs Flax
     raise ImportError("kq_jax.nnx needs Flax: pip install 'kq[nnx]'") from error
 
 from kq_host.tier import BITS, GROUP_SIZES, quantize
-from kq_jax.api import IMPLS
+from kq_jax.api import IMPLS, topk_route_shed
 from kq_jax.arena import pack_reports
-from kq_jax.moe import Experts, TierExperts, TierWeights, moe_ffn_arena, moe_ffn_resident, moe_ffn_tiered, route
+from kq_jax.arena_moe import arena_moe
+from kq_jax.moe import Experts, TierExperts, TierWeights, check_tier, moe_ffn_resident, route, router_probs
 
 # The arena's projections, named as the expert store's tensors, ``JaxArena.arrays`` and the tier's layers.
 ARENA_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -226,25 +228,29 @@ class ArenaMoE(nnx.Module):
             inputs: ``[..., D]``, e.g. ``[B, T, D]``; its ``T`` rows (every leading position) are routed.
 
         Returns:
-            ``(outputs [..., D], reports int32 [4, T, top_k])``: the reports hold, over the rows of
-            ``inputs``, the routed ids, their scores (float32 bits), the misses (-1 padded) and their scores
-            (float32 bits): ``kq_jax.arena.pack_reports``' layout for one layer. Stacked over layers on axis 1
-            (``nnx.scan(..., out_axes=(nnx.Carry, 1))``) they are ``[4, L, T, top_k]``, what
+            ``(outputs [..., D], reports int32 [F, T, top_k])``: the report of :mod:`kq_core.reports` for
+            one layer over the rows of ``inputs``, its ``F`` fields in ``REPORT_FIELDS`` order (the routed ids,
+            their scores, the misses, -1 padded, their scores, the scores served; scores as float32 bits).
+            Stacked over layers on axis 1 (``nnx.scan(..., out_axes=(nnx.Carry, 1))``) they are
+            ``[F, L, T, top_k]``, ``kq_jax.arena.pack_reports``' layout, what
             ``kq_host.residency.LayerReport.from_packed`` reads.
 
         Raises:
             ValueError: ``inputs``' last axis is not D (at trace time under ``nnx.jit``).
         """
         rows = _rows("ArenaMoE", inputs, self.router.hidden_size)
-        options = dict(top_k=self.router.top_k, impl=self.impl)
+        arena, table, tier = self.arena(), self.slot_table_E[...], None
         if self.on_miss == "tier":
-            outputs, routing = moe_ffn_tiered(rows, self.router.kernel_DE[...], self.arena(), self.tier(),
-                                              self.slot_table_E[...], **options)
-        else:
-            outputs, routing = moe_ffn_arena(rows, self.router.kernel_DE[...], self.arena(), self.slot_table_E[...],
-                                             **options)
+            tier = self.tier()
+            check_tier(tier, arena, num_experts=self.router.num_experts, where="ArenaMoE: tier")
+        # topk_route_shed routes and sheds in one launch; arena_moe takes its route_shed result as it is.
+        routing = topk_route_shed(router_probs(rows, self.router.kernel_DE[...]), table, top_k=self.router.top_k,
+                                  num_slots=self.num_slots, on_miss=self.on_miss, impl=self.impl)
+        outputs, report = arena_moe(rows, routing.indices, routing.scores, table,
+                                    rule="tier" if self.on_miss == "tier" else "route_shed", weights=arena,
+                                    num_slots=self.num_slots, tier=tier, shed=routing.shed, impl=self.impl)
         outputs = jnp.reshape(outputs, jnp.shape(inputs)[:-1] + outputs.shape[-1:])
-        return outputs, pack_reports([routing])[:, 0]
+        return outputs, pack_reports([report])[:, 0]
 
     # ---- the host side, between steps ----------------------------------------------------------
 

@@ -56,7 +56,7 @@ class KernelConfig(NamedTuple):
             4-byte access per entry; K <= 16 only.
         ptx_arith: round ``s * scale`` and ``total / kept`` with PTX's IEEE
             ``mul.rn.f32`` / ``div.rn.f32`` (inline assembly) instead of the
-            integer mantissa arithmetic of :mod:`kq_jax.exact_f32`; CUDA only.
+            integer mantissa arithmetic of :mod:`kq_jax.ieee_f32`; CUDA only.
         entry_lanes: one lane per entry, each lane counting its own entry's
             rank in a loop over the row, instead of one thread per row.
         row_buckets: launch on :func:`row_bucket` rows (the rows padded, the

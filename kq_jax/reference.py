@@ -2,7 +2,7 @@
 
 Traceable under ``jax.jit``, ``jax.vmap`` and ``lax.scan``; bit-exact with
 ``shared/spec.json`` on every XLA backend because the two rounded operations
-go through :mod:`kq_jax.exact_f32` and every other step is an exact select,
+go through :mod:`kq_jax.ieee_f32` and every other step is an exact select,
 compare or a sequential add followed by the contract's flush. ``mix`` is
 differentiable with respect to ``scores``. The functions here trust their
 arguments: :mod:`kq_jax.api` checks them once, at the public entry point.
@@ -21,7 +21,7 @@ from kq_core.contract import (
     RouteShedResult,
     TopkRouteShedResult,
 )
-from kq_jax.exact_f32 import canonicalize_nan, div_flush, flush, mul_flush
+from kq_jax.ieee_f32 import canonicalize_nan, div_flush, flush, mul_flush
 from kq_jax.partition import rowwise
 
 

@@ -24,7 +24,7 @@ and ``total / kept``, are the IEEE instructions ``mul.rn.f32`` and
 ``div.rn.f32`` written out as inline PTX (``ptx_arith``, the default on a
 CUDA GPU), so neither Triton's approximate ``div.full.f32`` nor multiply-add
 contraction can occur. Elsewhere (the interpreter, or ``ptx_arith=False``)
-they go through the integer mantissa arithmetic of :mod:`kq_jax.exact_f32`.
+they go through the integer mantissa arithmetic of :mod:`kq_jax.ieee_f32`.
 The remaining float ops are adds, compares and selects, each followed by the
 contract's flush. ``tests/test_pallas_lowering.py`` lowers the kernels to
 Triton IR for CUDA and checks that no other float multiply or divide is there.
@@ -48,7 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kq_core.contract import NOT_A_MISS_KEY, RouteShedResult
-from kq_jax.exact_f32 import canonicalize_nan, div_flush_raw, flush, mul_flush_raw
+from kq_jax.ieee_f32 import canonicalize_nan, div_flush_raw, flush, mul_flush_raw
 from kq_jax.pallas_config import MAX_UNROLLED_K, KernelConfig, block_config, next_power_of_two, row_bucket
 from kq_jax.partition import rowwise
 from kq_jax.reference import route_shed_ref, score_order_key

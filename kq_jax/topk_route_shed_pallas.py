@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from kq_core.contract import RouteShedResult, TopkRouteShedResult
-from kq_jax.exact_f32 import canonicalize_nan, flush
+from kq_jax.ieee_f32 import canonicalize_nan, flush
 from kq_jax.pallas_config import MAX_UNROLLED_K, KernelConfig, next_power_of_two, topk_block_config
 from kq_jax.partition import rowwise
 from kq_jax.reference import score_from_order_key, score_order_key, topk_normalized_ref, topk_route_shed_ref

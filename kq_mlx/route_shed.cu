@@ -1,7 +1,7 @@
 // route_shed on MLX's CUDA backend: the header handed to mx.fast.cuda_kernel,
 // for the shared row loop in route_shed_row.inc (the kernel's body).
 // kq_mlx.sources puts the contract's constants before this header and
-// exact_f32.inc after it. For indices uint32 [rows, K], scores bfloat16 and
+// ieee_f32.inc after it. For indices uint32 [rows, K], scores bfloat16 and
 // K = 8, MLX generates around the body:
 //
 //   __global__ void custom_kernel_kq_route_shed_uint32_bfloat16_k8(
@@ -24,7 +24,7 @@
 // division are explicit round-to-nearest intrinsics (__fadd_rn, __fdiv_rn),
 // each followed by the contract's flush. The multiply s * scale is not
 // __fmul_rn, which flushed a product that IEEE rounds up to 2^-126 under
-// NVRTC (docs/kernels.md): kq_mul_flush (exact_f32.inc) computes it on
+// NVRTC (docs/kernels.md): kq_mul_flush (ieee_f32.inc) computes it on
 // integer mantissas. The launch rounds the grid up to whole blocks, hence the
 // body's bounds check.
 

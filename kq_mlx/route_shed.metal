@@ -1,6 +1,6 @@
 // route_shed on Metal: the header handed to mx.fast.metal_kernel, for the
 // shared row loop in route_shed_row.inc (the kernel's body). kq_mlx.sources
-// puts the contract's constants before this header and exact_f32.inc after
+// puts the contract's constants before this header and ieee_f32.inc after
 // it; the C++ harness (kq_mlx/harness) compiles the very same strings on the
 // CPU. For indices uint32 [rows, K], scores bfloat16, MLX generates around
 // the body:
@@ -20,7 +20,7 @@
 //
 // Exactness: compiled with math_mode "safe"; the division is
 // metal::precise::divide (correctly rounded); the multiply s * scale is done on
-// integer mantissas (kq_mul_flush, exact_f32.inc) so that no GPU's
+// integer mantissas (kq_mul_flush, ieee_f32.inc) so that no GPU's
 // flush-to-zero rule can turn a product that IEEE rounds up to 2^-126 into 0;
 // every sum is a sequential add followed by the contract's flush.
 

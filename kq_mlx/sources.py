@@ -4,7 +4,7 @@ Both kernels run one row loop, ``route_shed_row.inc``, split at
 ``// ==== helpers ====`` and ``// ==== body ====``. A kernel's header is the
 contract's constants (from :mod:`kq_core.contract`), the language's own
 header (``route_shed.metal`` or ``route_shed.cu``: the macros and index types
-the loop uses), the integer multiply both share (``exact_f32.inc``) and the
+the loop uses), the integer multiply both share (``ieee_f32.inc``) and the
 loop's helpers; its body is the loop. The same strings go to
 ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel`` and to the harnesses that
 execute them where the hardware is missing, together with a signature written
@@ -99,7 +99,7 @@ def load(filename: str) -> KernelSource:
     _, rest = (package / "route_shed_row.inc").read_text().split("// ==== helpers ====\n", 1)
     helpers, body = rest.split("// ==== body ====\n", 1)
     header = "\n".join((constants_header(), (package / filename).read_text(),
-                        (package / "exact_f32.inc").read_text(), helpers))
+                        (package / "ieee_f32.inc").read_text(), helpers))
     return KernelSource(header=header, body=body)
 
 

@@ -3,7 +3,7 @@
 The kernel must hold no float multiply, divide or FMA (they would let Triton
 pick approximate or contracted forms on the GPU): only float adds, compares
 and selects, plus, with ``ptx_arith``, the IEEE ``mul.rn.f32`` and
-``div.rn.f32`` written out as inline PTX. ``tests/test_exact_f32.py`` checks those on a real GPU.
+``div.rn.f32`` written out as inline PTX. ``tests/test_ieee_f32.py`` checks those on a real GPU.
 """
 
 import functools

@@ -12,7 +12,7 @@ jax = pytest.importorskip("jax")
 from jax_impls import ON_GPU  # noqa: E402
 
 from kq_core.oracle import flush  # noqa: E402
-from kq_jax.exact_f32 import div_flush_raw, mul_flush_raw  # noqa: E402
+from kq_jax.ieee_f32 import div_flush_raw, mul_flush_raw  # noqa: E402
 
 _BLOCK = 1024
 
