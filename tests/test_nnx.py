@@ -17,6 +17,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from kq_core.reports import REPORT_FIELDS  # noqa: E402
 from kq_host.residency import LayerReport, ResidencyManager  # noqa: E402
 from kq_jax.arena import JaxArena, pack_reports  # noqa: E402
 from kq_jax.moe import Experts, experts_apply, moe_ffn_arena, moe_ffn_tiered, route  # noqa: E402
@@ -55,8 +56,12 @@ def _paths(state) -> list[tuple]:
     return [tuple(path) for path, _ in nnx.to_flat_state(state)]
 
 
+def _field(reports, name: str) -> np.ndarray:
+    return np.asarray(reports)[REPORT_FIELDS.index(name)]
+
+
 def _misses(reports) -> np.ndarray:
-    return np.asarray(reports)[2]
+    return _field(reports, "miss_ids")
 
 
 # ---- every expert resident: the dense module's bits --------------------------------------------------
@@ -68,7 +73,7 @@ def test_every_expert_resident_is_the_dense_module_bit_for_bit(dense, inputs, on
     module = ArenaMoE.from_dense(dense, on_miss=on_miss)
     want = _call(dense, inputs) if jitted else dense(inputs)
     got, reports = _call(module, inputs) if jitted else module(inputs)
-    assert got.shape == inputs.shape and reports.shape == (4, T, K) and reports.dtype == jnp.int32
+    assert got.shape == inputs.shape and reports.shape == (len(REPORT_FIELDS), T, K) and reports.dtype == jnp.int32
     assert np.abs(np.asarray(want)).max() > 0
     assert_same_bits(want, got)
     assert (_misses(reports) == -1).all()
@@ -85,7 +90,7 @@ def test_a_permuted_arena_set_by_the_host_keeps_the_dense_bits(dense, inputs):
     module.set_residency(table, arena)
     got, reports = _call(module, inputs)
     assert_same_bits(_call(dense, inputs), got)
-    ids, score_bits = np.asarray(reports)[:2]
+    ids, score_bits = _field(reports, "ids"), _field(reports, "scores")
     indices, scores = route(inputs.reshape(-1, D), dense.router.kernel_DE[...], top_k=K)
     np.testing.assert_array_equal(ids, np.asarray(indices))
     np.testing.assert_array_equal(score_bits.view(np.uint32), bits(scores))
@@ -102,8 +107,8 @@ def test_the_router_is_the_dense_routers_top_k(dense, inputs):
 # ---- a partial arena: the functional layers' bits ----------------------------------------------------
 
 
-def _partial(dense, on_miss):
-    module = ArenaMoE.from_dense(dense, resident=RESIDENT, num_slots=S, on_miss=on_miss)
+def _partial(dense, on_miss, impl="auto"):
+    module = ArenaMoE.from_dense(dense, resident=RESIDENT, num_slots=S, on_miss=on_miss, impl=impl)
     table = np.full(E, -1, np.int32)
     table[RESIDENT] = np.arange(len(RESIDENT))
     return module, jnp.asarray(table)
@@ -230,7 +235,7 @@ def test_nnx_scan_over_layers_steps_with_the_manager(inputs):
     for _ in range(3):
         stack.set_residency(tables, arena.arrays)
         out, reports = _scan(stack, h)
-        assert reports.shape == (4, L, T, K)
+        assert reports.shape == (len(REPORT_FIELDS), L, T, K)
         want, want_reports = _loop(kernels, arena.arrays, tables, h)
         assert_same_bits(want, out)
         np.testing.assert_array_equal(np.asarray(reports), np.asarray(want_reports))
@@ -276,7 +281,7 @@ def test_sharded_rows_stay_on_their_devices_with_the_single_device_bits(dense, o
     if len(devices) < 8:
         pytest.skip("needs 8 host devices (tests/conftest.py sets XLA_FLAGS before JAX starts)")
     mesh = Mesh(np.array(devices[:8]).reshape(4, 2), ("data", "model"))
-    module, _ = _partial(dense, on_miss)
+    module, _ = _partial(dense, on_miss, impl="reference")  # the host devices' impl, also beside a GPU
     x = jax.random.normal(jax.random.key(6), (16, 2, D), jnp.float32)  # [B, T, D], the batch over "data"
     graphdef, state = nnx.split(module)
     rows = NamedSharding(mesh, P("data", None, None))
@@ -291,6 +296,16 @@ def test_sharded_rows_stay_on_their_devices_with_the_single_device_bits(dense, o
     want, want_reports = step(jax.device_put(state, devices[0]), jax.device_put(x, devices[0]))
     assert_same_bits(want, out)
     np.testing.assert_array_equal(np.asarray(want_reports), np.asarray(reports))
+
+
+@pytest.mark.parametrize("on_miss", [
+    "shed", pytest.param("tier", marks=pytest.mark.xfail(
+        strict=True, raises=ZeroDivisionError,
+        reason="kq_jax.moe.quantized_apply reshapes its [0, k, out, in] unpacked rows with -1"))])
+def test_no_rows_give_empty_outputs_and_reports(dense, on_miss):
+    module = ArenaMoE.from_dense(dense, resident=RESIDENT, num_slots=S, on_miss=on_miss)
+    out, reports = _call(module, jnp.zeros((2, 0, D), jnp.float32))
+    assert out.shape == (2, 0, D) and reports.shape == (len(REPORT_FIELDS), 0, K)
 
 
 # ---- bad arguments ------------------------------------------------------------------------------------
