@@ -10,9 +10,11 @@ holds experts in host memory (the JAX and MLX arenas are in ``kq_jax`` and
 """
 
 from kq_host.arena import Arena, NumpyArena
-from kq_host.expert_store import ExpertStore, ExpertStoreError
+from kq_host.expert_store import ExpertStore, ExpertStoreClosed, ExpertStoreError
 from kq_host.prestage import PrestageOrder, prestage_order
-from kq_host.residency import FailedRead, LayerReport, LayerStats, ResidencyManager
+from kq_host.residency import (FailedRead, LayerReport, LayerStats, ManagerClosed, PreloadError,
+                               ResidencyManager)
 
-__all__ = ["Arena", "ExpertStore", "ExpertStoreError", "FailedRead", "LayerReport", "LayerStats", "NumpyArena",
-           "PrestageOrder", "ResidencyManager", "prestage_order"]
+__all__ = ["Arena", "ExpertStore", "ExpertStoreClosed", "ExpertStoreError", "FailedRead", "LayerReport",
+           "LayerStats", "ManagerClosed", "NumpyArena", "PreloadError", "PrestageOrder", "ResidencyManager",
+           "prestage_order"]

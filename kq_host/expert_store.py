@@ -163,6 +163,9 @@ class ExpertStore:
 
     Raises:
         ExpertStoreError: no safetensors file found.
+
+    :meth:`for_tensors` and :meth:`for_arenas` build a store from each layer's own tensor names instead of
+    a template (checkpoints whose first layers are dense, biases beside weights).
     """
 
     def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike], *,
@@ -184,6 +187,7 @@ class ExpertStore:
             raise ValueError(f"ExpertStore: a {layout} template must name {', '.join(fields)}; "
                              f"{self.template!r} lacks {', '.join(missing)}")
         files = self._files(paths)
+        self._names: dict[int, dict[str, str]] | None = None  # for_tensors: layer -> {payload key: tensor}
         self.tensors: dict[str, TensorEntry] = {}
         for path in files:
             for name, entry in read_safetensors_header(path).items():
@@ -197,6 +201,97 @@ class ExpertStore:
         self._closing = self._closed = False  # closing: no submission taken; closed: no read either
         self._reads_running = 0  # reads holding descriptors: close closes the files once none is left
         self.bytes_read = 0
+
+    @classmethod
+    def for_tensors(cls, paths: str | os.PathLike | Sequence[str | os.PathLike],
+                    names: Mapping[int, Mapping[str, str]], *, queue_depth: int = 8,
+                    host_allocator=None) -> "ExpertStore":
+        """A store reading each layer's experts from tensors named per layer, each stacked ``[E, ...]``.
+
+        One expert is the slice ``[expert]`` of each of its layer's tensors: read with one ``pread`` of its
+        bytes, never the whole tensor nor another expert.
+
+        Args:
+            paths: a ``.safetensors`` file, a directory of them, or a list of files.
+            names: ``{layer: {payload key: tensor name}}``, e.g. ``{0: {"gate_proj":
+                "model.layers.3.mlp.experts.gate_proj.weight", "gate_proj.bias": ...}}``; the layer numbers
+                are the residency manager's, the tensor names the checkpoint's. Each read returns
+                ``{payload key: array}``.
+            queue_depth, host_allocator: as the constructor's.
+
+        Raises:
+            ExpertStoreError: a named tensor is in none of the files, is not stacked (no leading expert
+                axis), or the tensors of one layer hold different numbers of experts (the message names
+                the tensor and the files).
+            ValueError: ``names`` is not a mapping of int layers to non-empty ``{str: str}`` mappings.
+        """
+        if not isinstance(names, Mapping) or not names:
+            raise ValueError(f"ExpertStore.for_tensors: names must be a non-empty mapping layer -> "
+                             f"{{payload key: tensor name}}, got {names!r}")
+        checked = {}
+        for layer, keys in names.items():
+            if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < 0:
+                raise ValueError(f"ExpertStore.for_tensors: names' layers must be ints >= 0, got {layer!r}")
+            if (not isinstance(keys, Mapping) or not keys
+                    or not all(isinstance(k, str) and isinstance(v, str) for k, v in keys.items())):
+                raise ValueError(f"ExpertStore.for_tensors: layer {layer}'s names must be a non-empty mapping of "
+                                 f"payload key to tensor name (str: str), got {keys!r}")
+            checked[int(layer)] = dict(keys)
+        store = cls(paths, layout="stacked", projections=tuple(next(iter(checked.values()))),
+                    queue_depth=queue_depth, host_allocator=host_allocator)
+        store._names = checked
+        try:
+            for layer, keys in checked.items():
+                counts = {}
+                for name in keys.values():
+                    entry = store.tensors.get(name)
+                    if entry is None:
+                        raise ExpertStoreError(f"layer {layer}: tensor {name} is in none of the store's files "
+                                               f"({store._files_shown()})")
+                    if not entry.shape:
+                        raise ExpertStoreError(f"{entry.path}: tensor {name} is a scalar, not a stack of experts")
+                    counts[name] = entry.shape[0]
+                if len(set(counts.values())) > 1:
+                    raise ExpertStoreError(f"layer {layer}: its tensors hold different numbers of experts "
+                                           f"({', '.join(f'{n}: {c}' for n, c in counts.items())})")
+        except ExpertStoreError:
+            store.close()
+            raise
+        return store
+
+    @classmethod
+    def for_arenas(cls, paths: str | os.PathLike | Sequence[str | os.PathLike], arenas: Sequence, *,
+                   queue_depth: int = 8, host_allocator=None) -> "ExpertStore":
+        """A store for a model's arenas, layer ``i`` read from ``arenas[i].tensor_names()`` (the mlx-lm
+        adapter's :meth:`~kq_mlx.mlx_lm_adapter.ArenaLayer.tensor_names`: ``{payload key: tensor name}``).
+
+        Raises:
+            ExpertStoreError, ValueError: as :meth:`for_tensors`.
+        """
+        return cls.for_tensors(paths, {layer: arena.tensor_names() for layer, arena in enumerate(arenas)},
+                               queue_depth=queue_depth, host_allocator=host_allocator)
+
+    def _keys(self, layer: int) -> tuple[str, ...]:
+        """The payload keys of ``layer``'s reads."""
+        if self._names is None:
+            return self.projections
+        return tuple(self._layer_names(layer))
+
+    def _layer_names(self, layer: int) -> dict[str, str]:
+        names = self._names.get(layer) if isinstance(layer, (int, np.integer)) else None
+        if names is None:
+            raise ExpertStoreError(f"layer {layer!r}: the store names tensors for layers "
+                                   f"{sorted(self._names)} only")
+        return names
+
+    def _tensor_name(self, layer: int, expert: int, projection: str) -> str:
+        if self._names is None:
+            return self.template.format(layer=layer, expert=expert, projection=projection)
+        return self._layer_names(layer)[projection]
+
+    def _files_shown(self) -> str:
+        files = sorted({e.path.name for e in self.tensors.values()})
+        return ", ".join(files[:4]) + (f" and {len(files) - 4} more" if len(files) > 4 else "")
 
     @staticmethod
     def _files(paths) -> list[Path]:
@@ -230,13 +325,11 @@ class ExpertStore:
 
     def _locate(self, layer: int, expert: int, projection: str) -> tuple[TensorEntry, int, int, tuple[int, ...]]:
         """(entry, byte offset, byte count, shape) of one projection of one expert."""
-        name = self.template.format(layer=layer, expert=expert, projection=projection)
+        name = self._tensor_name(layer, expert, projection)
         entry = self.tensors.get(name)
         if entry is None:
-            files = sorted({e.path.name for e in self.tensors.values()})
-            shown = ", ".join(files[:4]) + (f" and {len(files) - 4} more" if len(files) > 4 else "")
             raise ExpertStoreError(f"expert {expert} of layer {layer}: tensor {name} is in none of the store's "
-                                   f"files ({shown})")
+                                   f"files ({self._files_shown()})")
         if self.layout == "per_expert":
             return entry, entry.offset, entry.nbytes, entry.shape
         if len(entry.shape) < 1 or not 0 <= expert < entry.shape[0]:
@@ -248,7 +341,7 @@ class ExpertStore:
     def expert_shapes(self, layer: int, expert: int = 0) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         """``{projection: (shape, dtype)}`` of one expert, from the headers alone."""
         out = {}
-        for projection in self.projections:
+        for projection in self._keys(layer):
             entry, _, _, shape = self._locate(layer, expert, projection)
             out[projection] = (shape, entry.dtype)
         return out
@@ -261,7 +354,7 @@ class ExpertStore:
             return {}
 
     def expert_nbytes(self, layer: int, expert: int = 0) -> int:
-        return sum(self._locate(layer, expert, p)[2] for p in self.projections)
+        return sum(self._locate(layer, expert, p)[2] for p in self._keys(layer))
 
     def read_expert(self, layer: int, expert: int, *,
                     expected: Mapping[str, tuple[tuple[int, ...], np.dtype]] | None = None) -> dict[str, np.ndarray]:
@@ -298,9 +391,9 @@ class ExpertStore:
         """:meth:`read_expert`'s reads, one ``pread`` per projection."""
         out = {}
         nbytes_total = 0
-        for projection in self.projections:
+        for projection in self._keys(layer):
             entry, offset, nbytes, shape = self._locate(layer, expert, projection)
-            name = self.template.format(layer=layer, expert=expert, projection=projection)
+            name = self._tensor_name(layer, expert, projection)
             if expected is None:
                 expected = self._layer_shapes(layer)
             if projection in expected:

@@ -839,7 +839,8 @@ class ResidencyManager(ManagerBase):
 
     # ---- the layer-by-layer exact loop -----------------------------------------------------
 
-    def acquire(self, layer: int, indices, scores, *, timeout: float | None = None) -> np.ndarray:
+    def acquire(self, layer: int, indices, scores, *, timeout: float | None = None,
+                credit: bool = True) -> np.ndarray:
         """The exact loop's step for one layer of one token: every expert the layer routed is resident
         before its experts run.
 
@@ -854,6 +855,9 @@ class ResidencyManager(ManagerBase):
         Args:
             layer: the layer; indices: int ``[T, K]`` its routed ids; scores: ``[T, K]`` their scores.
             timeout: seconds this call may wait for reads, in all (None: no limit).
+            credit: count the routing (lookups, hits, misses, masses, LFU popularity or LRU recency).
+                ``False`` for a routing already credited: reading a failed miss again, or the experts
+                of a pass that runs again, counts the layer's routing once.
 
         Returns:
             ``int32 [E]``: the layer's table, every routed expert in it.
@@ -867,13 +871,19 @@ class ResidencyManager(ManagerBase):
             RuntimeError: as :meth:`step`.
         """
         deadline = deadline_of("acquire", timeout)
+        if not isinstance(credit, (bool, np.bool_)):
+            raise ValueError(f"acquire: credit must be a bool, got {credit!r}")
         self._check_open("acquire")
         ids, scores = self._layer_routing("acquire", layer, indices, scores)
         tables, view = self._tables, self._layer_view(layer)
         with self._exclusive("acquire"):
             self._publish_landed()
-            routed = self._ops.credit(view, ids, scores, tables.table[layer:layer + 1].copy(), self.token,
-                                      self.keep_mass)
+            if credit:
+                routed = self._ops.credit(view, ids, scores, tables.table[layer:layer + 1].copy(), self.token,
+                                          self.keep_mass)
+            else:
+                routed = np.zeros((1, self.num_experts), bool)  # the routed set, kept from eviction
+                routed[0, ids[(ids >= 0) & (ids < self.num_experts)]] = True
             wanted = np.unique(ids[(ids >= 0) & (ids < self.num_experts)])
             for expert in wanted.tolist():  # a prefetch routed once landed is used; still loading, late
                 if self._unused_prefetches.pop((layer, expert), None) is not None:
@@ -931,9 +941,11 @@ class ResidencyManager(ManagerBase):
             raise ValueError(f"acquire: layer {layer} routed {routed_count} experts into {self.num_slots} slots; "
                              f"{unplaced} found none (the routed and the pinned are never evicted: "
                              f"give the arena more slots, or the layer fewer tokens at once)")
-        raise PreloadError(f"acquire: layer {layer}: {len(failed)} read(s) failed "
-                           f"({', '.join(f'expert {r.expert}: {r.error_type}: {r.message}' for r in failed[:3])}) "
-                           f"and {len(out)} still out after {timeout} s", failed, out)
+        details = "; ".join(f"expert {r.expert}: {r.error_type}: {r.message}" for r in failed[:3])
+        more = f"; {len(failed) - 3} more" if len(failed) > 3 else ""
+        raise PreloadError(f"acquire: layer {layer}: the reads of experts {[r.expert for r in failed]} failed "
+                           f"({details}{more}), those of experts {sorted(read.expert for read in out)} still out "
+                           f"after {timeout} s", failed, out)
 
     def prefetch(self, layer: int, ids, scores, *, budget: int | None = None, timeout: float | None = None) -> int:
         """Starts reading predicted experts of ``layer`` (look-ahead), below its real misses.

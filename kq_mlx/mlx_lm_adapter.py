@@ -753,7 +753,8 @@ def pack_reports(blocks: list[ArenaLayer]) -> mx.array:
 
 def _retry_failed_reads(manager, report: LayerReport, read_retries: int, timeout: float | None) -> None:
     """Reads again, ignoring the manager's back-off, the experts a pass missed whose reads failed
-    (``manager.acquire`` of the layer's routed set, up to ``read_retries`` times a layer).
+    (``manager.acquire`` of the layer's routed set, its routing not credited again, up to ``read_retries``
+    times a layer).
 
     Raises:
         PreloadError: a layer's reads still failed after ``read_retries`` tries, or were out past
@@ -769,7 +770,7 @@ def _retry_failed_reads(manager, report: LayerReport, read_retries: int, timeout
         error = None
         for _ in range(read_retries):
             try:
-                manager.acquire(layer, report.indices[layer], report.scores[layer], timeout=timeout)
+                manager.acquire(layer, report.indices[layer], report.scores[layer], timeout=timeout, credit=False)
                 error = None
                 break
             except PreloadError as caught:
