@@ -39,12 +39,13 @@ import dataclasses
 import json
 import math
 import time
-from dataclasses import asdict, astuple, dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from kq.terminal import progress_bar, render_table
+from kq_core.contract import MAX_TOP_K
 
 RULES = ("route_shed", "shed", "renormalize", "substitute", "tier", "stall", "reroute", "prior", "uniform")
 JAX_ONLY_RULES = ("reroute", "prior", "uniform")
@@ -94,6 +95,18 @@ class StudyConfig:
         if self.tier_bits not in BITS or self.tier_group_size not in GROUP_SIZES:
             raise ValueError(f"--tier-bits must be among {BITS} and --tier-group-size among {GROUP_SIZES}, "
                              f"got {self.tier_bits}, {self.tier_group_size}")
+        if {"tier", "uniform"} & set(self.rules):
+            _check_tier_group_size(checkpoint_config(self.checkpoint, self.framework), self.tier_group_size)
+
+
+def _check_tier_group_size(raw: dict, group_size: int) -> None:
+    """ValueError naming ``--tier-group-size`` unless it divides every expert projection's input width."""
+    widths = {key: raw[key] for key in ("hidden_size", EXPERT_WIDTH_KEYS[raw["model_type"]])}
+    uneven = [f"{key} {width}" for key, width in widths.items() if width % group_size]
+    if uneven:
+        raise ValueError(f"--tier-group-size {group_size} does not divide the experts' input widths "
+                         f"({', '.join(uneven)} in the checkpoint's config.json); give one among the group "
+                         f"sizes that divide {', '.join(f'{key} {width}' for key, width in widths.items())}")
 
 
 def checkpoint_config(checkpoint, framework: str = "jax") -> dict:
@@ -118,9 +131,35 @@ def checkpoint_config(checkpoint, framework: str = "jax") -> dict:
     missing = [key for key in _required_keys(model_type, framework) if key not in raw]
     if missing:
         raise ValueError(f"--checkpoint: {path} lacks {', '.join(missing)}")
+    experts_key = CHECKPOINT_LAYOUTS[model_type][2]
+    for key in ("num_hidden_layers", experts_key, "num_experts_per_tok", "hidden_size",
+                EXPERT_WIDTH_KEYS[model_type]):
+        if not isinstance(raw.get(key), int) or isinstance(raw[key], bool) or raw[key] < 1:
+            raise ValueError(f"--checkpoint: {path}: {key} must be an int >= 1, got {raw.get(key)!r}")
+    most = min(raw[experts_key], MAX_TOP_K)
+    if raw["num_experts_per_tok"] > most:
+        raise ValueError(f"--checkpoint: {path}: num_experts_per_tok {raw['num_experts_per_tok']} exceeds "
+                         f"{most} ({experts_key} {raw[experts_key]}; route_shed takes at most {MAX_TOP_K})")
     if not (directory / "tokenizer.json").is_file():
         raise ValueError(f"--checkpoint: {directory} holds no tokenizer.json")
+    _check_weights_files(directory)
     return raw
+
+
+def _check_weights_files(directory: Path) -> None:
+    """ValueError naming ``--checkpoint`` and the file where the directory holds no safetensors file or
+    one whose header cannot be read (truncated, corrupt)."""
+    from safetensors import safe_open
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"--checkpoint: {directory} holds no *.safetensors weights file")
+    for path in files:
+        try:
+            with safe_open(str(path), "numpy"):  # checks the header against the file's size
+                pass
+        except Exception as error:  # safetensors raises its own SafetensorError, and OSError
+            raise ValueError(f"--checkpoint: {path} cannot be read as safetensors ({error})") from None
 
 
 def _required_keys(model_type: str, framework: str) -> list[str]:
@@ -647,6 +686,9 @@ def record_routing(config: StudyConfig, lookahead: int = 0):
     return out + (np.stack(predictions).astype(np.int32),) if lookahead else out
 
 
+# The config key of each family's expert hidden width (the down projection's input).
+EXPERT_WIDTH_KEYS = {"qwen3_moe": "moe_intermediate_size", "mixtral": "intermediate_size"}
+
 # Where each family keeps one expert's projections (Hugging Face names), in the arena's projection order
 # (gate, up, down), and the config key of its expert count.
 CHECKPOINT_LAYOUTS = {
@@ -694,6 +736,14 @@ class MlxStudy:
         self._tier = None
         tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
         self.tokens, self.scored_bytes = _text_tokens(config, tokenizer)
+        try:  # mlx-lm's loader checks every weight against the model config.json describes
+            self._resident_model = self._model()
+        except (ValueError, KeyError) as error:  # mlx-lm's sanitize raises KeyError for a missing expert
+            lines = [f"lacks {error.args[0]}"] if isinstance(error, KeyError) else str(error).splitlines()
+            head, *names = [line.strip(" ,.:") for line in lines if line.strip()]
+            listed = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            raise ValueError(f"--checkpoint: {checkpoint}: mlx-lm refuses its weights for the model its config.json "
+                             f"describes: {head}{': ' + listed if listed else ''}") from None
 
     def tier(self):
         """The checkpoint's tier under the arena's projection names (:func:`arena_tier`), once a study."""
@@ -721,7 +771,7 @@ class MlxStudy:
     def resident(self) -> RunResult:
         from mlx_lm.models.cache import make_prompt_cache
 
-        model = self._model()
+        model = self._resident_model
         cache = make_prompt_cache(model)
         result = RunResult(1.0, self.num_experts, "-", "resident", self.config.tokens, 0.0, self.scored_bytes)
         result.memory_bytes = self.cfg_json["num_hidden_layers"] * self.num_experts * _expert_nbytes(
@@ -772,9 +822,10 @@ class MlxStudy:
                 logits = self._logits(model, cache, token_id)
                 reports = []
                 for block in blocks:
-                    indices, scores, miss_ids, miss_scores = astuple(block.report())
-                    served = scores if rule == "stall" else np.where(np.array(block.last_mix) > 0, scores, 0.0)
-                    reports.append((indices, scores, miss_ids, miss_scores, served.reshape(scores.shape)))
+                    report = block.report()
+                    served = report.scores if rule == "stall" else report.served
+                    reports.append((report.indices, report.scores, report.miss_ids, report.miss_scores,
+                                    served.reshape(report.scores.shape)))
                 return logits[None], reports
 
             tokens, warmup = _tokens(self.tokens, self.config.warmup, prompt)
