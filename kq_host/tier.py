@@ -1,12 +1,14 @@
 """The low-precision tier: every expert of every layer, quantized, beside the full-precision arena.
 
 With ``route_shed(..., on_miss="tier")`` a routed expert that is not in the arena is computed with
-its copy here instead of being dropped. The format is affine group quantization in MLX's layout
-(what ``mx.quantize`` returns and ``mx.gather_qmm`` reads): along each weight row's input axis,
-``group_size`` values share a ``scale`` and a ``bias``, and ``w ~= scale * q + bias`` with
-``q`` in ``[0, 2**bits)``, the q of a row packed as one little-endian bit stream into uint32
-words. A JAX layer dequantizes the rows it gathers; an MLX layer hands the arrays to
-``gather_qmm`` as they are. Built once from an :class:`~kq_host.expert_store.ExpertStore`
+its copy here instead of being dropped. The format is affine group quantization as mlx-community's
+checkpoints store it (what ``mx.quantize`` returns for a 16-bit weight and ``mx.gather_qmm`` reads):
+along each weight row's input axis, ``group_size`` values share a ``scale`` and a ``bias``, both
+bfloat16 (float16 for a float16 weight), and ``w ~= scale * q + bias`` with ``q`` in ``[0, 2**bits)``,
+the q of a row packed as one little-endian bit stream into uint32 words: ``bits + 32 / group_size``
+bits a weight (:func:`bits_per_weight`). :func:`quantize` rounds as ``mx.quantize`` does, bit for bit.
+A JAX layer dequantizes the rows it gathers; an MLX layer hands the arrays to ``gather_qmm`` as they
+are. :func:`tier_from_checkpoint` reads the tier from a lower-bit mlx-lm conversion of the model instead. Built once from an :class:`~kq_host.expert_store.ExpertStore`
 and cached on disk: one entry per checkpoint and options, valid while the checkpoint's bytes are those
 it was built from.
 """
@@ -34,10 +36,12 @@ BITS = (2, 3, 4, 8)
 GROUP_SIZES = (32, 64, 128)
 # The packing word: q values run through uint32 words as one little-endian bit stream.
 WORD_BITS = 32
-# The dtypes of scales and biases, by name (as the cache stores them).
-SCALE_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
-                "float16": np.dtype(np.float16)}
-_CACHE_VERSION = "2"
+# The dtypes of the tier's scales and biases, by name (as the cache stores them): mlx-community's 16 bits.
+SCALE_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16)}
+SCALE_BITS = 16
+# The dtypes quantize takes: the 16-bit ones as they are, wider ones rounded to bfloat16 first.
+WEIGHT_DTYPES = (*SCALE_DTYPES.values(), np.dtype(np.float32), np.dtype(np.float64))
+_CACHE_VERSION = "3"
 
 
 class TierOptionError(ValueError):
@@ -49,7 +53,8 @@ class QuantizedWeight(NamedTuple):
 
     Attributes:
         packed: uint32 ``[..., out, in * bits / 32]``.
-        scales: ``[..., out, in / group_size]``, the weight's dtype (float32, bfloat16 or float16).
+        scales: ``[..., out, in / group_size]``: bfloat16 or float16 in the tier (:func:`quantize`); a
+            checkpoint of float32 scales is read (:func:`dequantize`) but not made a tier.
         biases: as ``scales``.
     """
 
@@ -72,72 +77,93 @@ def check_options(bits: int, group_size: int) -> None:
 
 
 def quantize(weight: np.ndarray, *, bits: int, group_size: int) -> QuantizedWeight:
-    """Affine group quantization of ``weight`` ``[..., in]`` along its last axis.
+    """Affine group quantization of ``weight`` ``[..., in]`` along its last axis, bit for bit as
+    ``mx.quantize`` (affine mode) gives it for the weight in its 16-bit dtype.
 
-    Per group: ``bias = min``, ``scale = (max - min) / (2**bits - 1)``, both rounded to the weight's
-    dtype first (a float32 scale to 16 significant bits, so ``scale * q`` is exact); then ``q = clip(rint((w - bias) / scale), 0, 2**bits - 1)`` (0 where ``scale`` is 0).
-    A float64 weight is quantized as its float32 rounding.
+    A float32 or float64 weight is rounded to bfloat16 first (a float64 one through float32), as
+    ``mlx_lm.convert`` rounds a model to its dtype before quantizing; a bfloat16 or float16 weight is
+    quantized as it is. Then, per group, in float32: with ``lo``, ``hi`` the group's extremes and
+    ``levels = 2**bits - 1``, the edge is the extreme of larger magnitude (``hi`` on a tie) and
+    ``scale = max((hi - lo) / levels, 1e-7)``, negated when the edge is ``hi``; ``q0 = rint(edge / scale)``;
+    unless ``q0`` is 0, ``scale = edge / q0`` and ``bias = edge`` (so the edge and zero lie on the grid),
+    else ``bias = 0``; then ``q = clip(rint((w - bias) / scale), 0, levels)`` with the float32 scale and
+    bias, which are stored rounded to the 16-bit dtype. ``scale * q`` is exact in float32 (at most
+    11 + 8 significant bits), so a backend that fuses dequantization's multiply and add into an FMA
+    rounds as one that does not.
 
     Args:
-        weight: float32, bfloat16, float16 or float64 ``[..., in]``, ``in`` a multiple of ``group_size``,
-            every value finite in float32.
+        weight: bfloat16, float16, float32 or float64 ``[..., in]``, ``in`` a multiple of ``group_size``,
+            every value finite in bfloat16 (float16 for a float16 weight).
         bits: 2, 3, 4 or 8.
         group_size: 32, 64 or 128.
 
     Returns:
-        :class:`QuantizedWeight`, scales and biases in ``weight``'s dtype (float32 for a float64 weight).
+        :class:`QuantizedWeight`: packed uint32 ``[..., in * bits / 32]``, scales and biases
+        ``[..., in / group_size]`` in the 16-bit dtype (bfloat16, or float16 for a float16 weight).
 
     Raises:
         TierOptionError: an option, dtype or shape the format does not take, a value that is not finite in
-            float32, or a group whose range ``max - min`` is too wide for its top value to dequantize finite.
+            the 16-bit dtype, or a group whose range is too wide for its values to dequantize finite.
     """
     check_options(bits, group_size)
     weight = np.asarray(weight)
-    if weight.dtype == np.float64:
-        with np.errstate(over="ignore"):  # out-of-range values become inf, refused below
-            weight = weight.astype(np.float32)
-    if weight.dtype not in SCALE_DTYPES.values():
-        raise TierOptionError(f"tier: a weight to quantize must be float32, bfloat16, float16 or float64, "
+    if weight.dtype not in WEIGHT_DTYPES:
+        raise TierOptionError(f"tier: a weight to quantize must be bfloat16, float16, float32 or float64, "
                               f"got {weight.dtype}")
     if weight.ndim < 1 or weight.shape[-1] % group_size:
         raise TierOptionError(f"tier: a weight's last axis must be a multiple of group_size={group_size}, "
                               f"got shape {weight.shape}")
-    if not np.all(np.isfinite(weight.astype(np.float32))):
-        raise TierOptionError("tier: a weight to quantize holds inf or NaN (or float64 values beyond float32's range)")
+    dtype = scale_dtype(weight.dtype)
+    with np.errstate(over="ignore", invalid="ignore"):  # values beyond the 16-bit range become inf: refused below
+        weight = weight.astype(np.float32).astype(dtype)
+    if not np.all(np.isfinite(weight)):
+        raise TierOptionError(f"tier: a weight to quantize holds inf or NaN, or values beyond {dtype.name}'s range "
+                              f"(the tier stores {dtype.name} scales and biases)")
     groups = weight.astype(np.float32).reshape(*weight.shape[:-1], -1, group_size)
+    levels = np.float32((1 << bits) - 1)
     low, high = groups.min(axis=-1), groups.max(axis=-1)
-    levels = (1 << bits) - 1
-    biases = low.astype(weight.dtype)
-    with np.errstate(over="ignore"):  # a range beyond float32's: refused below
-        scales = _short_significand(((high - low) / np.float32(levels)).astype(weight.dtype))
-        scale32, bias32 = scales.astype(np.float32)[..., None], biases.astype(np.float32)[..., None]
-        top = scale32 * np.float32(levels) + bias32  # each group's largest dequantized value
-    if not np.all(np.isfinite(top)):
-        raise TierOptionError(f"tier: a weight has a group whose range (max - min) overflows float32 at "
+    edge_is_low = np.abs(low) > np.abs(high)
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):  # non-finite results: refused below
+        scale = np.maximum((high - low) / levels, _MLX_EPS)
+        scale = np.where(edge_is_low, scale, -scale)
+        edge = np.where(edge_is_low, low, high)
+        q0 = np.rint(edge / scale)
+        on_grid = q0 != 0
+        scale = np.where(on_grid, edge / np.where(on_grid, q0, np.float32(1)), scale)
+        bias = np.where(on_grid, edge, np.float32(0))
+        q = np.clip(np.rint((groups - bias[..., None]) / scale[..., None]), 0, levels)
+        scales, biases = scale.astype(dtype), bias.astype(dtype)
+        top = scales.astype(np.float32) * levels + biases.astype(np.float32)  # the grid's far end
+    # A constant group beyond 1e-7 * float32's largest value: edge / scale overflows, q0 is inf, the scale 0,
+    # and (w - bias) / scale is 0 / 0; every q is 0 there, the value the bias alone.
+    q = np.where(np.isnan(q), np.float32(0), q)
+    if not (np.all(np.isfinite(scales)) and np.all(np.isfinite(top))):
+        raise TierOptionError(f"tier: a weight has a group whose range (max - min) is too wide for {dtype.name} at "
                               f"bits={bits}: its values cannot come back finite from the format")
-    q = np.rint((groups - bias32) / np.where(scale32 > 0, scale32, np.float32(1.0)))
-    q = np.where(scale32 > 0, np.clip(q, 0, levels), 0).astype(np.uint32)
-    return QuantizedWeight(pack(q.reshape(weight.shape), bits), scales, biases)
+    return QuantizedWeight(pack(q.astype(np.uint32).reshape(weight.shape), bits), scales, biases)
+
+
+# mx.quantize's smallest scale magnitude (a group's range below levels * 1e-7 gets this scale).
+_MLX_EPS = np.float32(1e-7)
 
 
 def scale_dtype(weight_dtype) -> np.dtype:
-    """The dtype :func:`quantize` gives the scales and biases of a weight of ``weight_dtype``."""
-    weight_dtype = np.dtype(weight_dtype)
-    return np.dtype(np.float32) if weight_dtype == np.float64 else weight_dtype
+    """The 16-bit dtype :func:`quantize` gives the scales and biases of a weight of ``weight_dtype``:
+    float16 for float16, else bfloat16 (the dtype mlx-community's checkpoints store)."""
+    return np.dtype(np.float16) if np.dtype(weight_dtype) == np.float16 else np.dtype(ml_dtypes.bfloat16)
 
 
-# Scales carry at most this many significant bits, so that scale * q (q < 2**8) is exact in float32:
-# a backend that fuses the multiply and the add into an FMA then rounds exactly as one that does not.
-SCALE_SIGNIFICANT_BITS = 16
+def bits_per_weight(bits: int, group_size: int) -> float:
+    """What one weight costs in the tier: its ``bits`` plus its share of a 16-bit scale and bias.
 
+    Returns:
+        ``bits + 32 / group_size`` (2-bit in groups of 64: 2.5).
 
-def _short_significand(scales: np.ndarray) -> np.ndarray:
-    """float32 scales rounded to :data:`SCALE_SIGNIFICANT_BITS` significant bits (bf16 and f16 have fewer)."""
-    if scales.dtype != np.float32:
-        return scales
-    mantissa, exponent = np.frexp(scales.astype(np.float64))
-    return np.ldexp(np.round(mantissa * 2.0**SCALE_SIGNIFICANT_BITS) / 2.0**SCALE_SIGNIFICANT_BITS,
-                    exponent).astype(np.float32)
+    Raises:
+        TierOptionError: naming ``bits`` or ``group_size`` if the format does not take it.
+    """
+    check_options(bits, group_size)
+    return bits + 2 * SCALE_BITS / group_size
 
 
 def pack(q: np.ndarray, bits: int) -> np.ndarray:

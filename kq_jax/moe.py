@@ -146,8 +146,8 @@ def dequantize_rows(weights: TierWeights, rows, *, bits: int, group_size: int, d
     groups = q.reshape(*q.shape[:-1], -1, group_size)
     scales = weights.scales[rows].astype(jnp.float32)[..., None]
     biases = weights.biases[rows].astype(jnp.float32)[..., None]
-    # scale * q is exact (kq_host.tier.SCALE_SIGNIFICANT_BITS), so XLA contracting it with the add into
-    # an FMA, as it does on the CPU, rounds exactly as the host reference.
+    # 16-bit scales widen to float32 exactly and scale * q is exact (at most 11 + 8 significant bits), so XLA
+    # contracting it with the add into an FMA, as it does on the CPU, rounds exactly as the host reference.
     return (groups * scales + biases).reshape(q.shape).astype(dtype)
 
 
