@@ -231,8 +231,10 @@ def build_tier(store, num_layers: int, num_experts: int, *, bits: int = 3, group
     """Quantizes every expert the store holds, or loads the cached result of the same build.
 
     The cache keeps one entry per checkpoint (its files' paths, the store's layout) and options, valid
-    while the checkpoint's files hold the bytes it was built from (a digest of their whole content); a
-    changed checkpoint's entry is rebuilt in place. An entry that is unreadable or does not hold the
+    while the checkpoint's files are those it was built from: each file's device, inode, size,
+    modification and change times and a digest of its safetensors header (a hit reads the headers,
+    not the weights; what that misses: ``_content_digest``); a changed checkpoint's entry is rebuilt
+    in place. An entry that is unreadable or does not hold the
     request's layers, experts, projections, shapes and dtypes is rebuilt with a warning; a cache that
     cannot be written leaves the tier uncached with a warning.
 
@@ -347,32 +349,43 @@ def _files(store) -> dict[str, tuple[int, int, int]]:
     return {str(entry.path): entry.identity for entry in store.tensors.values()}
 
 
-# Bytes read at a time while the checkpoint's files are digested.
-_DIGEST_CHUNK = 1 << 22
+# A safetensors file opens with its header's length, a little-endian uint64.
+_HEADER_LENGTH_BYTES = 8
 
 
 def _content_digest(store) -> str:
-    """A digest of every byte of the store's files (about 1.8 GB/s on one core).
+    """A digest that changes when the store's files may hold other bytes, read from their metadata and
+    headers only (a hit costs a stat and a header read per file, not a pass over the weights).
+
+    Per file: its device, inode, size, modification and change times (ns) and a SHA-256 of its
+    safetensors header. A rewrite in place, a replacement or a changed header changes the digest, and
+    so does a same-size rewrite with its modification time set back: writing the file and setting its
+    times both move the change time (ctime), which no user can set back. What this misses: on a
+    filesystem whose timestamps are coarse (FAT's 2 s, ext3's and HFS+'s 1 s, and Linux's cached clock,
+    a few ms, where the kernel does not keep fine-grained ctimes), a same-size rewrite of a tensor's
+    bytes that leaves the header as it was, sets the mtime back and lands in the same ctime tick as
+    the file's previous change; and a filesystem that reports no real ctime (some network and FUSE mounts).
 
     Raises:
-        ExpertStoreError: a file is not the one whose header the store read.
+        ExpertStoreError: a file cannot be read, or is not the one whose header the store read.
     """
-    digest = hashlib.sha1(usedforsecurity=False)
-    buffer = bytearray(_DIGEST_CHUNK)
-    view = memoryview(buffer)
+    digest = hashlib.sha256()
     for path, identity in sorted(_files(store).items()):
         try:
             handle = open(path, "rb")
         except OSError as error:
-            raise ExpertStoreError(f"{path}: cannot be opened to digest it ({error.strerror or error})") from None
+            raise ExpertStoreError(f"{path}: cannot be opened to key the tier cache "
+                                   f"({error.strerror or error})") from None
         with handle:
             stat = os.fstat(handle.fileno())
             if (stat.st_ino, stat.st_size, stat.st_mtime_ns) != tuple(identity):
                 raise ExpertStoreError(f"{path} changed after its header was read (inode, size or modification time "
                                        f"differ); open a new store on the new file")
-            digest.update(f"{Path(path).name}\0{stat.st_size}\0".encode())
-            while count := handle.readinto(buffer):
-                digest.update(view[:count])
+            length = handle.read(_HEADER_LENGTH_BYTES)
+            header = handle.read(int.from_bytes(length, "little")) if len(length) == _HEADER_LENGTH_BYTES else b""
+        digest.update(f"{Path(path).name}\0{stat.st_dev}\0{stat.st_ino}\0{stat.st_size}\0{stat.st_mtime_ns}\0"
+                      f"{stat.st_ctime_ns}\0".encode())
+        digest.update(hashlib.sha256(length + header).digest())
     return digest.hexdigest()
 
 

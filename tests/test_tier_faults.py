@@ -126,6 +126,67 @@ def test_a_same_size_rewrite_with_its_mtime_restored_is_not_served_the_old_tier(
     _assert_tier_is(_build(checkpoint, cache), tensors)
 
 
+class _CountingFile:
+    """A file whose reads are counted in ``counts[path]``."""
+
+    def __init__(self, handle, counts):
+        self._handle, self._counts = handle, counts
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._handle.close()
+
+    def _count(self, size):
+        self._counts[self._handle.name] = self._counts.get(self._handle.name, 0) + (size or 0)
+        return size
+
+    def read(self, *args):
+        data = self._handle.read(*args)
+        self._count(len(data))
+        return data
+
+    def readinto(self, buffer):
+        return self._count(self._handle.readinto(buffer))
+
+
+def test_a_cache_hit_reads_the_checkpoints_headers_not_its_weights(tmp_path, rng, monkeypatch):
+    checkpoint, cache = tmp_path / "ckpt", tmp_path / "cache"
+    tensors = _write_checkpoint(checkpoint, rng, experts=16)
+    _build(checkpoint, cache, experts=16)
+    counts = {}
+    monkeypatch.setattr(tier_module, "open", lambda *a, **k: _CountingFile(open(*a, **k), counts), raising=False)
+    _assert_tier_is(_build(checkpoint, cache, experts=16), tensors, experts=16)
+    file = checkpoint / "model.safetensors"
+    header = 8 + int.from_bytes(file.read_bytes()[:8], "little")
+    assert counts == {str(file): header} and header * 20 < file.stat().st_size
+
+
+def test_a_same_size_rewrite_of_a_tensors_bytes_is_not_served_the_old_tier_though_its_header_is_the_same(
+        tmp_path, rng):
+    """The header and the mtime the same: the inode's change time tells the rewrite apart."""
+    checkpoint, cache = tmp_path / "ckpt", tmp_path / "cache"
+    tensors = _write_checkpoint(checkpoint, rng)
+    file = checkpoint / "model.safetensors"
+    before = os.stat(file)
+    _build(checkpoint, cache)
+    with ExpertStore(checkpoint) as store:
+        entry = store.tensors["model.layers.1.mlp.experts.2.down_proj.weight"]
+    name = "model.layers.1.mlp.experts.2.down_proj.weight"
+    tensors[name] = -tensors[name]
+    with open(file, "r+b") as out:
+        out.seek(entry.offset)
+        out.write(tensors[name].tobytes())
+    os.utime(file, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = os.stat(file)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    _assert_tier_is(_build(checkpoint, cache), tensors)
+
+
 def test_a_cached_file_that_does_not_answer_the_request_is_rebuilt(tmp_path, rng):
     """A tier of other options (or another checkpoint) under the request's name is not returned."""
     tensors = _write_checkpoint(tmp_path / "ckpt", rng)
