@@ -941,11 +941,14 @@ class ResidencyManager(ManagerBase):
             raise ValueError(f"acquire: layer {layer} routed {routed_count} experts into {self.num_slots} slots; "
                              f"{unplaced} found none (the routed and the pinned are never evicted: "
                              f"give the arena more slots, or the layer fewer tokens at once)")
-        details = "; ".join(f"expert {r.expert}: {r.error_type}: {r.message}" for r in failed[:3])
-        more = f"; {len(failed) - 3} more" if len(failed) > 3 else ""
-        raise PreloadError(f"acquire: layer {layer}: the reads of experts {[r.expert for r in failed]} failed "
-                           f"({details}{more}), those of experts {sorted(read.expert for read in out)} still out "
-                           f"after {timeout} s", failed, out)
+        parts = []
+        if failed:
+            details = "; ".join(f"expert {r.expert}: {r.error_type}: {r.message}" for r in failed[:3])
+            more = f"; {len(failed) - 3} more" if len(failed) > 3 else ""
+            parts.append(f"the reads of experts {[r.expert for r in failed]} failed ({details}{more})")
+        if out:
+            parts.append(f"the reads of experts {sorted(read.expert for read in out)} still out after {timeout} s")
+        raise PreloadError(f"acquire: layer {layer}: {', '.join(parts)}", failed, out)
 
     def prefetch(self, layer: int, ids, scores, *, budget: int | None = None, timeout: float | None = None) -> int:
         """Starts reading predicted experts of ``layer`` (look-ahead), below its real misses.

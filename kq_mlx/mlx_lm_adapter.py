@@ -131,6 +131,7 @@ class ArenaLayer(nn.Module):
         self._rule = self.RULES[0]
         self.tier = None  # a copy of the arena holding every expert at low precision (attach_tier)
         self.manager, self.layer, self.timeout = None, None, None  # rule "exact" (attach_exact)
+        self.read_retries = 0  # rule "exact": times a failed read is read again before the error (prefill)
         self.last = None
         self.last_mix = None
 
@@ -175,15 +176,65 @@ class ArenaLayer(nn.Module):
                               else array[expert])
                 for key, array in _slot_arrays(self._source("expert_weights"))}
 
-    def _acquire(self, inds, scores):
+    def _exact(self, x, inds, scores):
         """Rule ``"exact"``: the routing evaluated and read back, every routed expert made resident by the
-        residency manager (:func:`attach_exact`), the table set for this layer's experts."""
+        residency manager (:func:`attach_exact`) before it runs: ``(y [..., K, D], RouteShedResult)``.
+
+        When the layer's routed experts fit its slots (beside the pinned ones), one ``acquire`` makes them
+        all resident and the arena runs as for any rule. A pass of many tokens (a prompt) may route more:
+        its experts are then taken in chunks that fit, the resident ones first, each chunk's experts
+        acquired (each read once) and run on the entries routed to them, and the entries' outputs put
+        back in order. Each entry's output is the arena's for that entry alone, so the bits are those
+        of one call over every entry (each entry's products are its own rows of ``gather_mm``).
+        """
         if self.manager is None:
             raise ValueError(f"{type(self).__name__}: rule 'exact' needs a residency manager: call attach_exact first")
         mx.eval(inds, scores)
-        table = self.manager.acquire(self.layer, np.array(inds), np.array(scores.astype(mx.float32)),
-                                     timeout=self.timeout)
+        k = inds.shape[-1]
+        ids = np.array(inds).reshape(-1, k).astype(np.int64)
+        host_scores = np.array(scores.astype(mx.float32)).reshape(-1, k)
+        pinned = self.manager.pinned_experts.get(self.layer, set())
+        wanted = np.unique(ids)
+        capacity = self.num_slots - len(pinned)
+        if np.setdiff1d(wanted, list(pinned)).size <= capacity:
+            self.slot_table = mx.array(self._acquire(ids, host_scores))
+            return self._experts(x, inds, scores)
+        if capacity < 1:
+            raise ValueError(f"{type(self).__name__} at {self.module_path}: all {self.num_slots} slots hold pinned "
+                             f"experts; none is left for the {wanted.size} experts the pass routes")
+        resident = self.manager.snapshot()[self.layer][wanted] >= 0
+        ordered = np.concatenate([wanted[resident], wanted[~resident]])
+        rank = np.empty(self.num_experts, np.int64)
+        rank[ordered] = np.arange(ordered.size)
+        flat_ids, flat_scores = ids.reshape(-1), host_scores.reshape(-1)
+        chunk_of_entry = rank[flat_ids] // capacity
+        x_rows = x.reshape(-1, x.shape[-1])
+        outputs, positions, table = [], [], None
+        for chunk in range(int(chunk_of_entry.max()) + 1):
+            entries = np.flatnonzero(chunk_of_entry == chunk)
+            table = self._acquire(flat_ids[entries][None], flat_scores[entries][None])
+            slots = mx.array(table[flat_ids[entries]].astype(np.uint32))[:, None]
+            out = self.arena(x_rows[mx.array(entries // k)], slots)
+            mx.eval(out)  # before the next chunk's reads take its slots
+            outputs.append(out.reshape(entries.size, -1))
+            positions.append(entries)
         self.slot_table = mx.array(table)
+        back = np.argsort(np.concatenate(positions), kind="stable")
+        y = mx.concatenate(outputs)[mx.array(back)].reshape(*inds.shape, -1)
+        # Every routed expert was served: the routing against a table holding them all (no miss, full mix).
+        every = np.full(self.num_experts, -1, np.int32)
+        every[wanted] = np.arange(wanted.size) % self.num_slots
+        return y, kq_mlx.route_shed(inds.astype(mx.uint32), scores, mx.array(every), num_slots=self.num_slots)
+
+    def _acquire(self, ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        """``manager.acquire`` of this layer's routed ``ids``; a read that failed is read again (its routing
+        not credited twice) up to :attr:`read_retries` times. Returns the layer's table, ``int32 [E]``."""
+        for attempt in range(self.read_retries + 1):
+            try:
+                return self.manager.acquire(self.layer, ids, scores, timeout=self.timeout, credit=attempt == 0)
+            except PreloadError as error:
+                if error.pending or attempt == self.read_retries:
+                    raise
 
     def _experts(self, x, inds, scores, on_miss: str = "shed"):
         """route_shed against the slot table, then the arena (and with ``on_miss="tier"`` the tier for the
@@ -240,8 +291,9 @@ class ArenaSwitch(ArenaLayer):
             self.last_mix = scores
             return self._source("rule 'stall'")(x, indices)
         if self.rule == "exact":
-            self._acquire(indices, scores)
-        y, shed = self._experts(x, indices, scores, on_miss="tier" if self.rule == "tier" else "shed")
+            y, shed = self._exact(x, indices, scores)
+        else:
+            y, shed = self._experts(x, indices, scores, on_miss="tier" if self.rule == "tier" else "shed")
         self.last = (indices, scores, shed)
         if self.rule == "shed":
             kept = shed.mix > 0
@@ -285,10 +337,13 @@ class ArenaMoeBlock(ArenaLayer):
             y, shed = self._experts(x, inds, scores, on_miss="tier")
             self.last, self.last_mix = (inds, scores, shed), shed.mix
             return (y * shed.mix.astype(scores.dtype)[..., None]).sum(axis=-2).astype(y.dtype)
+        elif self.rule == "exact":
+            inds, scores = self._route(self.block, x)
+            y, shed = self._exact(x, inds, scores)
+            self.last, self.last_mix = (inds, scores, shed), shed.mix
+            return (y * shed.mix.astype(scores.dtype)[..., None]).sum(axis=-2).astype(y.dtype)
         else:
             inds, scores = self._route(self.block, x)
-            if self.rule == "exact":
-                self._acquire(inds, scores)
             shed = kq_mlx.route_shed(inds.astype(mx.uint32), scores, self.slot_table, num_slots=self.num_slots)
         self.last = (inds, scores, shed)
         if self.rule == "stall":
@@ -312,7 +367,7 @@ class ArenaMoeBlock(ArenaLayer):
 
     def _mix(self, inds, scores, shed):
         """The weights under :attr:`rule` (route_shed, shed, renormalize or substitute)."""
-        if self.rule in ("route_shed", "substitute", "exact"):
+        if self.rule in ("route_shed", "substitute"):
             return shed.mix
         kept = self.slot_table[inds] >= 0
         if self.rule == "shed":
@@ -788,9 +843,80 @@ def _retry_failed_reads(manager, report: LayerReport, read_retries: int, timeout
                            f"failed after {read_retries} retries ({details}){out}", failed, pending) from error
 
 
+def prefill(model: nn.Module, blocks: list[ArenaLayer], manager, prompt, cache, *, timeout: float | None = None,
+            read_retries: int = 2, step_size: int = 2048) -> mx.array:
+    """Runs a prompt through the arenas exactly, layer by layer, each routed expert read once.
+
+    Each layer's routing over the prompt's tokens is evaluated and its routed experts are made resident by
+    ``manager.acquire`` before they run; when they exceed the layer's slots they run in chunks that fit,
+    the resident first, the tokens grouped by expert (:meth:`ArenaLayer._exact`): each missing expert is
+    read once a pass. The logits and the cache are the unmodified model's, bit for bit, at any residency.
+    The prompt goes in passes of ``step_size`` tokens (mlx-lm's ``prefill_step_size``); after each pass
+    ``manager.next_token()`` ends it. The blocks' rules and exact settings are as before on return, their
+    tables the manager's.
+
+    Args:
+        model: the mlx-lm model, its experts on :func:`attach_arena`'s ``blocks``.
+        manager: the :class:`~kq_host.residency.ResidencyManager` filling the arenas (:class:`SwitchGLUArena`).
+        prompt: token ids, a sequence of ints (at least one).
+        cache: the model's cache (``mlx_lm.models.cache.make_prompt_cache(model)``), extended by the prompt.
+        timeout: seconds each ``acquire`` may wait for its reads (None: no limit).
+        read_retries: times a failed read is read again (the routing not credited again) before the error.
+        step_size: the most tokens a pass.
+
+    Returns:
+        float ``[V]``: the logits after the prompt's last token (the model's dtype), evaluated.
+
+    Raises:
+        ValueError: an empty prompt, a bad ``step_size``, ``timeout`` or ``read_retries``, or a manager of
+            another shape.
+        PreloadError: a read failed ``read_retries`` more times or was out past ``timeout`` (the message
+            names the layer and the experts); the cache is then as before the pass that failed (a
+            RuntimeError says so where a cache cannot be cut back).
+    """
+    _check_timeout("prefill", timeout)
+    if isinstance(read_retries, bool) or not isinstance(read_retries, (int, np.integer)) or read_retries < 0:
+        raise ValueError(f"prefill: read_retries must be an int >= 0, got {read_retries!r}")
+    if isinstance(step_size, bool) or not isinstance(step_size, (int, np.integer)) or step_size < 1:
+        raise ValueError(f"prefill: step_size must be an int >= 1, got {step_size!r}")
+    tokens = [int(t) for t in prompt]
+    if not tokens:
+        raise ValueError("prefill: the prompt must hold at least one token")
+    if manager.num_layers != len(blocks) or any(block.num_slots != manager.num_slots for block in blocks):
+        raise ValueError(f"prefill: the manager has {manager.num_layers} layers of {manager.num_slots} slots; "
+                         f"the model {len(blocks)} blocks of {sorted({b.num_slots for b in blocks})}")
+    saved = [(block.rule, block.manager, block.layer, block.timeout, block.read_retries) for block in blocks]
+    try:
+        for layer, block in enumerate(blocks):
+            block.rule, block.manager, block.layer, block.timeout = "exact", manager, layer, timeout
+            block.read_retries = int(read_retries)
+        for start in range(0, len(tokens), step_size):
+            checkpoint = _CacheCheckpoint(cache)
+            try:
+                logits = model(mx.array([tokens[start:start + step_size]]), cache=cache)[0, -1]
+                mx.eval(logits, [c.state for c in cache])
+            except BaseException as error:
+                try:
+                    checkpoint.restore()
+                except RuntimeError as stuck:
+                    raise stuck from error
+                if isinstance(error, PreloadError):
+                    retried = f" (each failed read retried {read_retries} times)" if error.failed else ""
+                    raise PreloadError(f"prefill: {error}{retried}", error.failed, error.pending) from error
+                raise
+            manager.next_token()
+    finally:
+        for block, (rule, block_manager, layer, block_timeout, retries) in zip(blocks, saved):
+            block.rule, block.manager, block.layer, block.timeout = rule, block_manager, layer, block_timeout
+            block.read_retries = retries
+        set_tables(blocks, manager.snapshot())
+    return logits
+
+
 def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt: list[int], max_tokens: int,
                     *, overlap: bool = True, exact: bool = False, timeout: float | None = None,
-                    read_retries: int = 2, on_token: Callable[[int], None] | None = None) -> list[int]:
+                    read_retries: int = 2, on_token: Callable[[int], None] | None = None,
+                    prefill_prompt: bool | None = None) -> list[int]:
     """Greedy decode through the arenas as an engine runs it: one readback per token, the host's boundary
     overlapped with the next token.
 
@@ -805,12 +931,16 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
     With ``exact`` a token is kept only if it ran with every routed expert resident: when its reports
     show misses, the reads are waited for (``manager.drain``), the cache is put back as it was before the
     token (the next token's entries, built on it, with it) and the token runs again on the new tables. The
-    prompt then goes in a token a pass, as decoding does (a pass needs the slots for every expert it
-    routes), and the tokens are the unmodified model's fed the same way, at any residency: each miss is
-    read on the token's critical path. A missed expert whose read failed (this token, or earlier: the
+    tokens are the unmodified model's at any residency: each miss is read on the token's critical path. A missed expert whose read failed (this token, or earlier: the
     manager then backs off from it) is read again at once through ``manager.acquire``, up to
     ``read_retries`` times; a read that keeps failing raises PreloadError naming it, and the manager
     serves a later call once the reads succeed again.
+
+    With ``prefill_prompt`` (default: ``exact``) the prompt but its last token goes through :func:`prefill`
+    (layer by layer, each routed expert read once, exactly), then its last token as the first pass of
+    the loop: mlx-lm's ``generate_step`` order, so with ``exact`` the tokens are ``mlx_lm.generate``'s
+    greedy ones. Without it the prompt goes in one pass (``exact=False``: run under the rule) or a token
+    a pass (``exact=True``).
 
     Args:
         model: the mlx-lm model, its blocks wrapped by :func:`attach_arena` (``blocks``).
@@ -824,6 +954,7 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
         read_retries: with ``exact``, times a missed expert whose read failed is read again before the
             error (0: the first failure raises).
         on_token: called with each generated id as it is kept (to stream the output).
+        prefill_prompt: the prompt but its last token through :func:`prefill` (None: ``exact``).
 
     Returns:
         The ``max_tokens`` generated ids.
@@ -848,6 +979,11 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
     if exact and not _CacheCheckpoint(cache).restorable():
         raise ValueError("generate_greedy: exact=True runs a token again, which needs caches that can be put "
                          "back (trimmable KV caches or arrays caches); this model's cannot")
+    if prefill_prompt is None:
+        prefill_prompt = exact
+    if prefill_prompt and len(prompt) > 1:
+        prefill(model, blocks, manager, prompt[:-1], cache, timeout=timeout, read_retries=read_retries)
+        prompt = list(prompt[-1:])
     set_tables(blocks, manager.snapshot())
     tokens: list[int] = []
 
@@ -860,7 +996,8 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
         mx.async_eval(*built[1:3])
         return built
 
-    # Exact runs the prompt a token a pass, as it decodes: a pass needs every expert it routes resident.
+    # Exact without prefill runs the prompt a token a pass, as it decodes: a pass needs every expert it
+    # routes resident.
     forced = list(prompt[1:]) if exact else []
     current, runs = dispatch(mx.array([prompt[:1] if exact else prompt])), 0
     while len(tokens) < max_tokens:

@@ -491,14 +491,8 @@ def test_generate_greedy_exact_is_the_model_at_partial_residency(overlap):
     unmodified model's, from a cold arena a third the size of the model's experts."""
     from kq_mlx.mlx_lm_adapter import generate_greedy
 
+    want = _greedy_prefilled(qwen3_model, 7, [2, 7, 1, 8], 16)  # the prompt as mlx-lm feeds it
     model = evaluated(qwen3_model, seed=7)
-    cache = make_prompt_cache(model)
-    for token in [2, 7, 1]:  # the unmodified model fed the prompt a token a pass, as exact runs it
-        mx.eval(model(mx.array([[token]]), cache=cache))
-    want, x = [], mx.array([[8]])
-    for _ in range(16):
-        want.append(int(mx.argmax(model(x, cache=cache)[0, -1]).item()))
-        x = mx.array([want[-1:]])
     blocks = attach_arena(model, num_slots=6)
     manager = _manager_over(blocks, 6, queue_depth=0)
     assert generate_greedy(model, blocks, manager, [2, 7, 1, 8], 16, overlap=overlap, exact=True) == want
@@ -675,7 +669,7 @@ def _greedy_one_at_a_time(make_model, seed, prompt, steps):
 def test_generate_greedy_exact_retries_a_transient_read_failure(failing_read, overlap):
     from kq_mlx.mlx_lm_adapter import generate_greedy
 
-    want = _greedy_one_at_a_time(qwen3_model, 7, [2, 7, 1, 8], 10)
+    want = _greedy_prefilled(qwen3_model, 7, [2, 7, 1, 8], 10)
     totals = []
     for failing in ([failing_read], []):
         model = evaluated(qwen3_model, seed=7)
@@ -691,27 +685,51 @@ def test_generate_greedy_exact_retries_a_transient_read_failure(failing_read, ov
     assert failed_run.lookups == clean_run.lookups
 
 
-def test_generate_greedy_exact_names_a_persistent_read_failure_and_works_once_the_disk_heals():
+def _greedy_prefilled(make_model, seed, prompt, steps):
+    """The unmodified model's greedy tokens in mlx-lm's order: the prompt but its last token in one pass, then
+    the last token (as generate_greedy's prefill feeds it)."""
+    model = evaluated(make_model, seed=seed)
+    cache = make_prompt_cache(model)
+    if len(prompt) > 1:
+        mx.eval(model(mx.array([prompt[:-1]]), cache=cache))
+    want, x = [], mx.array([prompt[-1:]])
+    for _ in range(steps):
+        want.append(int(mx.argmax(model(x, cache=cache)[0, -1]).item()))
+        x = mx.array([want[-1:]])
+    return want
+
+
+@pytest.mark.parametrize("prefill_prompt", [True, False], ids=["prefill", "token-a-pass"])
+def test_generate_greedy_exact_names_a_persistent_read_failure_and_works_once_the_disk_heals(prefill_prompt):
     from kq_host.residency import PreloadError
     from kq_mlx.mlx_lm_adapter import generate_greedy
 
-    want = _greedy_one_at_a_time(qwen3_model, 7, [2, 7, 1, 8], 10)
+    reference = _greedy_prefilled if prefill_prompt else _greedy_one_at_a_time
+    want = reference(qwen3_model, 7, [2, 7, 1, 8], 10)
     model = evaluated(qwen3_model, seed=7)
     blocks = attach_arena(model, num_slots=6)
     loader = FlakyLoader(blocks)
     loader.broken = lambda layer, expert: layer == 1 and expert % 2 == 0
     manager = ResidencyManager(LAYERS, EXPERTS, 6, loader=loader, arena=SwitchGLUArena(blocks), queue_depth=0)
-    with pytest.raises(PreloadError, match=r"generate_greedy: layer 1: the reads of experts? \[.*\] failed after 2 "
-                                           r"retries \(expert \d+: OSError: read \d+ failed: input/output error, "
-                                           r"\d+ failures in a row") as caught:
-        generate_greedy(model, blocks, manager, [2, 7, 1, 8], 10, exact=True, read_retries=2)
+    if prefill_prompt:  # the prompt's layer 1 reads fail first
+        message = (r"prefill: acquire: layer 1: the reads of experts \[(\d+, )*\d+\] failed \(expert \d+: OSError: read "
+                   r"\d+ failed: input/output error.*\) \(each failed read retried 2 times\)")
+    else:
+        message = (r"generate_greedy: layer 1: the reads of experts? \[.*\] failed after 2 retries \(expert \d+: "
+                   r"OSError: read \d+ failed: input/output error, \d+ failures in a row")
+    with pytest.raises(PreloadError, match=message) as caught:
+        generate_greedy(model, blocks, manager, [2, 7, 1, 8], 10, exact=True, read_retries=2,
+                        prefill_prompt=prefill_prompt)
     assert caught.value.failed and all(record.layer == 1 for record in caught.value.failed)
+    if prefill_prompt:
+        assert all(record.count == 3 for record in caught.value.failed)  # the read and 2 retries
     loader.broken = None
-    assert generate_greedy(model, blocks, manager, [2, 7, 1, 8], 10, exact=True) == want
+    assert generate_greedy(model, blocks, manager, [2, 7, 1, 8], 10, exact=True, prefill_prompt=prefill_prompt) == want
     manager.close()
 
 
-def test_generate_greedy_exact_times_out_on_a_hanging_read():
+@pytest.mark.parametrize("prefill_prompt", [True, False], ids=["prefill", "token-a-pass"])
+def test_generate_greedy_exact_times_out_on_a_hanging_read(prefill_prompt):
     import threading
 
     from kq_host.residency import PreloadError
@@ -726,9 +744,12 @@ def test_generate_greedy_exact_times_out_on_a_hanging_read():
         return blocks[layer].expert_weights(expert)
 
     manager = ResidencyManager(LAYERS, EXPERTS, 6, loader=hanging, arena=SwitchGLUArena(blocks), queue_depth=2)
+    message = (r"prefill: acquire: layer 0: the reads of experts \[.*\] still out after 0.1 s" if prefill_prompt
+               else r"generate_greedy: .*still out after 0.1 s")
     try:
-        with pytest.raises(PreloadError, match=r"generate_greedy: .*still out after 0.1 s") as caught:
-            generate_greedy(model, blocks, manager, [2, 7, 1, 8], 4, exact=True, timeout=0.1)
+        with pytest.raises(PreloadError, match=message) as caught:
+            generate_greedy(model, blocks, manager, [2, 7, 1, 8], 4, exact=True, timeout=0.1,
+                            prefill_prompt=prefill_prompt)
         assert caught.value.pending
     finally:
         release.set()
@@ -736,3 +757,130 @@ def test_generate_greedy_exact_times_out_on_a_hanging_read():
     for bad in (dict(timeout=-1.0), dict(read_retries=-1), dict(read_retries=1.5)):
         with pytest.raises(ValueError, match=f"generate_greedy: {next(iter(bad))}"):
             generate_greedy(model, blocks, manager, [2], 1, exact=True, **bad)
+
+
+# ---- prefill through the arena -------------------------------------------------------------------------
+
+
+def deepseek_v3_model():
+    """DeepSeek-V3's layout: its first layer dense, the others MoE at the SwitchGLU seam (a router kq does not run)."""
+    from mlx_lm.models import deepseek_v3
+
+    args = deepseek_v3.ModelArgs(
+        model_type="deepseek_v3", vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=LAYERS + 1, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+        n_routed_experts=EXPERTS, routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+        v_head_dim=16, qk_nope_head_dim=16, topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
+        n_group=2, topk_group=1, num_experts_per_tok=4, moe_layer_freq=1, first_k_dense_replace=1,
+        max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
+        attention_bias=False)
+    model = deepseek_v3.Model(args)
+    for layer in model.model.layers[1:]:  # mlx-lm starts the routers at zero: every token would route alike
+        gate = layer.mlp.gate
+        gate.weight = mx.random.normal(gate.weight.shape)
+        gate.e_score_correction_bias = 0.1 * mx.random.normal(gate.e_score_correction_bias.shape)
+    return model
+
+
+def _quantized(make_model):
+    def make():
+        import mlx.nn as nn
+
+        model = make_model()
+        # every layer whose input splits into groups of 32 (the experts do; DeepSeek's latent attention not all)
+        nn.quantize(model, group_size=32, bits=4,
+                    class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0)
+        return model
+    return make
+
+
+PREFILL_MODELS = [pytest.param(qwen3_model, id="qwen3_moe"), pytest.param(mixtral_model, id="mixtral"),
+                  pytest.param(deepseek_v3_model, id="deepseek_v3"),
+                  pytest.param(_quantized(qwen3_model), id="qwen3_moe-q4"),
+                  pytest.param(_quantized(deepseek_v3_model), id="deepseek_v3-q4")]
+PROMPT = [5, 17, 3, 99, 42, 8, 61, 23, 7, 110, 2, 77, 31, 64, 9, 50, 12, 88, 4, 70]
+
+
+def _cache_bits(cache):
+    arrays = [array for c in cache for array in c.state if isinstance(array, mx.array)]
+    assert arrays
+    return [np.array(array).view(np.uint32) for array in arrays]
+
+
+@pytest.mark.parametrize("make_model", PREFILL_MODELS)
+def test_prefill_is_the_model_bit_for_bit_at_a_quarter_of_the_experts_reading_each_routed_expert_once(make_model):
+    """A 20-token prompt through 4 of 16 slots a layer: every layer routes more experts than fit, so they run in
+    chunks; the last logits and the cache are the unmodified model's bits, and each (layer, expert) the
+    prompt routes is read exactly once."""
+    from kq_mlx.mlx_lm_adapter import prefill
+
+    model = evaluated(make_model, seed=11)
+    want_cache = make_prompt_cache(model)
+    want = model(mx.array([PROMPT]), cache=want_cache)[0, -1]
+    mx.eval(want)
+    blocks = attach_arena(model, num_slots=EXPERTS // 4)
+    manager = ResidencyManager(len(blocks), EXPERTS, EXPERTS // 4,
+                               loader=lambda l, e, s: blocks[l].expert_weights(e), arena=SwitchGLUArena(blocks),
+                               queue_depth=0)
+    cache = make_prompt_cache(model)
+    got = prefill(model, blocks, manager, PROMPT, cache)
+    np.testing.assert_array_equal(np.array(got).view(np.uint32), np.array(want).view(np.uint32))
+    for got_state, want_state in zip(_cache_bits(cache), _cache_bits(want_cache)):
+        np.testing.assert_array_equal(got_state, want_state)
+    routed = [np.unique(np.array(block.last[0])) for block in blocks]
+    assert all(experts.size > EXPERTS // 4 for experts in routed)  # chunked in every layer
+    _, total = manager.stats()
+    assert total.reads_landed == sum(experts.size for experts in routed)
+    assert total.lookups == len(PROMPT) * blocks[0].last[0].shape[-1] * len(blocks) and total.hits == 0
+    assert all(block.rule != "exact" for block in blocks)  # the rules as they were
+    manager.close()
+
+
+def test_prefill_in_passes_and_with_a_warm_arena_reads_only_the_experts_not_resident():
+    from kq_mlx.mlx_lm_adapter import prefill
+
+    model = evaluated(qwen3_model, seed=12)
+    want_cache = make_prompt_cache(model)
+    for start in range(0, len(PROMPT), 8):  # mlx-lm's prefill_step_size 8
+        want = model(mx.array([PROMPT[start:start + 8]]), cache=want_cache)[0, -1]
+    mx.eval(want)
+    blocks = attach_arena(model, num_slots=6)
+    manager = _manager_over(blocks, 6, queue_depth=0)
+    manager.preload(0, [0, 1, 2])
+    before = manager.stats()[1].reads_landed
+    resident = set(manager.resident(0))
+    cache = make_prompt_cache(model)
+    got = prefill(model, blocks, manager, PROMPT[:8], cache, step_size=8)
+    routed = [set(np.unique(np.array(block.last[0])).tolist()) for block in blocks]
+    assert manager.stats()[1].reads_landed - before == len(routed[0] - resident) + len(routed[1])
+    got = prefill(model, blocks, manager, PROMPT[8:], cache, step_size=8)
+    np.testing.assert_array_equal(np.array(got).view(np.uint32), np.array(want).view(np.uint32))
+    assert manager.token == 3  # one token boundary a pass
+    manager.close()
+
+
+def test_prefill_refuses_bad_arguments_by_name_and_leaves_the_cache_on_a_failed_read():
+    from kq_host.residency import PreloadError
+    from kq_mlx.mlx_lm_adapter import prefill
+
+    model = evaluated(qwen3_model, seed=7)
+    blocks = attach_arena(model, num_slots=6)
+    loader = FlakyLoader(blocks)
+    loader.broken = lambda layer, expert: layer == 1
+    manager = ResidencyManager(LAYERS, EXPERTS, 6, loader=loader, arena=SwitchGLUArena(blocks), queue_depth=0)
+    cache = make_prompt_cache(model)
+    for bad, message in ((dict(prompt=[]), "prefill: the prompt must hold at least one token"),
+                         (dict(step_size=0), "prefill: step_size must be an int >= 1"),
+                         (dict(timeout=-1), "prefill: timeout"), (dict(read_retries=-1), "prefill: read_retries")):
+        arguments = {"prompt": PROMPT, **bad}
+        with pytest.raises(ValueError, match=message):
+            prefill(model, blocks, manager, arguments.pop("prompt"), cache, **arguments)
+    with pytest.raises(PreloadError, match=r"prefill: acquire: layer 1: the reads of experts \[.*\] failed .*"
+                                           r"\(each failed read retried 0 times\)"):
+        prefill(model, blocks, manager, PROMPT, cache, read_retries=0)
+    assert _cache_offsets(cache) == [0, 0]
+    other = ResidencyManager(LAYERS, EXPERTS, 4, loader=loader, queue_depth=0)
+    with pytest.raises(ValueError, match="prefill: the manager has 2 layers of 4 slots"):
+        prefill(model, blocks, other, PROMPT, cache)
+    manager.close()
+    other.close()
