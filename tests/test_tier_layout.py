@@ -7,6 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from kq_host.expert_store import ExpertStoreError
 from kq_host.tier import BITS, GROUP_SIZES, TierOptionError, bits_per_weight, dequantize, quantize
 
 mx = pytest.importorskip("mlx.core")
@@ -116,3 +117,109 @@ def test_a_weight_costs_its_bits_and_two_16_bit_numbers_a_group(rng, bits, group
 def test_bits_per_weight_names_a_bad_option():
     with pytest.raises(TierOptionError, match="group_size"):
         bits_per_weight(2, 48)
+
+
+# ---- a tier read from a lower-bit mlx-lm conversion ----------------------------------------------
+
+TINY = dict(model_type="qwen3_moe", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+            num_attention_heads=4, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+            moe_intermediate_size=64, rms_norm_eps=1e-6, vocab_size=64, num_key_value_heads=2, head_dim=16,
+            rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=128, norm_topk_prob=True)
+FLOAT_TEMPLATE = "model.layers.{layer}.mlp.switch_mlp.{projection}.weight"
+
+
+def _model(seed, dtype="bfloat16", **changes):
+    from mlx_lm.models import qwen3_moe
+
+    mx.random.seed(seed)
+    config = {**TINY, **changes}
+    model = qwen3_moe.Model(qwen3_moe.ModelArgs(**config))
+    model.set_dtype(getattr(mx, dtype))
+    mx.eval(model.parameters())
+    return model, config
+
+
+def _save(model, config, directory):
+    from mlx_lm.utils import save_config, save_model
+
+    directory.mkdir(parents=True)
+    save_model(directory, model)
+    save_config(config, directory / "config.json")
+    return directory
+
+
+def _convert(model, config, directory, *, bits, group_size, quant_predicate=None):
+    """What ``mlx_lm.convert -q`` writes: mlx-lm's own quantization of the model, saved."""
+    from mlx_lm.utils import quantize_model
+
+    model, config = quantize_model(model, dict(config), group_size, bits, quant_predicate=quant_predicate)
+    return _save(model, config, directory)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """A tiny bfloat16 Qwen3-MoE saved as mlx-lm saves it, and its 2-bit conversion (groups of 64)."""
+    root = tmp_path_factory.mktemp("served")
+    model, config = _model(0)
+    checkpoint = _save(model, config, root / "bf16")
+    conversion = _convert(model, config, root / "2bit", bits=2, group_size=64)
+    return checkpoint, conversion
+
+
+def _store(checkpoint):
+    from kq_host.expert_store import ExpertStore
+
+    return ExpertStore(checkpoint, layout="stacked", template=FLOAT_TEMPLATE)
+
+
+def test_a_tier_read_from_an_mlx_lm_conversion_is_the_tier_build_tier_makes(served, tmp_path):
+    from kq_host.tier import build_tier, tier_from_checkpoint
+
+    checkpoint, conversion = served
+    with _store(checkpoint) as store:
+        read = tier_from_checkpoint(conversion, store, 2, 8)
+        built = build_tier(store, 2, 8, bits=2, group_size=64, cache_dir=tmp_path / "cache")
+    assert (read.bits, read.group_size, read.num_layers, read.num_experts) == (2, 64, 2, 8)
+    assert sorted(read.weights) == sorted(built.weights) == ["down_proj", "gate_proj", "up_proj"]
+    for name in built.weights:
+        for field, a, b in zip(("packed", "scales", "biases"), read.weights[name], built.weights[name]):
+            assert a.dtype == b.dtype and a.shape == b.shape, (name, field)
+            assert a.tobytes() == b.tobytes(), (name, field)
+    assert read.weights["gate_proj"].scales.dtype == np.dtype(ml_dtypes.bfloat16)
+    assert read.nbytes * 8 / (2 * 8 * 3 * 64 * 64) == 2.5
+
+
+@pytest.mark.parametrize("changes, argument", [({"num_experts": 4}, "num_experts"),
+                                               ({"num_hidden_layers": 3}, "num_layers"),
+                                               ({"moe_intermediate_size": 32}, "gate_proj")])
+def test_a_conversion_of_another_model_is_refused_by_name(served, tmp_path, changes, argument):
+    from kq_host.tier import tier_from_checkpoint
+
+    model, config = _model(1, **changes)
+    other = _convert(model, config, tmp_path / "other", bits=2, group_size=64)
+    with _store(served[0]) as store:
+        with pytest.raises(TierOptionError, match=argument):
+            tier_from_checkpoint(other, store, 2, 8)
+
+
+def test_a_float_checkpoint_or_float32_scales_or_mixed_options_are_refused_by_name(served, tmp_path):
+    from kq_host.tier import tier_from_checkpoint
+
+    model, config = _model(0, dtype="float32")
+    float32_scales = _convert(model, config, tmp_path / "f32", bits=2, group_size=64)
+    model, config = _model(0)
+    mixed = _convert(model, config, tmp_path / "mixed", bits=2, group_size=64,
+                     quant_predicate=lambda path, module: {"bits": 4, "group_size": 64}
+                     if path.startswith("model.layers.1.mlp.switch_mlp") else True)
+    assert json.loads((mixed / "config.json").read_text())["quantization"]["model.layers.1.mlp.switch_mlp.up_proj"]
+    with _store(served[0]) as store:
+        with pytest.raises(TierOptionError, match="config.json.*quantization"):
+            tier_from_checkpoint(served[0], store, 2, 8)
+        with pytest.raises(TierOptionError, match="float32.*16-bit"):
+            tier_from_checkpoint(float32_scales, store, 2, 8)
+        with pytest.raises(TierOptionError, match="several"):
+            tier_from_checkpoint(mixed, store, 2, 8)
+        with pytest.raises(TierOptionError, match="num_layers"):
+            tier_from_checkpoint(served[1], store, 3, 8)
+        with pytest.raises(ExpertStoreError, match="config.json"):
+            tier_from_checkpoint(tmp_path / "nowhere", store, 2, 8)
