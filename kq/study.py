@@ -68,6 +68,7 @@ class StudyConfig:
     tier_bits: int = 3
     tier_group_size: int = 32
     streams: int = 1  # windows decoded side by side, spread over the text, each with its own arena (JAX)
+    long_context: bool = False  # one window of warmup + tokens a stream, past the trained length if longer
 
     def __post_init__(self):
         if self.framework not in ("jax", "mlx"):
@@ -75,6 +76,10 @@ class StudyConfig:
         checkpoint_config(self.checkpoint, self.framework)
         if self.tokens < 1 or self.warmup < 0:
             raise ValueError(f"--tokens must be at least 1 and --warmup at least 0, got {self.tokens}, {self.warmup}")
+        trained = trained_length(self.checkpoint)
+        if not self.long_context and trained is not None and self.warmup >= trained:
+            raise ValueError(f"--warmup {self.warmup} leaves no token to score within the {trained}-token sequences "
+                             f"the checkpoint was trained on; give a smaller one (or the long-context setting)")
         if not (isinstance(self.streams, int) and self.streams >= 1):
             raise ValueError(f"--streams must be an int >= 1, got {self.streams!r}")
         if self.streams > 1 and self.framework != "jax":
@@ -107,6 +112,80 @@ def _check_tier_group_size(raw: dict, group_size: int) -> None:
         raise ValueError(f"--tier-group-size {group_size} does not divide the experts' input widths "
                          f"({', '.join(uneven)} in the checkpoint's config.json); give one among the group "
                          f"sizes that divide {', '.join(f'{key} {width}' for key, width in widths.items())}")
+
+
+def trained_length(checkpoint) -> int | None:
+    """The length of the sequences the checkpoint was trained on: ``training.json``'s ``args.seq``
+    (``models/train.py`` writes it), else ``config.json``'s ``max_position_embeddings``; None where
+    neither says."""
+    directory = Path(checkpoint)
+    for name, keys in (("training.json", ("args", "seq")), ("config.json", ("max_position_embeddings",))):
+        try:
+            value = json.loads((directory / name).read_bytes())
+            for key in keys:
+                value = value[key]
+        except (OSError, ValueError, KeyError, TypeError):  # absent, not JSON, or without the key
+            continue
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+    return None
+
+
+def window_plan(config: StudyConfig) -> list[tuple[int, int]]:
+    """How each stream's ``warmup + tokens`` tokens of text are cut into windows: ``(offset, scored)``
+    per window, window i being the text's tokens ``offset .. offset + warmup + scored`` decoded from
+    position 0 (a fresh key-value cache and arena), its first ``warmup`` tokens unscored.
+
+    By default a window is at most as long as the sequences the checkpoint was trained on
+    (:func:`trained_length`: ``warmup + scored <= trained``), so no token is scored at a position the model
+    never saw in training, and consecutive windows overlap by ``warmup`` tokens: every token of the text
+    after the first ``warmup`` is scored once. With ``config.long_context`` (or no known trained length),
+    one window of ``warmup + tokens``.
+    """
+    trained = trained_length(config.checkpoint)
+    span = config.tokens if config.long_context or trained is None else trained - config.warmup
+    return [(offset, min(span, config.tokens - offset)) for offset in range(0, config.tokens, span)]
+
+
+def _windows(segment: np.ndarray, config: StudyConfig) -> list[tuple[np.ndarray, int]]:
+    """``(tokens [..., warmup + scored + 1], scored)`` of each window of :func:`window_plan`, cut from a
+    stream's ``segment`` ``[..., warmup + tokens + 1]`` (streams side by side on the leading axis)."""
+    return [(segment[..., offset:offset + config.warmup + scored + 1], scored)
+            for offset, scored in window_plan(config)]
+
+
+def _merged(runs: list["RunResult"], tokens: int, scored_bytes: int) -> "RunResult":
+    """One run of a stream's windows, decoded one after another (:func:`window_plan`), in text order."""
+    if len(runs) == 1:
+        return runs[0]
+    first = runs[0]
+    out = dataclasses.replace(first, tokens=tokens, bytes=scored_bytes, bits=0.0, token_bits=[], trace={},
+                              windows=len(runs), context=max(r.context for r in runs))
+    for name in ("hits", "lookups", "shed_mass", "routed_mass", "reads", "bytes_read", "critical_reads", "seconds"):
+        setattr(out, name, sum(getattr(r, name) for r in runs))
+    for run in runs:
+        for bits in run.token_bits:
+            out.score(bits)
+        for key, values in run.trace.items():
+            out.trace.setdefault(key, []).extend(values)
+    if first.layer_hit_rates:  # every layer looks up as many entries a token: weighted by the windows' lookups
+        out.layer_hit_rates = list(np.average([r.layer_hit_rates for r in runs], axis=0,
+                                              weights=[max(r.lookups, 1) for r in runs]))
+    return out
+
+
+def window_note(result: "RunResult") -> str:
+    """One line saying how ``result``'s tokens were windowed against the length the model was trained on."""
+    trained = result.trained_length
+    if trained is None:
+        return (f"Scored in {result.windows} window(s) a stream of at most {result.context} tokens; the checkpoint "
+                f"records no training length.")
+    if result.context > trained:
+        return (f"LONG CONTEXT: scored in {result.windows} window(s) a stream of up to {result.context} tokens, past "
+                f"the {trained}-token sequences the checkpoint was trained on (positions {trained} on never seen "
+                f"in training).")
+    return (f"Scored in {result.windows} window(s) a stream of at most {result.context} tokens (each decoded afresh, "
+            f"its warm-up unscored), within the {trained}-token sequences the checkpoint was trained on.")
 
 
 def checkpoint_config(checkpoint, framework: str = "jax") -> dict:
@@ -198,6 +277,9 @@ class RunResult:
     trace: dict = field(default_factory=dict)
     token_bits: list = field(default_factory=list)  # each scored token's bits, in text order
     layer_hit_rates: list = field(default_factory=list)  # each layer's hit rate (over its streams)
+    windows: int = 1  # windows decoded a stream (window_plan)
+    context: int = 0  # the longest window's tokens: the most context a scored token had
+    trained_length: int | None = None  # the length of the sequences the checkpoint was trained on
 
     def score(self, bits: float) -> None:
         """Adds one scored token's bits."""
@@ -453,30 +535,48 @@ class JaxStudy:
 
     def resident(self) -> RunResult:
         """Every expert in memory, no arena: the model as trained."""
+        if self.config.streams > 1:
+            return self._streams(1.0, "-", "resident")
+        return _merged([self._resident_window(tokens) for tokens, _ in _windows(self.tokens, self.config)],
+                       self.config.tokens, self.scored_bytes)
+
+    def _resident_window(self, tokens: np.ndarray) -> RunResult:
+        """:meth:`resident` over one window's ``tokens`` (:func:`window_plan`)."""
         import jax.numpy as jnp
 
         from kq_jax import qwen3_moe
 
-        if self.config.streams > 1:
-            return self._streams(1.0, "-", "resident")
         cfg, params = self.cfg, self.full_params()
         tables = jnp.tile(jnp.arange(cfg.num_experts, dtype=jnp.int32), (cfg.num_hidden_layers, 1))
-        cache = qwen3_moe.empty_cache(cfg, 1, self.tokens.size)
-        result = RunResult(1.0, cfg.num_experts, "-", "resident", self.config.tokens, 0.0, self.scored_bytes)
+        cache = qwen3_moe.empty_cache(cfg, 1, tokens.size)
+        result = _window_result(self.config, tokens.size, 1.0, cfg.num_experts, "-", "resident", self.scored_bytes)
         result.memory_bytes = cfg.num_hidden_layers * cfg.num_experts * _expert_nbytes(self.config.checkpoint)
         step = self.step("stall")
         start = time.perf_counter()
-        for position in range(self.tokens.size - 1):
-            logits, cache, _ = step(params, None, tables, jnp.asarray(self.tokens[position:position + 1]), position,
-                                    cache)
+        for position in range(tokens.size - 1):
+            logits, cache, _ = step(params, None, tables, jnp.asarray(tokens[position:position + 1]), position, cache)
             if position >= self.config.warmup:
-                result.score(_bits(logits, self.tokens[position + 1]))
+                result.score(_bits(logits, tokens[position + 1]))
         result.seconds = time.perf_counter() - start
         return result
 
     def run(self, residency: float, policy: str, rule: str, *, prompt=None, generate: int = 0) -> RunResult:
-        """One decode of the text (or, with ``prompt``, greedy generation of ``generate`` tokens after it)
-        through an arena of ``residency`` of each layer's experts; the tokens are in ``result.trace``."""
+        """One decode of the text's windows (:func:`window_plan`), or, with ``prompt``, greedy generation of
+        ``generate`` tokens after it, through an arena of ``residency`` of each layer's experts, afresh
+        for each window; the tokens are in ``result.trace``."""
+        config = self.config
+        if config.streams > 1:
+            if prompt is not None:
+                raise ValueError("generation runs one stream; give a StudyConfig with streams=1")
+            return self._streams(residency, policy, rule)
+        if prompt is not None:
+            return self._run_window(residency, policy, rule, [int(t) for t in prompt], len(prompt) - 1, generate)
+        return _merged([self._run_window(residency, policy, rule, tokens.tolist(), config.warmup)
+                        for tokens, _ in _windows(self.tokens, config)], config.tokens, self.scored_bytes)
+
+    def _run_window(self, residency: float, policy: str, rule: str, tokens: list[int], warmup: int,
+                    generate: int = 0) -> RunResult:
+        """:meth:`run` over one window's ``tokens``, the first ``warmup`` unscored."""
         import jax.numpy as jnp
 
         from kq_host.quantized import open_experts
@@ -485,15 +585,11 @@ class JaxStudy:
         from kq_jax.arena import JaxArena
 
         cfg, config = self.cfg, self.config
-        if config.streams > 1:
-            if prompt is not None:
-                raise ValueError("generation runs one stream; give a StudyConfig with streams=1")
-            return self._streams(residency, policy, rule)
         layers, experts, top_k = cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok
         uniform = rule == "uniform"
         slots = 0 if uniform else max(top_k, round(residency * experts))
         params = self.full_params() if rule == "stall" else self.params
-        result = RunResult(residency, slots, policy, rule, config.tokens, 0.0, self.scored_bytes)
+        result = _window_result(config, len(tokens), residency, slots, policy, rule, self.scored_bytes, warmup)
         with open_experts(config.checkpoint, qwen3_moe.PROJECTIONS) as store:
             shapes = {name: (shape, np.float32) for name, (shape, _) in store.expert_shapes(0).items()}
             arena = JaxArena(layers, max(slots, 1), shapes)  # uniform: one slot, never filled
@@ -505,7 +601,6 @@ class JaxStudy:
             if rule in ("tier", "uniform"):
                 built, tier = self.tier(store)
                 result.memory_bytes += built.nbytes
-            tokens, warmup = _tokens(self.tokens, config.warmup, prompt)
             state = {"cache": qwen3_moe.empty_cache(cfg, 1, len(tokens) + generate)}
             step = self.step("tier" if uniform else rule)
 
@@ -517,24 +612,24 @@ class JaxStudy:
 
             return decode_through_arena(tokens, warmup, result, manager, token, generate=generate)
 
-
     def _streams(self, residency: float, policy: str, rule: str) -> RunResult:
         """:meth:`run` (or, for rule ``"resident"``, :meth:`resident`) over ``config.streams`` windows side
-        by side, each with its own residency manager's state (:func:`make_streams_step`)."""
-        import jax
-        import jax.numpy as jnp
-
+        by side, each with its own residency manager's state (:func:`make_streams_step`); where
+        :func:`window_plan` cuts each stream's text into several windows, the streams decode them round
+        by round, each round afresh (key-value cache and arenas)."""
         from kq_host.quantized import open_experts
-        from kq_host.residency import LayerReport, ResidencyManager
         from kq_jax import qwen3_moe
 
-        cfg, config, windows = self.cfg, self.config, self.tokens
-        streams, length = windows.shape
+        cfg, config = self.cfg, self.config
+        streams = self.tokens.shape[0]
         layers, experts, top_k = cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok
         resident, uniform = rule == "resident", rule == "uniform"
         slots = experts if resident else 0 if uniform else max(top_k, round(residency * experts))
+        rounds = _windows(self.tokens, config)
         result = RunResult(residency, slots, policy, rule, config.tokens * streams, 0.0, self.scored_bytes,
-                           window=config.tokens)
+                           window=config.tokens, windows=len(rounds),
+                           context=max(windows.shape[1] for windows, _ in rounds) - 1,
+                           trained_length=trained_length(config.checkpoint))
         tier = None
         with open_experts(config.checkpoint, qwen3_moe.PROJECTIONS) as store:
             nbytes = store.expert_nbytes(0)
@@ -542,23 +637,53 @@ class JaxStudy:
                 built, tier = self.tier(store)
                 result.memory_bytes += built.nbytes
         result.memory_bytes += layers * slots * nbytes
-        managed = layers * streams  # manager layer l * streams + b: layer l of stream b
-        manager = _Unbacked(managed, experts) if uniform else ResidencyManager(
-            managed, experts, slots, loader=lambda l, e, s: None, arena=None,
-            policy="lfu" if resident else policy, queue_depth=0,
-            bytes_per_expert=nbytes)
         # One program per rule: a virtual arena's slot ids only label experts, so every residency's
         # tables (slots below S <= E) run in the step of E slots, the tier's ids E + e.
         key = ("streams", "stall" if resident else rule)
         if key not in self._steps:
             self._steps[key] = make_streams_step(cfg, key[1], experts, (config.tier_bits, config.tier_group_size))
-        step, params = self._steps[key], self.full_params()
+        start = time.perf_counter()
+        bits, counts, layer_counts = [], np.zeros(4, np.int64), np.zeros((2, layers), np.int64)
+        for windows, _ in rounds:
+            round_bits, round_counts, round_layer_counts = self._streams_round(windows, slots, policy, rule, nbytes,
+                                                                               tier, result)
+            bits.append(round_bits)
+            counts += round_counts
+            layer_counts += round_layer_counts
+        result.hits, result.lookups, result.reads, result.bytes_read = (int(c) for c in counts)
+        if layer_counts[1].any():
+            result.layer_hit_rates = list(layer_counts[0] / np.maximum(layer_counts[1], 1))
+        result.seconds = time.perf_counter() - start
+        for value in np.concatenate(bits, axis=1).reshape(-1):  # stream by stream, each in text order
+            result.score(float(value))
+        return result
+
+    def _streams_round(self, windows: np.ndarray, slots: int, policy: str, rule: str, nbytes: int, tier,
+                       result: RunResult):
+        """One round of :meth:`_streams`: ``windows`` ``[B, length]`` decoded side by side from position 0.
+        Adds the shed and routed mass and critical reads to ``result``; returns the scored tokens' bits
+        ``[B, length - 1 - warmup]``, ``(hits, lookups, reads, bytes read)`` and each layer's
+        ``(hits, lookups)`` ``[2, L]``, counted from the warm-up on."""
+        import jax
+        import jax.numpy as jnp
+
+        from kq_host.residency import LayerReport, ResidencyManager
+        from kq_jax import qwen3_moe
+
+        cfg, config = self.cfg, self.config
+        streams, length = windows.shape
+        layers, experts, top_k = cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok
+        resident = rule == "resident"
+        managed = layers * streams  # manager layer l * streams + b: layer l of stream b
+        manager = _Unbacked(managed, experts) if rule == "uniform" else ResidencyManager(
+            managed, experts, slots, loader=lambda l, e, s: None, arena=None,
+            policy="lfu" if resident else policy, queue_depth=0, bytes_per_expert=nbytes)
+        step, params = self._steps[("streams", "stall" if resident else rule)], self.full_params()
         for layer in range(managed):
             manager.preload(layer, range(manager.num_slots))
         tables = manager.snapshot()
         cache = qwen3_moe.empty_cache(cfg, streams, length)
         bits = np.zeros((streams, length - 1 - config.warmup))
-        start = time.perf_counter()
         for position in range(length - 1):
             if position == config.warmup:
                 layers_before, before = manager.stats()
@@ -579,14 +704,12 @@ class JaxStudy:
         layers_after, after = manager.stats()
         manager.close()
         since = after.since(before)
-        result.hits, result.lookups = since.hits, since.lookups
-        result.layer_hit_rates = _layer_hit_rates(layers_before, layers_after, layers)
-        result.reads, result.bytes_read = since.reads_landed, since.bytes_read
-        result.seconds = time.perf_counter() - start
-        for row in bits:
-            for value in row:
-                result.score(float(value))
-        return result
+        layer_counts = np.zeros((2, layers), np.int64)
+        if layers_after:
+            per = len(layers_after) // layers
+            for index, (start, end) in enumerate(zip(layers_before, layers_after)):
+                layer_counts[:, index // per] += (end.hits - start.hits, end.lookups - start.lookups)
+        return bits, np.array([since.hits, since.lookups, since.reads_landed, since.bytes_read]), layer_counts
 
 
 def _layer_hit_rates(before, after, layers: int) -> list[float]:
@@ -647,7 +770,10 @@ class _Unbacked:
 def record_routing(config: StudyConfig, lookahead: int = 0):
     """The checkpoint's routing over its text, every expert resident: what an arena serving it is asked.
 
-    Teacher-forced over the text's first ``config.warmup + config.tokens`` tokens (JAX).
+    Teacher-forced over the text's first ``config.warmup + config.tokens`` tokens (JAX), window by window
+    (:func:`window_plan`: each window decoded from position 0, so no token is routed past the length the
+    checkpoint was trained on unless ``config.long_context``); a window after the first gives the routing
+    of its tokens after its warm-up, which the window before did not reach.
 
     Args:
         lookahead: also keep what the routers of the next ``lookahead`` layers predict from each layer's
@@ -674,14 +800,17 @@ def record_routing(config: StudyConfig, lookahead: int = 0):
 
     step = jax.jit(lambda params, token, position, cache: qwen3_moe.decode_step(
         params, token, position, cache, cfg, moe, lookahead=lookahead))
-    cache = qwen3_moe.empty_cache(cfg, 1, study.tokens.size)
     indices, scores, predictions = [], [], []
-    for position in range(study.tokens.size - 1):
-        _, cache, reports, *ahead = step(params, jnp.asarray(study.tokens[position:position + 1]), position, cache)
-        indices.append(np.stack([np.asarray(r[0])[0] for r in reports]))
-        scores.append(np.stack([np.asarray(r[1])[0] for r in reports]))
-        if lookahead:
-            predictions.append(np.asarray(ahead[0][0])[:, :, 0])
+    for number, (tokens, _) in enumerate(_windows(study.tokens, config)):
+        cache = qwen3_moe.empty_cache(cfg, 1, tokens.size)
+        for position in range(tokens.size - 1):
+            _, cache, reports, *ahead = step(params, jnp.asarray(tokens[position:position + 1]), position, cache)
+            if number and position < config.warmup:  # the window before routed these tokens
+                continue
+            indices.append(np.stack([np.asarray(r[0])[0] for r in reports]))
+            scores.append(np.stack([np.asarray(r[1])[0] for r in reports]))
+            if lookahead:
+                predictions.append(np.asarray(ahead[0][0])[:, :, 0])
     out = np.stack(indices).astype(np.int32), np.stack(scores).astype(np.float32)
     return out + (np.stack(predictions).astype(np.int32),) if lookahead else out
 
@@ -769,23 +898,28 @@ class MlxStudy:
         return np.array(logits.astype(mx.float32))
 
     def resident(self) -> RunResult:
+        """Every expert in memory, no arena: the model as trained, over each window of the text."""
+        return _merged([self._resident_window(tokens) for tokens, _ in _windows(self.tokens, self.config)],
+                       self.config.tokens, self.scored_bytes)
+
+    def _resident_window(self, tokens: np.ndarray) -> RunResult:
         from mlx_lm.models.cache import make_prompt_cache
 
         model = self._resident_model
         cache = make_prompt_cache(model)
-        result = RunResult(1.0, self.num_experts, "-", "resident", self.config.tokens, 0.0, self.scored_bytes)
+        result = _window_result(self.config, tokens.size, 1.0, self.num_experts, "-", "resident", self.scored_bytes)
         result.memory_bytes = self.cfg_json["num_hidden_layers"] * self.num_experts * _expert_nbytes(
             self.config.checkpoint, self.projections, self.template)
         start = time.perf_counter()
-        for position in range(self.tokens.size - 1):
-            logits = self._logits(model, cache, int(self.tokens[position]))
+        for position in range(tokens.size - 1):
+            logits = self._logits(model, cache, int(tokens[position]))
             if position >= self.config.warmup:
-                result.score(_bits(logits[None], self.tokens[position + 1]))
+                result.score(_bits(logits[None], tokens[position + 1]))
         result.seconds = time.perf_counter() - start
         return result
 
     def run(self, residency: float, policy: str, rule: str, *, prompt=None, generate: int = 0) -> RunResult:
-        """As :meth:`JaxStudy.run`, through mlx-lm."""
+        """As :meth:`JaxStudy.run`, through mlx-lm: one model and arena, emptied for each window."""
         from mlx_lm.models.cache import make_prompt_cache
 
         from kq_host.quantized import Quantization, open_experts
@@ -798,8 +932,11 @@ class MlxStudy:
         blocks = attach_arena(model, slots)
         for block in blocks:
             block.rule = rule
-        cache = make_prompt_cache(model)
-        result = RunResult(residency, slots, policy, rule, self.config.tokens, 0.0, self.scored_bytes)
+        tier_bytes = 0
+        if rule == "tier":
+            tier = self.tier()
+            attach_tier(blocks, tier)
+            tier_bytes = tier.nbytes
         quantized = Quantization.of(self.config.checkpoint) is not None
         with open_experts(self.config.checkpoint, self.projections, template=self.template,
                           dequantized=False) as store:
@@ -809,27 +946,31 @@ class MlxStudy:
                     return read
                 return {arena_name: read[name] for arena_name, name in zip(PROJECTIONS, self.projections)}
 
-            manager = ResidencyManager(layers, experts, slots, loader=load, arena=SwitchGLUArena(blocks),
-                                       policy=policy, queue_depth=0, bytes_per_expert=store.expert_nbytes(0))
-            result.memory_bytes = layers * slots * store.expert_nbytes(0)
-            if rule == "tier":
-                tier = self.tier()
-                attach_tier(blocks, tier)
-                result.memory_bytes += tier.nbytes
+            def window(tokens: list[int], warmup: int, generate: int = 0) -> RunResult:
+                cache = make_prompt_cache(model)
+                result = _window_result(self.config, len(tokens), residency, slots, policy, rule, self.scored_bytes,
+                                        warmup)
+                manager = ResidencyManager(layers, experts, slots, loader=load, arena=SwitchGLUArena(blocks),
+                                           policy=policy, queue_depth=0, bytes_per_expert=store.expert_nbytes(0))
+                result.memory_bytes = layers * slots * store.expert_nbytes(0) + tier_bytes
 
-            def token(position, token_id, tables):
-                set_tables(blocks, tables)
-                logits = self._logits(model, cache, token_id)
-                reports = []
-                for block in blocks:
-                    report = block.report()
-                    served = report.scores if rule == "stall" else report.served
-                    reports.append((report.indices, report.scores, report.miss_ids, report.miss_scores,
-                                    served.reshape(report.scores.shape)))
-                return logits[None], reports
+                def token(position, token_id, tables):
+                    set_tables(blocks, tables)
+                    logits = self._logits(model, cache, token_id)
+                    reports = []
+                    for block in blocks:
+                        report = block.report()
+                        served = report.scores if rule == "stall" else report.served
+                        reports.append((report.indices, report.scores, report.miss_ids, report.miss_scores,
+                                        served.reshape(report.scores.shape)))
+                    return logits[None], reports
 
-            tokens, warmup = _tokens(self.tokens, self.config.warmup, prompt)
-            return decode_through_arena(tokens, warmup, result, manager, token, generate=generate)
+                return decode_through_arena(tokens, warmup, result, manager, token, generate=generate)
+
+            if prompt is not None:
+                return window([int(t) for t in prompt], len(prompt) - 1, generate)
+            return _merged([window(tokens.tolist(), self.config.warmup) for tokens, _ in
+                            _windows(self.tokens, self.config)], self.config.tokens, self.scored_bytes)
 
 
 def _expert_nbytes(checkpoint, projections=("gate_proj", "up_proj", "down_proj"), template=None) -> int:
@@ -840,11 +981,13 @@ def _expert_nbytes(checkpoint, projections=("gate_proj", "up_proj", "down_proj")
         return store.expert_nbytes(0)
 
 
-def _tokens(text_tokens, warmup: int, prompt) -> tuple[list[int], int]:
-    """The tokens to feed and the warm-up: the text's, or a prompt's (all of it warm-up)."""
-    if prompt is None:
-        return [int(t) for t in text_tokens], warmup
-    return [int(t) for t in prompt], len(prompt) - 1
+def _window_result(config: StudyConfig, length: int, residency: float, slots: int, policy: str, rule: str,
+                   scored_bytes: int, warmup: int | None = None) -> RunResult:
+    """An empty :class:`RunResult` for one window of ``length`` tokens (``warmup`` of them unscored,
+    ``config.warmup`` by default)."""
+    warmup = config.warmup if warmup is None else warmup
+    return RunResult(residency, slots, policy, rule, max(length - 1 - warmup, 0), 0.0, scored_bytes,
+                     context=length - 1, trained_length=trained_length(config.checkpoint))
 
 
 def _text_tokens(config: StudyConfig, tokenizer) -> tuple[np.ndarray, int]:
@@ -998,7 +1141,7 @@ def format_table(resident: RunResult, results: list[RunResult]) -> str:
                      f"{s['hit_rate']:.3f}", f"{s['shed_mass_per_token']:.3f}", f"{s['reads_per_token']:.2f}",
                      f"{s['mib_per_token']:.3f}", f"{s['critical_reads_per_token']:.2f}" if r.rule == "stall" else "-",
                      _mib(r.memory_bytes)))
-    return render_table(header, rows, left=(2, 3))
+    return render_table(header, rows, left=(2, 3)) + "\n" + window_note(resident)
 
 
 def _mib(nbytes: int) -> str:

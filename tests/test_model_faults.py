@@ -175,7 +175,6 @@ def exact_model():
 
 def _loop(exact_model, store, loader=None, *, queue_depth=0, **options):
     from kq_host.residency import ResidencyManager
-    from kq_jax import qwen3_moe
     from kq_jax.arena import JaxArena
     from kq_jax.exact_loop import ExactLoop
 

@@ -1,5 +1,6 @@
 """kq study on the shipped model: through a full arena it is the resident model, bit for bit; shedding costs."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -312,3 +313,100 @@ def test_bad_streams_are_refused_by_name(streams, framework, message):
 def test_more_streams_than_the_text_holds_is_refused_naming_streams():
     with pytest.raises(ValueError, match="--streams"):
         make_study(StudyConfig(tokens=512, warmup=64, streams=10_000, framework="jax"))
+
+
+# ---- windows within the length the checkpoint was trained on ----------------------------------------
+
+
+def test_the_shipped_models_were_trained_on_256_token_sequences_and_the_default_scores_within_them():
+    from kq.study import trained_length, window_plan
+
+    for name in ("stdlib-moe", "wheels-moe"):
+        assert trained_length(SHIPPED_MODEL.parent / name) == 256
+    config = StudyConfig()
+    assert (config.tokens, config.warmup) == (256, 64)
+    assert window_plan(config) == [(0, 192), (192, 64)]  # warm-up 64 + scored 192 = 256 positions at most
+    assert window_plan(StudyConfig(long_context=True)) == [(0, 256)]  # positions 64-319, past 256
+    assert window_plan(StudyConfig(tokens=512)) == [(0, 192), (192, 192), (384, 128)]
+
+
+@pytest.fixture(scope="module")
+def short_trained(tmp_path_factory):
+    """The shipped model, recorded as trained on 8-token sequences: windows of 4 warm-up and 4 scored tokens."""
+    directory = tmp_path_factory.mktemp("short")
+    for path in SHIPPED_MODEL.iterdir():
+        if path.name != "training.json":
+            (directory / path.name).symlink_to(path)
+    (directory / "training.json").write_text(json.dumps({"args": {"seq": 8}}))
+    return directory
+
+
+@pytest.mark.parametrize("framework", ["jax", "mlx"])
+def test_windows_restart_the_context_and_the_arena_and_each_is_the_text_decoded_alone(short_trained, framework,
+                                                                                     tmp_path):
+    from kq.study import window_plan
+
+    config = StudyConfig(checkpoint=short_trained, tokens=10, warmup=4, framework=_framework(framework))
+    assert window_plan(config) == [(0, 4), (4, 4), (8, 2)]
+    windowed = make_study(config)
+    resident = windowed.resident()
+    assert len(resident.token_bits) == resident.tokens == 10 and (resident.windows, resident.context) == (3, 8)
+    long = make_study(dataclasses.replace(config, long_context=True)).resident()
+    assert (long.windows, long.context) == (1, 14)
+    assert long.token_bits[:4] == resident.token_bits[:4]  # the first window: the same context
+    assert long.token_bits[4:] != resident.token_bits[4:]  # later tokens lose the context before their window
+    for offset, scored in window_plan(config)[1:]:  # each window is its text decoded from position 0
+        alone = make_study(StudyConfig(checkpoint=SHIPPED_MODEL, text=_text_file(windowed.tokens[offset:], 4 + scored + 1, tmp_path / f"{offset}.txt"),
+                                       tokens=scored, warmup=4, framework=framework)).resident()
+        assert alone.token_bits == resident.token_bits[offset:offset + scored]
+    full = windowed.run(1.0, "lfu", "route_shed")
+    assert full.token_bits == resident.token_bits
+    assert full.hits == full.lookups == 10 * windowed_layers() * 8  # every window's arena starts full
+    small = windowed.run(0.125, "lfu", "stall")
+    assert small.token_bits == resident.token_bits and small.critical_reads == small.lookups - small.hits > 0
+
+
+def windowed_layers():
+    return json.loads((SHIPPED_MODEL / "config.json").read_text())["num_hidden_layers"]
+
+
+def _text_file(ids, length, path):
+    """A text file whose first ``length`` tokens are ``ids``' (the tokenizer's decode round-trips here)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(SHIPPED_MODEL / "tokenizer.json"))
+    ids = ids.tolist()
+    path.write_text(tokenizer.decode(ids))
+    assert tokenizer.encode(path.read_text()).ids[:length] == ids[:length]
+    return path
+
+
+def test_streams_decode_their_windows_round_by_round(short_trained):
+    config = StudyConfig(checkpoint=short_trained, tokens=8, warmup=4, streams=2, framework="jax")
+    study = make_study(config)
+    resident = study.resident()
+    assert len(resident.token_bits) == 16 and resident.window == 8 and resident.windows == 2
+    alone = make_study(dataclasses.replace(config, streams=1)).resident()
+    np.testing.assert_allclose(resident.token_bits[:8], alone.token_bits, rtol=0, atol=1e-4)  # stream 0
+    assert study.run(1.0, "lfu", "shed").token_bits == resident.token_bits
+    stall = study.run(0.125, "lfu", "stall")
+    assert stall.token_bits == resident.token_bits and stall.critical_reads == stall.lookups - stall.hits > 0
+
+
+def test_the_table_says_whether_the_windows_stay_within_the_trained_length(short_trained):
+    from kq.study import format_table
+
+    study = make_study(StudyConfig(checkpoint=short_trained, tokens=6, warmup=4, residencies=(0.5,),
+                                   rules=("shed",), policies=("lfu",)))
+    resident = study.resident()
+    text = format_table(resident, [study.run(0.5, "lfu", "shed")])
+    assert "within the 8-token sequences the checkpoint was trained on" in text
+    long = make_study(StudyConfig(checkpoint=short_trained, tokens=6, warmup=4, long_context=True))
+    assert "LONG CONTEXT" in format_table(long.resident(), [])
+
+
+@pytest.mark.parametrize("warmup", [8, 9])
+def test_a_warmup_that_fills_the_trained_length_is_refused_naming_warmup(short_trained, warmup):
+    with pytest.raises(ValueError, match="--warmup.*8-token"):
+        StudyConfig(checkpoint=short_trained, tokens=4, warmup=warmup)
+    assert StudyConfig(checkpoint=short_trained, tokens=4, warmup=warmup, long_context=True).long_context
