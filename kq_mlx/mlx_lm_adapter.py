@@ -731,11 +731,15 @@ def attach_tier(blocks: list[ArenaLayer], tier) -> None:
             the layer's own experts.
 
     Raises:
-        ValueError: the tier's layers, experts or projections do not match the blocks, or the layers have
-            projection biases and their experts were dropped (``keep_experts=False``).
+        ValueError: the tier's bits or group size disagree with its arrays (:func:`kq_host.tier.check_tier`),
+            its layers, experts or projections do not match the blocks, or the layers have projection
+            biases and their experts were dropped (``keep_experts=False``).
     """
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
+    from kq_host.tier import check_tier
+
+    check_tier(tier, "attach_tier: the tier")
     if tier.num_layers != len(blocks) or any(tier.num_experts != b.num_experts for b in blocks):
         raise ValueError(f"attach_tier: the tier holds {tier.num_layers} layers of {tier.num_experts} experts, the "
                          f"model {len(blocks)} MoE layers of {blocks[0].num_experts}")

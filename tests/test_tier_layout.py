@@ -223,3 +223,58 @@ def test_a_float_checkpoint_or_float32_scales_or_mixed_options_are_refused_by_na
             tier_from_checkpoint(served[1], store, 3, 8)
         with pytest.raises(ExpertStoreError, match="config.json"):
             tier_from_checkpoint(tmp_path / "nowhere", store, 2, 8)
+
+
+# ---- the tier in the mlx-lm adapter --------------------------------------------------------------
+
+
+def _logits(model, prompt=(1, 2, 3, 4)):
+    out = model(mx.array([list(prompt)]))
+    mx.eval(out)
+    return np.array(out.astype(mx.float32))
+
+
+def test_the_tier_read_from_a_conversion_serves_every_miss_as_the_converted_model_runs(tmp_path):
+    """Nothing resident: every expert from the tier. The conversion quantized the experts only, so the model
+    with the tier attached is the converted model, to the bit (both in float32, MLX's CPU gather_mm's dtype:
+    the bfloat16 weights, scales and biases widened exactly)."""
+    from kq_host.tier import tier_from_checkpoint
+    from kq_mlx.mlx_lm_adapter import attach_arena, attach_tier, set_tables
+
+    model, config = _model(5)
+    checkpoint = _save(model, config, tmp_path / "bf16")
+    experts_only = _convert(model, config, tmp_path / "2bit", bits=2, group_size=64,
+                            quant_predicate=lambda path, module: "switch_mlp" in path)
+    model.set_dtype(mx.float32)  # quantize_model quantized `model` in place: the converted model
+    assert type(model.layers[1].mlp.switch_mlp.down_proj).__name__ == "QuantizedSwitchLinear"
+    assert type(model.layers[1].self_attn.q_proj).__name__ == "Linear"
+    want = _logits(model)
+    served, _ = _model(5)
+    served.set_dtype(mx.float32)
+    blocks = attach_arena(served, 2)
+    set_tables(blocks, np.full((2, 8), -1, np.int32))
+    with _store(checkpoint) as store:
+        attach_tier(blocks, tier_from_checkpoint(experts_only, store, 2, 8))
+    for block in blocks:
+        block.rule = "tier"
+    got = _logits(served)
+    assert int(np.array(blocks[0].last[2].miss_ids).max()) >= 0
+    assert got.view(np.uint32).tobytes() == want.view(np.uint32).tobytes()
+
+
+@pytest.mark.parametrize("options, argument", [({"bits": 4}, "bits"), ({"bits": 3}, "bits"),
+                                               ({"group_size": 32}, "group_size"), ({"bits": 5}, "bits")])
+def test_attach_tier_names_bits_or_group_size_that_disagree_with_the_arrays(served, options, argument):
+    import dataclasses
+
+    from kq_host.tier import tier_from_checkpoint
+    from kq_mlx.mlx_lm_adapter import attach_arena, attach_tier
+
+    checkpoint, conversion = served
+    with _store(checkpoint) as store:
+        tier = tier_from_checkpoint(conversion, store, 2, 8)
+    model, _ = _model(0)
+    blocks = attach_arena(model, 2)
+    with pytest.raises(ValueError, match=argument):
+        attach_tier(blocks, dataclasses.replace(tier, **options))
+    assert all(block.tier is None for block in blocks)
