@@ -7,7 +7,8 @@ resident then, while the rest of layer l and layer l+1's attention run, turns so
 misses into hits.
 
 :func:`kq.study.record_routing` (with ``lookahead``) runs the checkpoint over its held-out text (every
-expert resident, teacher-forced) and keeps each token's routing and predictions. :func:`simulate` replays them through one arena per layer
+expert resident, teacher-forced, in windows no longer than the sequences it was trained on) and keeps
+each token's routing and predictions; the replay runs them as one sequence, its arenas kept across windows. :func:`simulate` replays them through one arena per layer
 of ``slots`` experts. Per token, layer by layer:
 
 1. the layer's routed experts that are not resident are critical-path reads; they are placed at once,

@@ -3,8 +3,10 @@
 A checkpoint (``qwen3_moe``; the shipped ``models/stdlib-moe`` by default) runs over a text as a
 decode engine would: one token per step, teacher-forced, every layer's experts served from an
 arena of ``residency`` of its experts, the slot tables updated between tokens by the residency
-manager reading experts from the checkpoint's safetensors files. Each run starts with the arena
-holding each layer's lowest-numbered experts and decodes ``warmup`` tokens before any is scored.
+manager reading experts from the checkpoint's safetensors files. The text is decoded in windows no
+longer than the sequences the checkpoint was trained on (:func:`window_plan`; ``long_context`` for one
+window however long): each window starts with the arena holding each layer's lowest-numbered experts
+and an empty key-value cache, and decodes ``warmup`` tokens before any is scored.
 
 Rules for a routed expert that is not resident (``RULES``):
 
