@@ -1,5 +1,9 @@
 """The engine loop of ``kq bench --sets decode-e2e``: its exact mode gives the resident model's bits, with
-recorded and with routed routing; the lossy and tier modes give them with every expert resident."""
+recorded and with routed routing; the lossy and tier modes give them with every expert resident. Its floor
+columns: the arithmetic on made-up rates, the misses' path read through the store, and every row of a run
+consistent with its own measurements (never a timing compared with another)."""
+
+import json
 
 import numpy as np
 import pytest
@@ -91,3 +95,87 @@ def test_the_tier_mode_needs_a_tier(setting):
             decode_e2e.run_streamed(bare, store, residency=0.5, mode="tier", warmup=2, experts=EXPERTS)
         with pytest.raises(ValueError, match="mode must be"):
             decode_e2e.run_streamed(engine, store, residency=0.5, mode="resident", warmup=2, experts=EXPERTS)
+
+
+def _fabricated(mode, tokens_per_s, resident_tokens_per_s, critical_mib_per_token, read_gib_per_s):
+    """A result with made-up rates (not timings): its floor columns from :func:`decode_e2e.floor_columns`."""
+    return decode_e2e.DecodeResult(
+        device="cpu", model="made-up", routing="recorded", checkpoint="stdlib-moe", layers=2, experts=16, hidden=32,
+        ffn=32, mode=mode, residency=0.5, tokens=8, tokens_per_s=tokens_per_s, floor_tokens_per_s=900.0,
+        token_ms=1e3 / tokens_per_s, wait_ms=0.5, boundary_ms=0.25, publish_ms=0.125, critical_reads_per_token=4.0,
+        reruns_per_token=1.0, mib_read_per_token=3.0, h2d_ms=0.01, hit_rate=0.75, memory_gib=0.5, tier_bits=None,
+        resident_tokens_per_s=resident_tokens_per_s, read_gib_per_s=read_gib_per_s,
+        critical_mib_per_token=critical_mib_per_token,
+        **decode_e2e.floor_columns(tokens_per_s, resident_tokens_per_s, critical_mib_per_token, read_gib_per_s))
+
+
+def test_the_floor_is_the_slower_of_the_resident_token_and_its_critical_reads(tmp_path):
+    # 2 MiB a token at 1 GiB/s is 1/512 s, slower than the resident's 1/1000 s: the reads set the floor.
+    read_bound = _fabricated("exact", 256.0, 1000.0, 2.0, 1.0)
+    assert (read_bound.floor_with_reads_tokens_per_s, read_bound.x_floor, read_bound.x_resident) == (512.0, 0.5, 0.256)
+    # 0.5 MiB at 1 GiB/s is 1/2048 s, faster than the resident token: the resident token sets it.
+    compute_bound = _fabricated("exact", 250.0, 1000.0, 0.5, 1.0)
+    assert (compute_bound.floor_with_reads_tokens_per_s, compute_bound.x_floor) == (1000.0, 0.25)
+    lossy = _fabricated("lossy", 800.0, 1000.0, 0.0, 1.0)
+    assert (lossy.floor_with_reads_tokens_per_s, lossy.x_floor) == (1000.0, 0.8)
+    table = decode_e2e.format_table([read_bound, lossy]).splitlines()
+    header = table[0].split()
+    for column in ("x floor", "floor tok/s", "no-read tok/s", "critical MiB/token", "read GiB/s"):
+        assert column in table[0]
+    assert header.index("resident") < header.index("floor") and "0.500" in table[2] and "512.0" in table[2]
+    decode_e2e.write_json([read_bound], str(tmp_path / "fabricated.json"))
+    row = json.loads((tmp_path / "fabricated.json").read_text())["results"][0]
+    assert {key: row[key] for key in ("floor_with_reads_tokens_per_s", "x_floor", "x_resident", "read_gib_per_s",
+                                       "critical_mib_per_token", "resident_tokens_per_s")} == {
+        "floor_with_reads_tokens_per_s": 512.0, "x_floor": 0.5, "x_resident": 0.256, "read_gib_per_s": 1.0,
+        "critical_mib_per_token": 2.0, "resident_tokens_per_s": 1000.0}
+
+
+@pytest.mark.parametrize("argument, bad", [("tokens_per_s", 0.0), ("resident_tokens_per_s", -1.0),
+                                           ("resident_tokens_per_s", float("inf")), ("read_gib_per_s", float("nan")),
+                                           ("critical_mib_per_token", -0.5)])
+def test_the_floor_refuses_rates_it_cannot_divide_by(argument, bad):
+    arguments = dict(tokens_per_s=100.0, resident_tokens_per_s=200.0, critical_mib_per_token=1.0, read_gib_per_s=2.0)
+    with pytest.raises(ValueError, match=argument):
+        decode_e2e.floor_columns(**{**arguments, argument: bad})
+
+
+def test_the_misses_path_is_read_through_the_store(setting):
+    _, directory, _ = setting
+    copied = []
+    with ExpertStore(directory, layout="per_expert", projections=decode_e2e.PROJECTIONS) as store:
+        expert = store.expert_nbytes(0)
+        gib_per_s = decode_e2e.miss_path_gib_per_s(store, LAYERS, EXPERTS, to_device=copied.append, workers=2,
+                                                   passes=2, max_bytes=5 * expert)
+        assert np.isfinite(gib_per_s) and gib_per_s > 0
+        assert store.bytes_read == 3 * 5 * expert  # a warming pass and two timed ones, five experts each
+        assert len(copied) == 15 and all(set(payload) == set(decode_e2e.PROJECTIONS) for payload in copied)
+        before = store.bytes_read
+        decode_e2e.miss_path_gib_per_s(store, LAYERS, EXPERTS, passes=1, max_bytes=1)  # at least one expert
+        assert store.bytes_read - before == 2 * expert
+        for argument in ("layers", "experts", "workers", "passes", "max_bytes"):
+            arguments = {**dict(layers=LAYERS, experts=EXPERTS, workers=1, passes=1, max_bytes=expert), argument: 0}
+            with pytest.raises(ValueError, match=argument):
+                decode_e2e.miss_path_gib_per_s(store, **arguments)
+
+
+def test_every_row_of_a_run_has_consistent_floor_columns(monkeypatch):
+    """A tiny recorded model through run_model: the floor columns follow from the row's own measurements."""
+    rng = np.random.default_rng(5)
+    experts, steps = 64, 9  # the shipped checkpoint's experts; 3 warm-up tokens and 6 timed
+    indices = np.stack([[rng.permutation(experts)[:TOP_K] for _ in range(LAYERS)] for _ in range(steps)])
+    scores = np.sort(rng.random((steps, LAYERS, TOP_K), dtype=np.float32), axis=-1)[..., ::-1].copy()
+    monkeypatch.setitem(decode_e2e.RECORDED_MODELS, "tiny", ("stdlib-moe", LAYERS, HIDDEN, FFN))
+    rows = decode_e2e.run_model("tiny", tokens=6, warmup=3, routing=(indices.astype(np.int32), scores),
+                                residencies=(1.0, 0.25))
+    assert [(r.mode, r.residency) for r in rows] == [("resident", 1.0)] + [
+        (mode, residency) for residency in (1.0, 0.25) for mode in ("lossy", "tier", "exact")]
+    expert_mib = 3 * HIDDEN * FFN * 2 / 2**20  # three bfloat16 projections
+    assert len({r.read_gib_per_s for r in rows}) == 1 and rows[0].read_gib_per_s > 0
+    assert rows[0].resident_tokens_per_s == rows[0].tokens_per_s and rows[0].x_floor == rows[0].x_resident == 1.0
+    for row in rows:
+        assert row.critical_mib_per_token == row.critical_reads_per_token * expert_mib
+        assert (row.critical_mib_per_token > 0) == (row.mode == "exact" and row.residency < 1.0)
+        assert {key: getattr(row, key) for key in ("x_resident", "floor_with_reads_tokens_per_s", "x_floor")} == \
+            decode_e2e.floor_columns(row.tokens_per_s, row.resident_tokens_per_s, row.critical_mib_per_token,
+                                     row.read_gib_per_s)

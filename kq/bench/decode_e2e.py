@@ -36,9 +36,20 @@ Routing (the ``routing`` column):
   (from the page cache once read: this is the arena's cost, not an SSD's).
 * ``random``: the demo's random block stack, routed by its own random routers (no tier mode).
 
-Columns: tokens/s and that over the resident model's in the same loop (``x resident``); ``floor``: the
-same program dispatched back to back on the last tables, nothing read back (the device's and the
-dispatch's rate, what the loop would reach with a free boundary); the median token's wall time,
+Columns: tokens/s and that over the resident model's in the same loop (``x resident``: over the resident
+loop timed just before the row's run, so both see the machine in the same state; the resident row is the
+median of those resident runs, one before every arena run and one first); ``floor tok/s``: the rate the
+row could reach, 1 / max(the resident token's time, its critical bytes / the read bandwidth of the
+misses' path), and ``x floor``, tokens/s over it. The read bandwidth (``read GiB/s``) is measured in the
+same run (:func:`miss_path_gib_per_s`): the checkpoint's experts read through the same
+:class:`~kq_host.expert_store.ExpertStore` the manager's loader reads from, by as many threads as its
+workers, the page cache warm, and on a GPU each expert copied to the device (page cache to host memory
+to device; on a CPU, page cache to memory). A token's critical bytes (``critical MiB/token``) are the
+bytes it must read before it can finish: the exact mode's misses read on its critical path; 0 for the
+lossy and tier modes, whose reads land at a later boundary (``MiB read/token`` counts them). The floor
+is not a bound the measured rate stays under: the resident token's time is itself a measurement.
+``no-read tok/s``: the same program dispatched back to back on the last tables, nothing read back (the
+device's and the dispatch's rate, what the loop would reach with a free boundary); the median token's wall time,
 readback wait and boundary (of which ``publish``: landed experts into the arena); critical-path reads
 per token and runs again per token (``exact``); MiB read per token; hit rate; device memory of the
 experts (the resident model's, or the arena's and the tier's). ``h2d ms`` is what a token's read bytes
@@ -91,7 +102,7 @@ class DecodeResult:
     residency: float
     tokens: int
     tokens_per_s: float
-    floor_tokens_per_s: float  # the same program back to back, nothing read back
+    floor_tokens_per_s: float  # no-read: the same program back to back, nothing read back
     token_ms: float  # median wall time per token
     wait_ms: float  # median readback wait
     boundary_ms: float  # median host work between tokens (exact: the critical-path reads included)
@@ -103,6 +114,12 @@ class DecodeResult:
     hit_rate: float | None
     memory_gib: float  # the experts' device memory: every expert, or the arena and the tier
     tier_bits: int | None
+    resident_tokens_per_s: float  # the baseline of x resident and of the floor: the resident loop timed before the run
+    x_resident: float
+    read_gib_per_s: float  # the misses' path, measured in the same run
+    critical_mib_per_token: float  # bytes a token must read before it can finish (exact: its critical reads)
+    floor_with_reads_tokens_per_s: float  # 1 / max(resident token time, critical bytes / read bandwidth)
+    x_floor: float
 
 
 def h2d_gib_per_s() -> float:
@@ -117,6 +134,96 @@ def h2d_gib_per_s() -> float:
         jax.device_put(host).block_until_ready()
         times.append(time.perf_counter() - start)
     return host.nbytes / statistics.median(times) / 2**30
+
+
+def miss_path_gib_per_s(store, layers: int, experts: int, *, to_device=None, workers: int = 8, passes: int = 3,
+                        max_bytes: int = 2**30) -> float:
+    """Read bandwidth of the path a miss takes, GiB/s: experts read through ``store.read_expert`` (the
+    residency manager's loader) by ``workers`` threads (its workers), each read handed to ``to_device``
+    when given (on a GPU: the copy to the device, waited for), the page cache warmed by an untimed first
+    pass, the median of ``passes`` timed passes.
+
+    Args:
+        store: a :class:`~kq_host.expert_store.ExpertStore` (or anything with its ``read_expert(layer,
+            expert)`` returning ``{projection: array}`` and ``expert_nbytes(layer)``).
+        layers, experts: the experts a pass may read, layer by layer (layer 0's experts 0, 1, ... first).
+        to_device: ``payload -> None``, the payload's copy past host memory, waited for; None: host memory
+            is the end of the path (a CPU, unified memory).
+        workers: concurrent reads.
+        passes: timed passes.
+        max_bytes: a pass reads experts up to this many bytes (at least one expert).
+
+    Raises:
+        ValueError: an argument out of range, named.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    for name, value in (("layers", layers), ("experts", experts), ("workers", workers), ("passes", passes),
+                        ("max_bytes", max_bytes)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"miss_path_gib_per_s: {name} must be an int >= 1, got {value!r}")
+    chosen, total = [], 0
+    for layer in range(layers):
+        nbytes = store.expert_nbytes(layer)
+        for expert in range(experts):
+            if chosen and total + nbytes > max_bytes:
+                break
+            chosen.append((layer, expert))
+            total += nbytes
+        else:
+            continue
+        break
+
+    def read(where):
+        payload = store.read_expert(*where)
+        if to_device is not None:
+            to_device(payload)
+
+    seconds = []
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kq-bandwidth") as pool:
+        for _ in range(passes + 1):  # the first pass warms the page cache
+            start = time.perf_counter()
+            list(pool.map(read, chosen))
+            seconds.append(time.perf_counter() - start)
+    return total / statistics.median(seconds[1:]) / 2**30
+
+
+def jax_to_device(payload) -> None:
+    """An expert's arrays copied to JAX's default device, waited for (the misses' path on a GPU)."""
+    import jax
+
+    jax.block_until_ready(jax.device_put(payload))
+
+
+def floor_columns(tokens_per_s: float, resident_tokens_per_s: float, critical_mib_per_token: float,
+                  read_gib_per_s: float) -> dict[str, float]:
+    """The floor a row can reach and the row against it and against the resident model.
+
+    The floor in tokens/s is 1 / max(the resident token's time, critical bytes per token / read bandwidth):
+    the lower of the resident's rate and the rate at which the misses' path reads a token's critical bytes.
+
+    Args:
+        tokens_per_s: the row's measured rate.
+        resident_tokens_per_s: the resident (unmodified) model's, the baseline.
+        critical_mib_per_token: MiB a token must read before it can finish.
+        read_gib_per_s: the misses' path's read bandwidth.
+
+    Returns:
+        ``{"x_resident", "floor_with_reads_tokens_per_s", "x_floor"}``.
+
+    Raises:
+        ValueError: a rate or the bandwidth not positive and finite, or negative critical bytes.
+    """
+    for name, value in (("tokens_per_s", tokens_per_s), ("resident_tokens_per_s", resident_tokens_per_s),
+                        ("read_gib_per_s", read_gib_per_s)):
+        if not (np.isfinite(value) and value > 0):
+            raise ValueError(f"floor_columns: {name} must be positive and finite, got {value!r}")
+    if not (np.isfinite(critical_mib_per_token) and critical_mib_per_token >= 0):
+        raise ValueError(f"floor_columns: critical_mib_per_token must be >= 0 and finite, got {critical_mib_per_token!r}")
+    reads_allow = read_gib_per_s * 1024 / critical_mib_per_token if critical_mib_per_token else float("inf")
+    floor = min(resident_tokens_per_s, reads_allow)
+    return {"x_resident": tokens_per_s / resident_tokens_per_s, "floor_with_reads_tokens_per_s": floor,
+            "x_floor": tokens_per_s / floor}
 
 
 def expert_shapes(hidden: int, ffn: int) -> dict[str, tuple[int, int]]:
@@ -439,45 +546,76 @@ def run_model(model: str, *, tokens: int = 64, warmup: int = 16, seed: int = 0, 
         router = (rng.normal(size=(layers, hidden, experts)) / np.sqrt(hidden) * 4).astype(np.float32)
         engine = Engine(weights, top_k, steps, router=router, seed=seed, tier=tier)
     device, bandwidth = jax_device_name(), h2d_gib_per_s()
-    results = []
+    arena_rows, resident_runs = [], []
 
-    def add(mode, residency, run: ArenaRun | None, stamps, waits, floor, memory):
-        gaps = np.diff(stamps[-tokens - 1:])
-        stats = None if run is None else run.stats
-        mib = 0.0 if stats is None else stats.bytes_read / tokens / 2**20
-        timed = {name: [] if run is None else getattr(run, name)[-tokens:]
-                 for name in ("boundaries", "publishes", "critical", "reruns")}
+    def add(mode, residency, run: ArenaRun, resident_tokens_per_s: float, read_gib_per_s: float,
+            expert_bytes: int) -> DecodeResult:
+        gaps = np.diff(run.stamps[-tokens - 1:])
+        tokens_per_s = 1.0 / float(np.median(gaps))
+        mib = run.stats.bytes_read / tokens / 2**20
+        timed = {name: getattr(run, name)[-tokens:] for name in ("boundaries", "publishes", "critical", "reruns")}
+        critical = float(np.mean(timed["critical"]))
+        critical_mib = critical * expert_bytes / 2**20
         result = DecodeResult(
-            device, model, "recorded" if recorded else "random", checkpoint, layers, experts, hidden, ffn, mode,
-            residency, tokens, 1.0 / float(np.median(gaps)), floor, float(np.median(gaps)) * 1e3,
-            median_ms(waits[-tokens:]), median_ms(timed["boundaries"]), median_ms(timed["publishes"]),
-            float(np.mean(timed["critical"])) if run else 0.0, float(np.mean(timed["reruns"])) if run else 0.0,
-            mib, mib / 1024 / bandwidth * 1e3, None if stats is None else stats.hit_rate, memory / 2**30,
-            TIER_BITS if mode == "tier" else None)
-        results.append(result)
+            device=device, model=model, routing="recorded" if recorded else "random", checkpoint=checkpoint,
+            layers=layers, experts=experts, hidden=hidden, ffn=ffn, mode=mode, residency=residency, tokens=tokens,
+            tokens_per_s=tokens_per_s, floor_tokens_per_s=run.floor_tokens_per_s,
+            token_ms=float(np.median(gaps)) * 1e3, wait_ms=median_ms(run.waits[-tokens:]),
+            boundary_ms=median_ms(timed["boundaries"]), publish_ms=median_ms(timed["publishes"]),
+            critical_reads_per_token=critical, reruns_per_token=float(np.mean(timed["reruns"])),
+            mib_read_per_token=mib, h2d_ms=mib / 1024 / bandwidth * 1e3, hit_rate=run.stats.hit_rate,
+            memory_gib=run.memory_bytes / 2**30, tier_bits=TIER_BITS if mode == "tier" else None,
+            resident_tokens_per_s=resident_tokens_per_s, read_gib_per_s=read_gib_per_s,
+            critical_mib_per_token=critical_mib,
+            **floor_columns(tokens_per_s, resident_tokens_per_s, critical_mib, read_gib_per_s))
         if log:
-            log(f"{model} {mode} residency={residency:.0%}: {result.tokens_per_s:.1f} tok/s (floor "
-                f"{floor:.1f}), hit rate {'-' if result.hit_rate is None else f'{result.hit_rate:.3f}'}, "
-                f"{mib:.1f} MiB/token")
+            log(f"{model} {mode} residency={residency:.0%}: {tokens_per_s:.1f} tok/s ({result.x_resident:.2f}x the "
+                f"resident's {resident_tokens_per_s:.1f} before it, {result.x_floor:.2f}x its floor "
+                f"{result.floor_with_reads_tokens_per_s:.1f}; no-read {run.floor_tokens_per_s:.1f}), hit rate "
+                f"{run.stats.hit_rate:.3f}, {mib:.1f} MiB/token")
+        return result
 
     positions = engine.positions
 
     def resident(x, position):
         return engine.resident(x, positions[position], engine.weights)
 
+    def time_resident():  # the resident loop, as an arena run would see the machine just after it
+        stamps, waits, _ = decode(resident, lambda position, token: False, engine.first, steps, overlap=True)
+        resident_runs.append((1.0 / float(np.median(np.diff(stamps[-tokens - 1:]))), stamps, waits))
+        return resident_runs[-1][0]
+
     resident(engine.first, 0)[1].block_until_ready()  # compile
-    stamps, waits, _ = decode(resident, lambda position, token: False, engine.first, steps, overlap=True)
-    add("resident", 1.0, None, stamps, waits, device_floor(resident, engine.first, min(steps, 64)),
-        sum(a.nbytes for a in engine.weights.values()))
+    time_resident()
+    resident_floor = device_floor(resident, engine.first, min(steps, 64))
     with tempfile.TemporaryDirectory(prefix="kq-decode-") as workdir:
         write_checkpoint(Path(workdir), weights)
         del weights
         with ExpertStore(workdir, layout="per_expert", projections=PROJECTIONS) as store:
+            read_gib_per_s = miss_path_gib_per_s(store, layers, experts, to_device=jax_to_device if _on_gpu() else None)
+            if log:
+                log(f"{model}: the misses' path reads {read_gib_per_s:.2f} GiB/s")
             for residency in residencies or RESIDENCIES:
                 for mode in MODES[1:] if recorded else ("lossy", "exact"):
+                    baseline = time_resident()
                     run = run_streamed(engine, store, residency=residency, mode=mode, warmup=warmup, experts=experts)
-                    add(mode, residency, run, run.stamps, run.waits, run.floor_tokens_per_s, run.memory_bytes)
-    return results
+                    arena_rows.append(add(mode, residency, run, baseline, read_gib_per_s, store.expert_nbytes(0)))
+    rates = sorted(run[0] for run in resident_runs)
+    tokens_per_s, stamps, waits = next(run for run in resident_runs if run[0] == rates[(len(rates) - 1) // 2])
+    gaps = np.diff(stamps[-tokens - 1:])
+    resident_row = DecodeResult(
+        device=device, model=model, routing="recorded" if recorded else "random", checkpoint=checkpoint,
+        layers=layers, experts=experts, hidden=hidden, ffn=ffn, mode="resident", residency=1.0, tokens=tokens,
+        tokens_per_s=tokens_per_s, floor_tokens_per_s=resident_floor, token_ms=float(np.median(gaps)) * 1e3,
+        wait_ms=median_ms(waits[-tokens:]), boundary_ms=0.0, publish_ms=0.0, critical_reads_per_token=0.0,
+        reruns_per_token=0.0, mib_read_per_token=0.0, h2d_ms=0.0, hit_rate=None,
+        memory_gib=sum(a.nbytes for a in engine.weights.values()) / 2**30, tier_bits=None,
+        resident_tokens_per_s=tokens_per_s, read_gib_per_s=read_gib_per_s, critical_mib_per_token=0.0,
+        **floor_columns(tokens_per_s, tokens_per_s, 0.0, read_gib_per_s))
+    if log:
+        log(f"{model} resident: {tokens_per_s:.1f} tok/s, the median of {len(rates)} runs "
+            f"[{rates[0]:.1f}, {rates[-1]:.1f}] (no-read {resident_floor:.1f})")
+    return [resident_row, *arena_rows]
 
 
 def _on_gpu() -> bool:
@@ -513,14 +651,14 @@ def run(models=None, *, tokens: int = 64, warmup: int = 16, progress: bool = Tru
 
 
 def format_table(results: list[DecodeResult]) -> str:
-    header = ("model", "routing", "mode", "residency", "tok/s", "x resident", "floor tok/s", "token ms", "wait ms",
-              "boundary ms", "publish ms", "critical reads/token", "runs again/token", "MiB read/token", "h2d ms",
-              "hit rate", "memory GiB")
-    resident = {r.model: r.tokens_per_s for r in results if r.mode == "resident"}
-    rows = [(r.model, r.routing, r.mode, f"{r.residency:.0%}", f"{r.tokens_per_s:.1f}",
-             f"{r.tokens_per_s / resident[r.model]:.3f}", f"{r.floor_tokens_per_s:.1f}", f"{r.token_ms:.2f}",
-             f"{r.wait_ms:.2f}", f"{r.boundary_ms:.2f}", f"{r.publish_ms:.2f}", f"{r.critical_reads_per_token:.2f}",
-             f"{r.reruns_per_token:.2f}", f"{r.mib_read_per_token:.1f}", f"{r.h2d_ms:.2f}",
+    header = ("model", "routing", "mode", "residency", "tok/s", "x resident", "x floor", "floor tok/s", "no-read tok/s",
+              "token ms", "wait ms", "boundary ms", "publish ms", "critical reads/token", "critical MiB/token",
+              "runs again/token", "MiB read/token", "read GiB/s", "h2d ms", "hit rate", "memory GiB")
+    rows = [(r.model, r.routing, r.mode, f"{r.residency:.0%}", f"{r.tokens_per_s:.1f}", f"{r.x_resident:.3f}",
+             f"{r.x_floor:.3f}", f"{r.floor_with_reads_tokens_per_s:.1f}", f"{r.floor_tokens_per_s:.1f}",
+             f"{r.token_ms:.2f}", f"{r.wait_ms:.2f}", f"{r.boundary_ms:.2f}", f"{r.publish_ms:.2f}",
+             f"{r.critical_reads_per_token:.2f}", f"{r.critical_mib_per_token:.3f}", f"{r.reruns_per_token:.2f}",
+             f"{r.mib_read_per_token:.1f}", f"{r.read_gib_per_s:.2f}", f"{r.h2d_ms:.2f}",
              "-" if r.hit_rate is None else f"{r.hit_rate:.3f}", f"{r.memory_gib:.3f}")
             for r in results]
     return render_table(header, rows, left=(0, 1, 2))
