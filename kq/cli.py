@@ -1,4 +1,4 @@
-"""The ``kq`` command line: ``kq check``, ``kq bench``, ``kq demo`` and ``kq study``."""
+"""The ``kq`` command line: ``kq check``, ``kq bench``, ``kq demo``, ``kq generate`` and ``kq study``."""
 
 from __future__ import annotations
 
@@ -292,6 +292,26 @@ def _demo(args, parser) -> int:
     return 0
 
 
+def _generate(args, parser) -> int:
+    from kq.generate import GenerateConfig, GenerateError, format_summary, generate
+
+    config = GenerateConfig(model=args.model, prompt=args.prompt, max_tokens=args.max_tokens, residency=args.residency,
+                            rule=args.rule, tier_bits=args.tier_bits, tier_group_size=args.tier_group_size,
+                            tier_model=args.tier_model, queue_depth=args.queue_depth, timeout=args.timeout,
+                            floor=args.floor)
+    try:
+        result = generate(config, on_text=lambda text: print(text, end="", flush=True))
+    except GenerateError as error:
+        parser.error(str(error))
+    print()
+    print(format_summary(result))
+    if args.json is not None:
+        import json
+
+        args.json.write_text(json.dumps(result.to_json(), indent=1))
+    return 0
+
+
 def _study(args, parser) -> int:
     from kq import study
 
@@ -423,6 +443,37 @@ def main(argv: list[str] | None = None) -> int:
                       help="where to write the PNG of hit rate and shed mass per step (default kq_demo.png; "
                            "'' for none)")
     demo.set_defaults(func=lambda args: _demo(args, demo))
+
+    generate_parser = sub.add_parser(
+        "generate", help="generate text with an mlx-lm MoE model directory, its experts streamed through an arena",
+        description="Generates text greedily with any mlx-lm MoE model directory (float or quantized), loaded "
+                    "lazily: each MoE layer keeps --residency of its experts in an arena, filled from the "
+                    "directory's safetensors files by the residency manager; no other expert is ever in memory. "
+                    "The prompt runs layer by layer, each expert it routes to read once; then each token under "
+                    "--rule. The text is printed as it comes, then the speeds, hit rate, reads and peak memory.")
+    generate_parser.add_argument("--model", required=True, type=Path, help="an mlx-lm model directory")
+    generate_parser.add_argument("--prompt", required=True, help="the text to continue")
+    generate_parser.add_argument("--max-tokens", type=_count(1), default=64, help="tokens to generate (default 64)")
+    generate_parser.add_argument("--residency", type=float, default=0.25,
+                                 help="fraction of each MoE layer's experts the arena holds, in (0, 1] (default 0.25)")
+    generate_parser.add_argument("--rule", choices=("exact", "tier", "shed"), default="exact",
+                                 help="a routed expert not in the arena: exact (read, the token run again: "
+                                      "mlx_lm.generate's greedy tokens), tier (its low-precision copy), shed "
+                                      "(dropped) (default exact)")
+    generate_parser.add_argument("--tier-bits", type=int, choices=(2, 3, 4, 8), default=None,
+                                 help="--rule tier: quantize every expert to this many bits (default 3)")
+    generate_parser.add_argument("--tier-group-size", type=int, choices=(32, 64, 128), default=None,
+                                 help="--rule tier: the quantization's group size (default 32)")
+    generate_parser.add_argument("--tier-model", type=Path, default=None,
+                                 help="--rule tier: read the tier from this lower-bit mlx-lm conversion of the model")
+    generate_parser.add_argument("--queue-depth", type=_count(0), default=8, help="reads in flight (default 8)")
+    generate_parser.add_argument("--timeout", type=float, default=None,
+                                 help="seconds a wait for reads may take before the run fails (default: no limit)")
+    generate_parser.add_argument("--floor", action="store_true",
+                                 help="also measure the time to first token's floor: the prompt's experts read "
+                                      "again, and the model loaded whole (it must fit in memory) for its prefill")
+    generate_parser.add_argument("--json", type=Path, default=None, help="write the figures to this JSON file")
+    generate_parser.set_defaults(func=lambda args: _generate(args, generate_parser))
 
     study_parser = sub.add_parser(
         "study", help="what shedding costs a trained model: perplexity through a bounded arena, per rule and policy",

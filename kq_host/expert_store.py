@@ -16,6 +16,7 @@ bytes, so a thread pool of ``queue_depth`` readers keeps an SSD's queue full.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -38,6 +39,8 @@ SAFETENSORS_DTYPES = {
 }
 PER_EXPERT_TEMPLATE = "model.layers.{layer}.mlp.experts.{expert}.{projection}.weight"
 STACKED_TEMPLATE = "model.layers.{layer}.mlp.experts.{projection}"
+# In a tensor name given to ExpertStore.for_tensors: a tensor per expert, the field its id fills.
+EXPERT_FIELD = "{expert}"
 
 
 class ExpertStoreError(ValueError):
@@ -206,16 +209,18 @@ class ExpertStore:
     def for_tensors(cls, paths: str | os.PathLike | Sequence[str | os.PathLike],
                     names: Mapping[int, Mapping[str, str]], *, queue_depth: int = 8,
                     host_allocator=None) -> "ExpertStore":
-        """A store reading each layer's experts from tensors named per layer, each stacked ``[E, ...]``.
+        """A store reading each layer's experts from tensors named per layer: stacked ``[E, ...]``, or one
+        tensor per expert where the name holds ``{expert}``.
 
-        One expert is the slice ``[expert]`` of each of its layer's tensors: read with one ``pread`` of its
-        bytes, never the whole tensor nor another expert.
+        One expert is the slice ``[expert]`` of each of its layer's stacked tensors (or its own tensor): read
+        with one ``pread`` of its bytes, never the whole tensor nor another expert.
 
         Args:
             paths: a ``.safetensors`` file, a directory of them, or a list of files.
             names: ``{layer: {payload key: tensor name}}``, e.g. ``{0: {"gate_proj":
-                "model.layers.3.mlp.experts.gate_proj.weight", "gate_proj.bias": ...}}``; the layer numbers
-                are the residency manager's, the tensor names the checkpoint's. Each read returns
+                "model.layers.3.mlp.experts.gate_proj.weight", "gate_proj.bias": ...}}`` or
+                ``{0: {"gate_proj": "model.layers.3.mlp.experts.{expert}.gate_proj.weight"}}``; the layer
+                numbers are the residency manager's, the tensor names the checkpoint's. Each read returns
                 ``{payload key: array}``.
             queue_depth, host_allocator: as the constructor's.
 
@@ -244,13 +249,18 @@ class ExpertStore:
             for layer, keys in checked.items():
                 counts = {}
                 for name in keys.values():
-                    entry = store.tensors.get(name)
+                    first = name.replace(EXPERT_FIELD, "0")
+                    entry = store.tensors.get(first)
                     if entry is None:
-                        raise ExpertStoreError(f"layer {layer}: tensor {name} is in none of the store's files "
+                        raise ExpertStoreError(f"layer {layer}: tensor {first} is in none of the store's files "
                                                f"({store._files_shown()})")
-                    if not entry.shape:
+                    if EXPERT_FIELD in name:  # a tensor per expert: the experts are those named 0, 1, ...
+                        counts[name] = next(e for e in itertools.count(1)
+                                            if name.replace(EXPERT_FIELD, str(e)) not in store.tensors)
+                    elif not entry.shape:
                         raise ExpertStoreError(f"{entry.path}: tensor {name} is a scalar, not a stack of experts")
-                    counts[name] = entry.shape[0]
+                    else:
+                        counts[name] = entry.shape[0]
                 if len(set(counts.values())) > 1:
                     raise ExpertStoreError(f"layer {layer}: its tensors hold different numbers of experts "
                                            f"({', '.join(f'{n}: {c}' for n, c in counts.items())})")
@@ -287,7 +297,7 @@ class ExpertStore:
     def _tensor_name(self, layer: int, expert: int, projection: str) -> str:
         if self._names is None:
             return self.template.format(layer=layer, expert=expert, projection=projection)
-        return self._layer_names(layer)[projection]
+        return self._layer_names(layer)[projection].replace(EXPERT_FIELD, str(expert))
 
     def _files_shown(self) -> str:
         files = sorted({e.path.name for e in self.tensors.values()})
@@ -330,7 +340,9 @@ class ExpertStore:
         if entry is None:
             raise ExpertStoreError(f"expert {expert} of layer {layer}: tensor {name} is in none of the store's "
                                    f"files ({self._files_shown()})")
-        if self.layout == "per_expert":
+        one_tensor_an_expert = (self.layout == "per_expert" if self._names is None
+                                else EXPERT_FIELD in self._layer_names(layer)[projection])
+        if one_tensor_an_expert:
             return entry, entry.offset, entry.nbytes, entry.shape
         if len(entry.shape) < 1 or not 0 <= expert < entry.shape[0]:
             raise ExpertStoreError(f"{entry.path}: tensor {name} has shape {list(entry.shape)}, "

@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 import functools
 import re
-from typing import Callable
+from typing import Callable, Collection
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -920,7 +920,8 @@ def prefill(model: nn.Module, blocks: list[ArenaLayer], manager, prompt, cache, 
 def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt: list[int], max_tokens: int,
                     *, overlap: bool = True, exact: bool = False, timeout: float | None = None,
                     read_retries: int = 2, on_token: Callable[[int], None] | None = None,
-                    prefill_prompt: bool | None = None) -> list[int]:
+                    prefill_prompt: bool | None = None, cache: list | None = None,
+                    stop_tokens: Collection[int] = ()) -> list[int]:
     """Greedy decode through the arenas as an engine runs it: one readback per token, the host's boundary
     overlapped with the next token.
 
@@ -959,9 +960,13 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
             error (0: the first failure raises).
         on_token: called with each generated id as it is kept (to stream the output).
         prefill_prompt: the prompt but its last token through :func:`prefill` (None: ``exact``).
+        cache: the model's cache to extend (``make_prompt_cache(model)``, holding the tokens before ``prompt``
+            if any; default: a new one).
+        stop_tokens: ids that end the generation (an end-of-sequence id): the first one generated is the
+            last id returned.
 
     Returns:
-        The ``max_tokens`` generated ids.
+        The ``max_tokens`` generated ids, or fewer ending in an id of ``stop_tokens``.
 
     Raises:
         ValueError: an empty prompt, ``max_tokens < 1``, a bad ``timeout`` or ``read_retries``, or
@@ -979,7 +984,9 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
     _check_timeout("generate_greedy", timeout)
     if isinstance(read_retries, bool) or not isinstance(read_retries, (int, np.integer)) or read_retries < 0:
         raise ValueError(f"generate_greedy: read_retries must be an int >= 0, got {read_retries!r}")
-    cache = make_prompt_cache(model)
+    if cache is None:
+        cache = make_prompt_cache(model)
+    stop_tokens = frozenset(int(t) for t in stop_tokens)
     if exact and not _CacheCheckpoint(cache).restorable():
         raise ValueError("generate_greedy: exact=True runs a token again, which needs caches that can be put "
                          "back (trimmable KV caches or arrays caches); this model's cannot")
@@ -1039,6 +1046,10 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
             tokens.append(token)
             if on_token is not None:
                 on_token(token)
+            if token in stop_tokens:
+                if following is not None:
+                    mx.eval(following[1:3])  # dispatched ahead: let it finish before the caller goes on
+                break
         runs = 0
         if more:
             current = following if following is not None else dispatch(following_input)

@@ -712,8 +712,8 @@ def test_generate_greedy_exact_names_a_persistent_read_failure_and_works_once_th
     loader.broken = lambda layer, expert: layer == 1 and expert % 2 == 0
     manager = ResidencyManager(LAYERS, EXPERTS, 6, loader=loader, arena=SwitchGLUArena(blocks), queue_depth=0)
     if prefill_prompt:  # the prompt's layer 1 reads fail first
-        message = (r"prefill: acquire: layer 1: the reads of experts \[(\d+, )*\d+\] failed \(expert \d+: OSError: read "
-                   r"\d+ failed: input/output error.*\) \(each failed read retried 2 times\)")
+        message = (r"prefill: acquire: layer 1: the reads of experts \[(\d+, )*\d+\] failed \(expert \d+: OSError: "
+                   r"read \d+ failed: input/output error.*\) \(each failed read retried 2 times\)")
     else:
         message = (r"generate_greedy: layer 1: the reads of experts? \[.*\] failed after 2 retries \(expert \d+: "
                    r"OSError: read \d+ failed: input/output error, \d+ failures in a row")

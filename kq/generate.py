@@ -1,0 +1,499 @@
+"""``kq generate``: an mlx-lm MoE model directory generating text with a bounded expert memory.
+
+The model is loaded lazily (``mlx_lm.load(path, lazy=True)``) and :func:`~kq_mlx.mlx_lm_adapter.attach_arena`
+puts an arena of ``residency`` of each MoE layer's experts at every SwitchGLU, dropping the layers' own
+experts before anything evaluates them: no expert is ever in memory but those in the arena (and the tier).
+The residency manager fills the arenas from the directory's safetensors files through
+:meth:`kq_host.expert_store.ExpertStore.for_arenas` (one expert's slice of each stacked tensor a read).
+The prompt runs through :func:`~kq_mlx.mlx_lm_adapter.prefill` (layer by layer, each routed expert read
+once, exactly), then the tokens are generated greedily by :func:`~kq_mlx.mlx_lm_adapter.generate_greedy`
+under the rule: ``exact`` (a token that missed runs again once its misses are read: ``mlx_lm.generate``'s
+greedy tokens), ``tier`` (a miss computed with its low-precision copy) or ``shed`` (a miss's output
+dropped).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+RULES = ("exact", "tier", "shed")
+# Prompt tokens a prefill pass (mlx-lm's default prefill_step_size).
+PREFILL_STEP = 2048
+
+
+class GenerateError(ValueError):
+    """A bad argument or model directory; the message names the argument (``--model``...) or the file."""
+
+
+@dataclass
+class GenerateConfig:
+    """What :func:`generate` runs.
+
+    Attributes:
+        model: an mlx-lm model directory (``config.json``, ``*.safetensors``, the tokenizer), float or quantized.
+        prompt: the text to continue.
+        max_tokens: tokens to generate (fewer if the model ends the sequence).
+        residency: the fraction of each MoE layer's experts the arena holds, in ``(0, 1]``.
+        rule: what a routed expert not in the arena gets (:data:`RULES`).
+        tier_bits, tier_group_size: rule ``tier``: the experts quantized to this many bits
+            (:func:`kq_host.tier.build_tier`, cached on disk); default 3 bits, groups of 32.
+        tier_model: rule ``tier``: read the tier from a lower-bit mlx-lm conversion of the same model instead.
+        queue_depth: the residency manager's reads in flight.
+        timeout: seconds a wait for reads may take (None: no limit).
+        floor: measure the time to first token's floor too (:attr:`GenerateResult.floor_s`): the model loaded
+            again with every expert in memory (it must fit) and the prompt's experts read again.
+    """
+
+    model: str | Path
+    prompt: str
+    max_tokens: int = 64
+    residency: float = 0.25
+    rule: str = "exact"
+    tier_bits: int | None = None
+    tier_group_size: int | None = None
+    tier_model: str | Path | None = None
+    queue_depth: int = 8
+    timeout: float | None = None
+    floor: bool = False
+
+
+@dataclass
+class GenerateResult:
+    """What a run produced and measured (times in seconds, sizes in MiB)."""
+
+    text: str
+    prompt_tokens: int
+    tokens: list[int]
+    num_layers: int
+    num_experts: int
+    slots: int
+    quantized: bool
+    time_to_first_token_s: float
+    generation_s: float
+    prompt_tps: float
+    generation_tps: float
+    hit_rate: float  # routed entries of the generated tokens found resident (the prompt's excluded)
+    prompt_reads: int  # experts read from the start to the first token
+    prompt_routed_pairs: int  # distinct (layer, expert) pairs the prompt's prefill routed
+    prefill_reads: int  # experts read by the prefill (the prompt but its last token)
+    prompt_read_mib: float
+    generation_reads: int
+    mib_read_per_token: float  # generated tokens only
+    expert_mib: float  # one expert, as stored
+    experts_mib: float  # every expert of the model, as stored
+    arena_mib: float
+    tier_mib: float
+    other_weights_mib: float
+    peak_rss_mib: float
+    mlx_peak_mib: float
+    device: str
+    read_bandwidth_gbs: float | None = None  # floor: the prompt's experts read again, bytes over seconds
+    resident_prefill_s: float | None = None  # floor: the model with every expert, prompt to first token
+    floor_s: float | None = None  # the prompt's distinct experts' bytes / read bandwidth + resident_prefill_s
+    stages: dict = field(default_factory=dict)  # seconds: load, tier, prefill
+
+    @property
+    def memory_bound_mib(self) -> float:
+        """The peak resident memory aimed at: arena + tier + the other weights + 1 GiB."""
+        return self.arena_mib + self.tier_mib + self.other_weights_mib + 1024.0
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "memory_bound_mib": self.memory_bound_mib}
+
+
+def _fail(argument: str, message: str) -> GenerateError:
+    return GenerateError(f"{argument}: {message}")
+
+
+def check_config(config: GenerateConfig) -> Path:
+    """Checks every option before anything loads; returns the model directory.
+
+    Raises:
+        GenerateError: naming the argument (``--model``, ``--residency``...) or the file.
+    """
+    model = Path(config.model)
+    if not model.is_dir():
+        raise _fail("--model", f"{model} is not a directory (an mlx-lm model directory: config.json, *.safetensors)")
+    if not (model / "config.json").is_file():
+        raise _fail("--model", f"{model} has no config.json: not an mlx-lm model directory")
+    if not any(model.glob("*.safetensors")):
+        raise _fail("--model", f"{model} holds no .safetensors file")
+    try:
+        json.loads((model / "config.json").read_text())
+    except (OSError, ValueError) as error:
+        raise _fail("--model", f"{model / 'config.json'} is unreadable ({error})") from None
+    if not isinstance(config.prompt, str) or not config.prompt:
+        raise _fail("--prompt", "must be a non-empty text")
+    if isinstance(config.max_tokens, bool) or not isinstance(config.max_tokens, int) or config.max_tokens < 1:
+        raise _fail("--max-tokens", f"must be an int >= 1, got {config.max_tokens!r}")
+    residency = config.residency
+    if isinstance(residency, bool) or not isinstance(residency, (int, float)) or not 0 < residency <= 1:
+        raise _fail("--residency", f"must be a fraction in (0, 1] of each layer's experts, got {residency!r}")
+    if config.rule not in RULES:
+        raise _fail("--rule", f"must be one of {', '.join(RULES)}, got {config.rule!r}")
+    tier_options = config.tier_bits is not None or config.tier_group_size is not None
+    if config.rule != "tier" and (tier_options or config.tier_model is not None):
+        raise _fail("--tier-bits/--tier-group-size/--tier-model", f"serve the misses of --rule tier; the rule is "
+                                                                  f"{config.rule!r}")
+    if tier_options and config.tier_model is not None:
+        raise _fail("--tier-model", "reads the tier's bits from its checkpoint: give it or --tier-bits, not both")
+    if config.tier_model is not None and not Path(config.tier_model).is_dir():
+        raise _fail("--tier-model", f"{config.tier_model} is not a directory")
+    if isinstance(config.queue_depth, bool) or not isinstance(config.queue_depth, int) or config.queue_depth < 0:
+        raise _fail("--queue-depth", f"must be an int >= 0, got {config.queue_depth!r}")
+    if config.timeout is not None and (isinstance(config.timeout, bool) or not isinstance(config.timeout, (int, float))
+                                       or not config.timeout > 0):
+        raise _fail("--timeout", f"must be a number of seconds > 0, got {config.timeout!r}")
+    return model
+
+
+def _load(model_dir: Path):
+    """``(model, tokenizer)`` from mlx-lm, lazily: no weight is read until it is evaluated."""
+    from mlx_lm import load
+
+    try:
+        return load(str(model_dir), lazy=True)
+    except Exception as error:  # noqa: BLE001 - mlx-lm's errors for a directory it cannot load vary by cause
+        raise _fail("--model", f"mlx-lm cannot load {model_dir} ({type(error).__name__}: {error})") from None
+
+
+class _DequantizedTierSource:
+    """The float projections of each MoE layer's experts of a quantized checkpoint, for
+    :func:`kq_host.tier.build_tier`: the packed arrays read by a per-layer-named store, dequantized."""
+
+    def __init__(self, packed, blocks, quantization):
+        from kq_host.tier import dequantize
+
+        self._dequantize = dequantize
+        self.packed, self.quantization = packed, quantization
+        self.projections = tuple(blocks[0].projections)
+        self.template, self.layout, self.tensors = packed.template, "dequantized-per-layer", packed.tensors
+        # (bits, group_size) of each layer's projection: config.json's per-module options.
+        self._options = [{p: quantization.options(f"{block.module_path}.{p}") for p in self.projections}
+                         for block in blocks]
+
+    def read_expert(self, layer: int, expert: int) -> dict[str, np.ndarray]:
+        from kq_host.tier import QuantizedWeight
+
+        read = self.packed.read_expert(layer, expert)
+        out = {}
+        for p in self.projections:
+            bits, group_size = self._options[layer][p]
+            out[p] = self._dequantize(QuantizedWeight(read[f"{p}.weight"], read[f"{p}.scales"], read[f"{p}.biases"]),
+                                      bits=bits, group_size=group_size)
+        return out
+
+    def expert_shapes(self, layer: int, expert: int = 0) -> dict:
+        shapes = self.packed.expert_shapes(layer, expert)
+        out = {}
+        for p in self.projections:
+            bits, _ = self._options[layer][p]
+            (rows, words), _ = shapes[f"{p}.weight"]
+            out[p] = ((rows, words * 32 // bits), np.dtype(np.float32))
+        return out
+
+
+def expert_tensor_names(model_dir: Path, blocks) -> dict[int, dict[str, str]]:
+    """Each MoE layer's ``{payload key: tensor name}`` in the directory's files: the stacked tensors of the
+    model as loaded (mlx-lm's and mlx-community's checkpoints), or where those are absent the Hugging Face
+    layout's tensor per expert (``...mlp.experts.{expert}.gate_proj.weight``, stacked by mlx-lm on loading).
+
+    Raises:
+        GenerateError: a tensor is in neither layout (the message names both names and the files).
+    """
+    from kq_host.expert_store import read_safetensors_header
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    present = {name for path in files for name in read_safetensors_header(path)}
+    names = {}
+    for layer, block in enumerate(blocks):
+        parent = block.module_path.rpartition(".")[0]
+        names[layer] = {}
+        for key, stacked in block.tensor_names().items():
+            per_expert = f"{parent}.experts.{{expert}}.{key}" + ("" if "." in key else ".weight")
+            if stacked in present:
+                names[layer][key] = stacked
+            elif per_expert.replace("{expert}", "0") in present:
+                names[layer][key] = per_expert
+            else:
+                raise _fail("--model", f"{model_dir}: neither {stacked} nor {per_expert.replace('{expert}', '0')} is "
+                                       f"in {', '.join(f.name for f in files[:3])}{' ...' if len(files) > 3 else ''} "
+                                       f"(mlx_lm.convert writes the stacked layout kq reads)")
+    return names
+
+
+def _tier_source(model_dir: Path, blocks, names, quantization, stack):
+    """A store handing :func:`kq_host.tier.build_tier` each MoE layer's float projections."""
+    from kq_host.expert_store import ExpertStore
+
+    if quantization is None:
+        weights = {layer: {p: keys[p] for p in blocks[layer].projections} for layer, keys in names.items()}
+    else:
+        weights = {layer: {f"{p}.{a}": keys[f"{p}.{a}"] for p in blocks[layer].projections
+                           for a in ("weight", "scales", "biases")} for layer, keys in names.items()}
+    store = stack(ExpertStore.for_tensors(model_dir, weights))
+    return store if quantization is None else _DequantizedTierSource(store, blocks, quantization)
+
+
+def _attach_tier(config: GenerateConfig, model_dir: Path, blocks, names, quantization, stack) -> int:
+    """Builds or reads the tier and gives it to the blocks; returns its bytes."""
+    from kq_host.expert_store import ExpertStoreError
+    from kq_host.tier import TierOptionError, build_tier, tier_from_checkpoint
+    from kq_mlx.mlx_lm_adapter import attach_tier
+
+    source = _tier_source(model_dir, blocks, names, quantization, stack)
+    layers, experts = len(blocks), blocks[0].num_experts
+    if config.tier_model is not None:
+        try:
+            tier = tier_from_checkpoint(config.tier_model, source, layers, experts)
+        except (TierOptionError, ExpertStoreError) as error:
+            raise _fail("--tier-model", str(error)) from None
+    else:
+        options = {name: value for name, value in (("bits", config.tier_bits), ("group_size", config.tier_group_size))
+                   if value is not None}
+        try:
+            tier = build_tier(source, layers, experts, **options)
+        except TierOptionError as error:
+            raise _fail("--tier-bits/--tier-group-size", str(error)) from None
+    attach_tier(blocks, tier)
+    return tier.nbytes
+
+
+def _nbytes(arrays) -> int:
+    return sum(array.nbytes for array in arrays)
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def generate(config: GenerateConfig, on_text: Callable[[str], None] | None = None) -> GenerateResult:
+    """Generates ``config.max_tokens`` tokens after ``config.prompt`` with a bounded expert memory.
+
+    Args:
+        config: what to run (:class:`GenerateConfig`).
+        on_text: called with each new piece of text as the tokens come (mlx-lm's streaming detokenizer).
+
+    Returns:
+        :class:`GenerateResult`.
+
+    Raises:
+        GenerateError: a bad option, a directory mlx-lm cannot load, a model with no MoE layer, an arena
+            too small for one token's experts (``--residency``), a tier that does not fit the model.
+        kq_host.residency.PreloadError: reads failed or ran past ``config.timeout``.
+    """
+    import contextlib
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kq_host.expert_store import ExpertStore, ExpertStoreError
+    from kq_host.quantized import Quantization
+    from kq_host.residency import ResidencyManager
+    from kq_mlx.mlx_lm_adapter import SwitchGLUArena, attach_arena, generate_greedy, prefill
+
+    model_dir = check_config(config)
+    started = time.perf_counter()
+    stages = {}
+    quantized = "quantization" in json.loads((model_dir / "config.json").read_text())
+    quantization = None
+    if quantized and config.rule == "tier":  # the tier is built from the experts dequantized
+        try:
+            quantization = Quantization.of(model_dir)
+        except ExpertStoreError as error:
+            raise _fail("--model", str(error)) from None
+    model, tokenizer = _load(model_dir)
+    num_experts = _expert_count(model, model_dir)
+    slots = min(num_experts, max(1, round(config.residency * num_experts)))
+    blocks = attach_arena(model, slots, keep_experts=False)
+    if mx.default_device() == mx.cpu and not quantized and any(
+            mx.issubdtype(a.dtype, mx.floating) and a.dtype != mx.float32
+            for block in blocks for _, a in tree_flatten(block.arena.parameters())):
+        model.set_dtype(mx.float32)  # MLX's CPU gather_mm takes float32 only
+    with contextlib.ExitStack() as stack:
+        names = expert_tensor_names(model_dir, blocks)
+        try:
+            store = stack.enter_context(ExpertStore.for_tensors(model_dir, names,
+                                                                queue_depth=max(config.queue_depth, 1)))
+        except ExpertStoreError as error:
+            raise _fail("--model", f"the experts' tensors: {error}") from None
+        tier_bytes = 0
+        if config.rule == "tier":
+            tier_start = time.perf_counter()
+            tier_bytes = _attach_tier(config, model_dir, blocks, names, quantization, stack.enter_context)
+            stages["tier_s"] = time.perf_counter() - tier_start
+        for block in blocks:  # exact: a token that misses runs again (generate_greedy), so no miss is ever shed
+            block.rule = "shed" if config.rule == "exact" else config.rule
+        manager = ResidencyManager(len(blocks), num_experts, slots, arena=SwitchGLUArena(blocks),
+                                   loader=lambda layer, expert, slot: store.read_expert(layer, expert),
+                                   bytes_per_expert=store.expert_nbytes(0), queue_depth=config.queue_depth,
+                                   impl="numpy")
+        stack.callback(manager.close)
+        mx.eval(model.parameters())  # the other weights, the arenas and the tier: nothing of the dropped experts
+        stages["load_s"] = time.perf_counter() - started
+
+        prompt = _encode(tokenizer, config.prompt)
+        detokenizer = tokenizer.detokenizer
+        detokenizer.reset()
+        eos = set(tokenizer.eos_token_ids)
+        first_token_at = None
+        texts = []
+
+        def emit(token: int) -> None:
+            nonlocal first_token_at
+            if first_token_at is None:
+                first_token_at = time.perf_counter()
+                marks["first"] = manager.stats()[1]
+            if token in eos:
+                return
+            detokenizer.add_token(token)
+            segment = detokenizer.last_segment
+            if segment:
+                texts.append(segment)
+                if on_text is not None:
+                    on_text(segment)
+
+        marks = {}
+        cache = make_prompt_cache(model)
+        mx.reset_peak_memory()
+        clock = time.perf_counter()
+        routed = [set() for _ in blocks]  # the experts each layer's prefill routed
+        for start in range(0, len(prompt) - 1, PREFILL_STEP):  # mlx-lm's prefill_step_size passes
+            prefill(model, blocks, manager, prompt[start:min(start + PREFILL_STEP, len(prompt) - 1)], cache,
+                    timeout=config.timeout)
+            for experts, block in zip(routed, blocks):
+                experts.update(np.unique(np.array(block.last[0])).tolist())
+        routed_pairs = sum(len(experts) for experts in routed)
+        prefill_reads = manager.stats()[1].reads_landed
+        stages["prefill_s"] = time.perf_counter() - clock
+        try:
+            tokens = generate_greedy(model, blocks, manager, prompt[-1:], config.max_tokens,
+                                     exact=config.rule == "exact", timeout=config.timeout, on_token=emit,
+                                     prefill_prompt=False, cache=cache, stop_tokens=eos)
+        except RuntimeError as error:
+            if "a pass still misses" not in str(error):
+                raise
+            raise _fail("--residency", f"{slots} of {num_experts} slots a layer cannot hold one token's routed "
+                                       f"experts; raise --residency") from None
+        ended = time.perf_counter()
+        detokenizer.finalize()
+        if detokenizer.last_segment:
+            texts.append(detokenizer.last_segment)
+            if on_text is not None:
+                on_text(detokenizer.last_segment)
+        total = manager.stats()[1]
+        first = marks["first"]
+        generated = total.since(first)
+        expert_bytes = store.expert_nbytes(0)
+        arena_bytes = sum(_nbytes(a for _, a in tree_flatten(block.arena.parameters())) for block in blocks)
+        all_bytes = _nbytes(a for _, a in tree_flatten(model.parameters()))
+        result = GenerateResult(
+            text="".join(texts), prompt_tokens=len(prompt), tokens=tokens, num_layers=len(blocks),
+            num_experts=num_experts, slots=slots, quantized=quantized,
+            time_to_first_token_s=first_token_at - clock, generation_s=ended - first_token_at,
+            prompt_tps=len(prompt) / (first_token_at - clock),
+            generation_tps=(len(tokens) - 1) / (ended - first_token_at) if len(tokens) > 1 else float("nan"),
+            hit_rate=generated.hit_rate, prompt_reads=first.reads_landed, prompt_routed_pairs=routed_pairs,
+            prefill_reads=prefill_reads,
+            prompt_read_mib=first.reads_landed * expert_bytes / 2**20,
+            generation_reads=generated.reads_landed,
+            mib_read_per_token=generated.reads_landed * expert_bytes / 2**20 / max(len(tokens) - 1, 1),
+            expert_mib=expert_bytes / 2**20, experts_mib=len(blocks) * num_experts * expert_bytes / 2**20,
+            arena_mib=arena_bytes / 2**20, tier_mib=tier_bytes / 2**20,
+            other_weights_mib=(all_bytes - arena_bytes - tier_bytes) / 2**20, peak_rss_mib=_peak_rss_mib(),
+            mlx_peak_mib=mx.get_peak_memory() / 2**20, device=str(mx.default_device()), stages=stages)
+        if config.floor:
+            result.read_bandwidth_gbs = _read_bandwidth(store, routed)
+    if config.floor:
+        result.resident_prefill_s = _resident_prefill_seconds(model_dir, prompt, not quantized)
+        result.floor_s = (result.prompt_routed_pairs * expert_bytes / (result.read_bandwidth_gbs * 1e9)
+                          + result.resident_prefill_s)
+    return result
+
+
+def _expert_count(model, model_dir: Path) -> int:
+    """The experts of the model's first SwitchGLU / SwitchMLP (from its lazy arrays' shapes: nothing read)."""
+    from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+
+    import mlx.core as mx
+
+    for _, module in model.named_modules():
+        if isinstance(module, (SwitchGLU, SwitchMLP)):
+            for child in module.children().values():
+                weight = child.get("weight") if hasattr(child, "get") else None
+                if isinstance(weight, mx.array) and weight.ndim == 3:
+                    return int(weight.shape[0])
+    raise _fail("--model", f"{model_dir} is not an MoE model: {type(model).__module__} has no SwitchGLU or "
+                           f"SwitchMLP (mlx_lm.models.switch_layers) to put an arena in")
+
+
+def _encode(tokenizer, prompt: str) -> list[int]:
+    """The prompt's ids as ``mlx_lm.generate`` encodes a text (the BOS token added unless the text starts with it)."""
+    add_special_tokens = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
+    ids = list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+    if not ids:
+        raise _fail("--prompt", "encodes to no token")
+    return ids
+
+
+def _read_bandwidth(store, routed: list[set]) -> float:
+    """GB/s of reading the prompt's routed experts again through the store's reader pool."""
+    start = time.perf_counter()
+    before = store.bytes_read
+    futures = [store.submit(layer, expert) for layer, experts in enumerate(routed) for expert in sorted(experts)]
+    for future in futures:
+        future.result()
+    seconds = time.perf_counter() - start
+    return (store.bytes_read - before) / seconds / 1e9 if futures else float("nan")
+
+
+def _resident_prefill_seconds(model_dir: Path, prompt: list[int], float_model: bool) -> float:
+    """The unmodified model's time from the prompt to its first token, every expert in memory (best of 3)."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _ = load(str(model_dir))
+    if float_model and mx.default_device() == mx.cpu:
+        model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    best = math.inf
+    for _ in range(3):
+        cache = make_prompt_cache(model)
+        start = time.perf_counter()
+        for begin in range(0, len(prompt) - 1, PREFILL_STEP):
+            model(mx.array([prompt[begin:min(begin + PREFILL_STEP, len(prompt) - 1)]]), cache=cache)
+            mx.eval([c.state for c in cache])
+        mx.eval(mx.argmax(model(mx.array([prompt[-1:]]), cache=cache)[0, -1]))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def format_summary(result: GenerateResult) -> str:
+    """The run's figures, a few lines for the terminal."""
+    lines = [
+        f"prompt: {result.prompt_tokens} tokens, {result.prompt_tps:.1f} tokens/s, first token after "
+        f"{result.time_to_first_token_s:.3f} s; {result.prompt_reads} experts read "
+        f"({result.prompt_routed_pairs} (layer, expert) pairs routed), {result.prompt_read_mib:.1f} MiB",
+        f"generation: {len(result.tokens)} tokens, {result.generation_tps:.1f} tokens/s, hit rate "
+        f"{result.hit_rate:.3f}, {result.mib_read_per_token:.2f} MiB read a token",
+        f"arena: {result.slots} of {result.num_experts} experts x {result.num_layers} MoE layers, "
+        f"{result.arena_mib:.1f} MiB (all experts {result.experts_mib:.1f} MiB); tier {result.tier_mib:.1f} MiB; "
+        f"other weights {result.other_weights_mib:.1f} MiB",
+        f"peak memory: {result.peak_rss_mib:.0f} MiB resident (bound {result.memory_bound_mib:.0f} MiB), "
+        f"MLX {result.mlx_peak_mib:.0f} MiB ({result.device})",
+    ]
+    if result.floor_s is not None:
+        lines.append(f"time to first token's floor: {result.floor_s:.3f} s (read {result.read_bandwidth_gbs:.2f} GB/s, "
+                     f"resident prefill {result.resident_prefill_s:.3f} s): "
+                     f"{result.time_to_first_token_s / result.floor_s:.2f}x")
+    return "\n".join(lines)

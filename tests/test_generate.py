@@ -1,0 +1,205 @@
+"""``kq generate``: the shipped models and a tiny DeepSeek-V3 directory through an arena, exact against mlx-lm's own
+greedy generation; the figures it reports; bad arguments refused by name."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+
+from kq.cli import main  # noqa: E402
+from kq.generate import GenerateConfig, GenerateError, generate  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+STDLIB, WHEELS = ROOT / "models" / "stdlib-moe", ROOT / "models" / "wheels-moe"
+PROMPT = "def read_config(path):\n    with open(path) as handle:"
+
+
+def mlx_lm_tokens(directory, prompt, max_tokens):
+    """The unmodified model's greedy tokens from mlx_lm.stream_generate (float models in float32 on MLX's CPU
+    backend, whose gather_mm takes float32 only, as kq generate runs them)."""
+    from mlx_lm import load
+    from mlx_lm.generate import stream_generate
+
+    model, tokenizer = load(str(directory))
+    quantized = "quantization" in json.loads((Path(directory) / "config.json").read_text())
+    if mx.default_device() == mx.cpu and not quantized:
+        model.set_dtype(mx.float32)
+    return [response.token for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens)]
+
+
+def test_the_shipped_models_are_qwen3_moe_mlx_lm_directories():
+    for directory, quantized in ((STDLIB, False), (WHEELS, True)):
+        config = json.loads((directory / "config.json").read_text())
+        assert config["model_type"] == "qwen3_moe" and ("quantization" in config) == quantized
+        assert (directory / "tokenizer.json").is_file() and list(directory.glob("*.safetensors"))
+
+
+@pytest.mark.parametrize("residency", [0.25, 1.0])
+def test_cli_exact_on_the_shipped_model_gives_mlx_lms_greedy_tokens(residency, capsys, tmp_path):
+    want = mlx_lm_tokens(STDLIB, PROMPT, 20)
+    report = tmp_path / "run.json"
+    assert main(["generate", "--model", str(STDLIB), "--prompt", PROMPT, "--max-tokens", "20", "--residency",
+                 str(residency), "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(report.read_text())
+    assert result["tokens"] == want
+    from mlx_lm import load
+
+    _, tokenizer = load(str(STDLIB))
+    assert out.startswith(tokenizer.decode([t for t in want if t not in tokenizer.eos_token_ids]))  # streamed text
+    for line in ("prompt: ", "generation: ", "tokens/s", "hit rate", "MiB read a token", "peak memory: "):
+        assert line in out
+    assert result["slots"] == round(64 * residency) and result["num_layers"] == 4
+    assert result["prompt_reads"] >= result["prompt_routed_pairs"] > 0
+    assert result["peak_rss_mib"] <= result["memory_bound_mib"]
+    if residency == 1.0:  # every expert fits: each read at most once
+        assert result["prompt_reads"] + result["generation_reads"] <= 4 * 64
+    else:
+        assert result["hit_rate"] < 1.0 and result["mib_read_per_token"] > 0
+
+
+def test_exact_on_the_quantized_shipped_model_reads_its_packed_experts_and_gives_mlx_lms_tokens():
+    want = mlx_lm_tokens(WHEELS, PROMPT, 12)
+    result = generate(GenerateConfig(WHEELS, PROMPT, max_tokens=12, residency=0.25))
+    assert result.tokens == want and result.quantized
+    # one expert as stored: three 4-bit projections of 128 x 64, with their 16-bit scales and biases (groups of 64)
+    assert result.expert_mib * 2**20 == 3 * (128 * 64 // 2 + 2 * 2 * 128 * 64 // 64)
+    # the prompt's one prefill pass from a cold arena: each routed (layer, expert) read once
+    assert result.prefill_reads == result.prompt_routed_pairs > 16 * 16
+    assert result.prompt_reads >= result.prefill_reads
+    assert result.time_to_first_token_s > 0 and result.prompt_tps > 0
+
+
+def write_deepseek_v3(directory: Path, *, quantized: bool = False) -> Path:
+    """A random DeepSeek-V3 model directory (its first layer dense, routers random), saved by mlx-lm with the
+    shipped model's tokenizer."""
+    import dataclasses
+
+    from mlx_lm.models import deepseek_v3
+    from mlx_lm.utils import save_config, save_model
+
+    mx.random.seed(5)
+    args = deepseek_v3.ModelArgs(
+        model_type="deepseek_v3", vocab_size=4096, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=16,
+        routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16,
+        qk_nope_head_dim=16, topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True, n_group=2,
+        topk_group=1, num_experts_per_tok=4, moe_layer_freq=1, first_k_dense_replace=1,
+        max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None, attention_bias=False)
+    model = deepseek_v3.Model(args)
+    for layer in model.model.layers[1:]:  # mlx-lm starts the routers at zero: every token would route alike
+        layer.mlp.gate.weight = mx.random.normal(layer.mlp.gate.weight.shape)
+    config = dataclasses.asdict(args)
+    if quantized:
+        import mlx.nn as nn
+
+        nn.quantize(model, group_size=32, bits=4,
+                    class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0)
+        config["quantization"] = {"group_size": 32, "bits": 4, "mode": "affine"}
+    mx.eval(model.parameters())
+    directory.mkdir(parents=True, exist_ok=True)
+    save_model(directory, model)
+    save_config(config, directory / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(STDLIB / name, directory / name)
+    return directory
+
+
+def test_a_deepseek_v3_directory_runs_exact_at_a_quarter_and_its_first_layer_is_dense(tmp_path):
+    directory = write_deepseek_v3(tmp_path / "deepseek")
+    want = mlx_lm_tokens(directory, PROMPT, 10)
+    result = generate(GenerateConfig(directory, PROMPT, max_tokens=10, residency=0.25))
+    assert result.tokens == want
+    assert (result.num_layers, result.num_experts, result.slots) == (2, 16, 4)
+    assert result.prompt_reads > 0 and result.arena_mib < result.experts_mib / 3
+
+
+def test_the_tier_and_shed_rules_run_on_a_quantized_deepseek_v3_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("KQ_CACHE_DIR", str(tmp_path / "cache"))
+    directory = write_deepseek_v3(tmp_path / "deepseek-q4", quantized=True)
+    full = generate(GenerateConfig(directory, PROMPT, max_tokens=8, residency=1.0, rule="tier", tier_bits=4))
+    assert full.tokens == mlx_lm_tokens(directory, PROMPT, 8)  # nothing missed: the tier never served
+    assert full.tier_mib > 0
+    tier = generate(GenerateConfig(directory, PROMPT, max_tokens=8, residency=0.25, rule="tier", tier_bits=2))
+    shed = generate(GenerateConfig(directory, PROMPT, max_tokens=8, residency=0.25, rule="shed"))
+    for run in (tier, shed):
+        assert len(run.tokens) == 8 and run.hit_rate < 1.0 and all(0 <= t < 4096 for t in run.tokens)
+    assert shed.tier_mib == 0 and list((tmp_path / "cache").rglob("*.npz"))
+
+
+def write_dense_llama(directory: Path) -> Path:
+    import dataclasses
+
+    from mlx_lm.models import llama
+    from mlx_lm.utils import save_config, save_model
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=1, intermediate_size=64,
+                           num_attention_heads=2, rms_norm_eps=1e-6, vocab_size=4096, num_key_value_heads=2,
+                           max_position_embeddings=512)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    directory.mkdir()
+    save_model(directory, model)
+    save_config(dataclasses.asdict(args), directory / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(STDLIB / name, directory / name)
+    return directory
+
+
+def test_bad_arguments_are_refused_by_name(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (tmp_path / "no-weights").mkdir()
+    (tmp_path / "no-weights" / "config.json").write_text("{}")
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"model_type": "no_such_family"}))
+    shutil.copy(STDLIB / "model.safetensors", unknown / "model.safetensors")
+    dense = write_dense_llama(tmp_path / "dense")
+    cases = [
+        (dict(model=tmp_path / "missing"), r"--model: .*missing is not a directory"),
+        (dict(model=empty), r"--model: .*empty has no config.json: not an mlx-lm model directory"),
+        (dict(model=tmp_path / "no-weights"), r"--model: .*no-weights holds no .safetensors file"),
+        (dict(model=unknown), r"--model: mlx-lm cannot load .*unknown"),
+        (dict(model=dense), r"--model: .*dense is not an MoE model"),
+        (dict(residency=0.0), r"--residency: must be a fraction in \(0, 1\]"),
+        (dict(residency=1.5), r"--residency: must be a fraction in \(0, 1\]"),
+        (dict(max_tokens=0), "--max-tokens: must be an int >= 1"),
+        (dict(prompt=""), "--prompt: must be a non-empty text"),
+        (dict(rule="stall"), "--rule: must be one of exact, tier, shed"),
+        (dict(tier_bits=2), "--tier-bits/--tier-group-size/--tier-model: serve the misses of --rule tier"),
+        (dict(rule="tier", tier_bits=2, tier_model=WHEELS), "--tier-model: .* not both"),
+        (dict(rule="tier", tier_model=tmp_path / "missing"), "--tier-model: .*missing is not a directory"),
+        (dict(rule="tier", tier_model=STDLIB), r"--tier-model: .*config.json.* has no \"quantization\""),
+        (dict(residency=1 / 64), "--residency: 1 of 64 slots a layer cannot hold one token's routed experts"),
+    ]
+    for change, message in cases:
+        options = dict(model=STDLIB, prompt=PROMPT, max_tokens=2, residency=0.25)
+        options.update(change)
+        with pytest.raises(GenerateError, match=message):
+            generate(GenerateConfig(**options))
+    with pytest.raises(SystemExit) as exit_code:
+        main(["generate", "--model", str(empty), "--prompt", "x"])
+    assert exit_code.value.code == 2 and "--model: " in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(STDLIB), "--prompt", "x", "--max-tokens", "0"])
+    assert "--max-tokens: must be at least 1" in capsys.readouterr().err
+
+
+def test_expert_tensor_names_take_the_stacked_or_the_per_expert_layout():
+    from mlx_lm import load
+
+    from kq.generate import expert_tensor_names
+    from kq_mlx.mlx_lm_adapter import attach_arena
+
+    for directory, name in ((STDLIB, "model.layers.2.mlp.experts.{expert}.up_proj.weight"),
+                            (WHEELS, "model.layers.2.mlp.switch_mlp.up_proj.scales")):
+        model, _ = load(str(directory), lazy=True)
+        names = expert_tensor_names(directory, attach_arena(model, 4, keep_experts=False))
+        assert name in names[2].values()
+        assert np.unique([len(keys) for keys in names.values()]).size == 1
