@@ -36,9 +36,10 @@ Routing (the ``routing`` column):
   (from the page cache once read: this is the arena's cost, not an SSD's).
 * ``random``: the demo's random block stack, routed by its own random routers (no tier mode).
 
-Columns: tokens/s and that over the resident model's in the same loop (``x resident``: over the resident
-loop timed just before the row's run, so both see the machine in the same state; the resident row is the
-median of those resident runs, one before every arena run and one first); ``floor tok/s``: the rate the
+Columns: tokens/s and that over the resident model's in the same loop (``x resident``). The resident loop
+is timed once first and again before every arena run, and its row is the median of those runs: on a
+shared machine the resident's speed drifts over a run, and a single early run would set every ratio
+against one moment of it. ``floor tok/s``: the rate the
 row could reach, 1 / max(the resident token's time, its critical bytes / the read bandwidth of the
 misses' path), and ``x floor``, tokens/s over it. The read bandwidth (``read GiB/s``) is measured in the
 same run (:func:`miss_path_gib_per_s`): the checkpoint's experts read through the same
@@ -114,7 +115,7 @@ class DecodeResult:
     hit_rate: float | None
     memory_gib: float  # the experts' device memory: every expert, or the arena and the tier
     tier_bits: int | None
-    resident_tokens_per_s: float  # the baseline of x resident and of the floor: the resident loop timed before the run
+    resident_tokens_per_s: float  # the baseline of x resident and of the floor: the resident row's tokens/s
     x_resident: float
     read_gib_per_s: float  # the misses' path, measured in the same run
     critical_mib_per_token: float  # bytes a token must read before it can finish (exact: its critical reads)
@@ -546,7 +547,7 @@ def run_model(model: str, *, tokens: int = 64, warmup: int = 16, seed: int = 0, 
         router = (rng.normal(size=(layers, hidden, experts)) / np.sqrt(hidden) * 4).astype(np.float32)
         engine = Engine(weights, top_k, steps, router=router, seed=seed, tier=tier)
     device, bandwidth = jax_device_name(), h2d_gib_per_s()
-    arena_rows, resident_runs = [], []
+    arena_runs, resident_runs = [], []
 
     def add(mode, residency, run: ArenaRun, resident_tokens_per_s: float, read_gib_per_s: float,
             expert_bytes: int) -> DecodeResult:
@@ -568,11 +569,6 @@ def run_model(model: str, *, tokens: int = 64, warmup: int = 16, seed: int = 0, 
             resident_tokens_per_s=resident_tokens_per_s, read_gib_per_s=read_gib_per_s,
             critical_mib_per_token=critical_mib,
             **floor_columns(tokens_per_s, resident_tokens_per_s, critical_mib, read_gib_per_s))
-        if log:
-            log(f"{model} {mode} residency={residency:.0%}: {tokens_per_s:.1f} tok/s ({result.x_resident:.2f}x the "
-                f"resident's {resident_tokens_per_s:.1f} before it, {result.x_floor:.2f}x its floor "
-                f"{result.floor_with_reads_tokens_per_s:.1f}; no-read {run.floor_tokens_per_s:.1f}), hit rate "
-                f"{run.stats.hit_rate:.3f}, {mib:.1f} MiB/token")
         return result
 
     positions = engine.positions
@@ -580,10 +576,9 @@ def run_model(model: str, *, tokens: int = 64, warmup: int = 16, seed: int = 0, 
     def resident(x, position):
         return engine.resident(x, positions[position], engine.weights)
 
-    def time_resident():  # the resident loop, as an arena run would see the machine just after it
+    def time_resident():  # the resident loop, timed before every arena run: its runs span the arenas' time
         stamps, waits, _ = decode(resident, lambda position, token: False, engine.first, steps, overlap=True)
         resident_runs.append((1.0 / float(np.median(np.diff(stamps[-tokens - 1:]))), stamps, waits))
-        return resident_runs[-1][0]
 
     resident(engine.first, 0)[1].block_until_ready()  # compile
     time_resident()
@@ -597,9 +592,16 @@ def run_model(model: str, *, tokens: int = 64, warmup: int = 16, seed: int = 0, 
                 log(f"{model}: the misses' path reads {read_gib_per_s:.2f} GiB/s")
             for residency in residencies or RESIDENCIES:
                 for mode in MODES[1:] if recorded else ("lossy", "exact"):
-                    baseline = time_resident()
+                    time_resident()
                     run = run_streamed(engine, store, residency=residency, mode=mode, warmup=warmup, experts=experts)
-                    arena_rows.append(add(mode, residency, run, baseline, read_gib_per_s, store.expert_nbytes(0)))
+                    arena_runs.append((mode, residency, run))
+                    if log:
+                        log(f"{model} {mode} residency={residency:.0%}: "
+                            f"{1.0 / float(np.median(np.diff(run.stamps[-tokens - 1:]))):.1f} tok/s (no-read "
+                            f"{run.floor_tokens_per_s:.1f}; the resident's run before it "
+                            f"{resident_runs[-1][0]:.1f}), hit rate {run.stats.hit_rate:.3f}, "
+                            f"{run.stats.bytes_read / tokens / 2**20:.1f} MiB/token")
+            expert_bytes = store.expert_nbytes(0)
     rates = sorted(run[0] for run in resident_runs)
     tokens_per_s, stamps, waits = next(run for run in resident_runs if run[0] == rates[(len(rates) - 1) // 2])
     gaps = np.diff(stamps[-tokens - 1:])
@@ -615,7 +617,8 @@ def run_model(model: str, *, tokens: int = 64, warmup: int = 16, seed: int = 0, 
     if log:
         log(f"{model} resident: {tokens_per_s:.1f} tok/s, the median of {len(rates)} runs "
             f"[{rates[0]:.1f}, {rates[-1]:.1f}] (no-read {resident_floor:.1f})")
-    return [resident_row, *arena_rows]
+    return [resident_row, *(add(mode, residency, run, tokens_per_s, read_gib_per_s, expert_bytes)
+                            for mode, residency, run in arena_runs)]
 
 
 def _on_gpu() -> bool:

@@ -3,19 +3,32 @@
     python -m kq.bench.jobs decode_floor --json docs/h200/decode_floor.json
 
 For each model of ``kq.bench.decode_e2e`` (recorded routing of its checkpoint, random experts at its
-size), with ``route_shed`` as the Pallas kernel and as the jnp reference: the resident program and the
-arena's (every expert resident, the slot tables the identity), each timed three ways, the median of
-``--rounds`` rounds of ``--tokens`` tokens: ``floor`` (dispatched back to back, nothing read back: the
-device's and the dispatch's rate), ``loop`` (decode_e2e's loop: token t+1 dispatched before token t is
-read, one readback per token, no host work after it) and, for the arena, ``loop + step`` (the
-residency manager's boundary on each token's reports, as the lossy mode runs it).
+size), with ``route_shed`` as the Pallas kernel and as the jnp reference (on a CPU only the reference:
+there the kernel runs in Pallas' interpreter), three programs: the resident one on the checkpoint's
+bfloat16 weights (``resident``, decode-e2e's baseline), the same on the arena's dtype (``resident
+(arena dtype)``: float32 on a CPU, where decode-e2e's arenas are float32; bfloat16 on a GPU) and the
+arena's on an arena of that dtype holding every expert, the slot tables the identity (``arena``).
+Each is timed four ways, the programs interleaved within a round (so a round sees every program in one
+state of a shared machine), the median of ``--rounds`` rounds of ``--tokens`` tokens with the range:
+``floor`` (dispatched back to back, nothing read back: the device's and the dispatch's rate),
+``latency`` (each token dispatched and waited for alone), ``loop`` (decode_e2e's loop: token t+1
+dispatched before token t is read, one readback per token, no host work after it) and, for the arena,
+``loop + step`` (the residency manager's boundary on each token's reports, as the lossy mode runs it).
+``x resident`` is the median over rounds of the row's time over ``resident``'s, the same way and round.
+
+Each program's compiled HLO is described beside its timings (``hlo``): the operations of its entry
+computation by opcode (each a launch on a GPU, a thunk on a CPU), its fusions and XLA's cost analysis
+(flops, bytes accessed).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import re
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -23,9 +36,37 @@ import numpy as np
 from kq.bench.common import run_header, write_json
 from kq.bench import decode_e2e
 
+WAYS = ("floor", "latency", "loop", "loop + step")
+
+
+def hlo_profile(jitted, *args) -> dict:
+    """A jitted program's compiled HLO at ``args``: ``{"entry_ops": int, "fusions": int, "by_opcode":
+    {opcode: count}, "flops": float, "bytes_accessed": float}``."""
+    compiled = jitted.lower(*args).compile()
+    text = compiled.as_text()
+    entry = text[text.index("\nENTRY"):]
+    opcodes = collections.Counter(re.findall(r"= \S+ ([a-z][\w-]*)\(", entry))
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+    return {"entry_ops": sum(opcodes.values()), "fusions": opcodes.get("fusion", 0),
+            "by_opcode": dict(opcodes.most_common()), "flops": float(cost.get("flops", 0.0)),
+            "bytes_accessed": float(cost.get("bytes accessed", 0.0))}
+
+
+def latency_ms(dispatch, first, tokens: int) -> float:
+    """The median time of a token dispatched and waited for alone, each on the last one's output, ms."""
+    x, seconds = first, []
+    for position in range(tokens):
+        start = time.perf_counter()
+        x, readback = dispatch(x, position)
+        readback.block_until_ready()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds) * 1e3
+
 
 def measure(model: str, impl: str, *, tokens: int, rounds: int, routing) -> list[dict]:
     import jax
+    import jax.numpy as jnp
 
     from kq_host.residency import LayerReport, ResidencyManager
 
@@ -36,14 +77,20 @@ def measure(model: str, impl: str, *, tokens: int, rounds: int, routing) -> list
     weights = decode_e2e.random_experts(layers, experts, hidden, ffn, np.random.default_rng(0))
     engine = decode_e2e.Engine(weights, top_k, tokens, routing=routing, impl=impl)
     del weights
+    on_gpu = jax.default_backend() == "gpu"
+    # decode-e2e's arenas: bfloat16 on a GPU, float32 on a CPU (XLA's CPU backend writes a bfloat16 slot slowly).
+    arena_weights = engine.weights if on_gpu else {name: a.astype(jnp.float32) for name, a in engine.weights.items()}
     positions = engine.positions
     tables = jax.device_put(np.tile(np.arange(experts, dtype=np.int32), (layers, 1)))
-    programs = {"resident": lambda x, p: engine.resident(x, positions[p], engine.weights),
-                "arena": lambda x, p: engine.streamed(x, positions[p], engine.weights, tables)}
-    rows = []
-    for name, dispatch in programs.items():
-        dispatch(engine.first, 0)[1].block_until_ready()  # compile
-        ways = {"floor": None, "loop": lambda position, packed: False}
+    programs = {"resident": (engine.resident, engine.weights), "resident (arena dtype)": (engine.resident, arena_weights),
+                "arena": (engine.streamed, arena_weights)}
+    dispatches, boundaries, hlo = {}, {}, {}
+    for name, (jitted, arrays) in programs.items():
+        extra = (arrays,) if jitted is engine.resident else (arrays, tables)
+        dispatches[name] = lambda x, p, jitted=jitted, extra=extra: jitted(x, positions[p], *extra)
+        hlo[name] = hlo_profile(jitted, engine.first, positions[0], *extra)
+        dispatches[name](engine.first, 0)[1].block_until_ready()  # compile
+        boundaries[name] = {"loop": lambda position, packed: False}
         if name == "arena":
             manager = ResidencyManager(layers, experts, experts, loader=lambda l, e, s: None)
             for layer in range(layers):
@@ -53,30 +100,47 @@ def measure(model: str, impl: str, *, tokens: int, rounds: int, routing) -> list
                 manager.step(LayerReport.from_packed(packed))
                 return False
 
-            ways["loop + step"] = step
-        for way, boundary in ways.items():
-            per_token = []
-            for _ in range(rounds + 1):  # the first round warms
-                if boundary is None:
-                    per_token.append(1.0 / decode_e2e.device_floor(dispatch, engine.first, tokens))
-                else:
-                    stamps, _, _ = decode_e2e.decode(dispatch, boundary, engine.first, tokens, overlap=True)
-                    per_token.append(float(np.median(np.diff(stamps))))
-            median = statistics.median(per_token[1:])
-            rows.append({"model": model, "layers": int(layers), "hidden": hidden, "ffn": ffn, "impl": impl,
-                         "program": name, "way": way, "ms_per_token": median * 1e3, "tokens_per_s": 1 / median})
-            print(f"{model:18s} {impl:9s} {name:8s} {way:11s} {median * 1e3:7.3f} ms/token", flush=True)
+            boundaries[name]["loop + step"] = step
+    per_token = collections.defaultdict(list)  # (program, way) -> seconds per token, one per round
+    for round_ in range(rounds + 1):  # the first round warms
+        for name, dispatch in dispatches.items():
+            timed = {"floor": 1.0 / decode_e2e.device_floor(dispatch, engine.first, tokens),
+                     "latency": latency_ms(dispatch, engine.first, tokens) / 1e3}
+            for way, boundary in boundaries[name].items():
+                stamps, _, _ = decode_e2e.decode(dispatch, boundary, engine.first, tokens, overlap=True)
+                timed[way] = float(np.median(np.diff(stamps)))
+            if round_:
+                for way, seconds in timed.items():
+                    per_token[name, way].append(seconds)
+    rows = []
+    for (name, way), seconds in per_token.items():
+        baseline = per_token.get(("resident", way), per_token["resident", "loop"])
+        median = statistics.median(seconds)
+        rows.append({"model": model, "layers": int(layers), "hidden": hidden, "ffn": ffn, "impl": impl,
+                     "program": name, "way": way, "ms_per_token": median * 1e3,
+                     "ms_range": [min(seconds) * 1e3, max(seconds) * 1e3], "tokens_per_s": 1 / median,
+                     "x_resident": statistics.median(b / s for b, s in zip(baseline, seconds)), "hlo": hlo[name]})
+        print(f"{model:18s} {impl:9s} {name:22s} {way:11s} {median * 1e3:7.3f} ms/token "
+              f"[{min(seconds) * 1e3:.3f}, {max(seconds) * 1e3:.3f}] {rows[-1]['x_resident']:.2f}x resident; "
+              f"{hlo[name]['entry_ops']} ops, {hlo[name]['fusions']} fusions", flush=True)
     return rows
 
 
 def main() -> int:
+    import jax
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=["stdlib-moe-size", "wheels-moe-size", "olmoe-size"])
-    parser.add_argument("--impls", nargs="+", default=["pallas", "reference"])
+    parser.add_argument("--models", nargs="+", default=["stdlib-moe-size", "wheels-moe-size", "olmoe-size"],
+                        choices=sorted(decode_e2e.RECORDED_MODELS))
+    parser.add_argument("--impls", nargs="+", choices=("pallas", "reference"),
+                        default=["pallas", "reference"] if jax.default_backend() == "gpu" else ["reference"])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", type=Path, required=True)
     args = parser.parse_args()
+    for name in ("tokens", "rounds"):
+        if getattr(args, name) < 2:
+            parser.error(f"--{name} must be at least 2, got {getattr(args, name)}")
     payload = {**run_header(), "tokens": args.tokens, "rounds": args.rounds, "method": __doc__, "rows": []}
     recordings = {}
     for model in args.models:

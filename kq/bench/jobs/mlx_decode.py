@@ -38,6 +38,17 @@ reports'; from there to ``overlapped`` the host's boundary. Those loops, ``unmod
 token and copying it, and its reports, back), ``step`` (``manager.step``) and ``tables``
 (:func:`~kq_mlx.mlx_lm_adapter.set_tables`).
 
+Each row also has the floor it could reach (:func:`kq.bench.decode_e2e.floor_columns`): 1 / max(the
+unmodified model's token time, the token's critical bytes / the read bandwidth of the misses' path), and
+``x_floor`` beside ``x_resident`` (over the unmodified model's median round). A token's critical bytes
+(``critical_mib_per_token``) are the exact loop's misses read on its critical path (0 in the other loops,
+whose reads land at a later boundary: ``mib_per_token`` counts them). The bandwidth (``read_gib_per_s``)
+is measured in the same run, per checkpoint: its experts read through
+:class:`~kq_host.expert_store.ExpertStore` (the reads a streaming engine makes; the loops below read
+their misses from memory), by the residency manager's number of workers, the page cache warm, and on
+a GPU each expert's bytes copied into an MLX array and evaluated (page cache to memory on a CPU or
+unified memory).
+
 Each arena loop runs at 100% residency (every expert preloaded: the adapter's own cost; its tokens are
 compared with the unmodified model's) and at 25% (experts read between tokens by the residency
 manager; the in-memory experts are the 'disk', so this is the arena's cost, not an SSD's). Steady
@@ -253,6 +264,50 @@ class _Stamped:
         return self.manager.drain(*args, **kwargs)
 
 
+def checkpoint_store(checkpoint: Path):
+    """An :class:`~kq_host.expert_store.ExpertStore` over an mlx-lm checkpoint's experts: one tensor per expert
+    and projection (Hugging Face's names) or stacked ``[E, ...]`` under ``switch_mlp`` (every array of a
+    projection: a quantized one's weight, scales and biases).
+
+    Raises:
+        ValueError: the checkpoint has neither layout (the message names its directory).
+    """
+    from kq_host.expert_store import PER_EXPERT_TEMPLATE, ExpertStore
+
+    store = ExpertStore(checkpoint)
+    if PER_EXPERT_TEMPLATE.format(layer=0, expert=0, projection="gate_proj") in store.tensors:
+        return store
+    store.close()
+    prefix = "model.layers.0.mlp.switch_mlp."
+    arrays = sorted(name[len(prefix):] for name in store.tensors if name.startswith(prefix))
+    if not arrays:
+        raise ValueError(f"checkpoint_store: {checkpoint} holds no experts under Hugging Face's per-expert names "
+                         f"or mlx-lm's {prefix}*")
+    return ExpertStore(checkpoint, layout="stacked", projections=arrays,
+                       template="model.layers.{layer}.mlp.switch_mlp.{projection}")
+
+
+def _mlx_to_device(payload) -> None:
+    """An expert's bytes copied into MLX arrays on the default device, evaluated."""
+    import mlx.core as mx
+    import numpy as np
+
+    mx.eval([mx.array(np.ascontiguousarray(array).view(np.uint8)) for array in payload.values()])
+
+
+def read_gib_per_s(checkpoint: Path) -> float:
+    """The misses' path's read bandwidth over ``checkpoint``'s experts
+    (:func:`kq.bench.decode_e2e.miss_path_gib_per_s`); on a GPU each read also goes into MLX arrays."""
+    import mlx.core as mx
+
+    from kq.bench.decode_e2e import miss_path_gib_per_s
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    with checkpoint_store(checkpoint) as store:
+        return miss_path_gib_per_s(store, config["num_hidden_layers"], config["num_experts"],
+                                   to_device=_mlx_to_device if mx.default_device() == mx.gpu else None)
+
+
 def _load(checkpoint: Path, quantized: bool):
     import mlx.core as mx
     import mlx.nn as nn
@@ -317,6 +372,7 @@ def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, p
     manager.close()
     stats = manager.stats()[1].since(preloaded)
     counts = dict(hit_rate=stats.hit_rate, critical_per_token=manager.critical / steps,
+                  critical_mib_per_token=manager.critical / steps * expert_bytes / 2**20,
                   reruns_per_token=manager.reruns / steps, mib_per_token=stats.bytes_read / steps / 2**20)
     return got, stamps, counts
 
@@ -325,11 +381,13 @@ def run(tokens: int = 64, warmup: int = 16, residencies=(1.0, 0.25), rounds: int
         modes=MODES) -> dict:
     """Every loop ``rounds`` times, the loops interleaved within a round; a row is a loop's median round."""
 
+    from kq.bench.decode_e2e import floor_columns
     from kq_host.quantized import Quantization
 
     steps = warmup + tokens
     rows = []
     for name, checkpoint, quantized in variants:
+        bandwidth = read_gib_per_s(checkpoint)
         model, tokenizer = _load(checkpoint, quantized)
         prompt = tokenizer.encode(PROMPT)
         loops = ([("unmodified", 1.0)] + [(mode, 1.0) for mode in FIXED_TABLE_MODES if 1.0 in residencies]
@@ -348,15 +406,19 @@ def run(tokens: int = 64, warmup: int = 16, residencies=(1.0, 0.25), rounds: int
                 runs[mode, residency].append(dict(tok_s=_tok_s(stamps, tokens), **counts,
                                                   same_tokens=got == (want_fed if mode == "exact" else want),
                                                   phases_ms=phases.medians_ms(tokens)))
+        unmodified = sorted(r["tok_s"] for r in runs["unmodified", 1.0])[rounds // 2]
         for (mode, residency), done in runs.items():
             ordered = sorted(done, key=lambda r: r["tok_s"])
             middle = ordered[len(done) // 2]
+            critical_mib = middle.get("critical_mib_per_token", 0.0)
             rows.append(dict(model=name, quantized=quantized or Quantization.of(checkpoint) is not None, mode=mode,
                              residency=residency, tok_s=middle["tok_s"],
                              tok_s_range=[ordered[0]["tok_s"], ordered[-1]["tok_s"]], hit_rate=middle["hit_rate"],
                              same_tokens=all(r["same_tokens"] for r in done),
                              **{key: middle[key] for key in ("critical_per_token", "reruns_per_token", "mib_per_token")
                                 if key in middle},
+                             unmodified_tok_s=unmodified, read_gib_per_s=bandwidth, critical_mib_per_token=critical_mib,
+                             **floor_columns(middle["tok_s"], unmodified, critical_mib, bandwidth),
                              **({"phases_ms": middle["phases_ms"]} if middle["phases_ms"] else {})))
             print(json.dumps(rows[-1]), flush=True)
     return {**run_header("mlx"), "tokens": tokens, "warmup": warmup,
