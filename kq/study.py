@@ -307,190 +307,6 @@ class RunResult:
         return out
 
 
-# ---- the decode step ---------------------------------------------------------------------------
-
-
-def serve(rule: str, indices, scores, probs, slot_table, shed, *, normalize: bool = False,
-          num_slots: int | None = None):
-    """``(slots, mix)`` a layer on an arena gathers and weights with, under ``rule``.
-
-    Args:
-        indices, scores: the router's top-k ``[T, k]`` (int32, float32); probs: ``[T, E]``;
-        slot_table: int32 ``[E]``; shed: ``route_shed(indices, scores, slot_table)``;
-        normalize: whether the router renormalises its top-k (``norm_topk_prob``); num_slots: the arena's S.
-    """
-    import jax.numpy as jnp
-
-    import kq_jax
-    from kq_jax.reference import bounded_table
-
-    kept = bounded_table(slot_table, num_slots)[indices] >= 0
-    if rule == "route_shed":
-        return shed.slots, shed.mix
-    if rule == "shed":
-        return shed.slots, jnp.where(kept, scores, 0.0)
-    if rule == "renormalize":
-        kept_mass = jnp.sum(jnp.where(kept, scores, 0.0), axis=-1, keepdims=True)
-        return shed.slots, jnp.where(kept, scores / jnp.where(kept_mass > 0, kept_mass, 1.0), 0.0)
-    if rule in JAX_ONLY_RULES:
-        return _cache_aware(rule, indices, probs, bounded_table(slot_table, num_slots), normalize=normalize)
-    if rule == "substitute":
-        routed = kq_jax.topk_route_shed(probs, slot_table, top_k=indices.shape[-1], normalize=normalize,
-                                        on_miss="substitute", num_slots=num_slots)
-        return routed.shed.slots, routed.shed.mix
-    raise ValueError(f"unknown rule {rule!r}; known: {RULES}")
-
-
-def _cache_aware(rule: str, indices, probs, table, *, normalize: bool):
-    """``(slots, mix)`` of the ``reroute`` and ``prior`` rules (module docstring); ``table`` bounded."""
-    import jax.numpy as jnp
-    from jax import lax
-
-    k = indices.shape[-1]
-    resident = table >= 0  # [E]
-    if rule == "prior":
-        _, chosen = lax.top_k(jnp.log(probs) + jnp.where(resident, RESIDENT_PRIOR, 0.0), k)
-    else:
-        keep = k // 2
-        _, window = lax.top_k(probs, min(2 * k, probs.shape[-1]))
-        rest = window[:, keep:]
-        fill = jnp.take_along_axis(rest, jnp.argsort(~resident[rest], axis=-1, stable=True), axis=-1)
-        chosen = jnp.concatenate([window[:, :keep], fill[:, :k - keep]], axis=-1)
-    weights = jnp.take_along_axis(probs, chosen, axis=-1)
-    if normalize:  # on the scale of the router's own top-k
-        weights = weights / jnp.sum(jnp.take_along_axis(probs, indices, axis=-1), axis=-1, keepdims=True)
-    slots = table[chosen]
-    return jnp.where(slots >= 0, slots, 0), jnp.where(slots >= 0, weights, 0.0)
-
-
-def make_step(cfg, rule: str, tier_options: tuple[int, int] = (3, 32)):
-    """A jitted decode step under ``rule``: ``(params, arena, tables, token, position, cache, tier=None) ->
-    (logits [1, V], cache, reports)``, a report per layer ``(indices, scores, miss_ids, miss_scores,
-    served)`` with ``served`` the scores of the entries served by their routed expert (or a substitute,
-    or its tier copy). ``tier``: ``{projection: (packed, scales, biases)}`` ``[L, E, ...]`` for the
-    ``tier`` rule, quantized with ``tier_options`` ``(bits, group_size)``."""
-    import jax
-    import jax.numpy as jnp
-
-    import kq_jax
-    from kq_jax import qwen3_moe
-    from kq_jax.moe import Experts, TierExperts, TierWeights, experts_apply, tiered_apply
-
-    bits, group_size = tier_options
-
-    def step(params, arena, tables, token, position, cache, tier=None):
-        def moe(layer, p, x):
-            indices, scores, probs = qwen3_moe.route(p, x, cfg)
-            num_slots = None if arena is None else arena[qwen3_moe.PROJECTIONS[0]].shape[1]
-            on_miss = "tier" if rule == "tier" and arena is not None else "shed"
-            shed = kq_jax.route_shed(indices, scores, tables[layer], num_slots=num_slots, on_miss=on_miss)
-            if rule == "stall" or arena is None:  # every routed expert served: the resident layer
-                weights = Experts(p["gate_proj"], p["up_proj"], p["down_proj"])
-                y = experts_apply(x, weights, indices)
-                mix = scores
-            elif on_miss == "tier":
-                weights = Experts(*(arena[name][layer] for name in qwen3_moe.PROJECTIONS))
-                low = TierExperts(*(TierWeights(*(a[layer] for a in tier[name])) for name in qwen3_moe.PROJECTIONS),
-                                  bits=bits, group_size=group_size)
-                y, mix = tiered_apply(x, weights, low, shed.slots), shed.mix
-            else:
-                weights = Experts(*(arena[name][layer] for name in qwen3_moe.PROJECTIONS))
-                slots, mix = serve(rule, indices, scores, probs, tables[layer], shed, normalize=cfg.norm_topk_prob,
-                                   num_slots=num_slots)
-                y = experts_apply(x, weights, slots)
-            out = jnp.einsum("tkd,tk->td", y, mix)
-            served = jnp.where(mix > 0, scores, 0.0) if rule != "stall" else scores
-            return out, (indices, scores, shed.miss_ids, shed.miss_scores, served)
-
-        return qwen3_moe.decode_step(params, token, position, cache, cfg, moe)
-
-    return jax.jit(step)
-
-
-def make_streams_step(cfg, rule: str, num_slots: int, tier_options: tuple[int, int] = (3, 32)):
-    """:func:`make_step` for B streams side by side, each with its own arena of ``num_slots`` per layer:
-    ``(params, tables [L, B, E], tokens [B], position, cache, tier=None) -> (logits [B, V], cache,
-    reports int32 [L, 5, B, k])``, every layer's report fields packed into one array for one readback
-    (:func:`unpack_reports`; the float fields' bits as int32).
-
-    The arenas are virtual: a slot holds the checkpoint's expert as it is, so the step reads an arena
-    slot's weights from ``params``' one copy of the experts, through the expert the stream's slot table
-    put there. What is resident, hit, shed or served from the tier is each stream's own.
-    """
-    import jax
-    import jax.numpy as jnp
-
-    import kq_jax
-    from kq_jax import qwen3_moe
-    from kq_jax.moe import Experts, TierExperts, TierWeights, experts_apply, tiered_apply
-
-    bits, group_size = tier_options
-    on_miss = "tier" if rule in ("tier", "uniform") else "shed"
-
-    def step(params, tables, tokens, position, cache, tier=None):
-        def moe(layer, p, x):
-            full = Experts(p["gate_proj"], p["up_proj"], p["down_proj"])
-
-            def row(x, table):  # one stream: x [D], table [E]
-                x = x[None]
-                indices, scores, probs = qwen3_moe.route(p, x, cfg)
-                shed = kq_jax.route_shed(indices, scores, table, num_slots=num_slots, on_miss=on_miss)
-                experts = jnp.arange(cfg.num_experts, dtype=jnp.int32)
-                slot_expert = jnp.zeros(num_slots, jnp.int32).at[jnp.where(table >= 0, table, num_slots)].set(
-                    experts, mode="drop")  # which expert each slot holds
-                if rule == "stall":
-                    y, mix = experts_apply(x, full, indices), scores
-                elif on_miss == "tier":
-                    low = TierExperts(*(TierWeights(*(a[layer] for a in tier[name]))
-                                        for name in qwen3_moe.PROJECTIONS), bits=bits, group_size=group_size)
-                    hit = shed.slots < num_slots
-                    rows = jnp.where(hit, slot_expert[jnp.where(hit, shed.slots, 0)],
-                                     cfg.num_experts + shed.slots - num_slots)
-                    y, mix = tiered_apply(x, full, low, rows), shed.mix
-                else:
-                    slots, mix = serve(rule, indices, scores, probs, table, shed, normalize=cfg.norm_topk_prob,
-                                       num_slots=num_slots)
-                    y = experts_apply(x, full, slot_expert[slots])
-                out = jnp.einsum("tkd,tk->td", y, mix)[0]
-                served = jnp.where(mix > 0, scores, 0.0) if rule != "stall" else scores
-                return out, tuple(a[0] for a in (indices, scores, shed.miss_ids, shed.miss_scores, served))
-
-            return jax.vmap(row)(x, tables[layer])
-
-        return qwen3_moe.decode_step(params, tokens, position, cache, cfg, moe)
-
-    step, pack = jax.jit(step), jax.jit(_pack_reports)
-
-    def packed_step(*args):  # packed by a program of its own, the step's program left as it was
-        logits, cache, reports = step(*args)
-        return logits, cache, pack(reports)
-
-    return packed_step
-
-
-def _pack_reports(reports):
-    import jax
-    import jax.numpy as jnp
-
-    return jnp.stack([jnp.stack([jax.lax.bitcast_convert_type(field.astype(jnp.float32), jnp.int32)
-                                 if jnp.issubdtype(field.dtype, jnp.floating) else field.astype(jnp.int32)
-                                 for field in report]) for report in reports])
-
-
-def unpack_reports(packed: np.ndarray) -> list[np.ndarray]:
-    """:func:`make_streams_step`'s packed reports ``[L, 5, B, k]`` as the five fields ``(indices, scores,
-    miss_ids, miss_scores, served)``, each ``[L, B, k]`` (ids int32, scores float32)."""
-    return [packed[:, i] if i in (0, 2) else packed[:, i].view(np.float32) for i in range(5)]
-
-
-def tier_arrays(tier) -> dict:
-    """A :class:`kq_host.tier.Tier` as the step's ``tier`` argument: ``{projection: (packed, scales, biases)}``
-    on the device."""
-    import jax.numpy as jnp
-
-    return {name: tuple(jnp.asarray(a) for a in weight) for name, weight in tier.weights.items()}
-
-
 # ---- runs --------------------------------------------------------------------------------------
 
 
@@ -521,6 +337,9 @@ class JaxStudy:
         return self._full_params
 
     def step(self, rule: str):
+        """The compiled decode step under ``rule`` (:func:`kq_jax.qwen3_moe_arena.make_step`), made once."""
+        from kq_jax.qwen3_moe_arena import make_step
+
         if rule not in self._steps:
             self._steps[rule] = make_step(self.cfg, rule, (self.config.tier_bits, self.config.tier_group_size))
         return self._steps[rule]
@@ -528,6 +347,7 @@ class JaxStudy:
     def tier(self, store):
         """The checkpoint's tier (``config.tier_bits``, ``config.tier_group_size``): built once, cached on disk."""
         from kq_host.tier import build_tier
+        from kq_jax.qwen3_moe_arena import tier_arrays
 
         if self._tier is None:
             tier = build_tier(store, self.cfg.num_hidden_layers, self.cfg.num_experts, bits=self.config.tier_bits,
@@ -582,7 +402,7 @@ class JaxStudy:
         import jax.numpy as jnp
 
         from kq_host.quantized import open_experts
-        from kq_host.residency import ResidencyManager
+        from kq_host.residency import LayerReport, ResidencyManager
         from kq_jax import qwen3_moe
         from kq_jax.arena import JaxArena
 
@@ -607,10 +427,10 @@ class JaxStudy:
             step = self.step("tier" if uniform else rule)
 
             def token(position, token_id, tables):
-                logits, state["cache"], reports = step(params, arena.arrays, jnp.asarray(tables),
-                                                       jnp.asarray([token_id], jnp.int32), position, state["cache"],
-                                                       tier)
-                return logits, [tuple(np.asarray(a) for a in r) for r in reports]
+                logits, state["cache"], packed = step(params, arena.arrays, jnp.asarray(tables),
+                                                      jnp.asarray([token_id], jnp.int32), position, state["cache"],
+                                                      tier)
+                return logits, LayerReport.from_packed(np.asarray(packed))
 
             return decode_through_arena(tokens, warmup, result, manager, token, generate=generate)
 
@@ -643,6 +463,8 @@ class JaxStudy:
         # tables (slots below S <= E) run in the step of E slots, the tier's ids E + e.
         key = ("streams", "stall" if resident else rule)
         if key not in self._steps:
+            from kq_jax.qwen3_moe_arena import make_streams_step
+
             self._steps[key] = make_streams_step(cfg, key[1], experts, (config.tier_bits, config.tier_group_size))
         start = time.perf_counter()
         bits, counts, layer_counts = [], np.zeros(4, np.int64), np.zeros((2, layers), np.int64)
@@ -692,17 +514,18 @@ class JaxStudy:
             logits, cache, packed = step(params, jnp.asarray(tables.reshape(layers, streams, experts)),
                                          jnp.asarray(windows[:, position]), position, cache, tier)
             logits, packed = jax.device_get((logits, packed))
-            fields = unpack_reports(packed)  # [L, B, k] each
+            report = LayerReport.from_packed(packed)  # [L, B, k] each
             if position >= config.warmup:  # bits from the logits in float64 here: the same in every rule's program
                 bits[:, position - config.warmup] = _stream_bits(logits, windows[:, position + 1])
-                indices, scores, served = fields[0], fields[1], fields[4]
+                indices, scores, served = report.indices, report.scores, report.served
                 result.routed_mass += float(scores.sum())
                 result.shed_mass += float(scores.sum() - served.sum())
                 if rule == "stall":
                     resident_now = tables.reshape(layers, streams, experts) >= 0
                     result.critical_reads += int((~np.take_along_axis(resident_now, indices.astype(np.int64),
                                                                       axis=-1)).sum())
-            tables = manager.step(LayerReport(*(f.reshape(managed, 1, top_k) for f in fields[:4])))
+            tables = manager.step(LayerReport(*(getattr(report, name).reshape(managed, 1, top_k)
+                                                for name in ("indices", "scores", "miss_ids", "miss_scores"))))
         layers_after, after = manager.stats()
         manager.close()
         since = after.since(before)
@@ -790,16 +613,11 @@ def record_routing(config: StudyConfig, lookahead: int = 0):
     import jax.numpy as jnp
 
     from kq_jax import qwen3_moe
-    from kq_jax.moe import Experts, experts_apply
+    from kq_jax.qwen3_moe_arena import resident_moe
 
     study = JaxStudy(config)
     cfg, params = study.cfg, study.full_params()
-
-    def moe(layer, p, x):
-        indices, scores, _ = qwen3_moe.route(p, x, cfg)
-        y = experts_apply(x, Experts(p["gate_proj"], p["up_proj"], p["down_proj"]), indices)
-        return jnp.einsum("tkd,tk->td", y, scores), (indices, scores)
-
+    moe = resident_moe(cfg)
     step = jax.jit(lambda params, token, position, cache: qwen3_moe.decode_step(
         params, token, position, cache, cfg, moe, lookahead=lookahead))
     indices, scores, predictions = [], [], []
@@ -925,7 +743,7 @@ class MlxStudy:
         from mlx_lm.models.cache import make_prompt_cache
 
         from kq_host.quantized import Quantization, open_experts
-        from kq_host.residency import ResidencyManager
+        from kq_host.residency import LayerReport, ResidencyManager
         from kq_mlx.mlx_lm_adapter import PROJECTIONS, SwitchGLUArena, attach_arena, attach_tier, set_tables
 
         layers, experts = self.cfg_json["num_hidden_layers"], self.num_experts
@@ -959,13 +777,7 @@ class MlxStudy:
                 def token(position, token_id, tables):
                     set_tables(blocks, tables)
                     logits = self._logits(model, cache, token_id)
-                    reports = []
-                    for block in blocks:
-                        report = block.report()
-                        served = report.scores if rule == "stall" else report.served
-                        reports.append((report.indices, report.scores, report.miss_ids, report.miss_scores,
-                                        served.reshape(report.scores.shape)))
-                    return logits[None], reports
+                    return logits[None], LayerReport.stacked([block.report() for block in blocks])
 
                 return decode_through_arena(tokens, warmup, result, manager, token, generate=generate)
 
@@ -1024,12 +836,11 @@ def decode_through_arena(tokens: list[int], warmup: int, result: RunResult, mana
     ``generate``, that many greedy tokens more (appended to ``tokens``, kept in ``result.trace``).
 
     ``token(position, token_id, tables)`` runs one token against the slot tables and returns
-    ``(logits [1, V], reports)``, a report per layer ``(indices, scores, miss_ids, miss_scores, served)``
-    as host arrays. The arena starts with each layer's lowest-numbered experts; the predictions of the
-    given tokens from ``warmup`` on are scored, and the statistics count from ``warmup`` on.
+    ``(logits [1, V], report)``, every layer's :class:`~kq_host.residency.LayerReport` stacked
+    (``[L, 1, k]`` arrays, ``served`` included). The arena starts with each layer's lowest-numbered
+    experts; the predictions of the given tokens from ``warmup`` on are scored, and the statistics count
+    from ``warmup`` on.
     """
-    from kq_host.residency import LayerReport
-
     for layer in range(manager.num_layers):
         manager.preload(layer, range(manager.num_slots))
     tables = manager.snapshot()
@@ -1040,18 +851,19 @@ def decode_through_arena(tokens: list[int], warmup: int, result: RunResult, mana
         if position == warmup:
             layers_before, before = manager.stats()
         token_start = time.perf_counter()
-        logits, reports = token(position, tokens[position], tables)
+        logits, report = token(position, tokens[position], tables)
         if position + 1 >= given:
             tokens.append(int(np.argmax(np.asarray(logits)[0])))
         elif position >= warmup:
             result.score(_bits(logits, tokens[position + 1]))
         if position >= warmup:
-            for layer, (indices, scores, _, _, served) in enumerate(reports):
+            for layer in range(manager.num_layers):
+                scores = report.scores[layer]
                 result.routed_mass += float(scores.sum())
-                result.shed_mass += float(scores.sum() - served.sum())
+                result.shed_mass += float(scores.sum() - report.served[layer].sum())
                 if result.rule == "stall":  # each missing expert read before the token goes on
-                    result.critical_reads += int((tables[layer][indices.astype(np.int64)] < 0).sum())
-        tables = manager.step([LayerReport(*r[:4]) for r in reports])
+                    result.critical_reads += int((tables[layer][report.indices[layer].astype(np.int64)] < 0).sum())
+        tables = manager.step(report)
         token_seconds.append(time.perf_counter() - token_start)
     layers_after, after = manager.stats()
     manager.close()

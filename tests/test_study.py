@@ -232,11 +232,15 @@ def test_cache_aware_routing_is_the_model_at_full_residency_and_reroutes_below_i
 def test_cache_aware_routing_picks_resident_experts():
     import jax.numpy as jnp
 
-    from kq.study import _cache_aware
+    from kq_jax.arena_moe import serve
 
     probs = jnp.asarray([[0.30, 0.20, 0.15, 0.12, 0.10, 0.08, 0.05]], jnp.float32)  # experts 0..6, best first
     indices = jnp.asarray([[0, 1, 2, 3]], jnp.int32)  # k = 4
     table = jnp.asarray([-1, 0, -1, -1, 1, 2, 3], jnp.int32)  # 1, 4, 5, 6 resident
+
+    def _cache_aware(rule, indices, probs, table, normalize):
+        return serve(rule, indices, None, probs, table, None, normalize=normalize, num_slots=4)
+
     slots, mix = _cache_aware("reroute", indices, probs, table, normalize=False)
     # experts 0 and 1 kept (0 shed: not resident); the rest from the top 8 resident not chosen: 4, 5
     assert slots.tolist() == [[0, 0, 1, 2]] and np.allclose(mix, [[0.0, 0.20, 0.10, 0.08]])
