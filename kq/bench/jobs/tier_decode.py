@@ -2,7 +2,7 @@
 
     python -m kq.bench.jobs tier_decode --json docs/h200/tier_decode.json
 
-Greedy autoregressive decode of one sequence through ``kq.study.make_step``'s graphs: ``resident``
+Greedy autoregressive decode of one sequence through ``kq_jax.qwen3_moe_arena.make_step``'s graphs: ``resident``
 (every expert in memory), the arena that sheds at full residency (its graph without a tier) and
 ``tier`` at each ``--residency`` (an arena of the first S experts of each
 layer, every other expert served from its ``--bits`` copy in the same graph; the slot tables held
@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 from kq.bench.common import EXPERT_SIZES, run_header, write_json
-from kq import study
 
 RANDOM_MODEL = "random-8L-olmoe-experts"
 RANDOM_MODEL_CONFIG = dict(vocab_size=8192, hidden_size=EXPERT_SIZES["olmoe"][0], num_hidden_layers=8,
@@ -39,6 +38,7 @@ def _model(name: str, bits: int, group_size: int):
     from kq_host.quantized import open_experts
     from kq_host.tier import build_tier
     from kq_jax import qwen3_moe
+    from kq_jax.qwen3_moe_arena import tier_arrays
 
     if name == RANDOM_MODEL:
         cfg = qwen3_moe.Qwen3MoeConfig(**RANDOM_MODEL_CONFIG)
@@ -58,7 +58,7 @@ def _model(name: str, bits: int, group_size: int):
     params = qwen3_moe.load_params(name, cfg)
     with open_experts(name, qwen3_moe.PROJECTIONS) as store:
         built = build_tier(store, cfg.num_hidden_layers, cfg.num_experts, bits=bits, group_size=group_size)
-    return cfg, params, study.tier_arrays(built)
+    return cfg, params, tier_arrays(built)
 
 
 def _decode(step, args_of, first, tokens: int, rounds: int) -> list[float]:
@@ -85,13 +85,14 @@ def measure(name: str, residencies, *, bits: int, group_size: int, tokens: int, 
     import jax.numpy as jnp
 
     from kq_jax import qwen3_moe
+    from kq_jax.qwen3_moe_arena import make_step
 
     cfg, params, tier = _model(name, bits, group_size)
     layers, experts = cfg.num_hidden_layers, cfg.num_experts
     rows = []
 
     def run(label: str, rule: str, arena, tables, tier_arrays):
-        step = study.make_step(cfg, rule, (bits, group_size))
+        step = make_step(cfg, rule, (bits, group_size))
 
         def args_of(token, position, cache):
             if cache is None:
