@@ -179,3 +179,10 @@ def test_every_row_of_a_run_has_consistent_floor_columns(monkeypatch):
         assert {key: getattr(row, key) for key in ("x_resident", "floor_with_reads_tokens_per_s", "x_floor")} == \
             decode_e2e.floor_columns(row.tokens_per_s, row.resident_tokens_per_s, row.critical_mib_per_token,
                                      row.read_gib_per_s)
+
+
+def test_the_mlx_decode_job_reads_the_shipped_checkpoints():
+    from kq.bench.jobs import mlx_decode
+
+    for name, checkpoint, _ in mlx_decode.VARIANTS:
+        assert checkpoint.name == name and (checkpoint / "config.json").is_file()

@@ -65,13 +65,15 @@ import json
 import statistics
 import time
 from pathlib import Path
-from kq.bench.common import run_header, write_json
 
-ROOT = Path(__file__).resolve().parents[1]
+from kq.bench.common import run_header, write_json
+from kq.study import SHIPPED_MODEL
+
+MODELS = SHIPPED_MODEL.parent
 # (name, checkpoint, quantized by nn.quantize here)
-VARIANTS = (("stdlib-moe", ROOT / "models" / "stdlib-moe", False),
-            ("stdlib-moe", ROOT / "models" / "stdlib-moe", True),
-            ("wheels-moe", ROOT / "models" / "wheels-moe", False))
+VARIANTS = (("stdlib-moe", MODELS / "stdlib-moe", False),
+            ("stdlib-moe", MODELS / "stdlib-moe", True),
+            ("wheels-moe", MODELS / "wheels-moe", False))
 PROMPT = "def read_config(path):\n"
 MODES = ("per-layer", "packed", "dispatch-first", "overlapped", "overlapped-phases", "tier", "exact")
 FIXED_TABLE_MODES = ("fixed-tables", "fixed-tables+readback")
