@@ -38,7 +38,7 @@ try:
 except ImportError as error:  # the one module of kq_jax that needs Flax
     raise ImportError("kq_jax.nnx needs Flax: pip install 'kq[nnx]'") from error
 
-from kq_host.tier import BITS, GROUP_SIZES, quantize
+from kq_host.tier import BITS, GROUP_SIZES, quantize, scale_dtype
 from kq_jax.api import IMPLS, topk_route_shed
 from kq_jax.arena import pack_reports
 from kq_jax.arena_moe import arena_moe
@@ -160,7 +160,8 @@ class ArenaMoE(nnx.Module):
             from the tier at its own weight).
         tier_bits, tier_group_size: the tier's format (:mod:`kq_host.tier`), used where ``on_miss="tier"``;
             D and F must be multiples of ``tier_group_size``.
-        dtype: the router's and the arena's dtype (and the tier's scales and biases).
+        dtype: the router's and the arena's dtype (the tier's scales and biases are
+            :func:`kq_host.tier.scale_dtype`'s for it).
         impl: ``topk_route_shed``'s (``"auto"``: the Pallas kernel on a GPU, the jnp reference elsewhere).
         rngs: ``nnx.Rngs`` with a ``params`` stream (the router's initial kernel).
 
@@ -195,11 +196,12 @@ class ArenaMoE(nnx.Module):
                     raise ValueError(f"ArenaMoE: {name} {width} is not a multiple of tier_group_size "
                                      f"{tier_group_size}; the tier quantizes each row in groups of that many")
             self.tier_bits, self.tier_group_size = int(tier_bits), int(tier_group_size)
+            scales = jnp.dtype(scale_dtype(jnp.dtype(dtype)))  # the tier's 16-bit scales for weights of dtype
             for projection, (out, width) in zip(("gating", "up_proj", "down_proj"), ((f, d), (f, d), (d, f))):
                 words, groups = width * tier_bits // 32, width // tier_group_size
                 setattr(self, f"tier_{projection}_packed", TierCopy(jnp.zeros((e, out, words), jnp.uint32)))
-                setattr(self, f"tier_{projection}_scales", TierCopy(jnp.zeros((e, out, groups), dtype)))
-                setattr(self, f"tier_{projection}_biases", TierCopy(jnp.zeros((e, out, groups), dtype)))
+                setattr(self, f"tier_{projection}_scales", TierCopy(jnp.zeros((e, out, groups), scales)))
+                setattr(self, f"tier_{projection}_biases", TierCopy(jnp.zeros((e, out, groups), scales)))
 
     # ---- the state, as kq_jax.moe's functions take it -------------------------------------------
 

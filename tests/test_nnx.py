@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from kq_core.reports import REPORT_FIELDS  # noqa: E402
 from kq_host.residency import LayerReport, ResidencyManager  # noqa: E402
 from kq_jax.arena import JaxArena, pack_reports  # noqa: E402
-from kq_jax.moe import Experts, experts_apply, moe_ffn_arena, moe_ffn_tiered, route  # noqa: E402
+from kq_jax.moe import Experts, TierExperts, experts_apply, moe_ffn_arena, moe_ffn_tiered, route  # noqa: E402
 from kq_jax.nnx import ARENA_PROJECTIONS, ArenaMoE, ArenaSlots, DenseMoE, SlotTable  # noqa: E402
 from test_optional_backends import BLOCK  # noqa: E402
 
@@ -118,19 +118,27 @@ def test_shed_mode_is_the_functional_arena_layer(dense, inputs):
     module, table = _partial(dense, "shed")
     got, reports = _call(module, inputs)
     rows = inputs.reshape(-1, D)
-    want, routing = jax.jit(lambda x: moe_ffn_arena(x, dense.router.kernel_DE[...], module.arena(), table,
-                                                    top_k=K))(rows)
+    # Every array an argument, as the module's are under nnx.jit (a closed-over constant XLA may fold).
+    want, routing = jax.jit(lambda x, w, arena, t: moe_ffn_arena(x, w, arena, t, top_k=K))(
+        rows, dense.router.kernel_DE[...], module.arena(), table)
     assert (_misses(reports) >= 0).any() and (np.asarray(routing.shed.mix) > 0).all(-1).sum() < T
     assert_same_bits(want.reshape(inputs.shape), got)
     np.testing.assert_array_equal(np.asarray(reports), np.asarray(pack_reports([routing]))[:, 0])
+
+
+def _tier_like(tier: TierExperts, weights) -> TierExperts:
+    """``tier``'s format over ``weights`` (its three projections, traced jit arguments)."""
+    return TierExperts(*weights, bits=tier.bits, group_size=tier.group_size)
 
 
 def test_tier_mode_is_the_functional_tiered_layer(dense, inputs):
     module, table = _partial(dense, "tier")
     got, reports = _call(module, inputs)
     rows = inputs.reshape(-1, D)
-    want, routing = jax.jit(lambda x: moe_ffn_tiered(x, dense.router.kernel_DE[...], module.arena(), module.tier(),
-                                                     table, top_k=K))(rows)
+    tier = module.tier()
+    want, routing = jax.jit(lambda x, w, arena, weights, t: moe_ffn_tiered(x, w, arena, _tier_like(tier, weights), t,
+                                                                          top_k=K))(
+        rows, dense.router.kernel_DE[...], module.arena(), tier[:3], table)
     assert (_misses(reports) >= 0).any()
     assert_same_bits(want.reshape(inputs.shape), got)
     np.testing.assert_array_equal(np.asarray(reports), np.asarray(pack_reports([routing]))[:, 0])
@@ -179,7 +187,8 @@ def test_exact_mode_acquires_the_misses_and_gives_the_dense_bits(dense, inputs):
     assert_same_bits(_call(dense, inputs), got)
     rows = inputs.reshape(-1, D)
     indices, scores = route(rows, dense.router.kernel_DE[...], top_k=K)
-    exact = jnp.einsum("tkd,tk->td", experts_apply(rows, module.arena(), jnp.asarray(table)[indices]), scores)
+    exact = jax.jit(lambda rows, arena, table: jnp.einsum("tkd,tk->td", experts_apply(rows, arena, table[indices]),
+                                                          scores))(rows, module.arena(), jnp.asarray(table))
     assert_same_bits(exact.reshape(inputs.shape), got)
     manager.close()
 
@@ -258,16 +267,16 @@ def test_gradients_through_the_mix_are_the_functional_layers(dense, inputs, on_m
         y, _ = module(inputs)
         return jnp.sum((y.reshape(-1, D) - target) ** 2)
 
-    def functional(kernel):
-        layer = moe_ffn_tiered if on_miss == "tier" else moe_ffn_arena
-        extra = (module.tier(),) if on_miss == "tier" else ()
-        y, _ = layer(rows, kernel, module.arena(), *extra, table, top_k=K)
+    def functional(kernel, arena, weights, table):
+        extra = (_tier_like(module.tier(), weights),) if on_miss == "tier" else ()
+        y, _ = (moe_ffn_tiered if on_miss == "tier" else moe_ffn_arena)(rows, kernel, arena, *extra, table, top_k=K)
         return jnp.sum((y - target) ** 2)
 
     grads = nnx.jit(nnx.grad(loss))(module)
     assert _paths(grads) == [("router", "kernel_DE")]  # the arena, table and tier are no Params
     got = grads["router"]["kernel_DE"][...]
-    want = jax.jit(jax.grad(functional))(dense.router.kernel_DE[...])
+    weights = module.tier()[:3] if on_miss == "tier" else None
+    want = jax.jit(jax.grad(functional))(dense.router.kernel_DE[...], module.arena(), weights, table)
     assert np.abs(np.asarray(want)).max() > 0
     assert_same_bits(want, got)
 
