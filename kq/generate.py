@@ -48,6 +48,10 @@ class GenerateConfig:
         tier_model: rule ``tier``: read the tier from a lower-bit mlx-lm conversion of the same model instead.
         queue_depth: the residency manager's reads in flight.
         timeout: seconds a wait for reads may take (None: no limit).
+        float32: run every float parameter (a quantized model's scales and biases too) in float32: MLX's CPU
+            quantized matmul runs several times faster on float32 than on bfloat16 (the tokens may then differ
+            from the model's own dtype's). Float models run in float32 on MLX's CPU backend regardless (its
+            gather_mm takes float32 only).
         floor: measure the time to first token's floor too (:attr:`GenerateResult.floor_s`): the model loaded
             again with every expert in memory (it must fit) and the prompt's experts read again.
     """
@@ -62,6 +66,7 @@ class GenerateConfig:
     tier_model: str | Path | None = None
     queue_depth: int = 8
     timeout: float | None = None
+    float32: bool = False
     floor: bool = False
 
 
@@ -315,9 +320,7 @@ def generate(config: GenerateConfig, on_text: Callable[[str], None] | None = Non
     num_experts = _expert_count(model, model_dir)
     slots = min(num_experts, max(1, round(config.residency * num_experts)))
     blocks = attach_arena(model, slots, keep_experts=False)
-    if mx.default_device() == mx.cpu and not quantized and any(
-            mx.issubdtype(a.dtype, mx.floating) and a.dtype != mx.float32
-            for block in blocks for _, a in tree_flatten(block.arena.parameters())):
+    if config.float32 or (mx.default_device() == mx.cpu and not quantized):
         model.set_dtype(mx.float32)  # MLX's CPU gather_mm takes float32 only
     with contextlib.ExitStack() as stack:
         names = expert_tensor_names(model_dir, blocks)
@@ -414,7 +417,8 @@ def generate(config: GenerateConfig, on_text: Callable[[str], None] | None = Non
         if config.floor:
             result.read_bandwidth_gbs = _read_bandwidth(store, routed)
     if config.floor:
-        result.resident_prefill_s = _resident_prefill_seconds(model_dir, prompt, not quantized)
+        result.resident_prefill_s = _resident_prefill_seconds(model_dir, prompt,
+                                                              config.float32 or not quantized)
         result.floor_s = (result.prompt_routed_pairs * expert_bytes / (result.read_bandwidth_gbs * 1e9)
                           + result.resident_prefill_s)
     return result
@@ -456,14 +460,14 @@ def _read_bandwidth(store, routed: list[set]) -> float:
     return (store.bytes_read - before) / seconds / 1e9 if futures else float("nan")
 
 
-def _resident_prefill_seconds(model_dir: Path, prompt: list[int], float_model: bool) -> float:
+def _resident_prefill_seconds(model_dir: Path, prompt: list[int], float32: bool) -> float:
     """The unmodified model's time from the prompt to its first token, every expert in memory (best of 3)."""
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
 
     model, _ = load(str(model_dir))
-    if float_model and mx.default_device() == mx.cpu:
+    if float32:
         model.set_dtype(mx.float32)
     mx.eval(model.parameters())
     best = math.inf
