@@ -402,8 +402,8 @@ def _cache_path(store, num_layers, num_experts, bits, group_size, cache_dir) -> 
 
 
 def _save(path: Path, weights: Mapping[str, QuantizedWeight], meta: Mapping) -> None:
-    """Writes the tier atomically (a temporary file of this call renamed over the entry), scales and biases
-    as their raw bits; the temporary is removed on any failure.
+    """Writes the tier atomically (a temporary file of this call renamed over the entry), the 16-bit scales
+    and biases as their raw bits; the temporary is removed on any failure.
 
     Raises:
         OSError: the directory cannot be made or written.
@@ -414,7 +414,7 @@ def _save(path: Path, weights: Mapping[str, QuantizedWeight], meta: Mapping) -> 
         arrays[f"{name}.packed"] = weight.packed
         for field in ("scales", "biases"):
             array = getattr(weight, field)
-            arrays[f"{name}.{field}"] = array.view(np.uint16) if array.dtype.itemsize == 2 else array
+            arrays[f"{name}.{field}"] = array.view(np.uint16)
             arrays[f"{name}.{field}.dtype"] = np.array(array.dtype.name)
     descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:

@@ -212,6 +212,8 @@ def test_a_float_checkpoint_or_float32_scales_or_mixed_options_are_refused_by_na
                      quant_predicate=lambda path, module: {"bits": 4, "group_size": 64}
                      if path.startswith("model.layers.1.mlp.switch_mlp") else True)
     assert json.loads((mixed / "config.json").read_text())["quantization"]["model.layers.1.mlp.switch_mlp.up_proj"]
+    model, config = _model(0)
+    six_bits = _convert(model, config, tmp_path / "6bit", bits=6, group_size=64)
     with _store(served[0]) as store:
         with pytest.raises(TierOptionError, match="config.json.*quantization"):
             tier_from_checkpoint(served[0], store, 2, 8)
@@ -219,6 +221,8 @@ def test_a_float_checkpoint_or_float32_scales_or_mixed_options_are_refused_by_na
             tier_from_checkpoint(float32_scales, store, 2, 8)
         with pytest.raises(TierOptionError, match="several"):
             tier_from_checkpoint(mixed, store, 2, 8)
+        with pytest.raises(TierOptionError, match="config.json.*bits must be one of"):
+            tier_from_checkpoint(six_bits, store, 2, 8)
         with pytest.raises(TierOptionError, match="num_layers"):
             tier_from_checkpoint(served[1], store, 3, 8)
         with pytest.raises(ExpertStoreError, match="config.json"):
