@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import resource
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -277,7 +278,15 @@ def _nbytes(arrays) -> int:
 
 
 def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    """This process's peak resident set: ``VmHWM`` where ``/proc`` has it (``ru_maxrss`` outlives ``exec``: a
+    process started by a large one reports its parent's peak), else ``ru_maxrss`` (KiB on Linux, bytes on macOS)."""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
 
 
 def generate(config: GenerateConfig, on_text: Callable[[str], None] | None = None) -> GenerateResult:
