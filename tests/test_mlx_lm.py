@@ -884,3 +884,20 @@ def test_prefill_refuses_bad_arguments_by_name_and_leaves_the_cache_on_a_failed_
         prefill(model, blocks, other, PROMPT, cache)
     manager.close()
     other.close()
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "serial"])
+def test_generate_greedy_ends_at_the_first_stop_token_and_extends_a_given_cache(overlap):
+    from kq_mlx.mlx_lm_adapter import generate_greedy
+
+    want = _greedy_prefilled(qwen3_model, 7, [2, 7, 1, 8], 12)
+    stop = next(token for token in want[3:] if token not in want[:3])  # a token first generated at position >= 3
+    model = evaluated(qwen3_model, seed=7)
+    blocks = attach_arena(model, num_slots=6)
+    manager = _manager_over(blocks, 6, queue_depth=0)
+    cache = make_prompt_cache(model)
+    got = generate_greedy(model, blocks, manager, [2, 7, 1, 8], 12, overlap=overlap, exact=True, cache=cache,
+                          stop_tokens=[stop])
+    assert got == want[:want.index(stop) + 1]
+    assert cache[0].offset >= 4 + len(got) - 1  # the given cache took the prompt and the tokens
+    manager.close()
