@@ -25,18 +25,12 @@ from jax import lax
 
 import kq_jax
 from kq_core.contract import RouteShedResult
-from kq_jax.moe import Experts, TierExperts, experts_apply, tiered_apply
+from kq_jax.moe import Experts, TierExperts, combine, experts_apply, tiered_apply
 from kq_jax.reference import bounded_table
 
 RULES = ("route_shed", "shed", "renormalize", "substitute", "tier", "uniform", "stall", "reroute", "prior")
 TIER_RULES = ("tier", "uniform")
 RESIDENT_PRIOR = 1.0  # the ``prior`` rule's bonus to a resident expert's log-probability (nats)
-
-
-def combine(y, mix):
-    """The layer's output: each token's k expert outputs weighted by ``mix``. ``y`` ``[T, k, D]``, ``mix``
-    ``[T, k]`` -> ``[T, D]`` of ``y``'s dtype."""
-    return jnp.einsum("tkd,tk->td", y, mix.astype(y.dtype))
 
 
 def serve(rule: str, indices, scores, probs, slot_table, shed, *, normalize: bool = False,

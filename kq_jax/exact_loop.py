@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kq_jax import qwen3_moe
-from kq_jax.moe import Experts, experts_apply
+from kq_jax.moe import Experts, combine, experts_apply
 
 
 @functools.partial(jax.jit, static_argnames="cfg")
@@ -43,7 +43,7 @@ def _route(p, h, position, keys, values, cfg):
 @functools.partial(jax.jit, static_argnames="cfg")
 def _experts(arena, layer, table, x, h, indices, scores, ahead, cfg):
     weights = Experts(*(arena[name][layer] for name in qwen3_moe.PROJECTIONS))
-    y = jnp.einsum("tkd,tk->td", experts_apply(x, weights, table[indices]), scores)
+    y = combine(experts_apply(x, weights, table[indices]), scores)
     h = h + y[:, None]
     return h, tuple(qwen3_moe.predict_next(p, h[:, 0], cfg) for p in ahead)
 

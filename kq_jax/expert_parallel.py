@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from kq_core.contract import TopkRouteShedResult
 from kq_jax.api import topk_route_shed
-from kq_jax.moe import Experts, experts_apply, router_probs
+from kq_jax.moe import Experts, combine, experts_apply, router_probs
 
 
 def arena_sharding(mesh: Mesh, expert_axis: str = "expert") -> Experts:
@@ -84,7 +84,7 @@ def moe_ffn_arena_sharded(x, router_w, arena: Experts, slot_table, *, top_k: int
         mine = (global_slot >= first) & (global_slot < first + local_slots)
         y = experts_apply(x, arena, jnp.where(mine, global_slot - first, 0))
         y = lax.psum(jnp.where(mine[..., None], y, jnp.array(-0.0, y.dtype)), expert_axis)
-        return jnp.einsum("tkd,tk->td", y, routing.shed.mix.astype(y.dtype)), routing
+        return combine(y, routing.shed.mix), routing
 
     # check_vma off: a pallas_call's outputs carry no varying-axes type to check.
     sharded = jax.shard_map(step, mesh=mesh, in_specs=(rows, P(), Experts(slots, slots, slots), P()),

@@ -143,7 +143,7 @@ def dequantize_rows(weights: TierWeights, rows, *, bits: int, group_size: int, d
     """
     _check_format(weights, bits=bits, group_size=group_size, where="dequantize_rows: weights")
     q = _unpack_rows(weights, rows, bits=bits)
-    groups = q.reshape(*q.shape[:-1], -1, group_size)
+    groups = q.reshape(*q.shape[:-1], q.shape[-1] // group_size, group_size)  # no -1: rows may be none
     scales = weights.scales[rows].astype(jnp.float32)[..., None]
     biases = weights.biases[rows].astype(jnp.float32)[..., None]
     # 16-bit scales widen to float32 exactly and scale * q is exact (at most 11 + 8 significant bits), so XLA
@@ -163,8 +163,8 @@ def quantized_apply(weights: TierWeights, rows, v, *, bits: int, group_size: int
     """
     _check_format(weights, bits=bits, group_size=group_size, where="quantized_apply: weights")
     q = _unpack_rows(weights, rows, bits=bits)  # [T, k, out, in]
-    groups = q.reshape(*q.shape[:-1], -1, group_size)  # [T, k, out, G, g]
-    v = v.astype(jnp.float32).reshape(*v.shape[:-1], 1, -1, group_size)  # [T, k, 1, G, g]
+    groups = q.reshape(*q.shape[:-1], q.shape[-1] // group_size, group_size)  # [T, k, out, G, g]
+    v = v.astype(jnp.float32).reshape(*v.shape[:-1], 1, v.shape[-1] // group_size, group_size)  # [T, k, 1, G, g]
     partial = jnp.sum(groups * v, axis=-1)  # [T, k, out, G]
     scales = weights.scales[rows].astype(jnp.float32)
     biases = weights.biases[rows].astype(jnp.float32)
@@ -220,11 +220,16 @@ def _apply_gathered(x, gathered: Experts):
     return jnp.einsum("tkf,tkdf->tkd", jax.nn.silu(gate) * up, gathered.down)
 
 
+def combine(y, mix):
+    """The layer's output: each token's k expert outputs weighted by ``mix``. ``y`` ``[T, k, D]``, ``mix``
+    ``[T, k]`` -> ``[T, D]`` of ``y``'s dtype."""
+    return jnp.einsum("tkd,tk->td", y, mix.astype(y.dtype))
+
+
 def moe_ffn_resident(x, router_w, experts: Experts, *, top_k: int):
     """The MoE layer with all E experts in memory. x ``[T, D]`` -> ``[T, D]``."""
     indices, scores = route(x, router_w, top_k=top_k)
-    y = experts_apply(x, experts, indices)
-    return jnp.einsum("tkd,tk->td", y, scores.astype(y.dtype))
+    return combine(experts_apply(x, experts, indices), scores)
 
 
 def moe_ffn_arena(x, router_w, arena: Experts, slot_table, *, top_k: int, impl: str = "auto"):
@@ -242,7 +247,7 @@ def moe_ffn_arena(x, router_w, arena: Experts, slot_table, *, top_k: int, impl: 
     routing: TopkRouteShedResult = topk_route_shed(router_probs(x, router_w), slot_table, top_k=top_k,
                                                    num_slots=arena.gate.shape[0], impl=impl)
     y = experts_apply(x, arena, routing.shed.slots)
-    return jnp.einsum("tkd,tk->td", y, routing.shed.mix.astype(y.dtype)), routing
+    return combine(y, routing.shed.mix), routing
 
 
 def tiered_apply(x, arena: Experts, tier: TierExperts, slots):
@@ -293,4 +298,4 @@ def moe_ffn_tiered(x, router_w, arena: Experts, tier: TierExperts, slot_table, *
     routing: TopkRouteShedResult = topk_route_shed(router_probs(x, router_w), slot_table, top_k=top_k,
                                                    num_slots=num_slots, on_miss="tier", impl=impl)
     y = tiered_apply(x, arena, tier, routing.shed.slots)
-    return jnp.einsum("tkd,tk->td", y, routing.shed.mix.astype(y.dtype)), routing
+    return combine(y, routing.shed.mix), routing

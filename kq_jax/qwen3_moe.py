@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kq_jax.moe import Experts, experts_apply
+from kq_jax.moe import Experts, combine, experts_apply, router_probs
+from kq_jax.reference import normalize_topk_ref
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -317,25 +318,22 @@ def _attend(q, k, v, mask, cfg: Qwen3MoeConfig):
     return out.reshape(*out.shape[:2], -1)
 
 
-def router_probs(p, x):
-    """Softmax over experts in float32. x ``[..., D]`` -> ``[..., E]``."""
-    return jax.nn.softmax((x @ p["router"].T).astype(jnp.float32), axis=-1)
-
-
 def route(p, x, cfg: Qwen3MoeConfig):
-    """``(indices int32 [..., k], scores float32 [..., k], probs [..., E])``: the router's top-k."""
-    probs = router_probs(p, x)
+    """``(indices int32 [..., k], scores float32 [..., k], probs [..., E])``: the router's top-k
+    (:func:`kq_jax.moe.router_probs`; with ``norm_topk_prob`` renormalised by
+    :func:`kq_jax.reference.normalize_topk_ref`, the contract's correctly rounded arithmetic, as every
+    other router of kq)."""
+    probs = router_probs(x, p["router"].T)
     scores, indices = lax.top_k(probs, cfg.num_experts_per_tok)
     if cfg.norm_topk_prob:
-        scores = scores / jnp.sum(scores, axis=-1, keepdims=True)
+        scores = normalize_topk_ref(scores)
     return indices, scores, probs
 
 
 def moe_resident(p, x, cfg: Qwen3MoeConfig):
     """The MoE feed-forward with every expert in memory. x ``[T, D]`` -> ``[T, D]``."""
     indices, scores, _ = route(p, x, cfg)
-    y = experts_apply(x, Experts(p["gate_proj"], p["up_proj"], p["down_proj"]), indices)
-    return jnp.einsum("tkd,tk->td", y, scores)
+    return combine(experts_apply(x, Experts(p["gate_proj"], p["up_proj"], p["down_proj"]), indices), scores)
 
 
 def moe_dense(p, x, cfg: Qwen3MoeConfig):

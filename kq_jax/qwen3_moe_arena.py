@@ -14,8 +14,8 @@ import jax.numpy as jnp
 
 from kq_jax import qwen3_moe
 from kq_jax.arena import pack_reports
-from kq_jax.arena_moe import arena_moe, combine
-from kq_jax.moe import Experts, TierExperts, TierWeights, experts_apply
+from kq_jax.arena_moe import arena_moe
+from kq_jax.moe import Experts, TierExperts, TierWeights, combine, experts_apply
 
 
 def tier_arrays(tier) -> dict:

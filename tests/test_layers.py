@@ -41,10 +41,10 @@ def test_the_graph_was_read():
 
 
 def private_imports(path: Path) -> list[str]:
-    """``module.name`` for each ``from module import _name`` of another module in ``path``."""
+    """``module.name`` for each ``from module import _name`` of another module of kq's in ``path``."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.split(".")[0] in LAYER:
             found += [f"{node.module}.{alias.name}" for alias in node.names
                       if alias.name.startswith("_") and not alias.name.startswith("__")]
     return found

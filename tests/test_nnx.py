@@ -307,10 +307,7 @@ def test_sharded_rows_stay_on_their_devices_with_the_single_device_bits(dense, o
     np.testing.assert_array_equal(np.asarray(want_reports), np.asarray(reports))
 
 
-@pytest.mark.parametrize("on_miss", [
-    "shed", pytest.param("tier", marks=pytest.mark.xfail(
-        strict=True, raises=ZeroDivisionError,
-        reason="kq_jax.moe.quantized_apply reshapes its [0, k, out, in] unpacked rows with -1"))])
+@pytest.mark.parametrize("on_miss", ["shed", "tier"])
 def test_no_rows_give_empty_outputs_and_reports(dense, on_miss):
     module = ArenaMoE.from_dense(dense, resident=RESIDENT, num_slots=S, on_miss=on_miss)
     out, reports = _call(module, jnp.zeros((2, 0, D), jnp.float32))

@@ -289,8 +289,8 @@ class Engine:
 
         import kq_jax
         from kq_jax.arena import pack_reports
-        from kq_jax.arena_moe import arena_moe, combine
-        from kq_jax.moe import Experts, TierExperts, TierWeights, experts_apply, route, router_probs
+        from kq_jax.arena_moe import arena_moe
+        from kq_jax.moe import Experts, TierExperts, TierWeights, combine, experts_apply, route, router_probs
 
         if (routing is None) == (router is None):
             raise ValueError("Engine: give the recorded routing or the routers, one of them")
