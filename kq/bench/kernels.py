@@ -311,11 +311,19 @@ def _available(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
+class UnknownBackendError(ValueError):
+    """A requested backend is not one this machine has; the message names it and lists those it has."""
+
+
 def run(sets=("decode",), backends=None, *, shapes=(), repeats: int = 7, resident_fraction: float = 0.7,
         seed: int = 0, progress: bool = True) -> list[Result]:
     """Times every requested backend over the named shape sets and ``shapes``; one Result per (backend, shape).
 
     ``shapes`` are ``(rows, top_k, experts)`` tuples of the caller's own, reported as set ``"custom"``.
+
+    Raises:
+        UnknownBackendError: a name in ``backends`` is not a backend here (the message lists those here).
+        ValueError: ``resident_fraction`` is not in [0, 1].
     """
     from kq_core.oracle import route_shed_oracle
 
@@ -355,7 +363,7 @@ def run(sets=("decode",), backends=None, *, shapes=(), repeats: int = 7, residen
             for prefix, available, add in families:
                 if available and not any(name.startswith(prefix) for name in timers):
                     add()
-            raise ValueError(f"kq bench: unknown or unavailable backends {sorted(unknown)}; here: {sorted(timers)}")
+            raise UnknownBackendError(f"kq bench: unknown or unavailable backends {sorted(unknown)}; here: {sorted(timers)}")
         timers = {k: v for k, v in timers.items() if k in backends}
     timing_jax = any(name.startswith("jax") for name in timers)
     jax_floor = _jax_floor_fn() if timing_jax else None
