@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kq_core.contract import RouteShedResult, TopkRouteShedResult
+from kq_core.contract import NUMPY_DTYPES, RouteShedResult, TopkRouteShedResult
 
 
 @dataclass(frozen=True)
@@ -23,11 +23,17 @@ class Mismatch:
         return f"{self.output}{where}: expected {self.expected}, got {self.got}"
 
 
+# The unsigned integer of each float width, to read a float's bits.
+_BITS_OF_WIDTH = {4: np.uint32, 2: np.uint16, 1: np.uint8}
+
+
 def _show(array: np.ndarray, index) -> str:
-    value = array[index]
-    if array.dtype.kind == "f":
-        return f"0x{int(np.asarray(value).view(np.uint32)):08x} ({value!r})"
-    return repr(int(value))
+    """One entry as plain Python: a float as its bits in hex and its value (``0x3f000000 (0.5)``), else an int."""
+    if array.dtype.kind == "f" or array.dtype == np.dtype(NUMPY_DTYPES["bfloat16"]):
+        width = array.dtype.itemsize
+        bits = int(array.view(_BITS_OF_WIDTH[width])[index])
+        return f"0x{bits:0{2 * width}x} ({float(array[index])!r})"
+    return repr(int(array[index]))
 
 
 def first_mismatch(expected: RouteShedResult | TopkRouteShedResult, got, prefix: str = "") -> Mismatch | None:
@@ -46,7 +52,7 @@ def first_mismatch(expected: RouteShedResult | TopkRouteShedResult, got, prefix:
         have = np.asarray(have)
         if have.dtype != want.dtype or have.shape != want.shape:
             return Mismatch(prefix + name, None, f"{want.dtype}{list(want.shape)}", f"{have.dtype}{list(have.shape)}")
-        width = {4: np.uint32, 2: np.uint16, 1: np.uint8}[want.dtype.itemsize]
+        width = _BITS_OF_WIDTH[want.dtype.itemsize]
         differs = want.view(width) != have.view(width)
         if differs.any():
             index = tuple(int(i) for i in np.argwhere(differs)[0])
