@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import itertools
 import sys
 import time
 from dataclasses import dataclass, field
@@ -17,13 +16,9 @@ from kq.backends import Backend, Runner, Unavailable, all_backends
 from kq.terminal import progress_bar, render_table
 from kq_core.compare import Mismatch, first_mismatch
 from kq_core.contract import RouteShedResult
-from kq_core.inputs import adversarial_inputs, router_inputs
+from kq_core.inputs import random_cases
 from kq_core.oracle import route_shed_oracle
 from kq_core.spec import load_spec
-
-# (rows weight, K, E): single-row decode cases stay one row; the others share the row budget by weight.
-RANDOM_SHAPES = ((1, 8, 256), (8, 6, 40), (4, 10, 64), (1, 64, 512), (16, 2, 8), (2, 1, 4))
-
 
 # The keyword options of route_shed a case may need; an implementation gets those its signature takes.
 OPTIONS = ("num_slots", "on_miss")
@@ -91,40 +86,8 @@ class BackendReport:
         return not self.skipped and self.passed == self.run
 
 
-def split_rows(total: int, weights) -> list[int]:
-    """``total`` split in proportion to ``weights``, exactly (largest remainders get the leftover rows)."""
-    weights = np.asarray(weights, np.float64)
-    quotas = total * weights / weights.sum()
-    rows = np.floor(quotas).astype(int)
-    leftover = total - int(rows.sum())
-    rows[np.argsort(-(quotas - rows), kind="stable")[:leftover]] += 1
-    return rows.tolist()
-
-
 # Random rows the interpreted backends get by default, over one (index, score) dtype pair per shape.
 QUICK_RANDOM_ROWS = 512
-DTYPE_PAIRS = tuple(itertools.product(("int32", "uint32"), ("float32", "bfloat16", "float16")))
-
-
-def random_cases(seed: int, rows_budget: int, *, every_dtype: bool = True):
-    """Yields ``(name, inputs)``: exactly ``rows_budget`` random rows over shapes, dtypes and edge mixes.
-
-    Each (shape, index dtype, score dtype) gets a router-like and an adversarial case; the
-    row budget is split between them by the shapes' weights, and a case given no row is left out.
-    With ``every_dtype=False`` each shape takes one dtype pair, the pairs taken in turn (a twelfth
-    of the shapes to compile).
-    """
-    rng = np.random.default_rng(seed)
-    pairs = [(shape, *pair) for shape, pair in itertools.product(RANDOM_SHAPES, DTYPE_PAIRS)] if every_dtype else [
-        (shape, *DTYPE_PAIRS[i % len(DTYPE_PAIRS)]) for i, shape in enumerate(RANDOM_SHAPES)]
-    combos = [(shape, index_dtype, score_dtype, generator) for shape, index_dtype, score_dtype in pairs
-              for generator in (router_inputs, adversarial_inputs)]
-    for ((weight, top_k, experts), index_dtype, score_dtype, generator), rows in zip(
-            combos, split_rows(rows_budget, [shape[0] for shape, *_ in combos])):
-        if rows:
-            kind = "router" if generator is router_inputs else "edges"
-            yield f"{kind}-{rows}x{top_k}-E{experts}-{index_dtype}-{score_dtype}", generator(
-                rng, rows, top_k, experts, index_dtype=index_dtype, score_dtype=score_dtype)
 
 
 def run_checks(backends: tuple[Backend, ...] | None = None, *, random_rows: int = 4096, seed: int = 0,
@@ -385,19 +348,22 @@ def _result_literal(result: RouteShedResult) -> str:
     return f"RouteShedResult(\n{fields},\n)"
 
 
-def format_failed_case(label: str, case: FailedCase, *, seed: int = 0, random_rows: int = 4096) -> str:
+def format_failed_case(label: str, case: FailedCase, *, seed: int | None = 0, random_rows: int = 4096) -> str:
     """``case`` as Python to paste into a test: the inputs, the options, the expected outputs and what
     ``label`` gave, then ``assert_matches`` on the case (a ``MODULE:FUNCTION`` label is imported).
 
     A case too large to print whole (more than :data:`PRINTED_ROWS` rows, its difference not at one
-    entry) is fetched by name from :mod:`kq.spec` instead (``seed`` and ``random_rows``: a random case's).
+    entry) is fetched by name from :mod:`kq.spec` instead: a golden case from ``golden_cases()``, any
+    other from ``random_cases(seed, random_rows)``, the call it came from; with ``seed`` None (a case
+    of the caller's own) it is named only.
     """
     module, _, attribute = label.partition(":")
     importable = bool(attribute) and "<" not in attribute and module not in ("", "None", "__main__")
     fn = attribute if importable else "route_shed"
     golden = case.name in {c.name for c in load_spec().cases}
-    fetch = (f"next(c for c in kq.spec.{'golden_cases()' if golden else f'random_cases({seed}, {random_rows})'} "
-             f"if c.name == {case.name!r})")
+    source = "golden_cases()" if golden else None if seed is None else f"random_cases({seed}, {random_rows})"
+    fetch = (f"next(c for c in kq.spec.{source} if c.name == {case.name!r})" if source is not None else
+             f"...  # the Case named {case.name!r} that was checked")
     rows = int(np.prod(case.inputs[0].shape[:-1]))
     what = case.name if case.row is None else f"row {case.row} of {case.name} ({case.whole_rows} rows)"
     lines = [f"# {label}, {what}: {case.problem}"]
@@ -410,7 +376,8 @@ def format_failed_case(label: str, case: FailedCase, *, seed: int = 0, random_ro
     whole = case.row is not None or rows <= PRINTED_ROWS
     needs_bf16 = whole and any(np.asarray(a).dtype.name == "bfloat16" for a in (*case.inputs, *(case.got or ())))
     lines += [*(["import ml_dtypes"] if needs_bf16 else []), "import numpy as np", "",
-              *(["import kq.spec"] if not whole else []), "from kq.spec import Case, assert_matches",
+              *(["import kq.spec"] if not whole and source is not None else []),
+              "from kq.spec import Case, assert_matches",
               "from kq_core.contract import RouteShedResult"]
     lines.append(f"from {module} import {attribute.split('.')[0]}" if importable else
                  f"{fn} = ...  # the function that gave these outputs")

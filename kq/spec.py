@@ -27,8 +27,8 @@ import numpy as np
 
 from kq.check import (ARRAY_KINDS, CaseSkipped, check_case, format_failed_case, implementation_runner,
                       printable_case)
-from kq.check import random_cases as _random_inputs
 from kq_core.contract import RouteShedResult
+from kq_core.inputs import random_cases as random_inputs
 from kq_core.oracle import route_shed_oracle
 from kq_core.spec import load_spec
 
@@ -53,6 +53,8 @@ class Case:
             slot_table: int32 ``[E]`` (NumPy arrays).
         options: the keyword options the call takes, e.g. ``{"num_slots": 6, "on_miss": "tier"}``.
         expected: the oracle's :class:`~kq_core.contract.RouteShedResult`, NumPy arrays shaped like ``indices``.
+        drawn_from: ``(seed, rows)`` of the :func:`random_cases` call that made the case (a failure prints
+            that call to fetch it again); None for the others.
     """
 
     name: str
@@ -61,6 +63,7 @@ class Case:
     slot_table: np.ndarray
     options: dict = field(default_factory=dict)
     expected: RouteShedResult | None = None
+    drawn_from: tuple[int, int] | None = field(default=None, kw_only=True)
 
     def __post_init__(self):
         if self.expected is None:
@@ -86,12 +89,18 @@ def random_cases(seed: int = 0, rows: int = 4096) -> list[Case]:
     """``rows`` random rows in all, over shapes (K from 1 to 64), every index and score dtype, router-like
     and edge-value mixes, as ``kq check`` runs them; the same seed gives the same cases on any machine.
 
+    Args:
+        seed: an int >= 0.
+        rows: the rows of all the cases together, an int >= 0.
+
+    Returns:
+        :class:`Case` s, each with ``drawn_from=(seed, rows)``.
+
     Raises:
-        ValueError: ``rows`` is negative or not an int.
+        ValueError: ``seed`` or ``rows`` is not an int >= 0 (the message names it).
     """
-    if not isinstance(rows, (int, np.integer)) or isinstance(rows, bool) or rows < 0:
-        raise ValueError(f"random_cases: rows must be an int >= 0, got {rows!r}")
-    return [Case(name, *inputs) for name, inputs in _random_inputs(seed, int(rows))]
+    drawn = random_inputs(seed, rows)  # checks seed and rows
+    return [Case(name, *inputs, drawn_from=(int(seed), int(rows))) for name, inputs in drawn]
 
 
 def assert_matches(fn: Callable, cases: Case | Iterable[Case] | None = None, *, arrays: str = "numpy") -> Matched:
@@ -103,7 +112,7 @@ def assert_matches(fn: Callable, cases: Case | Iterable[Case] | None = None, *, 
 
     Args:
         fn: the implementation; returns ``(slots, mix, miss_ids, miss_scores)``, arrays NumPy can read.
-        cases: one :class:`Case`, several, or None for every golden case and ``random_cases()``.
+        cases: one :class:`Case`, several (at least one), or None for every golden case and ``random_cases()``.
         arrays: what ``fn`` is given: ``"numpy"``, ``"jax"`` or ``"mlx"`` arrays.
 
     Returns:
@@ -112,6 +121,7 @@ def assert_matches(fn: Callable, cases: Case | Iterable[Case] | None = None, *, 
     Raises:
         AssertionError: a case differs (or ``fn`` raised on it, or returned no four arrays): how many,
             and the first in full, as Python to paste into a test.
+        ValueError: ``cases`` holds no case (nothing would be checked).
     """
     if not callable(fn):
         raise TypeError(f"assert_matches: fn must be callable, got {type(fn).__name__}")
@@ -121,9 +131,12 @@ def assert_matches(fn: Callable, cases: Case | Iterable[Case] | None = None, *, 
     if not all(isinstance(case, Case) for case in cases):
         raise TypeError("assert_matches: cases must be a Case or an iterable of Case (kq.spec.golden_cases(), "
                         "kq.spec.random_cases())")
+    if not cases:
+        raise ValueError("assert_matches: cases is empty, so nothing would be checked; give at least one Case "
+                         "(kq.spec.golden_cases(), kq.spec.random_cases(seed, rows) with rows >= 1)")
     label = f"{getattr(fn, '__module__', None)}:{getattr(fn, '__qualname__', type(fn).__name__)}"
     runner = implementation_runner(fn, label, arrays)
-    failures, skipped, first = 0, [], None
+    failures, skipped, first, first_case = 0, [], None, None
     for case in cases:
         try:
             failed = check_case(runner, case.name, case.inputs, case.expected, case.options)
@@ -132,12 +145,14 @@ def assert_matches(fn: Callable, cases: Case | Iterable[Case] | None = None, *, 
             continue
         if failed is not None:
             failures += 1
-            first = first or printable_case(runner, failed)
+            if first is None:
+                first, first_case = printable_case(runner, failed), case
     if failures:
         ran = len(cases) - len(skipped)
+        seed, rows = first_case.drawn_from or (None, 0)
         raise AssertionError(f"{failures} of {ran} cases differ; the first, {first.name}: {first.problem}\n"
-                             f"{format_failed_case(label, first)}")
-    if cases and len(skipped) == len(cases):
+                             f"{format_failed_case(label, first, seed=seed, random_rows=rows)}")
+    if len(skipped) == len(cases):
         reason = skipped[0] if len(skipped) == 1 else f"every case skipped; the first, {skipped[0]}"
         try:
             import pytest

@@ -8,9 +8,15 @@ Two flavours:
 * ``adversarial_inputs``: the same, with a fraction of entries replaced by the
   values the contract has rules for (zero, -0.0, subnormal, negative, inf,
   NaN with odd payloads, out-of-range and duplicate ids).
+
+``random_cases`` mixes both over shapes and every index and score dtype: the random rows of
+``kq check`` and ``kq.spec.random_cases``.
 """
 
 from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -155,3 +161,64 @@ def adversarial_inputs(
     with np.errstate(over="ignore", invalid="ignore"):  # huge scores becoming f16 inf, NaN to f16: intended
         scores = scores.astype(NUMPY_DTYPES[score_dtype])
     return ids.astype(NUMPY_DTYPES[index_dtype]), scores, table
+
+
+# (rows weight, K, E): single-row decode cases stay one row; the others share the row budget by weight.
+RANDOM_SHAPES = ((1, 8, 256), (8, 6, 40), (4, 10, 64), (1, 64, 512), (16, 2, 8), (2, 1, 4))
+# Every (index dtype, score dtype) pair the contract takes.
+DTYPE_PAIRS = tuple(itertools.product(("int32", "uint32"), ("float32", "bfloat16", "float16")))
+
+
+def split_rows(total: int, weights) -> list[int]:
+    """``total`` split in proportion to ``weights``, exactly (largest remainders get the leftover rows)."""
+    weights = np.asarray(weights, np.float64)
+    quotas = total * weights / weights.sum()
+    rows = np.floor(quotas).astype(int)
+    leftover = total - int(rows.sum())
+    rows[np.argsort(-(quotas - rows), kind="stable")[:leftover]] += 1
+    return rows.tolist()
+
+
+def _count(name: str, value) -> int:
+    """``value`` as an int >= 0, or a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"random_cases: {name} must be an int >= 0, got {value!r}")
+    return int(value)
+
+
+def random_cases(seed: int, rows: int, *, every_dtype: bool = True
+                 ) -> Iterator[tuple[str, tuple[np.ndarray, np.ndarray, np.ndarray]]]:
+    """Exactly ``rows`` random rows over shapes, dtypes and edge mixes, the same bits for a seed everywhere.
+
+    Each (shape, index dtype, score dtype) gets a router-like and an adversarial case; the row budget
+    is split between them by the shapes' weights (:data:`RANDOM_SHAPES`), and a case given no row is
+    left out. With ``every_dtype=False`` each shape takes one dtype pair, the pairs taken in turn (a
+    twelfth of the shapes to compile).
+
+    Args:
+        seed: an int >= 0.
+        rows: the rows of all the cases together, an int >= 0.
+        every_dtype: every shape over every pair of :data:`DTYPE_PAIRS`, or one pair a shape.
+
+    Yields:
+        ``(name, (indices [rows_i, K], scores [rows_i, K], slot_table int32 [E]))``, the name
+        ``{router|edges}-{rows_i}x{K}-E{E}-{index dtype}-{score dtype}``.
+
+    Raises:
+        ValueError: ``seed`` or ``rows`` is not an int >= 0 (the message names it), on the call.
+    """
+    seed, rows = _count("seed", seed), _count("rows", rows)
+    return _mixed_cases(np.random.default_rng(seed), rows, every_dtype)
+
+
+def _mixed_cases(rng: np.random.Generator, rows_budget: int, every_dtype: bool):
+    pairs = [(shape, *pair) for shape, pair in itertools.product(RANDOM_SHAPES, DTYPE_PAIRS)] if every_dtype else [
+        (shape, *DTYPE_PAIRS[i % len(DTYPE_PAIRS)]) for i, shape in enumerate(RANDOM_SHAPES)]
+    combos = [(shape, index_dtype, score_dtype, generator) for shape, index_dtype, score_dtype in pairs
+              for generator in (router_inputs, adversarial_inputs)]
+    for ((_, top_k, experts), index_dtype, score_dtype, generator), rows in zip(
+            combos, split_rows(rows_budget, [shape[0] for shape, *_ in combos])):
+        if rows:
+            kind = "router" if generator is router_inputs else "edges"
+            yield f"{kind}-{rows}x{top_k}-E{experts}-{index_dtype}-{score_dtype}", generator(
+                rng, rows, top_k, experts, index_dtype=index_dtype, score_dtype=score_dtype)

@@ -329,3 +329,73 @@ def test_impl_arrays_without_impl_is_refused_naming_both(capsys):
         main(["check", "--impl-arrays", "jax"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "--impl-arrays applies to the functions of --impl" in err
+
+
+def test_a_large_random_case_is_fetched_from_the_seed_and_rows_it_came_from():
+    import kq.spec
+    from kq.spec import assert_matches, random_cases
+    from kq_core.oracle import route_shed_oracle
+
+    def raising_on_batches(indices, scores, slot_table):
+        if indices.shape[0] > 16:
+            raise MemoryError("batches of more than 16 rows do not fit")
+        return route_shed_oracle(indices, scores, slot_table)
+
+    cases = random_cases(seed=7, rows=512)
+    with pytest.raises(AssertionError) as error:
+        assert_matches(raising_on_batches, cases)
+    fetch = re.search(r"^case = (.*)$", str(error.value), re.M).group(1)
+    assert "random_cases(7, 512)" in fetch
+    fetched = eval(fetch, {"kq": kq})
+    first_large = next(case for case in cases if case.indices.shape[0] > 16)
+    assert fetched.name == first_large.name
+    for ours, theirs in zip((*first_large.inputs, *first_large.expected), (*fetched.inputs, *fetched.expected)):
+        assert ours.dtype == theirs.dtype and ours.tobytes() == theirs.tobytes()
+
+
+def test_a_large_case_of_the_callers_own_is_not_fetched_from_kq_spec():
+    from kq.spec import Case, assert_matches, random_cases
+
+    drawn = next(case for case in random_cases(seed=7, rows=512) if case.indices.shape[0] > 16)
+    own = Case("my_batch", *drawn.inputs)
+
+    def raising(indices, scores, slot_table):
+        raise MemoryError("too large")
+
+    with pytest.raises(AssertionError, match="my_batch: raised MemoryError") as error:
+        assert_matches(raising, own)
+    assert "kq.spec.random_cases" not in str(error.value) and "kq.spec.golden_cases" not in str(error.value)
+
+
+def test_assert_matches_refuses_no_cases_by_name():
+    from kq.spec import assert_matches
+    from kq_core.oracle import route_shed_oracle
+
+    for nothing in ([], (), iter([])):
+        with pytest.raises(ValueError, match="cases"):
+            assert_matches(route_shed_oracle, nothing)
+
+
+@pytest.mark.parametrize("argument, value", [("seed", -1), ("seed", 1.5), ("seed", "7"), ("seed", True),
+                                             ("seed", None), ("rows", -1), ("rows", 1.5), ("rows", "8"),
+                                             ("rows", True)])
+def test_random_cases_refuses_a_bad_seed_or_rows_by_name(argument, value):
+    from kq.spec import random_cases
+
+    with pytest.raises(ValueError, match=rf"random_cases: {argument} must be an int >= 0, got {re.escape(repr(value))}"):
+        random_cases(**{argument: value})
+
+
+def test_the_random_case_mix_is_one_generator_of_the_contract_layer():
+    import kq.check
+    from kq.spec import random_cases
+    from kq_core import inputs
+
+    assert kq.check.random_cases is inputs.random_cases
+    drawn = list(inputs.random_cases(5, 40))
+    cases = random_cases(seed=5, rows=40)
+    assert [name for name, _ in drawn] == [case.name for case in cases]
+    for (_, arrays), case in zip(drawn, cases):
+        for ours, theirs in zip(arrays, case.inputs):
+            assert ours.dtype == theirs.dtype and ours.tobytes() == theirs.tobytes()
+    assert any(case.scores.view(np.uint16 if case.scores.itemsize == 2 else np.uint32).any() for case in cases)
