@@ -298,7 +298,7 @@ def _generate(args, parser) -> int:
     config = GenerateConfig(model=args.model, prompt=args.prompt, max_tokens=args.max_tokens, residency=args.residency,
                             rule=args.rule, tier_bits=args.tier_bits, tier_group_size=args.tier_group_size,
                             tier_model=args.tier_model, queue_depth=args.queue_depth, timeout=args.timeout,
-                            float32=args.float32, floor=args.floor)
+                            float32=args.float32, overlap=args.overlap, floor=args.floor)
     try:
         result = generate(config, on_text=lambda text: print(text, end="", flush=True))
     except GenerateError as error:
@@ -473,6 +473,9 @@ def main(argv: list[str] | None = None) -> int:
                                  help="run the float parameters (a quantized model's scales and biases too) in "
                                       "float32: MLX's CPU quantized matmul is several times faster on them (float "
                                       "models run in float32 on the CPU regardless)")
+    generate_parser.add_argument("--overlap", action="store_true",
+                                 help="dispatch the next token before this token's boundary: faster, but a slot "
+                                      "written meanwhile copies its layer's arena (the peak holds it twice)")
     generate_parser.add_argument("--floor", action="store_true",
                                  help="also measure the time to first token's floor: the prompt's experts read "
                                       "again, and the model loaded whole (it must fit in memory) for its prefill")

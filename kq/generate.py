@@ -53,6 +53,9 @@ class GenerateConfig:
             quantized matmul runs several times faster on float32 than on bfloat16 (the tokens may then differ
             from the model's own dtype's). Float models run in float32 on MLX's CPU backend regardless (its
             gather_mm takes float32 only).
+        overlap: build and dispatch the next token before this token's boundary (generate_greedy's overlap):
+            faster, but a slot written while a token is in flight copies its layer's arena arrays, so the
+            peak memory holds the written layers' arenas twice. Off: the arena is written in place.
         floor: measure the time to first token's floor too (:attr:`GenerateResult.floor_s`): the model loaded
             again with every expert in memory (it must fit) and the prompt's experts read again.
     """
@@ -68,6 +71,7 @@ class GenerateConfig:
     queue_depth: int = 8
     timeout: float | None = None
     float32: bool = False
+    overlap: bool = False
     floor: bool = False
 
 
@@ -390,6 +394,7 @@ def generate(config: GenerateConfig, on_text: Callable[[str], None] | None = Non
         try:
             tokens = generate_greedy(model, blocks, manager, prompt[-1:], config.max_tokens,
                                      exact=config.rule == "exact", timeout=config.timeout, on_token=emit,
+                                     overlap=config.overlap,
                                      prefill_prompt=False, cache=cache, stop_tokens=eos)
         except RuntimeError as error:
             if "a pass still misses" not in str(error):

@@ -177,24 +177,41 @@ def main() -> int:
     parser.add_argument("--directory", type=Path, default=None,
                         help="where the model is written (default: a temporary directory, removed at the end)")
     parser.add_argument("--keep", action="store_true", help="keep the model written in --directory")
+    parser.add_argument("--reuse", action="store_true",
+                        help="run on the model an earlier --keep run left in --directory instead of writing one")
     parser.add_argument("--float32", action=argparse.BooleanOptionalAction, default=True,
                         help="kq generate --float32 (default on: MLX's CPU quantized matmul on bfloat16 is slow)")
     parser.add_argument("--json", type=Path, default=Path("huge_model.json"))
     args = parser.parse_args()
     if not args.expert_gib > 0:
         parser.error(f"--expert-gib: must be > 0, got {args.expert_gib}")
+    if args.reuse and (args.directory is None or not (args.directory / "config.json").is_file()):
+        parser.error("--reuse: needs --directory holding a model an earlier run kept (its config.json)")
     parent = args.directory.parent if args.directory is not None else Path(tempfile.gettempdir())
     need = args.expert_gib * 2**30 * 1.1 + 2**30
     free = shutil.disk_usage(parent if parent.exists() else Path.cwd()).free
-    if free < need:
+    if free < need and not args.reuse:
         parser.error(f"--expert-gib {args.expert_gib}: needs about {need / 2**30:.1f} GiB of disk, {parent} has "
                      f"{free / 2**30:.1f} GiB free (give --directory elsewhere or a smaller --expert-gib)")
     directory = args.directory or Path(tempfile.mkdtemp(prefix="kq-huge-"))
     payload = run_header("mlx", **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                          memory_gib=_memory_total_gib())
     try:
-        print(f"writing a random {args.family} of {args.expert_gib} GiB of experts to {directory} ...", flush=True)
-        payload["written"] = write_model(directory, args.family, args.expert_gib)
+        if args.reuse:
+            config = json.loads((directory / "config.json").read_text())
+            payload["written"] = {"reused": True, "family": config["model_type"],
+                                  "layers": config["num_hidden_layers"],
+                                  "bytes": sum(f.stat().st_size for f in directory.glob("*.safetensors"))}
+            for path in directory.glob("*.safetensors"):  # out of the page cache, as when written
+                descriptor = os.open(path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(descriptor)
+        else:
+            print(f"writing a random {args.family} of {args.expert_gib} GiB of experts to {directory} ...",
+                  flush=True)
+            payload["written"] = write_model(directory, args.family, args.expert_gib)
         print(f"written: {payload['written']}", flush=True)
         result_path = directory / "generate.json"
         command = [sys.executable, "-m", "kq", "generate", "--model", str(directory), "--prompt", args.prompt,
