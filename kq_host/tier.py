@@ -231,7 +231,8 @@ def build_tier(store, num_layers: int, num_experts: int, *, bits: int = 3, group
                cache_dir: str | os.PathLike | None = None) -> Tier:
     """Quantizes every expert the store holds, or loads the cached result of the same build.
 
-    The cache keeps one entry per checkpoint (its files' paths, the store's layout) and options, valid
+    The cache keeps one entry per checkpoint (its files' paths, the store's layout and the tensors each
+    layer is read from) and options, valid
     while the checkpoint's files are those it was built from: each file's device, inode, size,
     modification and change times and a digest of its safetensors header (a hit reads the headers,
     not the weights; what that misses: ``_content_digest``); a changed checkpoint's entry is rebuilt
@@ -265,7 +266,8 @@ def build_tier(store, num_layers: int, num_experts: int, *, bits: int = 3, group
     path = _cache_path(store, num_layers, num_experts, bits, group_size, cache_dir)
     content = _content_digest(store)
     meta = {"version": _CACHE_VERSION, "content": content, "num_layers": num_layers, "num_experts": num_experts,
-            "bits": bits, "group_size": group_size, "projections": list(store.projections)}
+            "bits": bits, "group_size": group_size, "projections": list(store.projections),
+            "layer_tensors": _layer_tensor_names(store)}
     cached = _load(path, meta, shapes)
     if cached is not None:
         return cached
@@ -390,12 +392,27 @@ def _content_digest(store) -> str:
     return digest.hexdigest()
 
 
+def _layer_tensor_names(store) -> tuple[tuple[int, tuple[tuple[str, str], ...]], ...] | None:
+    """The tensors each layer's reads come from, as a store built from tensor names
+    (``ExpertStore.for_tensors`` / ``for_arenas``) holds them: ``((layer, ((payload key, tensor name), ...)),
+    ...)``, a name with ``{expert}`` for a tensor per expert; None for a store whose template names them.
+
+    Two such stores over one file may read other layers' tensors with the same template, projections
+    and files. ExpertStore keeps the names in ``_names`` and has no public accessor for them.
+    """
+    names = getattr(store, "_names", None)
+    if names is None:
+        return None
+    return tuple((int(layer), tuple(sorted(keys.items()))) for layer, keys in sorted(names.items()))
+
+
 def _cache_path(store, num_layers, num_experts, bits, group_size, cache_dir) -> Path:
-    """The entry of this checkpoint (its files' paths and the store's layout) and these options."""
+    """The entry of this checkpoint (its files' paths, the store's layout and the tensors each layer reads)
+    and these options."""
     root = Path(cache_dir) if cache_dir is not None else Path(
         os.environ.get("KQ_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kq") / "tier"
     key = hashlib.sha256(repr((_CACHE_VERSION, num_layers, num_experts, bits, group_size, store.projections,
-                               type(store).__name__, store.template, store.layout,
+                               type(store).__name__, store.template, store.layout, _layer_tensor_names(store),
                                repr(getattr(store, "quantization", None)),
                                sorted(str(Path(path).resolve()) for path in _files(store)))).encode()).hexdigest()[:20]
     return root / f"tier_{bits}bit_g{group_size}_{key}.npz"

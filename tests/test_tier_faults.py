@@ -187,6 +187,39 @@ def test_a_same_size_rewrite_of_a_tensors_bytes_is_not_served_the_old_tier_thoug
     _assert_tier_is(_build(checkpoint, cache), tensors)
 
 
+@pytest.mark.parametrize("name", ["model.layers.{layer}.mlp.experts.w", "model.layers.{layer}.mlp.experts.{expert}.w"])
+def test_stores_naming_other_layers_of_one_file_get_their_own_tiers(tmp_path, rng, name):
+    """Two stores over one file whose layers are other tensors (a stack per layer, or a tensor per expert)."""
+    from safetensors.numpy import save_file
+
+    experts, file = 2, tmp_path / "model.safetensors"
+    stacks = {layer: rng.normal(size=(experts, 32, 64)).astype(np.float32) for layer in range(4)}
+    if "{expert}" in name:
+        save_file({name.format(layer=layer, expert=expert): stack[expert] for layer, stack in stacks.items()
+                   for expert in range(experts)}, str(file))
+    else:
+        save_file({name.format(layer=layer): stack for layer, stack in stacks.items()}, str(file))
+    cache = tmp_path / "cache"
+
+    def build_and_check(served):
+        names = {index: {"w": name.format(layer=layer, expert="{expert}")} for index, layer in enumerate(served)}
+        with ExpertStore.for_tensors(file, names) as store:
+            tier = build_tier(store, 2, experts, bits=4, group_size=32, cache_dir=cache)
+        for index, layer in enumerate(served):
+            want = quantize(stacks[layer], bits=4, group_size=32)
+            for got, expected in zip(tier.layer(index)["w"], want):
+                assert got.dtype == expected.dtype and got.tobytes() == expected.tobytes(), (served, layer)
+
+    build_and_check((0, 1))
+    (first,) = _cached(cache)
+    for served in ((2, 3), (0, 1)):
+        build_and_check(served)
+    assert len(_cached(cache)) == 2
+    (second,) = set(_cached(cache)) - {first}
+    os.replace(cache / first, cache / second)  # layers 0 and 1's entry under the key of layers 2 and 3
+    build_and_check((2, 3))
+
+
 def test_a_cached_file_that_does_not_answer_the_request_is_rebuilt(tmp_path, rng):
     """A tier of other options (or another checkpoint) under the request's name is not returned."""
     tensors = _write_checkpoint(tmp_path / "ckpt", rng)
