@@ -382,7 +382,8 @@ def test_assert_matches_refuses_no_cases_by_name():
 def test_random_cases_refuses_a_bad_seed_or_rows_by_name(argument, value):
     from kq.spec import random_cases
 
-    with pytest.raises(ValueError, match=rf"random_cases: {argument} must be an int >= 0, got {re.escape(repr(value))}"):
+    message = rf"random_cases: {argument} must be an int >= 0, got {re.escape(repr(value))}"
+    with pytest.raises(ValueError, match=message):
         random_cases(**{argument: value})
 
 

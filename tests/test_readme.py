@@ -11,7 +11,8 @@ EXAMPLES = [(page, code) for page in PAGES for code in re.findall(r"```python\n(
 
 
 def _needs(code: str) -> list[str]:
-    return [name for name in ("jax", "mlx", "safetensors", "flax") if re.search(rf"^\s*(import|from) {name}\b", code, re.M)]
+    return [name for name in ("jax", "mlx", "safetensors", "flax")
+            if re.search(rf"^\s*(import|from) {name}\b", code, re.M)]
 
 
 @pytest.mark.parametrize("page, code", EXAMPLES, ids=[f"{page.stem}-example{i}" for i, (page, _) in enumerate(EXAMPLES)])
@@ -22,7 +23,8 @@ def test_readme_example_runs(page, code):
 
 
 def test_an_example_needs_each_framework_it_imports():
-    code = "import jax\nimport numpy as np\nfrom flax import nnx\nimport mlx.core as mx\nfrom safetensors.numpy import save_file\n"
+    code = ("import jax\nimport numpy as np\nfrom flax import nnx\nimport mlx.core as mx\n"
+            "from safetensors.numpy import save_file\n")
     assert _needs(code) == ["jax", "mlx", "safetensors", "flax"]
     assert _needs("import numpy as np\nfrom kq_jax.nnx import ArenaMoE\n") == []
 

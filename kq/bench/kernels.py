@@ -363,7 +363,8 @@ def run(sets=("decode",), backends=None, *, shapes=(), repeats: int = 7, residen
             for prefix, available, add in families:
                 if available and not any(name.startswith(prefix) for name in timers):
                     add()
-            raise UnknownBackendError(f"kq bench: unknown or unavailable backends {sorted(unknown)}; here: {sorted(timers)}")
+            raise UnknownBackendError(f"kq bench: unknown or unavailable backends {sorted(unknown)}; "
+                                      f"here: {sorted(timers)}")
         timers = {k: v for k, v in timers.items() if k in backends}
     timing_jax = any(name.startswith("jax") for name in timers)
     jax_floor = _jax_floor_fn() if timing_jax else None
