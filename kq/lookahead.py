@@ -6,7 +6,7 @@ has run, the routers of layers l+1 .. l+n applied to its output predict what tho
 resident then, while the rest of layer l and layer l+1's attention run, turns some of the next layers'
 misses into hits.
 
-:func:`kq.study.record_routing` (with ``lookahead``) runs the checkpoint over its held-out text (every
+:func:`kq.study_jax.record_routing` (with ``lookahead``) runs the checkpoint over its held-out text (every
 expert resident, teacher-forced, in windows no longer than the sequences it was trained on) and keeps
 each token's routing and predictions; the replay runs them as one sequence, its arenas kept across windows. :func:`simulate` replays them through one arena per layer
 of ``slots`` experts. Per token, layer by layer:
@@ -173,11 +173,11 @@ def recall(indices: np.ndarray, predictions: np.ndarray) -> np.ndarray:
 
 
 def replay_grid(config, residencies, policies=POLICIES, depths=(0, 1, 2), budgets=(None,)) -> dict:
-    """The checkpoint's routing and its routers' predictions over its text (:func:`kq.study.record_routing`,
+    """The checkpoint's routing and its routers' predictions over its text (:func:`kq.study_jax.record_routing`,
     ``config`` a :class:`kq.study.StudyConfig`), replayed (:func:`simulate`) at each residency, policy,
     look-ahead depth and per-layer read budget (budgets apply to depths above 0). Returns the recall of the
     predictions ``[L, n]`` and one row of :meth:`Replay.summary` per replay, with its residency."""
-    from kq.study import record_routing
+    from kq.study_jax import record_routing
 
     indices, _, predictions = record_routing(config, lookahead=max(max(depths), 1))
     experts, top_k = _experts(config), indices.shape[-1]

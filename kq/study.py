@@ -48,6 +48,7 @@ import numpy as np
 
 from kq.terminal import progress_bar, render_table
 from kq_core.contract import MAX_TOP_K
+from kq_host.checkpoint import CHECKPOINT_LAYOUTS, EXPERT_WIDTH_KEYS, trained_length
 
 RULES = ("route_shed", "shed", "renormalize", "substitute", "tier", "stall", "reroute", "prior", "uniform")
 JAX_ONLY_RULES = ("reroute", "prior", "uniform")
@@ -116,23 +117,6 @@ def _check_tier_group_size(raw: dict, group_size: int) -> None:
                          f"sizes that divide {', '.join(f'{key} {width}' for key, width in widths.items())}")
 
 
-def trained_length(checkpoint) -> int | None:
-    """The length of the sequences the checkpoint was trained on: ``training.json``'s ``args.seq``
-    (``models/train.py`` writes it), else ``config.json``'s ``max_position_embeddings``; None where
-    neither says."""
-    directory = Path(checkpoint)
-    for name, keys in (("training.json", ("args", "seq")), ("config.json", ("max_position_embeddings",))):
-        try:
-            value = json.loads((directory / name).read_bytes())
-            for key in keys:
-                value = value[key]
-        except (OSError, ValueError, KeyError, TypeError):  # absent, not JSON, or without the key
-            continue
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-            return value
-    return None
-
-
 def window_plan(config: StudyConfig) -> list[tuple[int, int]]:
     """How each stream's ``warmup + tokens`` tokens of text are cut into windows: ``(offset, scored)``
     per window, window i being the text's tokens ``offset .. offset + warmup + scored`` decoded from
@@ -149,14 +133,14 @@ def window_plan(config: StudyConfig) -> list[tuple[int, int]]:
     return [(offset, min(span, config.tokens - offset)) for offset in range(0, config.tokens, span)]
 
 
-def _windows(segment: np.ndarray, config: StudyConfig) -> list[tuple[np.ndarray, int]]:
+def text_windows(segment: np.ndarray, config: StudyConfig) -> list[tuple[np.ndarray, int]]:
     """``(tokens [..., warmup + scored + 1], scored)`` of each window of :func:`window_plan`, cut from a
     stream's ``segment`` ``[..., warmup + tokens + 1]`` (streams side by side on the leading axis)."""
     return [(segment[..., offset:offset + config.warmup + scored + 1], scored)
             for offset, scored in window_plan(config)]
 
 
-def _merged(runs: list["RunResult"], tokens: int, scored_bytes: int) -> "RunResult":
+def merged(runs: list["RunResult"], tokens: int, scored_bytes: int) -> "RunResult":
     """One run of a stream's windows, decoded one after another (:func:`window_plan`), in text order."""
     if len(runs) == 1:
         return runs[0]
@@ -310,492 +294,7 @@ class RunResult:
 # ---- runs --------------------------------------------------------------------------------------
 
 
-class JaxStudy:
-    """The checkpoint in JAX (:mod:`kq_jax.qwen3_moe`), the text's tokens and one compiled step per rule."""
-
-    def __init__(self, config: StudyConfig):
-        from tokenizers import Tokenizer
-
-        from kq_jax import qwen3_moe
-
-        self.config = config
-        checkpoint = Path(config.checkpoint)
-        self.cfg = qwen3_moe.Qwen3MoeConfig.load(checkpoint)
-        self.rules = RULES
-        tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
-        self.tokens, self.scored_bytes = _text_tokens(config, tokenizer)
-        self.params = qwen3_moe.load_params(checkpoint, self.cfg, experts=False)
-        self._full_params = None
-        self._steps = {}
-        self._tier = None
-
-    def full_params(self):
-        from kq_jax import qwen3_moe
-
-        if self._full_params is None:
-            self._full_params = qwen3_moe.load_params(self.config.checkpoint, self.cfg)
-        return self._full_params
-
-    def step(self, rule: str):
-        """The compiled decode step under ``rule`` (:func:`kq_jax.qwen3_moe_arena.make_step`), made once."""
-        from kq_jax.qwen3_moe_arena import make_step
-
-        if rule not in self._steps:
-            self._steps[rule] = make_step(self.cfg, rule, (self.config.tier_bits, self.config.tier_group_size))
-        return self._steps[rule]
-
-    def tier(self, store):
-        """The checkpoint's tier (``config.tier_bits``, ``config.tier_group_size``): built once, cached on disk."""
-        from kq_host.tier import build_tier
-        from kq_jax.qwen3_moe_arena import tier_arrays
-
-        if self._tier is None:
-            tier = build_tier(store, self.cfg.num_hidden_layers, self.cfg.num_experts, bits=self.config.tier_bits,
-                              group_size=self.config.tier_group_size)
-            self._tier = tier, tier_arrays(tier)
-        return self._tier
-
-    def resident(self) -> RunResult:
-        """Every expert in memory, no arena: the model as trained."""
-        if self.config.streams > 1:
-            return self._streams(1.0, "-", "resident")
-        return _merged([self._resident_window(tokens) for tokens, _ in _windows(self.tokens, self.config)],
-                       self.config.tokens, self.scored_bytes)
-
-    def _resident_window(self, tokens: np.ndarray) -> RunResult:
-        """:meth:`resident` over one window's ``tokens`` (:func:`window_plan`)."""
-        import jax.numpy as jnp
-
-        from kq_jax import qwen3_moe
-
-        cfg, params = self.cfg, self.full_params()
-        tables = jnp.tile(jnp.arange(cfg.num_experts, dtype=jnp.int32), (cfg.num_hidden_layers, 1))
-        cache = qwen3_moe.empty_cache(cfg, 1, tokens.size)
-        result = _window_result(self.config, tokens.size, 1.0, cfg.num_experts, "-", "resident", self.scored_bytes)
-        result.memory_bytes = cfg.num_hidden_layers * cfg.num_experts * _expert_nbytes(self.config.checkpoint)
-        step = self.step("stall")
-        start = time.perf_counter()
-        for position in range(tokens.size - 1):
-            logits, cache, _ = step(params, None, tables, jnp.asarray(tokens[position:position + 1]), position, cache)
-            if position >= self.config.warmup:
-                result.score(_bits(logits, tokens[position + 1]))
-        result.seconds = time.perf_counter() - start
-        return result
-
-    def run(self, residency: float, policy: str, rule: str, *, prompt=None, generate: int = 0) -> RunResult:
-        """One decode of the text's windows (:func:`window_plan`), or, with ``prompt``, greedy generation of
-        ``generate`` tokens after it, through an arena of ``residency`` of each layer's experts, afresh
-        for each window; the tokens are in ``result.trace``."""
-        config = self.config
-        if config.streams > 1:
-            if prompt is not None:
-                raise ValueError("generation runs one stream; give a StudyConfig with streams=1")
-            return self._streams(residency, policy, rule)
-        if prompt is not None:
-            return self._run_window(residency, policy, rule, [int(t) for t in prompt], len(prompt) - 1, generate)
-        return _merged([self._run_window(residency, policy, rule, tokens.tolist(), config.warmup)
-                        for tokens, _ in _windows(self.tokens, config)], config.tokens, self.scored_bytes)
-
-    def _run_window(self, residency: float, policy: str, rule: str, tokens: list[int], warmup: int,
-                    generate: int = 0) -> RunResult:
-        """:meth:`run` over one window's ``tokens``, the first ``warmup`` unscored."""
-        import jax.numpy as jnp
-
-        from kq_host.quantized import open_experts
-        from kq_host.residency import LayerReport, ResidencyManager
-        from kq_jax import qwen3_moe
-        from kq_jax.arena import JaxArena
-
-        cfg, config = self.cfg, self.config
-        layers, experts, top_k = cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok
-        uniform = rule == "uniform"
-        slots = 0 if uniform else max(top_k, round(residency * experts))
-        params = self.full_params() if rule == "stall" else self.params
-        result = _window_result(config, len(tokens), residency, slots, policy, rule, self.scored_bytes, warmup)
-        with open_experts(config.checkpoint, qwen3_moe.PROJECTIONS) as store:
-            shapes = {name: (shape, np.float32) for name, (shape, _) in store.expert_shapes(0).items()}
-            arena = JaxArena(layers, max(slots, 1), shapes)  # uniform: one slot, never filled
-            manager = _Unbacked(layers, experts) if uniform else ResidencyManager(
-                layers, experts, slots, loader=lambda l, e, s: store.read_expert(l, e), arena=arena, policy=policy,
-                queue_depth=0, bytes_per_expert=store.expert_nbytes(0))
-            result.memory_bytes = layers * slots * store.expert_nbytes(0)
-            tier = None
-            if rule in ("tier", "uniform"):
-                built, tier = self.tier(store)
-                result.memory_bytes += built.nbytes
-            state = {"cache": qwen3_moe.empty_cache(cfg, 1, len(tokens) + generate)}
-            step = self.step("tier" if uniform else rule)
-
-            def token(position, token_id, tables):
-                logits, state["cache"], packed = step(params, arena.arrays, jnp.asarray(tables),
-                                                      jnp.asarray([token_id], jnp.int32), position, state["cache"],
-                                                      tier)
-                return logits, LayerReport.from_packed(np.asarray(packed))
-
-            return decode_through_arena(tokens, warmup, result, manager, token, generate=generate)
-
-    def _streams(self, residency: float, policy: str, rule: str) -> RunResult:
-        """:meth:`run` (or, for rule ``"resident"``, :meth:`resident`) over ``config.streams`` windows side
-        by side, each with its own residency manager's state (:func:`make_streams_step`); where
-        :func:`window_plan` cuts each stream's text into several windows, the streams decode them round
-        by round, each round afresh (key-value cache and arenas)."""
-        from kq_host.quantized import open_experts
-        from kq_jax import qwen3_moe
-
-        cfg, config = self.cfg, self.config
-        streams = self.tokens.shape[0]
-        layers, experts, top_k = cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok
-        resident, uniform = rule == "resident", rule == "uniform"
-        slots = experts if resident else 0 if uniform else max(top_k, round(residency * experts))
-        rounds = _windows(self.tokens, config)
-        result = RunResult(residency, slots, policy, rule, config.tokens * streams, 0.0, self.scored_bytes,
-                           window=config.tokens, windows=len(rounds),
-                           context=max(windows.shape[1] for windows, _ in rounds) - 1,
-                           trained_length=trained_length(config.checkpoint))
-        tier = None
-        with open_experts(config.checkpoint, qwen3_moe.PROJECTIONS) as store:
-            nbytes = store.expert_nbytes(0)
-            if rule in ("tier", "uniform"):
-                built, tier = self.tier(store)
-                result.memory_bytes += built.nbytes
-        result.memory_bytes += layers * slots * nbytes
-        # One program per rule: a virtual arena's slot ids only label experts, so every residency's
-        # tables (slots below S <= E) run in the step of E slots, the tier's ids E + e.
-        key = ("streams", "stall" if resident else rule)
-        if key not in self._steps:
-            from kq_jax.qwen3_moe_arena import make_streams_step
-
-            self._steps[key] = make_streams_step(cfg, key[1], experts, (config.tier_bits, config.tier_group_size))
-        start = time.perf_counter()
-        bits, counts, layer_counts = [], np.zeros(4, np.int64), np.zeros((2, layers), np.int64)
-        for windows, _ in rounds:
-            round_bits, round_counts, round_layer_counts = self._streams_round(windows, slots, policy, rule, nbytes,
-                                                                               tier, result)
-            bits.append(round_bits)
-            counts += round_counts
-            layer_counts += round_layer_counts
-        result.hits, result.lookups, result.reads, result.bytes_read = (int(c) for c in counts)
-        if layer_counts[1].any():
-            result.layer_hit_rates = list(layer_counts[0] / np.maximum(layer_counts[1], 1))
-        result.seconds = time.perf_counter() - start
-        for value in np.concatenate(bits, axis=1).reshape(-1):  # stream by stream, each in text order
-            result.score(float(value))
-        return result
-
-    def _streams_round(self, windows: np.ndarray, slots: int, policy: str, rule: str, nbytes: int, tier,
-                       result: RunResult):
-        """One round of :meth:`_streams`: ``windows`` ``[B, length]`` decoded side by side from position 0.
-        Adds the shed and routed mass and critical reads to ``result``; returns the scored tokens' bits
-        ``[B, length - 1 - warmup]``, ``(hits, lookups, reads, bytes read)`` and each layer's
-        ``(hits, lookups)`` ``[2, L]``, counted from the warm-up on."""
-        import jax
-        import jax.numpy as jnp
-
-        from kq_host.residency import LayerReport, ResidencyManager
-        from kq_jax import qwen3_moe
-
-        cfg, config = self.cfg, self.config
-        streams, length = windows.shape
-        layers, experts, top_k = cfg.num_hidden_layers, cfg.num_experts, cfg.num_experts_per_tok
-        resident = rule == "resident"
-        managed = layers * streams  # manager layer l * streams + b: layer l of stream b
-        manager = _Unbacked(managed, experts) if rule == "uniform" else ResidencyManager(
-            managed, experts, slots, loader=lambda l, e, s: None, arena=None,
-            policy="lfu" if resident else policy, queue_depth=0, bytes_per_expert=nbytes)
-        step, params = self._steps[("streams", "stall" if resident else rule)], self.full_params()
-        for layer in range(managed):
-            manager.preload(layer, range(manager.num_slots))
-        tables = manager.snapshot()
-        cache = qwen3_moe.empty_cache(cfg, streams, length)
-        bits = np.zeros((streams, length - 1 - config.warmup))
-        for position in range(length - 1):
-            if position == config.warmup:
-                layers_before, before = manager.stats()
-            logits, cache, packed = step(params, jnp.asarray(tables.reshape(layers, streams, experts)),
-                                         jnp.asarray(windows[:, position]), position, cache, tier)
-            logits, packed = jax.device_get((logits, packed))
-            report = LayerReport.from_packed(packed)  # [L, B, k] each
-            if position >= config.warmup:  # bits from the logits in float64 here: the same in every rule's program
-                bits[:, position - config.warmup] = _stream_bits(logits, windows[:, position + 1])
-                indices, scores, served = report.indices, report.scores, report.served
-                result.routed_mass += float(scores.sum())
-                result.shed_mass += float(scores.sum() - served.sum())
-                if rule == "stall":
-                    resident_now = tables.reshape(layers, streams, experts) >= 0
-                    result.critical_reads += int((~np.take_along_axis(resident_now, indices.astype(np.int64),
-                                                                      axis=-1)).sum())
-            tables = manager.step(LayerReport(*(getattr(report, name).reshape(managed, 1, top_k)
-                                                for name in ("indices", "scores", "miss_ids", "miss_scores"))))
-        layers_after, after = manager.stats()
-        manager.close()
-        since = after.since(before)
-        layer_counts = np.zeros((2, layers), np.int64)
-        if layers_after:
-            per = len(layers_after) // layers
-            for index, (start, end) in enumerate(zip(layers_before, layers_after)):
-                layer_counts[:, index // per] += (end.hits - start.hits, end.lookups - start.lookups)
-        return bits, np.array([since.hits, since.lookups, since.reads_landed, since.bytes_read]), layer_counts
-
-
-def _layer_hit_rates(before, after, layers: int) -> list[float]:
-    """Each model layer's hit rate between two ``manager.stats()`` per-layer lists, manager layers
-    ``l * n .. (l + 1) * n - 1`` being layer l's (n streams); empty where the manager keeps none."""
-    if not after:
-        return []
-    per = len(after) // layers
-    rates = []
-    for layer in range(layers):
-        span = range(layer * per, (layer + 1) * per)
-        lookups = sum(after[i].lookups - before[i].lookups for i in span)
-        rates.append(sum(after[i].hits - before[i].hits for i in span) / lookups if lookups else 1.0)
-    return rates
-
-
-def _stream_bits(logits, targets) -> np.ndarray:
-    """Each stream's bits for its next token: logits ``[B, V]``, targets ``[B]``."""
-    logits = np.asarray(logits, np.float64)
-    top = logits.max(axis=-1)
-    total = top + np.log(np.exp(logits - top[:, None]).sum(axis=-1))
-    return (total - logits[np.arange(logits.shape[0]), targets]) / math.log(2)
-
-
-class _Unbacked:
-    """The ``uniform`` baseline's stand-in for a residency manager: no expert is ever resident, so every
-    routed expert is a miss (served from the tier), and nothing is read."""
-
-    num_slots = 0
-
-    def __init__(self, layers: int, experts: int):
-        from kq_host.residency import LayerStats
-
-        self.num_layers, self._tables, self._total = layers, np.full((layers, experts), -1, np.int32), LayerStats()
-
-    def preload(self, layer, experts):
-        pass
-
-    def snapshot(self) -> np.ndarray:
-        return self._tables
-
-    def step(self, reports) -> np.ndarray:
-        from kq_host.residency import LayerReport
-
-        reports = [reports] if isinstance(reports, LayerReport) else reports  # one report of every layer
-        lookups = sum(int(np.size(report.indices)) for report in reports)
-        self._total.lookups += lookups
-        self._total.misses += lookups
-        return self._tables
-
-    def stats(self):
-        return [], dataclasses.replace(self._total)
-
-    def close(self):
-        pass
-
-
-def record_routing(config: StudyConfig, lookahead: int = 0):
-    """The checkpoint's routing over its text, every expert resident: what an arena serving it is asked.
-
-    Teacher-forced over the text's first ``config.warmup + config.tokens`` tokens (JAX), window by window
-    (:func:`window_plan`: each window decoded from position 0, so no token is routed past the length the
-    checkpoint was trained on unless ``config.long_context``); a window after the first gives the routing
-    of its tokens after its warm-up, which the window before did not reach.
-
-    Args:
-        lookahead: also keep what the routers of the next ``lookahead`` layers predict from each layer's
-            output (:func:`kq_jax.qwen3_moe.decode_step`).
-
-    Returns:
-        ``(indices int32 [T, L, K], scores float32 [T, L, K])``, token by token, each layer's top-k; with
-        ``lookahead`` a third, ``int32 [T, L, lookahead, K]``: the experts predicted for layer l + d after
-        layer l ran (-1 past the last layer; best first).
-    """
-    import jax
-    import jax.numpy as jnp
-
-    from kq_jax import qwen3_moe
-    from kq_jax.qwen3_moe_arena import resident_moe
-
-    study = JaxStudy(config)
-    cfg, params = study.cfg, study.full_params()
-    moe = resident_moe(cfg)
-    step = jax.jit(lambda params, token, position, cache: qwen3_moe.decode_step(
-        params, token, position, cache, cfg, moe, lookahead=lookahead))
-    indices, scores, predictions = [], [], []
-    for number, (tokens, _) in enumerate(_windows(study.tokens, config)):
-        cache = qwen3_moe.empty_cache(cfg, 1, tokens.size)
-        for position in range(tokens.size - 1):
-            _, cache, reports, *ahead = step(params, jnp.asarray(tokens[position:position + 1]), position, cache)
-            if number and position < config.warmup:  # the window before routed these tokens
-                continue
-            indices.append(np.stack([np.asarray(r[0])[0] for r in reports]))
-            scores.append(np.stack([np.asarray(r[1])[0] for r in reports]))
-            if lookahead:
-                predictions.append(np.asarray(ahead[0][0])[:, :, 0])
-    out = np.stack(indices).astype(np.int32), np.stack(scores).astype(np.float32)
-    return out + (np.stack(predictions).astype(np.int32),) if lookahead else out
-
-
-# The config key of each family's expert hidden width (the down projection's input).
-EXPERT_WIDTH_KEYS = {"qwen3_moe": "moe_intermediate_size", "mixtral": "intermediate_size"}
-
-# Where each family keeps one expert's projections (Hugging Face names), in the arena's projection order
-# (gate, up, down), and the config key of its expert count.
-CHECKPOINT_LAYOUTS = {
-    "qwen3_moe": ("model.layers.{layer}.mlp.experts.{expert}.{projection}.weight",
-                  ("gate_proj", "up_proj", "down_proj"), "num_experts"),
-    "mixtral": ("model.layers.{layer}.block_sparse_moe.experts.{expert}.{projection}.weight",
-                ("w1", "w3", "w2"), "num_local_experts"),
-}
-
-
-def arena_tier(checkpoint, *, bits: int = 3, group_size: int = 32):
-    """A ``qwen3_moe`` or ``mixtral`` checkpoint's low-precision tier of every expert, quantized from its
-    float weights (dequantized where it is stored quantized), its projections under the mlx-lm arena's
-    names (:func:`kq_mlx.mlx_lm_adapter.attach_tier`): built once, cached on disk
-    (:func:`kq_host.tier.build_tier`)."""
-    from kq_host.quantized import open_experts
-    from kq_host.tier import Tier, build_tier
-    from kq_mlx.mlx_lm_adapter import PROJECTIONS
-
-    cfg = checkpoint_config(checkpoint, "mlx")
-    template, projections, experts_key = CHECKPOINT_LAYOUTS[cfg["model_type"]]
-    with open_experts(checkpoint, projections, template=template) as floats:
-        built = build_tier(floats, cfg["num_hidden_layers"], cfg[experts_key], bits=bits, group_size=group_size)
-    return Tier({arena: built.weights[name] for arena, name in zip(PROJECTIONS, projections)}, built.bits,
-                built.group_size)
-
-
-class MlxStudy:
-    """The same runs through mlx-lm: the unmodified model, its MoE blocks wrapped by ``attach_arena``.
-
-    Takes ``qwen3_moe`` and ``mixtral`` checkpoints (the ``substitute`` rule: Qwen3-MoE only).
-    """
-
-    def __init__(self, config: StudyConfig):
-        from tokenizers import Tokenizer
-
-        self.config = config
-        checkpoint = Path(config.checkpoint)
-        self.cfg_json = json.loads((checkpoint / "config.json").read_text())  # checked by StudyConfig
-        model_type = self.cfg_json["model_type"]
-        self.template, self.projections, experts_key = CHECKPOINT_LAYOUTS[model_type]
-        self.num_experts = self.cfg_json[experts_key]
-        unsupported = JAX_ONLY_RULES + (() if model_type == "qwen3_moe" else ("substitute",))
-        self.rules = tuple(r for r in RULES if r not in unsupported)
-        self._tier = None
-        tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
-        self.tokens, self.scored_bytes = _text_tokens(config, tokenizer)
-        try:  # mlx-lm's loader checks every weight against the model config.json describes
-            self._resident_model = self._model()
-        except (ValueError, KeyError) as error:  # mlx-lm's sanitize raises KeyError for a missing expert
-            lines = [f"lacks {error.args[0]}"] if isinstance(error, KeyError) else str(error).splitlines()
-            head, *names = [line.strip(" ,.:") for line in lines if line.strip()]
-            listed = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-            raise ValueError(f"--checkpoint: {checkpoint}: mlx-lm refuses its weights for the model its config.json "
-                             f"describes: {head}{': ' + listed if listed else ''}") from None
-
-    def tier(self):
-        """The checkpoint's tier under the arena's projection names (:func:`arena_tier`), once a study."""
-        if self._tier is None:
-            self._tier = arena_tier(self.config.checkpoint, bits=self.config.tier_bits,
-                                    group_size=self.config.tier_group_size)
-        return self._tier
-
-    def _model(self):
-        import mlx.core as mx
-        from mlx_lm import load
-
-        model, _ = load(str(self.config.checkpoint))
-        if not mx.metal.is_available():
-            model.set_dtype(mx.float32)  # MLX's CPU gather_mm takes float32 only
-        return model
-
-    def _logits(self, model, cache, token_id: int):
-        import mlx.core as mx
-
-        logits = model(mx.array([[token_id]]), cache=cache)[0, -1]
-        mx.eval(logits)
-        return np.array(logits.astype(mx.float32))
-
-    def resident(self) -> RunResult:
-        """Every expert in memory, no arena: the model as trained, over each window of the text."""
-        return _merged([self._resident_window(tokens) for tokens, _ in _windows(self.tokens, self.config)],
-                       self.config.tokens, self.scored_bytes)
-
-    def _resident_window(self, tokens: np.ndarray) -> RunResult:
-        from mlx_lm.models.cache import make_prompt_cache
-
-        model = self._resident_model
-        cache = make_prompt_cache(model)
-        result = _window_result(self.config, tokens.size, 1.0, self.num_experts, "-", "resident", self.scored_bytes)
-        result.memory_bytes = self.cfg_json["num_hidden_layers"] * self.num_experts * _expert_nbytes(
-            self.config.checkpoint, self.projections, self.template)
-        start = time.perf_counter()
-        for position in range(tokens.size - 1):
-            logits = self._logits(model, cache, int(tokens[position]))
-            if position >= self.config.warmup:
-                result.score(_bits(logits[None], tokens[position + 1]))
-        result.seconds = time.perf_counter() - start
-        return result
-
-    def run(self, residency: float, policy: str, rule: str, *, prompt=None, generate: int = 0) -> RunResult:
-        """As :meth:`JaxStudy.run`, through mlx-lm: one model and arena, emptied for each window."""
-        from mlx_lm.models.cache import make_prompt_cache
-
-        from kq_host.quantized import Quantization, open_experts
-        from kq_host.residency import LayerReport, ResidencyManager
-        from kq_mlx.mlx_lm_adapter import PROJECTIONS, SwitchGLUArena, attach_arena, attach_tier, set_tables
-
-        layers, experts = self.cfg_json["num_hidden_layers"], self.num_experts
-        slots = max(self.cfg_json["num_experts_per_tok"], round(residency * experts))
-        model = self._model()
-        blocks = attach_arena(model, slots)
-        for block in blocks:
-            block.rule = rule
-        tier_bytes = 0
-        if rule == "tier":
-            tier = self.tier()
-            attach_tier(blocks, tier)
-            tier_bytes = tier.nbytes
-        quantized = Quantization.of(self.config.checkpoint) is not None
-        with open_experts(self.config.checkpoint, self.projections, template=self.template,
-                          dequantized=False) as store:
-            def load(layer, expert, slot):  # the checkpoint's names to the arena's (gate, up, down)
-                read = store.read_expert(layer, expert)
-                if quantized:  # mlx-lm's stacked names, the arena's own
-                    return read
-                return {arena_name: read[name] for arena_name, name in zip(PROJECTIONS, self.projections)}
-
-            def window(tokens: list[int], warmup: int, generate: int = 0) -> RunResult:
-                cache = make_prompt_cache(model)
-                result = _window_result(self.config, len(tokens), residency, slots, policy, rule, self.scored_bytes,
-                                        warmup)
-                manager = ResidencyManager(layers, experts, slots, loader=load, arena=SwitchGLUArena(blocks),
-                                           policy=policy, queue_depth=0, bytes_per_expert=store.expert_nbytes(0))
-                result.memory_bytes = layers * slots * store.expert_nbytes(0) + tier_bytes
-
-                def token(position, token_id, tables):
-                    set_tables(blocks, tables)
-                    logits = self._logits(model, cache, token_id)
-                    return logits[None], LayerReport.stacked([block.report() for block in blocks])
-
-                return decode_through_arena(tokens, warmup, result, manager, token, generate=generate)
-
-            if prompt is not None:
-                return window([int(t) for t in prompt], len(prompt) - 1, generate)
-            return _merged([window(tokens.tolist(), self.config.warmup) for tokens, _ in
-                            _windows(self.tokens, self.config)], self.config.tokens, self.scored_bytes)
-
-
-def _expert_nbytes(checkpoint, projections=("gate_proj", "up_proj", "down_proj"), template=None) -> int:
-    """One expert's bytes in the checkpoint (every projection, the file's dtype)."""
-    from kq_host.quantized import open_experts
-
-    with open_experts(checkpoint, projections, template=template) as store:
-        return store.expert_nbytes(0)
-
-
-def _window_result(config: StudyConfig, length: int, residency: float, slots: int, policy: str, rule: str,
+def window_result(config: StudyConfig, length: int, residency: float, slots: int, policy: str, rule: str,
                    scored_bytes: int, warmup: int | None = None) -> RunResult:
     """An empty :class:`RunResult` for one window of ``length`` tokens (``warmup`` of them unscored,
     ``config.warmup`` by default)."""
@@ -804,7 +303,7 @@ def _window_result(config: StudyConfig, length: int, residency: float, slots: in
                      context=length - 1, trained_length=trained_length(config.checkpoint))
 
 
-def _text_tokens(config: StudyConfig, tokenizer) -> tuple[np.ndarray, int]:
+def text_tokens(config: StudyConfig, tokenizer) -> tuple[np.ndarray, int]:
     """The text's first ``warmup + tokens + 1`` tokens, and the bytes of the scored ones; with
     ``streams`` above 1, that many windows of as many tokens ``[streams, warmup + tokens + 1]``, spread
     evenly over the text without overlapping, and the bytes of all their scored tokens."""
@@ -828,6 +327,20 @@ def _text_tokens(config: StudyConfig, tokenizer) -> tuple[np.ndarray, int]:
     starts = np.linspace(0, tokens.size - needed, config.streams).astype(np.int64)
     windows = np.stack([tokens[start:start + needed] for start in starts])
     return windows, sum(len(tokenizer.decode(w[config.warmup + 1:].tolist()).encode()) for w in windows)
+
+
+def layer_hit_rates(before, after, layers: int) -> list[float]:
+    """Each model layer's hit rate between two ``manager.stats()`` per-layer lists, manager layers
+    ``l * n .. (l + 1) * n - 1`` being layer l's (n streams); empty where the manager keeps none."""
+    if not after:
+        return []
+    per = len(after) // layers
+    rates = []
+    for layer in range(layers):
+        span = range(layer * per, (layer + 1) * per)
+        lookups = sum(after[i].lookups - before[i].lookups for i in span)
+        rates.append(sum(after[i].hits - before[i].hits for i in span) / lookups if lookups else 1.0)
+    return rates
 
 
 def decode_through_arena(tokens: list[int], warmup: int, result: RunResult, manager, token, *,
@@ -855,7 +368,7 @@ def decode_through_arena(tokens: list[int], warmup: int, result: RunResult, mana
         if position + 1 >= given:
             tokens.append(int(np.argmax(np.asarray(logits)[0])))
         elif position >= warmup:
-            result.score(_bits(logits, tokens[position + 1]))
+            result.score(token_bits(logits, tokens[position + 1]))
         if position >= warmup:
             for layer in range(manager.num_layers):
                 scores = report.scores[layer]
@@ -869,7 +382,7 @@ def decode_through_arena(tokens: list[int], warmup: int, result: RunResult, mana
     manager.close()
     since = after.since(before)
     result.hits, result.lookups = since.hits, since.lookups
-    result.layer_hit_rates = _layer_hit_rates(layers_before, layers_after, manager.num_layers)
+    result.layer_hit_rates = layer_hit_rates(layers_before, layers_after, manager.num_layers)
     result.reads, result.bytes_read = since.reads_landed, since.bytes_read
     result.seconds = time.perf_counter() - start
     result.trace["tokens"] = tokens
@@ -877,7 +390,7 @@ def decode_through_arena(tokens: list[int], warmup: int, result: RunResult, mana
     return result
 
 
-def _bits(logits, target: int) -> float:
+def token_bits(logits, target: int) -> float:
     logits = np.asarray(logits[0], np.float64)
     top = logits.max()
     return float((top + math.log(np.exp(logits - top).sum()) - logits[target]) / math.log(2))
@@ -900,7 +413,14 @@ def grid(config: StudyConfig, rules=RULES) -> list[tuple[float, str, str]]:
 
 
 def make_study(config: StudyConfig):
-    return JaxStudy(config) if config.framework == "jax" else MlxStudy(config)
+    """The study's runner for ``config.framework``: :class:`kq.study_jax.JaxStudy` or :class:`kq.study_mlx.MlxStudy`."""
+    if config.framework == "jax":
+        from kq.study_jax import JaxStudy
+
+        return JaxStudy(config)
+    from kq.study_mlx import MlxStudy
+
+    return MlxStudy(config)
 
 
 def run_study(study, *, progress: bool = True) -> tuple[RunResult, list[RunResult]]:

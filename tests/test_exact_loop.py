@@ -98,7 +98,8 @@ def model():
     import jax
     import jax.numpy as jnp
 
-    from kq.study import JaxStudy, StudyConfig
+    from kq.study import StudyConfig
+    from kq.study_jax import JaxStudy
     from kq_jax import qwen3_moe
 
     study = JaxStudy(StudyConfig(tokens=10, warmup=1))

@@ -67,7 +67,8 @@ def test_the_models_look_ahead_leaves_its_output_alone():
     pytest.importorskip("tokenizers")
     import jax.numpy as jnp
 
-    from kq.study import JaxStudy, StudyConfig
+    from kq.study import StudyConfig
+    from kq.study_jax import JaxStudy
     from kq_jax import qwen3_moe
     from kq_jax.moe import Experts, experts_apply
 

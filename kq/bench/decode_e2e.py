@@ -30,7 +30,7 @@ Routing (the ``routing`` column):
 
 * ``recorded``: each token's top-k per layer is what a trained checkpoint (``models/stdlib-moe``: 4
   layers; ``models/wheels-moe``: 16 layers, OLMoE's routing shape) routed over its held-out text
-  (:func:`kq.study.record_routing`), so hit rates and reads are a trained model's; the experts are random
+  (:func:`kq.study_jax.record_routing`), so hit rates and reads are a trained model's; the experts are random
   at the checkpoint's or a real model's size (:data:`RECORDED_MODELS`), their weights written as
   safetensors and read back by the manager's workers through :class:`kq_host.expert_store.ExpertStore`
   (from the page cache once read: this is the arena's cost, not an SSD's).
@@ -510,8 +510,9 @@ def run_streamed(engine: Engine, store, *, residency: float, mode: str, warmup: 
 
 
 def record(checkpoint: str, tokens: int, warmup: int):
-    """A checkpoint's routing over ``warmup + tokens`` tokens of its held-out text (:func:`kq.study.record_routing`)."""
-    from kq.study import SHIPPED_MODEL, StudyConfig, record_routing
+    """A checkpoint's routing over ``warmup + tokens`` tokens of its held-out text (:func:`kq.study_jax.record_routing`)."""
+    from kq.study import SHIPPED_MODEL, StudyConfig
+    from kq.study_jax import record_routing
 
     return record_routing(StudyConfig(checkpoint=SHIPPED_MODEL.parent / checkpoint, tokens=tokens, warmup=warmup))
 

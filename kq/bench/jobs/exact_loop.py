@@ -96,7 +96,8 @@ def _loop(study, cfg, tokens, reference, residency, policy, lookahead, warmup, q
 def measure(checkpoint: Path, residencies, policies, depths, *, tokens: int, warmup: int,
             queue_depth: int):
     """Yields the resident row, then each loop's row as it is measured."""
-    from kq.study import JaxStudy, StudyConfig
+    from kq.study import StudyConfig
+    from kq.study_jax import JaxStudy
 
     study = JaxStudy(StudyConfig(checkpoint=checkpoint, tokens=tokens, warmup=warmup))
     cfg = study.cfg

@@ -1,7 +1,7 @@
 """Look-ahead prefetch for an exact layer-by-layer loop, replayed on a trained checkpoint's routing.
 
 Records the checkpoint's routing and its routers' look-ahead predictions over the held-out text
-(:func:`kq.study.record_routing` with ``lookahead``), then replays an exact loop through per-layer arenas at 75 / 50 / 25%
+(:func:`kq.study_jax.record_routing` with ``lookahead``), then replays an exact loop through per-layer arenas at 75 / 50 / 25%
 residency, LRU and LFU, without look-ahead and with predictions one and two layers ahead
 (:func:`kq.lookahead.simulate`; its docstring states the timing assumption). Prints the recall of the
 predictions and a Markdown table; ``--json`` keeps every number.

@@ -335,7 +335,7 @@ def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, p
     kept token's in the ``tier`` and ``exact`` loops), and the manager's counts."""
     import numpy as np
 
-    from kq.study import arena_tier
+    from kq_mlx.tier import arena_tier
     from kq_host.residency import ResidencyManager
     from kq_mlx.mlx_lm_adapter import SwitchGLUArena, attach_arena, attach_tier, generate_greedy
 

@@ -1,0 +1,48 @@
+"""Where a checkpoint keeps its experts, how wide they are, and how long the model was trained.
+
+Families by ``config.json``'s ``model_type``: each expert's projections' tensor names (Hugging Face
+names, in the arena's projection order gate, up, down), the config key of the expert count and of the
+experts' hidden width; :func:`trained_length` reads the sequence length the checkpoint was trained on.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# The config key of each family's expert hidden width (the down projection's input).
+EXPERT_WIDTH_KEYS = {"qwen3_moe": "moe_intermediate_size", "mixtral": "intermediate_size"}
+
+# Where each family keeps one expert's projections (Hugging Face names), in the arena's projection order
+# (gate, up, down), and the config key of its expert count.
+CHECKPOINT_LAYOUTS = {
+    "qwen3_moe": ("model.layers.{layer}.mlp.experts.{expert}.{projection}.weight",
+                  ("gate_proj", "up_proj", "down_proj"), "num_experts"),
+    "mixtral": ("model.layers.{layer}.block_sparse_moe.experts.{expert}.{projection}.weight",
+                ("w1", "w3", "w2"), "num_local_experts"),
+}
+
+
+def trained_length(checkpoint) -> int | None:
+    """The length of the sequences the checkpoint was trained on: ``training.json``'s ``args.seq``
+    (``models/train.py`` writes it), else ``config.json``'s ``max_position_embeddings``; None where
+    neither says."""
+    directory = Path(checkpoint)
+    for name, keys in (("training.json", ("args", "seq")), ("config.json", ("max_position_embeddings",))):
+        try:
+            value = json.loads((directory / name).read_bytes())
+            for key in keys:
+                value = value[key]
+        except (OSError, ValueError, KeyError, TypeError):  # absent, not JSON, or without the key
+            continue
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            return value
+    return None
+
+
+def expert_nbytes(checkpoint, projections=("gate_proj", "up_proj", "down_proj"), template=None) -> int:
+    """One expert's bytes in the checkpoint (every projection, the file's dtype)."""
+    from kq_host.quantized import open_experts
+
+    with open_experts(checkpoint, projections, template=template) as store:
+        return store.expert_nbytes(0)
