@@ -186,3 +186,13 @@ def test_the_mlx_decode_job_reads_the_shipped_checkpoints():
 
     for name, checkpoint, _ in mlx_decode.VARIANTS:
         assert checkpoint.name == name and (checkpoint / "config.json").is_file()
+
+
+@pytest.mark.parametrize("mode", ["lossy", "exact"])
+def test_a_full_arena_holds_the_checkpoints_bytes(setting, mode):
+    """Every expert resident, the arena is the resident model's bytes (its dtype on every backend: on a CPU
+    the bfloat16 bits held as uint16, which XLA writes in place), so both programs gather the same weights."""
+    engine, _, resident_last = setting
+    run = _run(setting, 1.0, mode)
+    assert run.memory_bytes == sum(a.nbytes for a in engine.weights.values())
+    assert np.array_equal(_bits(run.last), _bits(resident_last))

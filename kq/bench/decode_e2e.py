@@ -67,6 +67,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from kq.demo import PROJECTIONS, write_checkpoint
@@ -235,8 +236,6 @@ def expert_shapes(hidden: int, ffn: int) -> dict[str, tuple[int, int]]:
 def random_experts(layers: int, experts: int, hidden: int, ffn: int, rng: np.random.Generator):
     """``{projection: bfloat16 [L, E, out, in]}`` of magnitudes 2^-8 to 2^-4, either sign, never zero
     (drawn as bit patterns: quick at any size)."""
-    import ml_dtypes
-
     out = {}
     for name, shape in expert_shapes(hidden, ffn).items():
         bits = rng.integers(0, 1 << 16, size=(layers, experts, *shape), dtype=np.uint16)
@@ -263,6 +262,22 @@ def random_tier(layers: int, experts: int, hidden: int, ffn: int, *, seed: int =
             jnp.bfloat16)
         tier[name] = (packed, scales, -scales)
     return tier
+
+
+_BFLOAT16, _BITS = np.dtype(ml_dtypes.bfloat16), np.dtype(np.uint16)
+
+
+def bits_of(payload: dict) -> dict:
+    """An expert's ``{projection: array}`` with each bfloat16 array viewed as its uint16 bits (no copy)."""
+    return {name: a.view(_BITS) if a.dtype == _BFLOAT16 else a for name, a in payload.items()}
+
+
+def as_weights(array):
+    """Inside a program: an arena array of bfloat16 bits (uint16) viewed as bfloat16; any other as it is."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    return lax.bitcast_convert_type(array, jnp.bfloat16) if array.dtype == jnp.uint16 else array
 
 
 class Engine:
@@ -325,6 +340,7 @@ class Engine:
             return next_input(x, position), jnp.argmax(x[0]).astype(jnp.int32)
 
         def streamed(x, position, arrays, tables, tier, rule):
+            arrays = {name: as_weights(a) for name, a in arrays.items()}
             reports, num_slots = [], arrays[PROJECTIONS[0]].shape[1]
             on_miss = "tier" if rule == "tier" else "shed"
             for layer in range(self.layers):
@@ -452,12 +468,15 @@ def run_streamed(engine: Engine, store, *, residency: float, mode: str, warmup: 
         raise ValueError("run_streamed: mode 'tier' needs an Engine built with tier=")
     positions, steps = engine.positions, engine.steps
     slots = max(1, round(residency * experts))
-    # XLA's CPU backend writes a bfloat16 slot slowly, not in place (docs/api.md): there, float32.
-    shapes = {name: (shape, dtype if _on_gpu() else np.float32)
+    # XLA's CPU backend writes a bfloat16 slot slowly, not in place (docs/api.md): there the arena holds the
+    # bfloat16 bits as uint16, which it writes in place, the loader hands it the reads' bits and the
+    # programs view them as bfloat16 (:func:`as_weights`), so they gather the resident model's weights.
+    as_bits = not _on_gpu()
+    shapes = {name: (shape, _BITS if as_bits and np.dtype(dtype) == _BFLOAT16 else dtype)
               for name, (shape, dtype) in store.expert_shapes(0).items()}
     arena = JaxArena(engine.layers, slots, shapes)
     timed = _TimedArena(arena)
-    manager = ResidencyManager(engine.layers, experts, slots, loader=lambda l, e, s: store.read_expert(l, e),
+    manager = ResidencyManager(engine.layers, experts, slots, loader=lambda l, e, s: bits_of(store.read_expert(l, e)) if as_bits else store.read_expert(l, e),
                                arena=timed, bytes_per_expert=store.expert_nbytes(0))
     for layer in range(engine.layers):  # a warm arena before the clock, as an engine starts with one
         manager.preload(layer, warm_experts(engine, layer, slots, experts, warmup))

@@ -4,10 +4,11 @@
 
 For each model of ``kq.bench.decode_e2e`` (recorded routing of its checkpoint, random experts at its
 size), with ``route_shed`` as the Pallas kernel and as the jnp reference (on a CPU only the reference:
-there the kernel runs in Pallas' interpreter), three programs: the resident one on the checkpoint's
-bfloat16 weights (``resident``, decode-e2e's baseline), the same on the arena's dtype (``resident
-(arena dtype)``: float32 on a CPU, where decode-e2e's arenas are float32; bfloat16 on a GPU) and the
-arena's on an arena of that dtype holding every expert, the slot tables the identity (``arena``).
+there the kernel runs in Pallas' interpreter): the resident program on the checkpoint's bfloat16
+weights (``resident``, decode-e2e's baseline) and the arena's on an arena holding every expert as
+decode-e2e holds them (``arena``: bfloat16, on a CPU its bits as uint16, which XLA writes in place), the
+slot tables the identity; on a CPU also the arena's program on a float32 arena (``arena (float32)``,
+how decode-e2e held a CPU arena before, since XLA's CPU backend writes a bfloat16 slot slowly).
 Each is timed four ways, the programs interleaved within a round (so a round sees every program in one
 state of a shared machine), the median of ``--rounds`` rounds of ``--tokens`` tokens with the range:
 ``floor`` (dispatched back to back, nothing read back: the device's and the dispatch's rate),
@@ -77,13 +78,16 @@ def measure(model: str, impl: str, *, tokens: int, rounds: int, routing) -> list
     weights = decode_e2e.random_experts(layers, experts, hidden, ffn, np.random.default_rng(0))
     engine = decode_e2e.Engine(weights, top_k, tokens, routing=routing, impl=impl)
     del weights
-    on_gpu = jax.default_backend() == "gpu"
-    # decode-e2e's arenas: bfloat16 on a GPU, float32 on a CPU (XLA's CPU backend writes a bfloat16 slot slowly).
-    arena_weights = engine.weights if on_gpu else {name: a.astype(jnp.float32) for name, a in engine.weights.items()}
     positions = engine.positions
     tables = jax.device_put(np.tile(np.arange(experts, dtype=np.int32), (layers, 1)))
-    programs = {"resident": (engine.resident, engine.weights), "resident (arena dtype)": (engine.resident, arena_weights),
-                "arena": (engine.streamed, arena_weights)}
+    programs = {"resident": (engine.resident, engine.weights)}
+    if jax.default_backend() == "gpu":
+        programs["arena"] = (engine.streamed, engine.weights)
+    else:  # decode-e2e's CPU arena: the bfloat16 bits as uint16
+        programs["arena"] = (engine.streamed, {name: jax.lax.bitcast_convert_type(a, jnp.uint16)
+                                               for name, a in engine.weights.items()})
+        programs["arena (float32)"] = (engine.streamed, {name: a.astype(jnp.float32)
+                                                         for name, a in engine.weights.items()})
     dispatches, boundaries, hlo = {}, {}, {}
     for name, (jitted, arrays) in programs.items():
         extra = (arrays,) if jitted is engine.resident else (arrays, tables)
@@ -91,7 +95,7 @@ def measure(model: str, impl: str, *, tokens: int, rounds: int, routing) -> list
         hlo[name] = hlo_profile(jitted, engine.first, positions[0], *extra)
         dispatches[name](engine.first, 0)[1].block_until_ready()  # compile
         boundaries[name] = {"loop": lambda position, packed: False}
-        if name == "arena":
+        if name.startswith("arena"):
             manager = ResidencyManager(layers, experts, experts, loader=lambda l, e, s: None)
             for layer in range(layers):
                 manager.preload(layer, range(experts))
@@ -120,7 +124,7 @@ def measure(model: str, impl: str, *, tokens: int, rounds: int, routing) -> list
                      "program": name, "way": way, "ms_per_token": median * 1e3,
                      "ms_range": [min(seconds) * 1e3, max(seconds) * 1e3], "tokens_per_s": 1 / median,
                      "x_resident": statistics.median(b / s for b, s in zip(baseline, seconds)), "hlo": hlo[name]})
-        print(f"{model:18s} {impl:9s} {name:22s} {way:11s} {median * 1e3:7.3f} ms/token "
+        print(f"{model:18s} {impl:9s} {name:15s} {way:11s} {median * 1e3:7.3f} ms/token "
               f"[{min(seconds) * 1e3:.3f}, {max(seconds) * 1e3:.3f}] {rows[-1]['x_resident']:.2f}x resident; "
               f"{hlo[name]['entry_ops']} ops, {hlo[name]['fusions']} fusions", flush=True)
     return rows
