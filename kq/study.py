@@ -48,7 +48,7 @@ import numpy as np
 
 from kq.terminal import progress_bar, render_table
 from kq_core.contract import MAX_TOP_K
-from kq_host.checkpoint import CHECKPOINT_LAYOUTS, EXPERT_WIDTH_KEYS, trained_length
+from kq_host.checkpoint import CHECKPOINT_LAYOUTS, EXPERT_WIDTH_KEYS, CheckpointError, read_config, trained_length
 
 RULES = ("route_shed", "shed", "renormalize", "substitute", "tier", "stall", "reroute", "prior", "uniform")
 JAX_ONLY_RULES = ("reroute", "prior", "uniform")
@@ -182,11 +182,9 @@ def checkpoint_config(checkpoint, framework: str = "jax") -> dict:
         raise ValueError(f"--checkpoint: {directory} holds no config.json (a qwen3_moe checkpoint directory, as "
                          f"mlx_lm.convert or models/train.py writes)")
     try:
-        raw = json.loads(path.read_bytes())
-    except (ValueError, OSError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise ValueError(f"--checkpoint: {path} is not JSON ({error})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"--checkpoint: {path} holds {type(raw).__name__}, not a JSON object")
+        raw = read_config(directory)
+    except CheckpointError as error:
+        raise ValueError(f"--checkpoint: {error}") from None
     model_types = ("qwen3_moe",) if framework == "jax" else tuple(sorted(CHECKPOINT_LAYOUTS))
     model_type = raw.get("model_type")
     if model_type not in model_types:

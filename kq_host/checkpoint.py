@@ -10,6 +10,28 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+class CheckpointError(ValueError):
+    """A checkpoint kq cannot run: a ``config.json`` that cannot be read or holds a value no model has, a
+    weights file that cannot be read, or tensors that disagree with the model ``config.json`` describes.
+    The message names the file, and the key or tensor."""
+
+
+def read_config(directory) -> dict:
+    """The directory's ``config.json`` as a dict.
+
+    Raises:
+        CheckpointError: the file is missing, is not JSON, or does not hold a JSON object (naming it).
+    """
+    path = Path(directory) / "config.json"
+    try:
+        raw = json.loads(path.read_bytes())
+    except (OSError, ValueError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise CheckpointError(f"{path}: cannot be read as JSON ({error})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: holds {type(raw).__name__}, not a JSON object")
+    return raw
+
+
 # The config key of each family's expert hidden width (the down projection's input).
 EXPERT_WIDTH_KEYS = {"qwen3_moe": "moe_intermediate_size", "mixtral": "intermediate_size"}
 

@@ -12,7 +12,6 @@ layer can stand in for the resident one.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -22,16 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from kq_host.checkpoint import CheckpointError, read_config
 from kq_jax.moe import Experts, combine, experts_apply, router_probs
 from kq_jax.reference import normalize_topk_ref
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint this model cannot run: a ``config.json`` value no model has, a weights file that cannot
-    be read, or tensors that disagree with the model ``config.json`` describes. The message names the
-    file, and the key or tensor."""
 
 
 _POSITIVE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -85,12 +79,7 @@ class Qwen3MoeConfig:
                 holds a value no model has (the message names the file and the key).
         """
         path = Path(directory) / "config.json"
-        try:
-            raw = json.loads(path.read_bytes())
-        except (OSError, ValueError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            raise CheckpointError(f"{path}: cannot be read as JSON ({error})") from None
-        if not isinstance(raw, dict):
-            raise CheckpointError(f"{path}: holds {type(raw).__name__}, not a JSON object")
+        raw = read_config(directory)
         if raw.get("model_type") != "qwen3_moe":
             raise CheckpointError(f"{path}: model_type {raw.get('model_type')!r}; this JAX model is "
                                   f"qwen3_moe (kq study --framework mlx also runs mixtral)")

@@ -397,7 +397,7 @@ RANDOM_DEMO = ["demo", "--random", "--frameworks", "jax", "--steps", "2"]
     pytest.param(["demo", "--random", "--tier-bits", "3"], "--tier-bits does not apply with --random",
                  id="demo-tier-bits-with-random"),
     pytest.param([*RANDOM_DEMO, "--plot", "{root}/nodir/demo.png"], "--plot", id="demo-plot-into-missing-dir"),
-    pytest.param([*STUDY_RUN, "--checkpoint", "{root}/not-json"], "not JSON", id="study-malformed-config"),
+    pytest.param([*STUDY_RUN, "--checkpoint", "{root}/not-json"], "cannot be read as JSON", id="study-malformed-config"),
     pytest.param([*STUDY_RUN, "--checkpoint", "{root}/a-list"], "a JSON object", id="study-config-not-an-object"),
     pytest.param([*STUDY_RUN, "--checkpoint", "{root}/no-model-type"], "model_type", id="study-no-model-type"),
     pytest.param([*STUDY_RUN, "--checkpoint", "{root}/no-num-experts"], "num_experts", id="study-missing-key"),
