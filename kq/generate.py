@@ -255,6 +255,8 @@ def _tier_source(model_dir: Path, blocks, names, quantization, stack):
 
 def _attach_tier(config: GenerateConfig, model_dir: Path, blocks, names, quantization, stack) -> int:
     """Builds or reads the tier and gives it to the blocks; returns its bytes."""
+    from mlx.utils import tree_flatten
+
     from kq_host.expert_store import ExpertStoreError
     from kq_host.tier import TierOptionError, build_tier, tier_from_checkpoint
     from kq_mlx.mlx_lm_adapter import attach_tier
@@ -274,7 +276,8 @@ def _attach_tier(config: GenerateConfig, model_dir: Path, blocks, names, quantiz
         except TierOptionError as error:
             raise _fail("--tier-bits/--tier-group-size", str(error)) from None
     attach_tier(blocks, tier)
-    return tier.nbytes
+    # What the tier takes on the device (attach_tier may widen its scales and biases to the arena's float dtype).
+    return sum(_nbytes(a for _, a in tree_flatten(block.tier.parameters())) for block in blocks)
 
 
 def _nbytes(arrays) -> int:

@@ -224,6 +224,9 @@ class ExpertStore:
                 ``{payload key: array}``.
             queue_depth, host_allocator: as the constructor's.
 
+        The store's ``layout`` is ``"named"`` and its ``template`` the names as JSON (what a cache of its
+        reads keys on).
+
         Raises:
             ExpertStoreError: a named tensor is in none of the files, is not stacked (no leading expert
                 axis), or the tensors of one layer hold different numbers of experts (the message names
@@ -245,6 +248,10 @@ class ExpertStore:
         store = cls(paths, layout="stacked", projections=tuple(next(iter(checked.values()))),
                     queue_depth=queue_depth, host_allocator=host_allocator)
         store._names = checked
+        # What names this store's tensors (a cache of what it reads, such as kq_host.tier's, keys on it):
+        # the names themselves, in place of a template.
+        store.template = json.dumps({str(layer): keys for layer, keys in sorted(checked.items())}, sort_keys=True)
+        store.layout = "named"
         try:
             for layer, keys in checked.items():
                 counts = {}

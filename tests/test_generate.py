@@ -75,9 +75,9 @@ def test_exact_on_the_quantized_shipped_model_reads_its_packed_experts_and_gives
     assert result.time_to_first_token_s > 0 and result.prompt_tps > 0
 
 
-def write_deepseek_v3(directory: Path, *, quantized: bool = False) -> Path:
+def write_deepseek_v3(directory: Path, *, quantized: bool = False, bits: int = 4, bfloat16: bool = False) -> Path:
     """A random DeepSeek-V3 model directory (its first layer dense, routers random), saved by mlx-lm with the
-    shipped model's tokenizer."""
+    shipped model's tokenizer; the same weights for every option (``bits``: the quantization's)."""
     import dataclasses
 
     from mlx_lm.models import deepseek_v3
@@ -95,12 +95,14 @@ def write_deepseek_v3(directory: Path, *, quantized: bool = False) -> Path:
     for layer in model.model.layers[1:]:  # mlx-lm starts the routers at zero: every token would route alike
         layer.mlp.gate.weight = mx.random.normal(layer.mlp.gate.weight.shape)
     config = dataclasses.asdict(args)
+    if bfloat16:
+        model.set_dtype(mx.bfloat16)
     if quantized:
         import mlx.nn as nn
 
-        nn.quantize(model, group_size=32, bits=4,
+        nn.quantize(model, group_size=32, bits=bits,
                     class_predicate=lambda _, m: hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0)
-        config["quantization"] = {"group_size": 32, "bits": 4, "mode": "affine"}
+        config["quantization"] = {"group_size": 32, "bits": bits, "mode": "affine"}
     mx.eval(model.parameters())
     directory.mkdir(parents=True, exist_ok=True)
     save_model(directory, model)
@@ -122,14 +124,27 @@ def test_a_deepseek_v3_directory_runs_exact_at_a_quarter_and_its_first_layer_is_
 def test_the_tier_and_shed_rules_run_on_a_quantized_deepseek_v3_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("KQ_CACHE_DIR", str(tmp_path / "cache"))
     directory = write_deepseek_v3(tmp_path / "deepseek-q4", quantized=True)
-    full = generate(GenerateConfig(directory, PROMPT, max_tokens=8, residency=1.0, rule="tier", tier_bits=4))
-    assert full.tokens == mlx_lm_tokens(directory, PROMPT, 8)  # nothing missed: the tier never served
-    assert full.tier_mib > 0
     tier = generate(GenerateConfig(directory, PROMPT, max_tokens=8, residency=0.25, rule="tier", tier_bits=2))
+    # 2 MoE layers x 16 experts x 3 projections of 32 x 64: 2-bit words and a scale and bias a group of 32, of 16
+    # bits or widened to the arena's float32 on the device
+    assert tier.tier_mib * 2**20 in [2 * 16 * 3 * (32 * 64 * 2 // 8 + 2 * size * 32 * 64 // 32) for size in (2, 4)]
     shed = generate(GenerateConfig(directory, PROMPT, max_tokens=8, residency=0.25, rule="shed"))
     for run in (tier, shed):
         assert len(run.tokens) == 8 and run.hit_rate < 1.0 and all(0 <= t < 4096 for t in run.tokens)
     assert shed.tier_mib == 0 and list((tmp_path / "cache").rglob("*.npz"))
+
+
+def test_the_tier_read_from_a_lower_bit_conversion_of_the_model(tmp_path):
+    """--tier-model: a 2-bit conversion of the same weights serves the misses of the 4-bit model."""
+    directory = write_deepseek_v3(tmp_path / "q4", quantized=True, bfloat16=True)
+    lower = write_deepseek_v3(tmp_path / "q2", quantized=True, bits=2, bfloat16=True)
+    run = generate(GenerateConfig(directory, PROMPT, max_tokens=6, residency=0.25, rule="tier", tier_model=lower))
+    assert len(run.tokens) == 6 and run.hit_rate < 1.0 and all(0 <= t < 4096 for t in run.tokens)
+    # the conversion's 2-bit experts: 2 MoE layers x 16 experts x 3 projections of 32 x 64 (scales and biases of
+    # 16 bits, or widened to float32 on the device)
+    assert run.tier_mib * 2**20 in [2 * 16 * 3 * (32 * 64 * 2 // 8 + 2 * size * 32 * 64 // 32) for size in (2, 4)]
+    with pytest.raises(GenerateError, match="--tier-model: "):
+        generate(GenerateConfig(directory, PROMPT, max_tokens=2, rule="tier", tier_model=WHEELS))
 
 
 def write_dense_llama(directory: Path) -> Path:

@@ -56,6 +56,23 @@ def test_store_reads_each_layers_own_tensors_one_expert_slice(tmp_path):
         one_expert = sum(tensors[name][0].nbytes for name in names_of(1).values())
         assert store.bytes_read == 4 * one_expert == 4 * store.expert_nbytes(0)
         assert store.expert_shapes(1)["gate_proj.bias"] == ((8,), np.dtype(np.float32))
+        # the names key a cache of its reads: another mapping of the same files is another store
+        assert store.layout == "named" and "model.layers.2.mlp.experts.gate_proj.bias" in store.template
+        with ExpertStore.for_tensors(tmp_path, {0: names_of(2), 1: names_of(1)}) as swapped:
+            assert swapped.template != store.template
+
+
+def test_store_reads_a_tensor_per_expert_where_the_name_holds_the_expert_field(tmp_path):
+    tensors = {f"model.layers.3.mlp.experts.{e}.up_proj.weight": np.full((2, 4), e + 0.5, np.float32)
+               for e in range(5)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with ExpertStore.for_tensors(tmp_path, {0: {"up_proj": "model.layers.3.mlp.experts.{expert}.up_proj.weight"}}) \
+            as store:
+        np.testing.assert_array_equal(store.read_expert(0, 4)["up_proj"].view(np.uint32),
+                                      tensors["model.layers.3.mlp.experts.4.up_proj.weight"].view(np.uint32))
+        assert store.bytes_read == 2 * 4 * 4
+        with pytest.raises(ExpertStoreError, match="tensor model.layers.3.mlp.experts.5.up_proj.weight is in none"):
+            store.read_expert(0, 5)
 
 
 def test_store_for_arenas_takes_each_arenas_tensor_names(tmp_path):
