@@ -323,6 +323,7 @@ def generate(config: GenerateConfig, on_text: Callable[[str], None] | None = Non
     from kq_mlx.mlx_lm_adapter import SwitchGLUArena, attach_arena, generate_greedy, prefill
 
     model_dir = check_config(config)
+    mx.reset_peak_memory()  # MLX's peak from here: the load, the tier's build, the prompt and the tokens
     started = time.perf_counter()
     stages = {}
     quantized = "quantization" in json.loads((model_dir / "config.json").read_text())
@@ -383,7 +384,6 @@ def generate(config: GenerateConfig, on_text: Callable[[str], None] | None = Non
 
         marks = {}
         cache = make_prompt_cache(model)
-        mx.reset_peak_memory()
         clock = time.perf_counter()
         routed = [set() for _ in blocks]  # the experts each layer's prefill routed
         for start in range(0, len(prompt) - 1, PREFILL_STEP):  # mlx-lm's prefill_step_size passes

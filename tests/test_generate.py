@@ -218,3 +218,31 @@ def test_expert_tensor_names_take_the_stacked_or_the_per_expert_layout():
         names = expert_tensor_names(directory, attach_arena(model, 4, keep_experts=False))
         assert name in names[2].values()
         assert np.unique([len(keys) for keys in names.values()]).size == 1
+
+
+def test_the_experts_are_never_in_memory_beyond_the_arena(tmp_path):
+    """A float Qwen3-MoE of 192 MiB of experts at 25%: MLX's peak holds the other weights, the arena and the
+    step's working set, never the experts."""
+    import dataclasses
+
+    from mlx_lm.models import qwen3_moe
+    from mlx_lm.utils import save_config, save_model
+
+    mx.random.seed(3)
+    args = qwen3_moe.ModelArgs(
+        model_type="qwen3_moe", hidden_size=256, num_hidden_layers=2, intermediate_size=256, num_attention_heads=4,
+        num_experts=64, num_experts_per_tok=4, decoder_sparse_step=1, mlp_only_layers=[], moe_intermediate_size=512,
+        rms_norm_eps=1e-6, vocab_size=4096, num_key_value_heads=2, head_dim=64, rope_theta=10000.0,
+        tie_word_embeddings=False, max_position_embeddings=512, norm_topk_prob=True)
+    model = qwen3_moe.Model(args)
+    mx.eval(model.parameters())
+    save_model(tmp_path, model)
+    save_config(dataclasses.asdict(args), tmp_path / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(STDLIB / name, tmp_path / name)
+    del model
+    result = generate(GenerateConfig(tmp_path, PROMPT, max_tokens=8, residency=0.25))
+    assert result.experts_mib == 192 and result.arena_mib == 48
+    assert result.prefill_reads == result.prompt_routed_pairs > 16
+    # 64 MiB for the rest: the prompt's activations, a chunk's gathered rows, the allocator's slack
+    assert result.mlx_peak_mib < result.arena_mib + result.other_weights_mib + 64 < result.experts_mib
