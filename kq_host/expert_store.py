@@ -288,6 +288,12 @@ class ExpertStore:
         return cls.for_tensors(paths, {layer: arena.tensor_names() for layer, arena in enumerate(arenas)},
                                queue_depth=queue_depth, host_allocator=host_allocator)
 
+    @property
+    def layer_tensor_names(self) -> dict[int, dict[str, str]] | None:
+        """``{layer: {payload key: tensor name}}`` of a store from :meth:`for_tensors` (a copy; ``{expert}`` where
+        a name is one tensor per expert), None for a template's store."""
+        return None if self._names is None else {layer: dict(keys) for layer, keys in self._names.items()}
+
     def _keys(self, layer: int) -> tuple[str, ...]:
         """The payload keys of ``layer``'s reads."""
         if self._names is None:

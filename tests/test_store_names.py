@@ -60,6 +60,11 @@ def test_store_reads_each_layers_own_tensors_one_expert_slice(tmp_path):
         assert store.layout == "named" and "model.layers.2.mlp.experts.gate_proj.bias" in store.template
         with ExpertStore.for_tensors(tmp_path, {0: names_of(2), 1: names_of(1)}) as swapped:
             assert swapped.template != store.template
+        assert store.layer_tensor_names == {0: names_of(1), 1: names_of(2)}
+        store.layer_tensor_names[0]["gate_proj"] = "changed"  # a copy: the store's names stay
+        assert store.layer_tensor_names[0] == names_of(1)
+    with ExpertStore(tmp_path, layout="stacked") as plain:
+        assert plain.layer_tensor_names is None
 
 
 def test_store_reads_a_tensor_per_expert_where_the_name_holds_the_expert_field(tmp_path):
