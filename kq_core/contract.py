@@ -17,6 +17,8 @@ MAX_TOP_K = 64
 INDEX_DTYPES = ("int32", "uint32")
 SCORE_DTYPES = ("float32", "bfloat16", "float16")
 SLOT_TABLE_DTYPES = ("int32",)
+# One expert's SwiGLU projections, in the order every arena, tier and store of kq keeps them.
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # What route_shed does with a routed expert that is not resident: drop it and rescale the kept
 # weights ("shed"), or serve it from the low-precision tier that holds every expert ("tier").
 ROUTE_SHED_ON_MISS = ("shed", "tier")

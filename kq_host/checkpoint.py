@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from kq_core.contract import EXPERT_PROJECTIONS
+
 class CheckpointError(ValueError):
     """A checkpoint kq cannot run: a ``config.json`` that cannot be read or holds a value no model has, a
     weights file that cannot be read, or tensors that disagree with the model ``config.json`` describes.
@@ -39,7 +41,7 @@ EXPERT_WIDTH_KEYS = {"qwen3_moe": "moe_intermediate_size", "mixtral": "intermedi
 # (gate, up, down), and the config key of its expert count.
 CHECKPOINT_LAYOUTS = {
     "qwen3_moe": ("model.layers.{layer}.mlp.experts.{expert}.{projection}.weight",
-                  ("gate_proj", "up_proj", "down_proj"), "num_experts"),
+                  EXPERT_PROJECTIONS, "num_experts"),
     "mixtral": ("model.layers.{layer}.block_sparse_moe.experts.{expert}.{projection}.weight",
                 ("w1", "w3", "w2"), "num_local_experts"),
 }
@@ -62,7 +64,7 @@ def trained_length(checkpoint) -> int | None:
     return None
 
 
-def expert_nbytes(checkpoint, projections=("gate_proj", "up_proj", "down_proj"), template=None) -> int:
+def expert_nbytes(checkpoint, projections=EXPERT_PROJECTIONS, template=None) -> int:
     """One expert's bytes in the checkpoint (every projection, the file's dtype)."""
     from kq_host.quantized import open_experts
 

@@ -21,6 +21,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from kq_core.contract import EXPERT_PROJECTIONS
 from kq_host.expert_store import PER_EXPERT_TEMPLATE, ExpertStore, ExpertStoreError
 from kq_host.tier import QuantizedWeight, dequantize
 
@@ -135,7 +136,7 @@ class DequantizedExperts:
         self.close()
 
 
-def open_experts(checkpoint: str | os.PathLike, projections: Sequence[str] = ("gate_proj", "up_proj", "down_proj"),
+def open_experts(checkpoint: str | os.PathLike, projections: Sequence[str] = EXPERT_PROJECTIONS,
                  *, template: str | None = None, dequantized: bool = True, **store_options):
     """A store of a checkpoint directory's experts, float or quantized.
 

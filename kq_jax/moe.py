@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kq_core.contract import TopkRouteShedResult
+from kq_core.contract import EXPERT_PROJECTIONS, TopkRouteShedResult
 from kq_host.tier import BITS, GROUP_SIZES
 from kq_jax.api import topk_route_shed
 from kq_jax.reference import normalize_topk_ref
@@ -51,7 +51,7 @@ class TierExperts(NamedTuple):
     group_size: int
 
 
-def tier_experts(layer: dict, *, bits: int, group_size: int, names=("gate_proj", "up_proj", "down_proj")):
+def tier_experts(layer: dict, *, bits: int, group_size: int, names=EXPERT_PROJECTIONS):
     """:class:`TierExperts` from ``kq_host.tier.Tier.layer(l)``'s ``{projection: QuantizedWeight}``."""
     return TierExperts(*(TierWeights(*(jnp.asarray(a) for a in layer[name])) for name in names),
                        bits=bits, group_size=group_size)

@@ -38,6 +38,7 @@ try:
 except ImportError as error:  # the one module of kq_jax that needs Flax
     raise ImportError("kq_jax.nnx needs Flax: pip install 'kq[nnx]'") from error
 
+from kq_core.contract import EXPERT_PROJECTIONS
 from kq_host.tier import BITS, GROUP_SIZES, quantize, scale_dtype
 from kq_jax.api import IMPLS, topk_route_shed
 from kq_jax.arena import pack_reports
@@ -45,7 +46,6 @@ from kq_jax.arena_moe import arena_moe
 from kq_jax.moe import Experts, TierExperts, TierWeights, check_tier, moe_ffn_resident, route, router_probs
 
 # The arena's projections, named as the expert store's tensors, ``JaxArena.arrays`` and the tier's layers.
-ARENA_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 _TIER_PARTS = ("packed", "scales", "biases")
 ON_MISS = ("shed", "tier")
 
@@ -281,12 +281,12 @@ class ArenaMoE(nnx.Module):
             bounds = np.iinfo(np.int32)
             if table.size and (table.min() < bounds.min or table.max() > bounds.max):
                 raise ValueError("ArenaMoE.set_residency: slot_table holds values outside int32")
-        variables = dict(zip(ARENA_PROJECTIONS, (self.arena_gating_SFD, self.arena_up_proj_SFD,
+        variables = dict(zip(EXPERT_PROJECTIONS, (self.arena_gating_SFD, self.arena_up_proj_SFD,
                                                  self.arena_down_proj_SDF)))
         if arena is not None:
-            if not isinstance(arena, Mapping) or set(arena) != set(ARENA_PROJECTIONS):
+            if not isinstance(arena, Mapping) or set(arena) != set(EXPERT_PROJECTIONS):
                 names = sorted(arena) if isinstance(arena, Mapping) else type(arena).__name__
-                raise ValueError(f"ArenaMoE.set_residency: arena must map exactly {list(ARENA_PROJECTIONS)} to "
+                raise ValueError(f"ArenaMoE.set_residency: arena must map exactly {list(EXPERT_PROJECTIONS)} to "
                                  f"arrays, got {names}")
             for name, variable in variables.items():
                 _check_array("ArenaMoE.set_residency", f"arena[{name!r}]", arena[name], variable[...])
@@ -360,7 +360,7 @@ class ArenaMoE(nnx.Module):
         table = np.full(e, -1, np.int32)
         table[ids] = np.arange(ids.size, dtype=np.int32)
         module.set_residency(table, {name: jnp.zeros((num_slots, *w.shape[1:]), w.dtype).at[:ids.size].set(w[ids])
-                                     for name, w in zip(ARENA_PROJECTIONS, experts)})
+                                     for name, w in zip(EXPERT_PROJECTIONS, experts)})
         if on_miss == "tier":
             module.set_tier(TierExperts(*(TierWeights(*(jnp.asarray(a) for a in quantize(
                 np.asarray(w), bits=tier_bits, group_size=tier_group_size))) for w in experts),

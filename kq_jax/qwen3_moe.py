@@ -21,11 +21,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from kq_core.contract import EXPERT_PROJECTIONS
 from kq_host.checkpoint import CheckpointError, read_config
 from kq_jax.moe import Experts, combine, experts_apply, router_probs
 from kq_jax.reference import normalize_topk_ref
 
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+PROJECTIONS = EXPERT_PROJECTIONS
 
 
 _POSITIVE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
