@@ -21,7 +21,7 @@ from kq_core.reports import REPORT_FIELDS  # noqa: E402
 from kq_host.residency import LayerReport, ResidencyManager  # noqa: E402
 from kq_jax.arena import JaxArena, pack_reports  # noqa: E402
 from kq_jax.moe import Experts, TierExperts, experts_apply, moe_ffn_arena, moe_ffn_tiered, route  # noqa: E402
-from kq_jax.nnx import ARENA_PROJECTIONS, ArenaMoE, ArenaSlots, DenseMoE, SlotTable  # noqa: E402
+from kq_jax.nnx import EXPERT_PROJECTIONS, ArenaMoE, ArenaSlots, DenseMoE, SlotTable  # noqa: E402
 from test_optional_backends import BLOCK  # noqa: E402
 
 D, F, E, K, T = 32, 32, 8, 2, 6
@@ -86,7 +86,7 @@ def test_a_permuted_arena_set_by_the_host_keeps_the_dense_bits(dense, inputs):
     table = np.empty(E, np.int32)
     table[order] = np.arange(E)
     arena = {name: jnp.zeros((E + 2, *w.shape[1:]), w.dtype).at[:E].set(w[order])
-             for name, w in zip(ARENA_PROJECTIONS, dense.experts())}
+             for name, w in zip(EXPERT_PROJECTIONS, dense.experts())}
     module.set_residency(table, arena)
     got, reports = _call(module, inputs)
     assert_same_bits(_call(dense, inputs), got)
@@ -152,7 +152,7 @@ def test_tier_mode_is_the_functional_tiered_layer(dense, inputs):
 
 def _loader(weights: Experts):
     """A loader of ``{projection: [L, E, ...]}`` host weights: each read returns the expert's payload."""
-    host = {name: np.asarray(w) for name, w in zip(ARENA_PROJECTIONS, weights)}
+    host = {name: np.asarray(w) for name, w in zip(EXPERT_PROJECTIONS, weights)}
 
     def load(layer, expert, slot):
         return {name: w[layer, expert] for name, w in host.items()}
@@ -160,7 +160,7 @@ def _loader(weights: Experts):
 
 
 def _arena_of(num_layers, weights: Experts, num_slots=S):
-    return JaxArena(num_layers, num_slots, {name: (w.shape[-2:], w.dtype) for name, w in zip(ARENA_PROJECTIONS,
+    return JaxArena(num_layers, num_slots, {name: (w.shape[-2:], w.dtype) for name, w in zip(EXPERT_PROJECTIONS,
                                                                                                 weights)})
 
 
@@ -217,7 +217,7 @@ def _loop(kernels, arrays, tables, h):
     """The functional layers one after the other: the scan's bits, layer by layer."""
     routings = []
     for layer in range(L):
-        arena = Experts(*(arrays[name][layer] for name in ARENA_PROJECTIONS))
+        arena = Experts(*(arrays[name][layer] for name in EXPERT_PROJECTIONS))
         y, routing = jax.jit(lambda h, w, a, t: moe_ffn_arena(h, w, a, t, top_k=K))(h, kernels[layer], arena,
                                                                                     tables[layer])
         h, routings = h + y, routings + [routing]
@@ -333,7 +333,7 @@ def test_a_layer_it_cannot_build_is_refused_by_name(options, argument):
 def test_bad_residency_is_refused_by_name_and_changes_nothing(dense):
     module, table = _partial(dense, "shed")
     before = {name: bits(v[...]) for name, v in (("table", module.slot_table_E), ("gate", module.arena_gating_SFD))}
-    good = {name: jnp.zeros(w.shape, w.dtype) for name, w in zip(ARENA_PROJECTIONS, module.arena())}
+    good = {name: jnp.zeros(w.shape, w.dtype) for name, w in zip(EXPERT_PROJECTIONS, module.arena())}
     for call, argument in (
             (lambda: module.set_residency(np.zeros(E + 1, np.int32)), "slot_table"),
             (lambda: module.set_residency(np.zeros(E, np.float32)), "slot_table"),
