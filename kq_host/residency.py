@@ -248,13 +248,12 @@ class _ReadBatch:
         """Whether every read (or every read at ``positions``) is done."""
         return self._done.count(1) == self.size if positions is None else bool(self.done[positions].all())
 
-    def run(self, loader: Loader, cancelled: threading.Event | None = None,
-            landed: threading.Condition | None = None) -> None:
-        """Claims and runs reads until none is left (or ``cancelled`` is set), notifying ``landed`` after each."""
+    def run(self, loader: Loader, cancelled: threading.Event, landed: Callable[[], None] | None = None) -> None:
+        """Claims and runs reads until none is left (or ``cancelled`` is set), calling ``landed`` after each."""
         layers, experts, slots = self._reads
         outcomes, failed, done, count = self.outcomes, self._failed, self._done, len(layers)
         for index in self._claims:
-            if index >= count or (cancelled is not None and cancelled.is_set()):
+            if index >= count or cancelled.is_set():
                 return
             try:
                 outcomes[index] = loader(layers[index], experts[index], slots[index])
@@ -263,8 +262,7 @@ class _ReadBatch:
                 failed[index] = 1
             done[index] = 1
             if landed is not None:
-                with landed:
-                    landed.notify_all()
+                landed()
 
 
 @dataclass
@@ -336,7 +334,8 @@ class ManagerBase:
 
     A subclass builds its tables after ``__init__`` (``pinned_experts`` holds the checked
     pinned sets), sets ``_snapshot``, keeps its reads in flight in ``_pending`` as it likes, calls
-    ``_notify_landed()`` when a read finishes on a loader thread, and defines ``snapshot()``,
+    ``_notify_landed()`` when a read finishes on a loader thread (as :class:`ResidencyManager`'s loader
+    threads do), and defines ``snapshot()``,
     ``pending()``, ``_all_landed()`` and ``_publish_landed()`` (publishes the reads done now).
     """
 
@@ -395,7 +394,13 @@ class ManagerBase:
             raise ManagerClosed(f"{type(self).__name__}.{method}: the manager was closed; it starts no read "
                                 f"(make a new manager to decode again)")
 
+    def _closed_meanwhile(self, method: str) -> ManagerClosed:
+        """The error of a call that finds the manager closed by another thread while it ran."""
+        return ManagerClosed(f"{type(self).__name__}.{method}: the manager was closed while this call ran (close ran "
+                             f"on another thread); it starts no further read")
+
     def _notify_landed(self) -> None:
+        """Wakes every call waiting for reads: a read finished on a loader thread."""
         with self._landed:
             self._landed.notify_all()
 
@@ -609,19 +614,30 @@ class ResidencyManager(ManagerBase):
 
     # ---- loading ------------------------------------------------------------------------
 
-    def _start_reads(self, layers: np.ndarray, experts: np.ndarray, slots: np.ndarray, *,
+    def _start_reads(self, method: str, layers: np.ndarray, experts: np.ndarray, slots: np.ndarray, *,
                      detached: bool = False) -> _ReadBatch:
         """Starts the reads of claimed slots, in order: on the pool, or inline without one (on a thread of
-        their own if ``detached``, so that a caller's timeout can end its wait)."""
+        their own if ``detached``, so that a caller's timeout can end its wait).
+
+        Raises:
+            ManagerClosed: :meth:`close` ran on another thread meanwhile: no read of the batch starts (its
+                slots stay claimed: the manager serves no further call), or, inline, the reads after the
+                one running when close returned do not (they stay pending).
+        """
         batch = _ReadBatch(layers, experts, slots)
-        if self._pool is not None:
-            batch.futures = [self._pool.submit(batch.run, self.loader, self._cancelled, self._landed)
-                             for _ in range(min(self.queue_depth, layers.size))]
-        elif detached:
-            batch.futures = [_DaemonPool.run_detached(batch.run, self.loader, self._cancelled, self._landed)]
-        else:
-            batch.run(self.loader)
-        self._pending.append(batch)
+        with self._landed:  # close marks the manager closed holding it: a read goes out before, or never
+            if self._closed:
+                raise self._closed_meanwhile(method)
+            self._pending.append(batch)
+            if self._pool is not None:
+                batch.futures = [self._pool.submit(batch.run, self.loader, self._cancelled, self._notify_landed)
+                                 for _ in range(min(self.queue_depth, layers.size))]
+        if self._pool is None and detached:
+            batch.futures = [_DaemonPool.run_detached(batch.run, self.loader, self._cancelled, self._notify_landed)]
+        elif self._pool is None:
+            batch.run(self.loader, self._cancelled)
+            if not batch.all_done():
+                raise self._closed_meanwhile(method)
         return batch
 
     def pending(self) -> list[PendingRead]:
@@ -775,7 +791,7 @@ class ResidencyManager(ManagerBase):
             if placed.size:
                 read = (np.full(placed.size, layer, np.int64), placed, free[:placed.size].astype(np.int64))
                 bookkeeping.claim(tables, *read)
-                batch = self._start_reads(*read, detached=timeout is not None)
+                batch = self._start_reads("preload", *read, detached=timeout is not None)
             if len(wanted) > free.size:
                 raise ValueError(f"preload: layer {layer} has no free slot for expert {wanted[free.size]}")
             requested = {(layer, e) for e in wanted}
@@ -812,8 +828,9 @@ class ResidencyManager(ManagerBase):
 
         Raises:
             ValueError: the reports or ``timeout`` are malformed (nothing is credited then, so a retry counts once).
-            ManagerClosed: the manager was closed (before, or by another thread while the step waited for its
-                loads; its bookkeeping is done then).
+            ManagerClosed: the manager was closed: before; by another thread while the fence ran (nothing is
+                credited then, and no read starts); or while the step placed or waited for its loads (its
+                bookkeeping is done then, and no further read starts).
             RuntimeError: another thread is inside ``step``, ``preload`` or ``drain`` of this
                 manager. A manager serves one decode thread: concurrent calls are refused, never
                 interleaved.
@@ -825,11 +842,14 @@ class ResidencyManager(ManagerBase):
         with self._exclusive("step"):
             if fence is not None:
                 fence()  # (1)
+                if self._closed:  # by another thread, while the fence waited: nothing credited, no read
+                    raise self._closed_meanwhile("step")
             shielded = self._ops.credit(tables, ids, scores, self._snapshot, self.token, self.keep_mass)  # (2)
             self._publish_landed()  # (3)
             reads = self._ops.place(tables, miss_ids, miss_scores, shielded, token=self.token,  # (4)
                                     read_budget=self.read_budget, backing_off=bool(self.failures))
-            batch = self._start_reads(*reads, detached=timeout is not None) if reads[0].size else None  # (5)
+            batch = (self._start_reads("step", *reads, detached=timeout is not None)  # (5)
+                     if reads[0].size else None)
             if self.decay_interval and self.token % self.decay_interval == self.decay_interval - 1:
                 bookkeeping.decay(tables)
             self.token += 1
@@ -903,7 +923,8 @@ class ResidencyManager(ManagerBase):
                                                 read_budget=None, backing_off=False)
                         if reads[0].size:
                             read_here[reads[1]] = True
-                            self._start_reads(reads[0] + layer, reads[1], reads[2], detached=timeout is not None)
+                            self._start_reads("acquire", reads[0] + layer, reads[1], reads[2],
+                                              detached=timeout is not None)
                             self._note_evicted_prefetches(layer)
                     unread = missing[tables.table[layer, missing] < 0]
                     if not unread.size:
@@ -984,7 +1005,8 @@ class ResidencyManager(ManagerBase):
                                     read_budget=budget, backing_off=bool(self.failures))
             batch = None
             if reads[0].size:
-                batch = self._start_reads(reads[0] + layer, reads[1], reads[2], detached=timeout is not None)
+                batch = self._start_reads("prefetch", reads[0] + layer, reads[1], reads[2],
+                                          detached=timeout is not None)
                 self._note_evicted_prefetches(layer)
                 for expert in reads[1].tolist():
                     self._unused_prefetches[(layer, expert)] = True

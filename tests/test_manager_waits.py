@@ -8,6 +8,7 @@ bound appears only as a generous upper bound proving that a timeout fired.
 
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -248,8 +249,13 @@ def test_close_while_another_thread_is_busy_in_a_fence_returns_within_its_timeou
         in_fence.set()
         release.wait(10)
 
-    worker = threading.Thread(target=lambda: stepped.append(
-        manager.step([LayerReport(ids, scores, shed.miss_ids, shed.miss_scores)], fence=fence)))
+    def run():
+        try:
+            stepped.append(manager.step([LayerReport(ids, scores, shed.miss_ids, shed.miss_scores)], fence=fence))
+        except BaseException as error:  # noqa: BLE001 - examined below
+            stepped.append(error)
+
+    worker = threading.Thread(target=run)
     worker.start()
     try:
         assert in_fence.wait(10)
@@ -259,9 +265,69 @@ def test_close_while_another_thread_is_busy_in_a_fence_returns_within_its_timeou
     finally:
         release.set()
         worker.join(10)
-    assert len(stepped) == 1 and stepped[0].shape == (1, 8)  # the step itself ran to its end
+    assert len(stepped) == 1 and isinstance(stepped[0], ManagerClosed), stepped  # closed under the fence
     with pytest.raises(ManagerClosed, match="step: the manager was closed"):
         manager.step([LayerReport(ids, scores, shed.miss_ids, shed.miss_scores)])
+
+
+@pytest.mark.parametrize("queue_depth", [0, 2])
+def test_a_step_whose_fence_outlasts_a_close_starts_no_read(queue_depth):
+    """close on another thread while a step waits in its fence, past close's timeout: the step raises
+    ManagerClosed once its fence returns, and no read starts (none runs, none is left pending)."""
+    in_fence, release = threading.Event(), threading.Event()
+    reads = []
+    manager = ResidencyManager(1, 8, 4, loader=lambda *read: reads.append(read) or 1, queue_depth=queue_depth,
+                               impl="numpy")
+    ids, scores = np.array([[1, 5]], np.int32), np.ones((1, 2), np.float32)
+    shed = route_shed(ids, scores, manager.snapshot()[0])
+    outcome = []
+
+    def fence():
+        in_fence.set()
+        release.wait(10)
+
+    def run():
+        try:
+            outcome.append(manager.step([LayerReport(ids, scores, shed.miss_ids, shed.miss_scores)], fence=fence))
+        except BaseException as error:  # noqa: BLE001 - examined below
+            outcome.append(error)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    try:
+        assert in_fence.wait(10)
+        assert manager.close(timeout=0.3) == []
+    finally:
+        release.set()
+        worker.join(10)
+    assert len(outcome) == 1 and isinstance(outcome[0], ManagerClosed), outcome
+    assert "step: the manager was closed" in str(outcome[0])
+    assert reads == [] and manager.pending() == [] and manager.resident(0) == {}
+    assert manager.stats()[1].lookups == 0 and manager.token == 0  # nothing credited: the step did not run
+
+
+@pytest.mark.parametrize("queue_depth", [0, 2])
+def test_a_close_that_returns_while_a_step_places_its_reads_stops_those_reads(queue_depth):
+    """close returns (its timeout spent on the busy step) after the step checked the manager open and before
+    it submits its reads: the submission is refused with ManagerClosed and no loader runs."""
+    reads, closes = [], []
+    manager = ResidencyManager(1, 8, 4, loader=lambda *read: reads.append(read) or 1, queue_depth=queue_depth,
+                               impl="numpy")
+    place = manager._ops.place
+
+    def place_then_close(*args, **kwargs):
+        placed = place(*args, **kwargs)
+        closer = threading.Thread(target=lambda: closes.append(manager.close(timeout=0.1)))
+        closer.start()
+        closer.join(10)
+        return placed
+
+    manager._ops = SimpleNamespace(credit=manager._ops.credit, place=place_then_close, publish=manager._ops.publish)
+    ids, scores = np.array([[1, 5]], np.int32), np.ones((1, 2), np.float32)
+    shed = route_shed(ids, scores, manager.snapshot()[0])
+    with pytest.raises(ManagerClosed, match="step: the manager was closed"):
+        manager.step([LayerReport(ids, scores, shed.miss_ids, shed.miss_scores)])
+    assert closes == [[]] and reads == [] and manager.pending() == []
 
 
 @pytest.mark.parametrize("call", ["step", "acquire", "prefetch", "preload", "drain", "next_token"])
