@@ -677,7 +677,8 @@ def attach_exact(model: nn.Module, blocks: list[ArenaLayer], manager, *, lookahe
     read on the critical path); with ``lookahead`` (None: where kq knows every layer's router,
     :class:`ArenaMoeBlock`), after each layer but the last the next layer's predicted experts are
     evaluated and ``manager.prefetch`` starts reading them (at most ``prefetch_budget`` a layer). The logits are the model's with every expert resident, bit for bit.
-    Call ``manager.next_token()`` after each token.
+    Call ``manager.next_token()`` after each token. Called again, it binds every layer (and the look-ahead's
+    prefetch) to the new ``manager`` and options.
 
     A pass that raises (a read failed or timed out: :class:`~kq_host.residency.PreloadError`) leaves every
     KV cache as it was before the pass: the decoder layers are wrapped so that each records its cache's
@@ -709,14 +710,19 @@ def attach_exact(model: nn.Module, blocks: list[ArenaLayer], manager, *, lookahe
         raise ValueError(f"attach_exact: lookahead predicts with kq's own routers ({sorted(ROUTERS)}); layers {seams} "
                          f"run at the SwitchGLU seam ({blocks[seams[0]].module_path}): pass lookahead=False")
     layers = _decoder_layers(model, blocks)
-    if lookahead and not any(isinstance(layer, _PassGuardLayer) for layer in layers):
+    # A call again (another manager, other options) starts from the decoder layers as attach_exact found them.
+    for index, layer in enumerate(layers):
+        if isinstance(layer, _PassGuardLayer):
+            layers[index] = layer.layer
+    if lookahead and not isinstance(layers[0], _LookaheadLayer):
         attach_lookahead(model, blocks)
-        for layer, wrapped in enumerate(layers[:-1]):
-            wrapped.prefetch = functools.partial(manager.prefetch, layer + 1, budget=prefetch_budget)
-    if not any(isinstance(layer, _PassGuardLayer) for layer in layers):
-        shared = _SharedCheckpoint()
-        for index in range(len(layers)):
-            layers[index] = _PassGuardLayer(layers[index], shared, index == 0)
+    for layer, wrapped in enumerate(layers[:-1]):
+        if isinstance(wrapped, _LookaheadLayer):  # predicting still (the same graph), prefetching only if asked
+            wrapped.prefetch = (functools.partial(manager.prefetch, layer + 1, budget=prefetch_budget)
+                                if lookahead else None)
+    shared = _SharedCheckpoint()
+    for index in range(len(layers)):
+        layers[index] = _PassGuardLayer(layers[index], shared, index == 0)
 
 
 def attach_tier(blocks: list[ArenaLayer], tier) -> None:

@@ -455,6 +455,29 @@ def test_the_exact_mode_is_the_model_to_the_bit_at_a_quarter_of_the_experts(make
     assert (stats["prefetches"].sum() > 0) == lookahead
 
 
+@pytest.mark.parametrize("first, second", [(True, True), (True, False), (False, True)])
+def test_attach_exact_again_binds_every_layer_and_the_look_ahead_to_the_new_manager(first, second):
+    """A second attach_exact after the first manager closed: the passes read through the second manager
+    alone (its acquire and, with look-ahead, its prefetch), the logits the model's bits."""
+    from kq_mlx.mlx_lm_adapter import attach_exact
+
+    tokens = [3, 1, 4, 1, 5, 9]
+    want = _decode_one_at_a_time(evaluated(qwen3_model, seed=8), tokens)
+    model = evaluated(qwen3_model, seed=8)
+    blocks = attach_arena(model, num_slots=EXPERTS // 4)
+    old = _manager_over(blocks, EXPERTS // 4, queue_depth=0)
+    attach_exact(model, blocks, old, lookahead=first)
+    old.close()
+    new = _manager_over(blocks, EXPERTS // 4, queue_depth=0)
+    attach_exact(model, blocks, new, lookahead=second)
+    got = _decode_one_at_a_time(model, tokens, after_step=new.next_token)
+    stats = new.lookahead_stats()
+    new.close()
+    for position, (a, b) in enumerate(zip(got, want)):
+        assert np.array_equal(a, b), f"token {position}"
+    assert stats["critical_reads"].sum() > 0 and (stats["prefetches"].sum() > 0) == second
+
+
 def test_attach_exact_refuses_a_manager_of_another_shape():
     from kq_mlx.mlx_lm_adapter import attach_exact
 
