@@ -328,10 +328,9 @@ class ExpertStore:
         return files
 
     def _descriptor(self, entry: TensorEntry) -> int:
-        """An open descriptor of the entry's file, checked to be the file whose header was read."""
+        """An open descriptor of the entry's file, checked to be the file whose header was read (for a read
+        counted in ``_reads_running``: a read running when :meth:`close` ran goes on, its files closed after it)."""
         with self._lock:
-            if self._closed:
-                raise ExpertStoreClosed(self._closed_message("read_expert"))
             if entry.path not in self._descriptors:
                 self._descriptors[entry.path] = os.open(entry.path, os.O_RDONLY)
             descriptor = self._descriptors[entry.path]

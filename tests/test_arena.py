@@ -391,6 +391,44 @@ def test_store_after_close_refuses_reads_and_submissions_by_name(tmp_path):
     store.close()  # a second close is harmless
 
 
+def test_store_close_lets_a_read_running_on_another_thread_end_then_closes_its_file(tmp_path):
+    """close while a read waits between its projections (in a slow host_allocator): the read ends with the
+    expert's bits, and the file closes when it does."""
+    write_stacked(tmp_path, 1, 2, np.float32)
+    path = (tmp_path / "experts.safetensors").resolve()
+    between, release, outcome, calls = threading.Event(), threading.Event(), [], []
+
+    def slow_after_the_first(shape, dtype):
+        calls.append(shape)
+        if len(calls) == 2:  # the second projection's buffer: the first projection is read
+            between.set()
+            release.wait(10)
+        return np.full(shape, 7, dtype)
+
+    store = ExpertStore(tmp_path, layout="stacked", host_allocator=slow_after_the_first)
+
+    def read():
+        try:
+            outcome.append(store.read_expert(0, 1))
+        except BaseException as error:  # noqa: BLE001 - examined below
+            outcome.append(error)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        assert between.wait(10), "the read never reached its second projection"
+        store.close()
+        assert _descriptors_to(path) in (1, None)  # the running read's file stays open
+    finally:
+        release.set()
+        reader.join(10)
+    got = outcome[-1]
+    assert isinstance(got, dict), got
+    for p in PROJECTIONS:
+        assert got[p].view(np.uint32).tolist() == weights(0, 1, p, np.float32).view(np.uint32).tolist()
+    assert _descriptors_to(path) in (0, None)  # closed once the read ended
+
+
 def test_store_concurrent_reads(tmp_path):
     write_stacked(tmp_path, 3, 16, np.float32)
     with ExpertStore(tmp_path, layout="stacked", queue_depth=8) as store:
