@@ -148,6 +148,15 @@ def _entry(path: Path, name: str, info, data_start: int, data_size: int, identit
     return TensorEntry(path, dtype, tuple(shape), data_start + begin, end - begin, identity)
 
 
+def _checked_ids(method: str, layer, expert) -> tuple[int, int]:
+    """``(layer, expert)`` as Python ints; ValueError naming the one that is no int >= 0 (NumPy ints count,
+    bools do not)."""
+    for name, value in (("layer", layer), ("expert", expert)):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"ExpertStore.{method}: {name} must be an int >= 0, got {value!r}")
+    return int(layer), int(expert)
+
+
 class ExpertStore:
     """Reads one expert of one layer (all its projections) from safetensors files.
 
@@ -398,7 +407,9 @@ class ExpertStore:
                 differs from ``expected`` (the message names file, tensor and expert), or
                 ``host_allocator`` buffers of two projections that overlap.
             ExpertStoreClosed: the store was closed.
+            ValueError: ``layer`` or ``expert`` is no int >= 0.
         """
+        layer, expert = _checked_ids("read_expert", layer, expert)
         with self._lock:
             if self._closed:
                 raise ExpertStoreClosed(self._closed_message("read_expert"))
@@ -464,7 +475,9 @@ class ExpertStore:
 
         Raises:
             ExpertStoreClosed: the store was closed.
+            ValueError: ``layer`` or ``expert`` is no int >= 0.
         """
+        layer, expert = _checked_ids("submit", layer, expert)
         with self._lock:
             if self._closing:
                 raise ExpertStoreClosed(self._closed_message("submit"))

@@ -429,6 +429,19 @@ def test_store_close_lets_a_read_running_on_another_thread_end_then_closes_its_f
     assert _descriptors_to(path) in (0, None)  # closed once the read ended
 
 
+def test_store_refuses_a_layer_or_expert_that_is_no_int_by_name(tmp_path):
+    write_stacked(tmp_path, 1, 2, np.float32)
+    with ExpertStore(tmp_path, layout="stacked") as store:
+        for layer, expert, name in ((0, 1.0, "expert"), (0, True, "expert"), (0, "1", "expert"), (0, -1, "expert"),
+                                    (0.0, 1, "layer"), (None, 1, "layer"), (-1, 1, "layer")):
+            with pytest.raises(ValueError, match=rf"ExpertStore.read_expert: {name} must be an int >= 0, got"):
+                store.read_expert(layer, expert)
+            with pytest.raises(ValueError, match=rf"ExpertStore.submit: {name} must be an int >= 0, got"):
+                store.submit(layer, expert)
+        got = store.read_expert(np.int64(0), np.uint8(1))
+        assert got["up_proj"].view(np.uint32).tolist() == weights(0, 1, "up_proj", np.float32).view(np.uint32).tolist()
+
+
 def test_store_concurrent_reads(tmp_path):
     write_stacked(tmp_path, 3, 16, np.float32)
     with ExpertStore(tmp_path, layout="stacked", queue_depth=8) as store:
