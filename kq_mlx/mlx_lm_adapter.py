@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import functools
 import re
+from collections.abc import Iterable, Sequence
 from typing import Callable, Collection
 
 import mlx.core as mx
@@ -40,7 +41,7 @@ import numpy as np
 import kq_mlx
 from kq_mlx import report_pack
 from kq_host.arena import check_payload, checked_payloads
-from kq_host.residency import LayerReport, PreloadError
+from kq_host.residency import LayerReport, PreloadError, deadline_of
 
 # SwitchGLU's projections (a SwitchMLP has fc1 and fc2): the names a tier's weights carry.
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -653,10 +654,65 @@ class _PassGuardLayer(nn.Module):
             raise
 
 
-def _check_timeout(function: str, timeout) -> None:
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not timeout >= 0):
-        raise ValueError(f"{function}: timeout must be None or a number of seconds >= 0, got {timeout!r}")
+def _check_manager_shape(function: str, manager, blocks: list[ArenaLayer]) -> None:
+    """ValueError where ``manager`` is not of the blocks' layers and slots."""
+    if manager.num_layers != len(blocks) or any(block.num_slots != manager.num_slots for block in blocks):
+        raise ValueError(f"{function}: the manager has {manager.num_layers} layers of {manager.num_slots} slots; "
+                         f"the model {len(blocks)} blocks of {sorted({b.num_slots for b in blocks})}")
+
+
+def _checked_read_retries(function: str, read_retries) -> int:
+    """``read_retries`` as an int; ValueError naming it where it is no int >= 0."""
+    if isinstance(read_retries, bool) or not isinstance(read_retries, (int, np.integer)) or read_retries < 0:
+        raise ValueError(f"{function}: read_retries must be an int >= 0, got {read_retries!r}")
+    return int(read_retries)
+
+
+def _check_cache(function: str, cache) -> None:
+    """ValueError naming ``cache`` where it is not a model's cache: a non-empty list of per-layer caches."""
+    if (not isinstance(cache, (list, tuple)) or not cache
+            or not all(hasattr(layer_cache, "state") and hasattr(layer_cache, "offset") for layer_cache in cache)):
+        raise ValueError(f"{function}: cache must be the model's cache, a list of one cache a layer "
+                         f"(mlx_lm.models.cache.make_prompt_cache(model)), got {cache!r:.80}")
+
+
+def _vocabulary_size(model: nn.Module) -> int | None:
+    """The token ids ``model`` takes: the rows of its token embedding (the embedding named ``embed_tokens``, else
+    its first), else its args' ``vocab_size``; None where it has neither."""
+    embeddings = [(path, module) for path, module in model.named_modules()
+                  if isinstance(module, (nn.Embedding, nn.QuantizedEmbedding))]
+    if embeddings:
+        _, embedding = next(((path, module) for path, module in embeddings if path.rpartition(".")[2] == "embed_tokens"),
+                            embeddings[0])
+        return int(embedding.weight.shape[0])
+    vocabulary = getattr(getattr(model, "args", None), "vocab_size", None)
+    if isinstance(vocabulary, (int, np.integer)) and not isinstance(vocabulary, bool) and vocabulary > 0:
+        return int(vocabulary)
+    return None
+
+
+def _token_ids(function: str, prompt, vocabulary: int | None) -> list[int]:
+    """``prompt`` (a sequence of ints or a 1-D integer array) as ints in ``[0, vocabulary)``; ValueError naming
+    ``prompt`` otherwise (an empty prompt, anything else, an id outside the vocabulary)."""
+    if isinstance(prompt, mx.array):
+        prompt = np.array(prompt)
+    ids = None
+    if isinstance(prompt, (Sequence, np.ndarray)) and not isinstance(prompt, (str, bytes)):
+        try:
+            ids = np.asarray(prompt)
+        except (ValueError, TypeError):  # ragged, or items NumPy cannot take
+            ids = None
+    if ids is not None and ids.ndim == 1 and ids.size == 0:
+        raise ValueError(f"{function}: the prompt must hold at least one token")
+    if ids is None or ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise ValueError(f"{function}: prompt must be token ids, a list of ints or a 1-D integer array, got "
+                         f"{prompt!r:.80}")
+    outside = (ids < 0) | (ids >= vocabulary) if vocabulary is not None else ids < 0
+    if outside.any():
+        position = int(np.argmax(outside))
+        raise ValueError(f"{function}: prompt's token ids must lie in [0, {vocabulary}) (the model's vocabulary), "
+                         f"got {int(ids[position])} at position {position}")
+    return ids.tolist()
 
 
 def _decoder_layers(model: nn.Module, blocks: list[ArenaLayer]) -> list:
@@ -697,10 +753,8 @@ def attach_exact(model: nn.Module, blocks: list[ArenaLayer], manager, *, lookahe
         ValueError: the manager's shape is not the blocks', ``timeout`` is not None or a number >= 0, or
             ``lookahead=True`` with layers at the SwitchGLU seam.
     """
-    _check_timeout("attach_exact", timeout)
-    if manager.num_layers != len(blocks) or any(block.num_slots != manager.num_slots for block in blocks):
-        raise ValueError(f"attach_exact: the manager has {manager.num_layers} layers of {manager.num_slots} slots; "
-                         f"the model {len(blocks)} blocks of {sorted({b.num_slots for b in blocks})}")
+    deadline_of("attach_exact", timeout)  # the manager's own check of a timeout
+    _check_manager_shape("attach_exact", manager, blocks)
     for layer, block in enumerate(blocks):
         block.rule, block.manager, block.layer, block.timeout = "exact", manager, layer, timeout
     if lookahead is None:
@@ -868,7 +922,8 @@ def prefill(model: nn.Module, blocks: list[ArenaLayer], manager, prompt, cache, 
     Args:
         model: the mlx-lm model, its experts on :func:`attach_arena`'s ``blocks``.
         manager: the :class:`~kq_host.residency.ResidencyManager` filling the arenas (:class:`SwitchGLUArena`).
-        prompt: token ids, a sequence of ints (at least one).
+        prompt: token ids in the model's vocabulary (its embedding's rows), a sequence of ints or a 1-D integer
+            array (at least one).
         cache: the model's cache (``mlx_lm.models.cache.make_prompt_cache(model)``), extended by the prompt.
         timeout: seconds each ``acquire`` may wait for its reads (None: no limit).
         read_retries: times a failed read is read again (the routing not credited again) before the error.
@@ -878,28 +933,24 @@ def prefill(model: nn.Module, blocks: list[ArenaLayer], manager, prompt, cache, 
         float ``[V]``: the logits after the prompt's last token (the model's dtype), evaluated.
 
     Raises:
-        ValueError: an empty prompt, a bad ``step_size``, ``timeout`` or ``read_retries``, or a manager of
-            another shape.
+        ValueError: an empty prompt, an id outside the vocabulary, a bad ``step_size``, ``timeout``,
+            ``read_retries`` or ``cache``, or a manager of another shape.
         PreloadError: a read failed ``read_retries`` more times or was out past ``timeout`` (the message
             names the layer and the experts); the cache is then as before the pass that failed (a
             RuntimeError says so where a cache cannot be cut back).
     """
-    _check_timeout("prefill", timeout)
-    if isinstance(read_retries, bool) or not isinstance(read_retries, (int, np.integer)) or read_retries < 0:
-        raise ValueError(f"prefill: read_retries must be an int >= 0, got {read_retries!r}")
+    deadline_of("prefill", timeout)  # the manager's own check of a timeout
+    read_retries = _checked_read_retries("prefill", read_retries)
     if isinstance(step_size, bool) or not isinstance(step_size, (int, np.integer)) or step_size < 1:
         raise ValueError(f"prefill: step_size must be an int >= 1, got {step_size!r}")
-    tokens = [int(t) for t in prompt]
-    if not tokens:
-        raise ValueError("prefill: the prompt must hold at least one token")
-    if manager.num_layers != len(blocks) or any(block.num_slots != manager.num_slots for block in blocks):
-        raise ValueError(f"prefill: the manager has {manager.num_layers} layers of {manager.num_slots} slots; "
-                         f"the model {len(blocks)} blocks of {sorted({b.num_slots for b in blocks})}")
+    tokens = _token_ids("prefill", prompt, _vocabulary_size(model))
+    _check_cache("prefill", cache)
+    _check_manager_shape("prefill", manager, blocks)
     saved = [(block.rule, block.manager, block.layer, block.timeout, block.read_retries) for block in blocks]
     try:
         for layer, block in enumerate(blocks):
             block.rule, block.manager, block.layer, block.timeout = "exact", manager, layer, timeout
-            block.read_retries = int(read_retries)
+            block.read_retries = read_retries
         for start in range(0, len(tokens), step_size):
             checkpoint = _CacheCheckpoint(cache)
             try:
@@ -956,7 +1007,8 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
     Args:
         model: the mlx-lm model, its blocks wrapped by :func:`attach_arena` (``blocks``).
         manager: the :class:`~kq_host.residency.ResidencyManager` filling the blocks' arenas.
-        prompt: the prompt's token ids (at least one); max_tokens: tokens to generate (at least one).
+        prompt: the prompt's token ids in the model's vocabulary, a sequence of ints or a 1-D integer array (at
+            least one); max_tokens: tokens to generate, an int (at least one).
         overlap: dispatch the next token before this token's boundary.
         exact: run a token again until it misses nothing (needs caches that can be put back: trimmable
             KV caches, or the arrays caches of linear-attention and state-space layers).
@@ -975,8 +1027,9 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
         The ``max_tokens`` generated ids, or fewer ending in an id of ``stop_tokens``.
 
     Raises:
-        ValueError: an empty prompt, ``max_tokens < 1``, a bad ``timeout`` or ``read_retries``, or
-            ``exact`` with a cache that cannot be put back.
+        ValueError: an empty prompt, an id outside the vocabulary, ``max_tokens`` no int >= 1, a bad
+            ``timeout``, ``read_retries``, ``stop_tokens`` or ``cache``, or ``exact`` with a cache that cannot be
+            put back.
         PreloadError: with ``exact``, a read failed ``read_retries`` more times, or reads were out past
             ``timeout`` (``.failed`` and ``.pending`` list them).
         RuntimeError: with ``exact``, a token still misses after ``L + 1`` runs with no read failing (an
@@ -984,15 +1037,19 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
     """
     from mlx_lm.models.cache import make_prompt_cache
 
-    if not prompt or max_tokens < 1:
-        raise ValueError(f"generate_greedy: needs a prompt of at least one token and max_tokens >= 1, got "
-                         f"{len(prompt)} prompt tokens and max_tokens={max_tokens}")
-    _check_timeout("generate_greedy", timeout)
-    if isinstance(read_retries, bool) or not isinstance(read_retries, (int, np.integer)) or read_retries < 0:
-        raise ValueError(f"generate_greedy: read_retries must be an int >= 0, got {read_retries!r}")
+    prompt = _token_ids("generate_greedy", prompt, _vocabulary_size(model))
+    if isinstance(max_tokens, (bool, np.bool_)) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
+        raise ValueError(f"generate_greedy: max_tokens must be an int >= 1, got {max_tokens!r}")
+    deadline_of("generate_greedy", timeout)  # the manager's own check of a timeout
+    read_retries = _checked_read_retries("generate_greedy", read_retries)
+    if (isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, Iterable)
+            or not all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in stop_tokens)):
+        raise ValueError(f"generate_greedy: stop_tokens must be a collection of token ids (ints), got "
+                         f"{stop_tokens!r:.80}")
+    stop_tokens = frozenset(int(t) for t in stop_tokens)
     if cache is None:
         cache = make_prompt_cache(model)
-    stop_tokens = frozenset(int(t) for t in stop_tokens)
+    _check_cache("generate_greedy", cache)
     if exact and not _CacheCheckpoint(cache).restorable():
         raise ValueError("generate_greedy: exact=True runs a token again, which needs caches that can be put "
                          "back (trimmable KV caches or arrays caches); this model's cannot")

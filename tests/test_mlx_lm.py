@@ -924,3 +924,62 @@ def test_generate_greedy_ends_at_the_first_stop_token_and_extends_a_given_cache(
     assert got == want[:want.index(stop) + 1]
     assert cache[0].offset >= 4 + len(got) - 1  # the given cache took the prompt and the tokens
     manager.close()
+
+
+@pytest.mark.parametrize("make_model", [qwen3_model, _quantized(qwen3_model), deepseek_v3_model],
+                         ids=["qwen3_moe", "qwen3_moe-q4", "deepseek_v3"])
+def test_token_ids_outside_the_vocabulary_are_refused_by_name(make_model):
+    """The models' vocabulary is 128 ids (their embedding's rows): an id past it or below 0 is refused before
+    any pass runs, by generate_greedy and prefill alike; nothing is read, no cache takes a token."""
+    from kq_mlx.mlx_lm_adapter import generate_greedy, prefill
+
+    model = evaluated(make_model, seed=7)
+    blocks = attach_arena(model, num_slots=6)
+    manager = ResidencyManager(len(blocks), EXPERTS, 6, loader=lambda l, e, s: blocks[l].expert_weights(e),
+                               arena=SwitchGLUArena(blocks), queue_depth=0)
+    cache = make_prompt_cache(model)
+    for prompt, bad in (([2, 7, 1, 500], 500), ([2, -5, 1, 8], -5), ([128], 128)):
+        for exact in (False, True):
+            with pytest.raises(ValueError, match=rf"generate_greedy: prompt's token ids must lie in \[0, 128\) "
+                                                 rf"\(the model's vocabulary\), got {bad}"):
+                generate_greedy(model, blocks, manager, prompt, 2, exact=exact, cache=cache)
+        with pytest.raises(ValueError, match=rf"prefill: prompt's token ids must lie in \[0, 128\).*got {bad}"):
+            prefill(model, blocks, manager, prompt, cache)
+    with pytest.raises(ValueError, match=r"prefill: prompt's token ids must lie in \[0, 128\).*got 1000"):
+        prefill(model, blocks, manager, [1000], cache)
+    assert manager.stats()[1].lookups == 0 and manager.pending() == [] and manager.token == 0
+    assert all(c.offset == 0 for c in cache)
+    assert len(generate_greedy(model, blocks, manager, [127, 0], 2, cache=cache)) == 2  # the edges are ids
+    manager.close()
+
+
+def test_generate_greedy_and_prefill_name_each_bad_argument():
+    from kq_mlx.mlx_lm_adapter import generate_greedy, prefill
+
+    model = evaluated(qwen3_model, seed=7)
+    blocks = attach_arena(model, num_slots=6)
+    manager = _manager_over(blocks, 6, queue_depth=0)
+    want = _greedy_prefilled(qwen3_model, 7, [2, 7, 1, 8], 3)
+    for prompt in ([2, 7, 1, 8], np.array([2, 7, 1, 8]), np.array([2, 7, 1, 8], np.uint8), (2, 7, 1, 8),
+                   [np.int64(2), 7, 1, 8], mx.array([2, 7, 1, 8])):
+        assert generate_greedy(model, blocks, manager, prompt, 3, exact=True) == want
+    for prompt in ("abc", None, 5, [[2, 7], [1, 8]], np.array([[2, 7, 1, 8]]), [2.0, 7.0], [True, False],
+                   [2, [7]], np.array([])):
+        for call in (lambda: generate_greedy(model, blocks, manager, prompt, 2),
+                     lambda: prefill(model, blocks, manager, prompt, make_prompt_cache(model))):
+            with pytest.raises(ValueError, match=r"(generate_greedy|prefill): (the )?prompt"):
+                call()
+    for max_tokens in (None, 2.5, True, 0, -1, "3", np.float32(2)):
+        with pytest.raises(ValueError, match=r"generate_greedy: max_tokens must be an int >= 1, got "):
+            generate_greedy(model, blocks, manager, [2, 7], max_tokens)
+    assert len(generate_greedy(model, blocks, manager, [2, 7], np.int64(2))) == 2
+    for stop_tokens in ("ab", [1.5], 3, [None], [True]):
+        with pytest.raises(ValueError, match=r"generate_greedy: stop_tokens must be a collection of token ids"):
+            generate_greedy(model, blocks, manager, [2, 7], 2, stop_tokens=stop_tokens)
+    for cache in (None, [None], "cache", 3):
+        with pytest.raises(ValueError, match=r"prefill: cache must be the model's cache"):
+            prefill(model, blocks, manager, [2, 7], cache)
+    for cache in ([None], "cache", 3):
+        with pytest.raises(ValueError, match=r"generate_greedy: cache must be the model's cache"):
+            generate_greedy(model, blocks, manager, [2, 7], 2, cache=cache)
+    manager.close()
