@@ -146,9 +146,7 @@ def _bench(args, parser) -> int:
     try:
         results = kernels.run(tuple(sets), args.backends, shapes=tuple(args.shapes or ()), repeats=args.repeats,
                               resident_fraction=args.resident_fraction, progress=not args.no_progress)
-    except ValueError as error:  # the backends are known only once their frameworks have started
-        if "unknown or unavailable backends" not in str(error):
-            raise
+    except kernels.UnknownBackendError as error:  # the backends are known only once their frameworks have started
         parser.error(f"--backends: {str(error).removeprefix('kq bench: ')}")
     print(kernels.format_table(results))
     if args.json:
@@ -160,136 +158,73 @@ def _bench(args, parser) -> int:
     return 0
 
 
-# `kq demo`'s options that apply to one of its two runs only: given to the other, refused. The random
-# stack's sizes default to DemoConfig's; the rest to these.
+# `kq demo`'s options that apply to one of its two runs only: given to the other, refused. Those not given
+# take ModelDemoConfig's or DemoConfig's defaults (the random stack's plot: DEMO_RANDOM_PLOT).
 DEMO_RANDOM_ONLY = ("layers", "experts", "top_k", "hidden", "ffn", "rows", "steps", "keep_mass", "read_budget",
                     "seed", "plot")
-DEMO_DEFAULTS = {"plot": Path("kq_demo.png"), "checkpoint": None, "prompt": "def read_config(path):\n",
-                 "tokens": 48, "rule": "tier", "tier_bits": 4}
 DEMO_MODEL_ONLY = ("checkpoint", "prompt", "tokens", "rule", "tier_bits")
+DEMO_RANDOM_PLOT = Path("kq_demo.png")
 
 
-def _demo_options(args, parser) -> None:
-    """Refuses an option of the other run; fills in this run's defaults that DemoConfig does not hold."""
-    own, other = (DEMO_RANDOM_ONLY, DEMO_MODEL_ONLY) if args.random else (DEMO_MODEL_ONLY, DEMO_RANDOM_ONLY)
+def _refuse_other_runs_options(args, parser) -> None:
+    """Refuses an option given that belongs to the other of ``kq demo``'s two runs."""
+    other = DEMO_MODEL_ONLY if args.random else DEMO_RANDOM_ONLY
     for name in other:
         if hasattr(args, name):
             flag = "--" + name.replace("_", "-")
             parser.error(f"{flag} does not apply with --random" if args.random else
                          f"{flag} only applies with --random")
-    for name in own:
-        if not hasattr(args, name) and name in DEMO_DEFAULTS:
-            setattr(args, name, DEMO_DEFAULTS[name])
 
 
-def _demo_config(args, parser):
-    from kq import demo
-
-    frameworks = tuple(args.frameworks) if args.frameworks else demo.available_frameworks()
-    given = {name: getattr(args, name) for name in DEMO_RANDOM_ONLY if name != "plot" and hasattr(args, name)}
-    try:
-        return demo.DemoConfig(**given, residency=args.residency, policy=args.policy, frameworks=frameworks)
-    except ValueError as error:
-        parser.error(str(error))
+def _given(args, names) -> dict:
+    """The options among ``names`` given on the command line (the others are absent from ``args``)."""
+    return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 
 def _demo_model(args, parser) -> int:
-    from kq import study
+    from kq import demo
 
-    frameworks = args.frameworks or [f for f, module in (("mlx", "mlx_lm"), ("jax", "jax"))
-                                     if importlib.util.find_spec(module) is not None]
+    frameworks = tuple(args.frameworks or demo.installed_frameworks())
     if not frameworks or importlib.util.find_spec("tokenizers") is None:
         print("kq demo needs mlx-lm or JAX, and tokenizers (pip install -e '.[demo]')")
         return 1
-    if not 0.0 < args.residency <= 1.0:
-        parser.error(f"--residency is the fraction of each layer's experts in the arena, in (0, 1]; "
-                     f"got {args.residency}")
-    if not args.prompt:
-        parser.error("--prompt is empty: give the model some text to continue")
     try:
-        layers = study.checkpoint_config(args.checkpoint, frameworks[0])["num_hidden_layers"]
+        config = demo.ModelDemoConfig(**_given(args, DEMO_MODEL_ONLY), residency=args.residency, policy=args.policy,
+                                      frameworks=frameworks)
     except ValueError as error:
         parser.error(str(error))
-    misses = {"tier": f"each miss served by its {args.tier_bits}-bit copy", "route_shed": "misses shed, kept weights rescaled",
-              "shed": "misses shed", "exact": "each miss read before its layer's experts run, the next layer's "
-                                              "predicted experts prefetched"}[args.rule]
-    print(f"{args.checkpoint}: greedy text after {args.prompt!r}, {args.tokens} tokens, experts served from an arena "
-          f"of {args.residency:.0%} of each layer's experts ({misses}; {args.policy}), beside the model with every "
-          f"expert in memory")
-    if args.rule != "exact":
-        served = "a miss's low-precision copy" if args.rule == "tier" else "shedding a miss"
-        print(f"The text through the arena may differ from the resident model's after a few tokens: {served} changes "
-              f"the layer's output a little, and a greedy decode follows the change. `kq demo --rule exact` reads "
-              f"each miss before its layer runs and gives the resident model's text word for word.")
-    for framework in frameworks:
-        if args.rule == "exact":
-            _demo_exact(framework, args)
-            continue
-        streamed, result, resident = study.generate(framework, args.checkpoint, args.prompt, args.tokens,
-                                                    args.residency, args.policy, args.rule, args.tier_bits)
-        s = result.summary()
-        same = "the same text" if streamed == resident else "a different text"
-        print(f"\n== {framework}: through the arena ({result.slots} slots per layer)\n{args.prompt}{streamed}")
-        print(f"== {framework}: every expert resident ({same})\n{args.prompt}{resident}")
-        print(f"== {framework}: hit rate {s['hit_rate']:.3f}; routed gate weight not served, summed over the "
-              f"{layers} layers: {s['shed_mass_per_token']:.3f} per token of {result.routed_mass / result.tokens:.3f}; "
-              f"{s['reads_per_token']:.1f} expert reads and {s['mib_per_token']:.2f} MiB per token; experts in memory "
-              f"{s['memory_mib']:.1f} MiB")
-        first, *rest = result.trace["token_seconds"]
-        print(f"== {framework}: {1 / float(np.median(rest)):.0f} tokens/s (the median token, its graph, readback and "
-              f"the residency manager's step; the first token, compiling, took {first:.2f} s)")
+    print(demo.format_header(config))
+    for framework in config.frameworks:
+        print(demo.format_texts(config, demo.generate_texts(config, framework)))
     return 0
 
 
-def _demo_exact(framework: str, args) -> None:
-    """``kq demo --rule exact``: the text through the exact layer-by-layer loop beside the resident model's."""
-    from tokenizers import Tokenizer
+def _demo_random(args, parser) -> int:
+    from kq import demo_random
 
-    from kq import study
-    from kq.exact import generate_exact
-
-    tokenizer = Tokenizer.from_file(str(Path(args.checkpoint) / "tokenizer.json"))
-    ids = tokenizer.encode(args.prompt).ids
-    run = generate_exact(framework, args.checkpoint, ids, args.tokens, args.residency, args.policy)
-    streamed = tokenizer.decode(run.tokens[len(ids):])
-    _, _, resident = study.generate(framework, args.checkpoint, args.prompt, args.tokens, 1.0, args.policy, "stall")
-    same = "the same text" if streamed == resident else "a different text"
-    print(f"\n== {framework}: the exact loop ({run.slots} slots per layer)\n{args.prompt}{streamed}")
-    print(f"== {framework}: every expert resident ({same})\n{args.prompt}{resident}")
-    print(f"== {framework}: hit rate {run.hit_rate:.3f} (a prefetch still loading when routed is a miss); "
-          f"{run.hit_rate_counting_late:.3f} counting the {run.prefetch_late} late prefetches as hits (the first "
-          f"depends on how fast reads land against this framework's compute, the second on the predictions "
-          f"alone); {run.critical_reads_per_token:.1f} "
-          f"expert reads per token waited for; {run.mib_per_token:.2f} MiB read per token; experts in memory "
-          f"{run.memory_mib:.1f} MiB")
-    from_prompt = f" + {run.unused_before} still unused from the prompt" if run.unused_before else ""
-    print(f"== {framework}: prefetches over the {run.generated} tokens: {run.prefetches} started{from_prompt} = "
-          f"{run.prefetch_used} used + {run.prefetch_late} late (still loading when routed: waited for) + "
-          f"{run.prefetch_wasted} wasted (evicted or failed before any use) + {run.unused_after} still unused at "
-          f"the end")
-    print(f"== {framework}: {1 / float(np.median(run.token_seconds)):.0f} tokens/s (the median generated token, "
-          f"layer by layer with the host between layers)")
-
-
-def _demo(args, parser) -> int:
-    from kq import demo, study
-
-    _demo_options(args, parser)
-    if not args.random:
-        args.checkpoint = args.checkpoint or study.SHIPPED_MODEL
-        return _demo_model(args, parser)
-    cfg = _demo_config(args, parser)
+    frameworks = tuple(args.frameworks) if args.frameworks else demo_random.available_frameworks()
+    try:
+        cfg = demo_random.DemoConfig(**_given(args, (n for n in DEMO_RANDOM_ONLY if n != "plot")),
+                                     residency=args.residency, policy=args.policy, frameworks=frameworks)
+    except ValueError as error:
+        parser.error(str(error))
     missing = [m for m in ("safetensors", "matplotlib") if importlib.util.find_spec(m) is None]
     if not cfg.frameworks or missing:
         print(f"kq demo needs JAX or mlx-lm, safetensors and matplotlib; missing: "
               f"{', '.join(missing) or 'JAX and mlx-lm'} (pip install -e '.[demo]')")
         return 1
-    traces = demo.run(cfg)
-    print(demo.summarize(cfg, traces))
-    if args.plot:
-        demo.plot(traces, args.plot)
-        print(f"wrote {args.plot}")
+    traces = demo_random.run(cfg)
+    print(demo_random.summarize(cfg, traces))
+    plot = getattr(args, "plot", DEMO_RANDOM_PLOT)
+    if plot:
+        demo_random.plot(traces, plot)
+        print(f"wrote {plot}")
     return 0
+
+
+def _demo(args, parser) -> int:
+    _refuse_other_runs_options(args, parser)
+    return _demo_random(args, parser) if args.random else _demo_model(args, parser)
 
 
 def _generate(args, parser) -> int:
@@ -332,13 +267,13 @@ def _study(args, parser) -> int:
     print(study.format_table(resident, results))
     replay = None
     if args.lookahead:
-        from kq import lookahead
+        from kq.replay import format_replay, replay_grid
 
-        replay = lookahead.replay_grid(dataclasses.replace(config, streams=1), config.residencies, config.policies,
-                                       depths=sorted({0, *args.lookahead}), budgets=(None, *args.prefetch_budget))
-        print(f"\nThe exact loop replayed ({lookahead.__name__}.simulate: a prefetch issued after layer l lands "
+        replay = replay_grid(dataclasses.replace(config, streams=1), config.residencies, config.policies,
+                             depths=sorted({0, *args.lookahead}), budgets=(None, *args.prefetch_budget))
+        print("\nThe exact loop replayed (kq.replay.simulate: a prefetch issued after layer l lands "
               f"before layer l+1 routes), {config.tokens} tokens:")
-        print(lookahead.format_replay(replay))
+        print(format_replay(replay))
     for path, write in ((args.json, study.write_json), (args.plot, None)):
         if path:
             if write:

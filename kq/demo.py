@@ -1,346 +1,361 @@
-"""``kq demo``: a stack of MoE blocks decoding with a fraction of its experts resident.
+"""``kq demo``: the shipped model generating text through an arena of a fraction of its experts.
 
-Builds random weights for ``layers`` Qwen3-MoE-style blocks (softmax top-k
-router, renormalised; SwiGLU experts), saves them as safetensors (one tensor per
-expert, HF names) in a temporary directory, and decodes ``steps`` tokens twice
-per framework: with every expert in memory, and streamed, with ``residency`` of
-each layer's experts in an arena fed by the residency manager and real file
-reads through :class:`kq_host.expert_store.ExpertStore`. The hidden states drift
-slowly from step to step, so routing has the temporal locality real decode has.
+A ``qwen3_moe`` checkpoint (the shipped ``models/stdlib-moe`` by default) continues a prompt greedily twice
+per framework: once with each layer's experts served from an arena of ``residency`` of them, filled between
+tokens by the residency manager from the checkpoint's safetensors files, and once with every expert in
+memory. A routed expert that is not in the arena is handled by the ``rule`` (``DEMO_RULES``):
 
-Random weights are not a trained router: the numbers show the mechanism and its
-costs, not the quality loss of a real model.
+* ``tier``: served by its copy in a low-precision tier of every expert (``tier_bits`` per weight);
+* ``route_shed``: shed, the kept weights rescaled to the routed mass; ``shed``: shed, the kept weights as
+  they are;
+* ``exact``: read before its layer's experts run, the next layer's predicted experts prefetched
+  (:class:`kq_jax.exact_loop.ExactLoop`, :func:`kq_mlx.mlx_lm_adapter.attach_exact`): the resident model's
+  text at any residency.
+
+:func:`generate_texts` runs one framework, :func:`format_header` and :func:`format_texts` give the lines
+``kq demo`` prints; :func:`generate_through_arena` and :func:`generate_exact` are the two generations.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from kq.terminal import render_table
-from kq_core.contract import MAX_TOP_K
-from kq_host.expert_store import ExpertStore
-from kq_host.residency import LayerReport, ResidencyManager
+from kq.study import SHIPPED_MODEL, RunResult, StudyConfig, checkpoint_config, make_study
+from kq_core.contract import EXPERT_PROJECTIONS
 
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+DEMO_RULES = ("tier", "route_shed", "shed", "exact")
+FRAMEWORK_PACKAGES = {"mlx": "mlx_lm", "jax": "jax"}  # each framework and the package it needs, MLX first
 
 
-@dataclass
-class DemoConfig:
-    layers: int = 8
-    experts: int = 64
-    top_k: int = 8
-    hidden: int = 256
-    ffn: int = 128
-    rows: int = 1
-    steps: int = 200
-    residency: float = 0.25
+def installed_frameworks() -> tuple[str, ...]:
+    """The frameworks whose package is installed here, MLX first: ``("mlx", "jax")`` or part of it."""
+    return tuple(name for name, package in FRAMEWORK_PACKAGES.items() if importlib.util.find_spec(package) is not None)
+
+
+@dataclass(frozen=True)
+class ModelDemoConfig:
+    """One ``kq demo`` of a checkpoint; checked on construction, errors naming ``kq demo``'s options.
+
+    ``layers`` is read from the checkpoint's ``config.json``.
+    """
+
+    checkpoint: Path = SHIPPED_MODEL
+    prompt: str = "def read_config(path):\n"
+    tokens: int = 48  # tokens to generate
+    residency: float = 0.25  # fraction of each layer's experts in the arena
     policy: str = "lfu"
-    keep_mass: float = 0.9
-    read_budget: int | None = None
-    drift: float = 0.05
-    seed: int = 0
-    queue_depth: int = 8
-    frameworks: tuple[str, ...] = ("jax", "mlx")
+    rule: str = "tier"
+    tier_bits: int = 4
+    frameworks: tuple[str, ...] = field(default_factory=installed_frameworks)
+    layers: int = field(init=False)
 
     def __post_init__(self):
-        positive = {"layers": self.layers, "experts": self.experts, "hidden": self.hidden, "ffn": self.ffn,
-                    "rows": self.rows, "steps": self.steps}
-        for name, value in positive.items():
-            if value < 1:
-                raise ValueError(f"--{name} must be at least 1, got {value}")
-        if not 1 <= self.top_k <= min(self.experts, MAX_TOP_K):
-            raise ValueError(f"--top-k must be in [1, min(--experts, {MAX_TOP_K})] = [1, "
-                             f"{min(self.experts, MAX_TOP_K)}], got {self.top_k}")
+        from kq_host.tier import BITS
+
+        object.__setattr__(self, "checkpoint", Path(self.checkpoint))
+        object.__setattr__(self, "frameworks", tuple(self.frameworks))
+        if not self.frameworks or not set(self.frameworks) <= set(FRAMEWORK_PACKAGES):
+            raise ValueError(f"--frameworks must be one or more of {sorted(FRAMEWORK_PACKAGES)}, "
+                             f"got {self.frameworks}")
+        if not (isinstance(self.tokens, int) and not isinstance(self.tokens, bool) and self.tokens >= 1):
+            raise ValueError(f"--tokens must be an int >= 1, got {self.tokens!r}")
+        for name, value, known in (("--policy", self.policy, ("lfu", "lru")), ("--rule", self.rule, DEMO_RULES),
+                                   ("--tier-bits", self.tier_bits, BITS)):
+            if value not in known:
+                raise ValueError(f"{name} must be among {known}, got {value!r}")
         if not 0.0 < self.residency <= 1.0:
             raise ValueError(f"--residency is the fraction of each layer's experts in the arena, in (0, 1]; "
                              f"got {self.residency}")
-        if not 0.0 <= self.keep_mass <= 1.0:
-            raise ValueError(f"--keep-mass must be in [0, 1], got {self.keep_mass}")
-        if self.read_budget is not None and self.read_budget < 0:
-            raise ValueError(f"--read-budget must be at least 0 reads per step, got {self.read_budget}")
-        if self.queue_depth < 0:
-            raise ValueError(f"queue_depth is the number of loader threads, at least 0 (0 reads inline); "
-                             f"got {self.queue_depth}")
-        if self.policy not in ("lfu", "lru"):
-            raise ValueError(f"--policy must be lfu or lru, got {self.policy!r}")
-
-    @property
-    def slots(self) -> int:
-        return max(self.top_k, int(round(self.residency * self.experts)))
+        if not self.prompt:
+            raise ValueError("--prompt is empty: give the model some text to continue")
+        object.__setattr__(self, "layers",
+                           checkpoint_config(self.checkpoint, self.frameworks[0])["num_hidden_layers"])
 
 
 @dataclass
-class RunTrace:
-    """Per-step series of one streamed run, and its summary numbers."""
+class DemoTexts:
+    """One framework's continuations of the prompt: ``streamed`` through the arena, ``resident`` with every
+    expert in memory, and what the arena's run counted (:class:`kq.study.RunResult`, or :class:`ExactRun`
+    for the ``exact`` rule)."""
 
     framework: str
-    hit_rate: list[float] = field(default_factory=list)
-    shed_experts: list[float] = field(default_factory=list)  # per step, over all layers and rows
-    shed_mass: list[float] = field(default_factory=list)  # fraction of routed mass shed, per step
-    over_budget: list[int] = field(default_factory=list)
-    bytes_read: list[int] = field(default_factory=list)
-    divergence: list[float] = field(default_factory=list)  # ||y_stream - y_resident|| / ||y_resident||
-    boundary_ms: list[float] = field(default_factory=list)  # host time in ResidencyManager.step
-    resident_steps_per_s: float = 0.0
-    streamed_steps_per_s: float = 0.0
+    streamed: str
+    resident: str
+    run: RunResult | ExactRun
 
 
-# ---- weights and inputs -----------------------------------------------------------------------
+def generate_texts(config: ModelDemoConfig, framework: str) -> DemoTexts:
+    """The prompt continued by ``framework`` through the arena under ``config.rule``, and with every expert."""
+    if config.rule != "exact":
+        streamed, result, resident = generate_through_arena(framework, config.checkpoint, config.prompt,
+                                                            config.tokens, config.residency, config.policy,
+                                                            config.rule, config.tier_bits)
+        return DemoTexts(framework, streamed, resident, result)
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(config.checkpoint / "tokenizer.json"))
+    ids = tokenizer.encode(config.prompt).ids
+    run = generate_exact(framework, config.checkpoint, ids, config.tokens, config.residency, config.policy)
+    streamed = tokenizer.decode(run.tokens[len(ids):])
+    _, _, resident = generate_through_arena(framework, config.checkpoint, config.prompt, config.tokens, 1.0,
+                                            config.policy, "stall")
+    return DemoTexts(framework, streamed, resident, run)
 
 
-def make_weights(cfg: DemoConfig, rng: np.random.Generator):
-    """Router ``[L, D, E]`` (f32) and experts ``{proj: [L, E, out, in]}`` (f16, as stored)."""
-    router = (rng.normal(size=(cfg.layers, cfg.hidden, cfg.experts)) / np.sqrt(cfg.hidden) * 4).astype(np.float32)
-    shapes = {"gate_proj": (cfg.ffn, cfg.hidden), "up_proj": (cfg.ffn, cfg.hidden), "down_proj": (cfg.hidden, cfg.ffn)}
-    experts = {p: (rng.normal(size=(cfg.layers, cfg.experts, *shape)) / np.sqrt(shape[1])).astype(np.float16)
-               for p, shape in shapes.items()}
-    return router, experts
-
-
-def write_checkpoint(directory: Path, experts) -> None:
-    from safetensors.numpy import save_file
-
-    layers = next(iter(experts.values())).shape[0]
-    for layer in range(layers):  # one shard per layer, one tensor per expert and projection
-        save_file({f"model.layers.{layer}.mlp.experts.{e}.{p}.weight": np.ascontiguousarray(experts[p][layer, e])
-                   for p in PROJECTIONS for e in range(experts[p].shape[1])},
-                  str(directory / f"model-{layer:05d}.safetensors"))
-
-
-def hidden_states(cfg: DemoConfig, rng: np.random.Generator):
-    """``[rows, D]`` per step, drifting slowly (unit RMS)."""
-    h = rng.normal(size=(cfg.rows, cfg.hidden))
-    for _ in range(cfg.steps):
-        h = (1 - cfg.drift) * h + np.sqrt(2 * cfg.drift) * rng.normal(size=h.shape)
-        yield (h / np.sqrt((h**2).mean(axis=1, keepdims=True))).astype(np.float32)
-
-
-# ---- framework stacks -------------------------------------------------------------------------
-
-
-class JaxStack:
-    """The block stack in JAX, ``x <- x + moe_l(x)`` over layers, one jitted function per step."""
-
-    name = "jax"
-
-    def __init__(self, cfg: DemoConfig, router, experts):
-        import jax
-        import jax.numpy as jnp
-
-        from kq_jax.arena import JaxArena, pack_reports
-        from kq_jax.moe import Experts, moe_ffn_arena, moe_ffn_resident
-
-        self.router = jnp.asarray(router)
-        self.experts = Experts(*(jnp.asarray(experts[p]).astype(jnp.float32) for p in PROJECTIONS))
-        self._new_arena = lambda slots: JaxArena(cfg.layers, slots, {p: (experts[p].shape[2:], np.float32)
-                                                                     for p in PROJECTIONS})
-        self.arena = self._new_arena(cfg.slots)
-
-        def resident(x, router, weights):
-            for layer in range(cfg.layers):
-                x = x + moe_ffn_resident(x, router[layer], Experts(*(w[layer] for w in weights)), top_k=cfg.top_k)
-            return x
-
-        def streamed(x, router, arrays, tables):
-            routings = []
-            for layer in range(cfg.layers):
-                arena = Experts(*(arrays[p][layer] for p in PROJECTIONS))
-                y, routing = moe_ffn_arena(x, router[layer], arena, tables[layer], top_k=cfg.top_k)
-                x = x + y
-                routings.append(routing)
-            return x, pack_reports(routings)
-
-        self._resident, self._streamed = jax.jit(resident), jax.jit(streamed)
-
-    def resident_step(self, h):
-        return np.asarray(self._resident(h, self.router, self.experts))
-
-    def reset_arena(self, slots: int) -> None:
-        """An empty arena of ``slots`` slots per layer in place of the current one."""
-        self.arena = self._new_arena(slots)
-
-    def dispatch(self, h, tables):
-        """Queues one streamed step; returns its device outputs ``(y, packed reports)`` at once."""
-        return self._streamed(h, self.router, self.arena.arrays, tables)
-
-    @staticmethod
-    def readback(out):
-        """Waits for a dispatched step: its output and every layer's report, in one transfer each."""
-        y, packed = out
-        from kq_host.residency import LayerReport
-
-        return np.asarray(y), LayerReport.from_packed(np.asarray(packed))
-
-    def streamed_step(self, h, tables):
-        """Returns the output (evaluated: the fence) and the layers' reports (one LayerReport, [L, T, K])."""
-        return self.readback(self.dispatch(h, tables))
-
-
-class MlxStack:
-    """The block stack on mlx-lm's ``Qwen3MoeSparseMoeBlock``, streamed through ``ArenaMoeBlock``."""
-
-    name = "mlx"
-
-    def __init__(self, cfg: DemoConfig, router, experts):
-        import mlx.core as mx
-        from mlx_lm.models import qwen3_moe
-
-        self.mx = mx
-        mx.set_default_device(mx.cpu)
-        args = qwen3_moe.ModelArgs(
-            model_type="qwen3_moe", hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
-            intermediate_size=cfg.ffn, num_attention_heads=1, num_experts=cfg.experts,
-            num_experts_per_tok=cfg.top_k, decoder_sparse_step=1, mlp_only_layers=[],
-            moe_intermediate_size=cfg.ffn, rms_norm_eps=1e-6, vocab_size=1, num_key_value_heads=1,
-            head_dim=cfg.hidden, rope_theta=1e4, tie_word_embeddings=False, max_position_embeddings=1,
-            norm_topk_prob=True)
-        self.blocks = []
-        for layer in range(cfg.layers):
-            block = qwen3_moe.Qwen3MoeSparseMoeBlock(args)
-            block.gate.weight = mx.array(router[layer].T)
-            for p in PROJECTIONS:
-                getattr(block.switch_mlp, p).weight = mx.array(experts[p][layer].astype(np.float32))
-            self.blocks.append(block)
-        self.reset_arena(cfg.slots)
-
-    def reset_arena(self, slots: int) -> None:
-        """An empty arena of ``slots`` slots per layer in place of the current one."""
-        from kq_mlx.mlx_lm_adapter import ArenaMoeBlock, SwitchGLUArena
-
-        self.arena_blocks = [ArenaMoeBlock(block, slots) for block in self.blocks]
-        self.arena = SwitchGLUArena(self.arena_blocks)
-
-    def _run(self, blocks, h):
-        x = self.mx.array(h)
-        for block in blocks:
-            x = x + block(x)
-        self.mx.eval(x)  # the fence: every gather of this step is done
-        return np.array(x)
-
-    def resident_step(self, h):
-        return self._run(self.blocks, h)
-
-    def streamed_step(self, h, tables):
-        from kq_mlx.mlx_lm_adapter import set_tables
-
-        set_tables(self.arena_blocks, tables)
-        y = self._run(self.arena_blocks, h)
-        return y, LayerReport.stacked([block.report() for block in self.arena_blocks])
-
-
-STACKS = {"jax": (JaxStack, "jax"), "mlx": (MlxStack, "mlx_lm")}
-
-
-def available_frameworks() -> tuple[str, ...]:
-    return tuple(name for name, (_, module) in STACKS.items() if importlib.util.find_spec(module) is not None)
-
-
-# ---- the run ----------------------------------------------------------------------------------
-
-
-def steady_half(cfg: DemoConfig) -> slice:
-    """The steps the steady-state figures are taken over: the second half (warm-up reads are done)."""
-    return slice(cfg.steps // 2, None)
-
-
-def run_framework(stack, cfg: DemoConfig, store: ExpertStore, states) -> RunTrace:
-    """Both runs of one framework. Steps/s and the boundary are steady-state figures: each step's wall
-    time over the second half of the run, the compiles done before the clock (one call of each step
-    function on the first state)."""
-    trace = RunTrace(stack.name)
-    manager = ResidencyManager(cfg.layers, cfg.experts, cfg.slots, loader=lambda l, e, s: store.read_expert(l, e),
-                               arena=stack.arena, policy=cfg.policy, keep_mass=cfg.keep_mass,
-                               read_budget=cfg.read_budget, queue_depth=cfg.queue_depth,
-                               bytes_per_expert=store.expert_nbytes(0))
-    tables = manager.snapshot()
-    stack.resident_step(states[0])
-    stack.streamed_step(states[0], tables)  # compiles; the manager sees none of it
-    resident, resident_s = [], []
-    for h in states:
-        start = time.perf_counter()
-        resident.append(stack.resident_step(h))
-        resident_s.append(time.perf_counter() - start)
-    streamed_s = []
-    _, before = manager.stats()
-    for h, want in zip(states, resident):
-        start = time.perf_counter()
-        y, reports = stack.streamed_step(h, tables)
-        boundary = time.perf_counter()
-        tables = manager.step(reports)
-        streamed_s.append(time.perf_counter() - start)
-        trace.boundary_ms.append((time.perf_counter() - boundary) * 1e3)
-        _, after = manager.stats()
-        step = after.since(before)
-        before = after
-        trace.hit_rate.append(step.hit_rate)
-        trace.shed_experts.append(step.shed_count / cfg.rows)
-        trace.shed_mass.append(step.shed_mass / step.routed_mass if step.routed_mass else 0.0)
-        trace.over_budget.append(step.over_budget)
-        trace.bytes_read.append(step.bytes_read)
-        trace.divergence.append(float(np.linalg.norm(y - want) / np.linalg.norm(want)))
-    steady = steady_half(cfg)
-    trace.resident_steps_per_s = 1.0 / float(np.mean(resident_s[steady]))
-    trace.streamed_steps_per_s = 1.0 / float(np.mean(streamed_s[steady]))
-    manager.close()
-    return trace
-
-
-def run(cfg: DemoConfig) -> list[RunTrace]:
-    rng = np.random.default_rng(cfg.seed)
-    router, experts = make_weights(cfg, rng)
-    states = list(hidden_states(cfg, rng))
-    traces = []
-    with tempfile.TemporaryDirectory(prefix="kq-demo-") as workdir:
-        write_checkpoint(Path(workdir), experts)
-        for name in cfg.frameworks:
-            stack_class, _ = STACKS[name]
-            with ExpertStore(workdir, layout="per_expert", projections=PROJECTIONS) as store:
-                traces.append(run_framework(stack_class(cfg, router, experts), cfg, store, states))
-    return traces
-
-
-def summarize(cfg: DemoConfig, traces: list[RunTrace]) -> str:
-    warm = max(1, cfg.steps // 10)
-    steady = steady_half(cfg)
-    lines = [f"{cfg.layers} layers x {cfg.experts} experts (top-{cfg.top_k}, hidden {cfg.hidden}, ffn {cfg.ffn}), "
-             f"{cfg.slots} slots per layer ({cfg.slots / cfg.experts:.0%} resident), policy {cfg.policy}, "
-             f"{cfg.steps} steps of {cfg.rows} row(s)"]
-    header = ("framework", "hit first 10%", "hit steady", "shed experts/step", "shed mass/step", "over-budget",
-              "MiB read", "resident steps/s (steady)", "streamed steps/s (steady)", "boundary ms/step (steady)",
-              "divergence mean", "divergence max")
-    rows = []
-    for t in traces:
-        rows.append((t.framework, f"{np.mean(t.hit_rate[:warm]):.3f}", f"{np.mean(t.hit_rate[steady]):.3f}",
-                     f"{np.mean(t.shed_experts):.2f}", f"{np.mean(t.shed_mass):.3f}", str(sum(t.over_budget)),
-                     f"{sum(t.bytes_read) / 2**20:.1f}", f"{t.resident_steps_per_s:.1f}",
-                     f"{t.streamed_steps_per_s:.1f}", f"{np.mean(t.boundary_ms[steady]):.2f}",
-                     f"{np.mean(t.divergence):.4f}",
-                     f"{np.max(t.divergence):.4f}"))
-    lines.append(render_table(header, rows))
+def format_header(config: ModelDemoConfig) -> str:
+    """What the demo runs; for a rule that changes the text, why the two texts may part."""
+    misses = {"tier": f"each miss served by its {config.tier_bits}-bit copy",
+              "route_shed": "misses shed, kept weights rescaled", "shed": "misses shed",
+              "exact": "each miss read before its layer's experts run, the next layer's predicted experts "
+                       "prefetched"}[config.rule]
+    lines = [f"{config.checkpoint}: greedy text after {config.prompt!r}, {config.tokens} tokens, experts served from "
+             f"an arena of {config.residency:.0%} of each layer's experts ({misses}; {config.policy}), beside the "
+             f"model with every expert in memory"]
+    if config.rule != "exact":
+        served = "a miss's low-precision copy" if config.rule == "tier" else "shedding a miss"
+        lines.append(f"The text through the arena may differ from the resident model's after a few tokens: {served} "
+                     f"changes the layer's output a little, and a greedy decode follows the change. `kq demo --rule "
+                     f"exact` reads each miss before its layer runs and gives the resident model's text word for word.")
     return "\n".join(lines)
 
 
-def plot(traces: list[RunTrace], path: str) -> None:
-    import matplotlib
+def format_texts(config: ModelDemoConfig, texts: DemoTexts) -> str:
+    """Both texts of one framework, then the arena's hit rate, reads, memory and speed (a blank line first)."""
+    framework, run = texts.framework, texts.run
+    same = "the same text" if texts.streamed == texts.resident else "a different text"
+    resident = f"== {framework}: every expert resident ({same})\n{config.prompt}{texts.resident}"
+    if config.rule != "exact":
+        s = run.summary()
+        first, *rest = run.trace["token_seconds"]
+        return "\n".join((
+            f"\n== {framework}: through the arena ({run.slots} slots per layer)\n{config.prompt}{texts.streamed}",
+            resident,
+            f"== {framework}: hit rate {s['hit_rate']:.3f}; routed gate weight not served, summed over the "
+            f"{config.layers} layers: {s['shed_mass_per_token']:.3f} per token of "
+            f"{run.routed_mass / run.tokens:.3f}; {s['reads_per_token']:.1f} expert reads and "
+            f"{s['mib_per_token']:.2f} MiB per token; experts in memory {s['memory_mib']:.1f} MiB",
+            f"== {framework}: {1 / float(np.median(rest)):.0f} tokens/s (the median token, its graph, readback and "
+            f"the residency manager's step; the first token, compiling, took {first:.2f} s)"))
+    from_prompt = f" + {run.unused_before} still unused from the prompt" if run.unused_before else ""
+    return "\n".join((
+        f"\n== {framework}: the exact loop ({run.slots} slots per layer)\n{config.prompt}{texts.streamed}",
+        resident,
+        f"== {framework}: hit rate {run.hit_rate:.3f} (a prefetch still loading when routed is a miss); "
+        f"{run.hit_rate_counting_late:.3f} counting the {run.prefetch_late} late prefetches as hits (the first "
+        f"depends on how fast reads land against this framework's compute, the second on the predictions "
+        f"alone); {run.critical_reads_per_token:.1f} expert reads per token waited for; {run.mib_per_token:.2f} "
+        f"MiB read per token; experts in memory {run.memory_mib:.1f} MiB",
+        f"== {framework}: prefetches over the {run.generated} tokens: {run.prefetches} started{from_prompt} = "
+        f"{run.prefetch_used} used + {run.prefetch_late} late (still loading when routed: waited for) + "
+        f"{run.prefetch_wasted} wasted (evicted or failed before any use) + {run.unused_after} still unused at "
+        f"the end",
+        f"== {framework}: {1 / float(np.median(run.token_seconds)):.0f} tokens/s (the median generated token, "
+        f"layer by layer with the host between layers)"))
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    for t in traces:
-        top.plot(t.hit_rate, label=t.framework, linewidth=1)
-        bottom.plot(t.shed_mass, label=t.framework, linewidth=1)
-    top.set_ylabel("hit rate")
-    bottom.set_ylabel("shed mass (fraction)")
-    bottom.set_xlabel("decode step")
-    top.legend()
-    top.set_title("kq demo: streamed decode")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+# ---- through the arena, between tokens ---------------------------------------------------------
+
+
+def generate_through_arena(framework: str, checkpoint: Path, prompt: str, tokens: int, residency: float,
+                           policy: str = "lfu", rule: str = "tier",
+                           tier_bits: int = 4) -> tuple[str, RunResult, str]:
+    """Greedy text after ``prompt`` through an arena of ``residency`` (misses under ``rule``), and with every expert.
+
+    The arena's slot tables change between tokens only (:meth:`kq.study_jax.JaxStudy.run`,
+    :meth:`kq.study_mlx.MlxStudy.run`).
+
+    Args:
+        framework: ``"jax"`` or ``"mlx"``.
+        checkpoint: a checkpoint directory :func:`kq.study.checkpoint_config` accepts for ``framework``.
+        prompt: the text to continue; it must encode to at least one token.
+        tokens: greedy tokens to generate.
+        residency: fraction of each layer's experts in the arena, in (0, 1].
+        policy: the arena's eviction policy, ``"lfu"`` or ``"lru"``.
+        rule: a :data:`kq.study.RULES` rule for a routed expert not in the arena.
+        tier_bits: bits per weight of the ``tier`` rule's copy of every expert.
+
+    Returns:
+        ``(text through the arena, its RunResult, text of the resident model)``.
+    """
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(Path(checkpoint) / "tokenizer.json"))
+    ids = tokenizer.encode(prompt).ids
+    if not ids:
+        raise ValueError(f"prompt {prompt!r} has no tokens: give generate_through_arena at least one")
+    study = make_study(StudyConfig(checkpoint=checkpoint, tokens=1, warmup=0, framework=framework, tier_bits=tier_bits))
+    texts = []
+    for run_residency in (residency, 1.0):
+        result = study.run(run_residency, policy, rule, prompt=ids, generate=tokens)
+        result.tokens = tokens
+        texts.append((tokenizer.decode(result.trace["tokens"][len(ids):]), result))
+    (streamed, result), (resident, _) = texts
+    return streamed, result, resident
+
+
+# ---- the exact layer-by-layer loop ---------------------------------------------------------------
+
+
+@dataclass
+class ExactRun:
+    """What one generation through the exact loop did, counted over the generated tokens' steps.
+
+    Every prefetch is in one category: ``prefetches + unused_before == prefetch_used + prefetch_late +
+    prefetch_wasted + unused_after`` (``unused_before``: prefetches of the prompt's steps not routed yet
+    when the generated tokens began).
+    """
+
+    slots: int
+    tokens: list[int]
+    generated: int = 0
+    lookups: int = 0  # routed experts, over the layers
+    hits: int = 0  # of those, resident when their layer's acquire ran
+    critical_reads: int = 0  # routed experts read (or waited for) on the critical path
+    prefetches: int = 0  # reads started by look-ahead
+    prefetch_used: int = 0  # landed before their layer routed them: hits
+    prefetch_late: int = 0  # still loading when their layer routed them: misses, waited for
+    prefetch_wasted: int = 0  # evicted or failed before any use
+    unused_before: int = 0
+    unused_after: int = 0  # held, never routed yet when the run ended
+    bytes_read: int = 0
+    memory_mib: float = 0.0
+    token_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float:
+        """Routed experts resident when their layer routed them; a late prefetch is a miss, so this depends
+        on how fast the reads land against the framework's compute between a prefetch and its layer."""
+        return self.hits / self.lookups if self.lookups else 1.0
+
+    @property
+    def hit_rate_counting_late(self) -> float:
+        """:attr:`hit_rate` with the late prefetches counted as hits: what the predictions alone cover."""
+        return (self.hits + self.prefetch_late) / self.lookups if self.lookups else 1.0
+
+    @property
+    def critical_reads_per_token(self) -> float:
+        return self.critical_reads / self.generated if self.generated else 0.0
+
+    @property
+    def mib_per_token(self) -> float:
+        return self.bytes_read / self.generated / 2**20 if self.generated else 0.0
+
+
+def generate_exact(framework: str, checkpoint, prompt_ids: list[int], tokens: int, residency: float,
+                   policy: str = "lfu", *, lookahead: bool = True, queue_depth: int = 8) -> ExactRun:
+    """``tokens`` greedy tokens after ``prompt_ids`` through an arena of ``residency`` of each layer's experts.
+
+    Each layer's misses are read before its experts run (:meth:`kq_host.residency.ResidencyManager.acquire`)
+    and, with ``lookahead``, the next layer's predicted experts are prefetched: the text is the model's with
+    every expert in memory, at any residency.
+
+    Args:
+        framework: ``"jax"`` (:class:`kq_jax.exact_loop.ExactLoop`) or ``"mlx"`` (mlx-lm with
+            :func:`kq_mlx.mlx_lm_adapter.attach_exact`); the prompt is fed one token at a time.
+        checkpoint: a Qwen3-MoE checkpoint directory (float or mlx-community's quantized layout).
+        prompt_ids: the prompt's token ids, at least one.
+        tokens: greedy tokens to generate.
+        residency: fraction of each layer's experts in the arena (at least top-k slots).
+        policy: the arena's eviction policy, ``"lfu"`` or ``"lru"``.
+        lookahead: prefetch the next layer's predicted experts.
+        queue_depth: the residency manager's reads in flight; 0 reads inline (nothing is late then, so
+            the counts depend on the routing alone: the same in both frameworks).
+
+    Returns:
+        :class:`ExactRun`, ``tokens`` the prompt and the generated ids.
+    """
+    from kq_host.quantized import Quantization, open_experts
+    from kq_host.residency import ResidencyManager
+
+    if framework not in ("jax", "mlx"):
+        raise ValueError(f"generate_exact: framework must be 'jax' or 'mlx', got {framework!r}")
+    if not prompt_ids:
+        raise ValueError("generate_exact: the prompt has no tokens")
+    config = checkpoint_config(checkpoint, framework)
+    layers, experts, top_k = config["num_hidden_layers"], config["num_experts"], config["num_experts_per_tok"]
+    slots = max(top_k, round(residency * experts))
+    quantized = Quantization.of(checkpoint) is not None
+    # JAX's arena holds float experts; MLX's arena takes a quantized checkpoint's arrays as stored.
+    with open_experts(checkpoint, EXPERT_PROJECTIONS, dequantized=framework == "jax") as store:
+        arena, step = (_jax_loop if framework == "jax" else _mlx_loop)(checkpoint, slots, len(prompt_ids) + tokens,
+                                                                     store, quantized)
+        manager = ResidencyManager(layers, experts, slots, arena=arena, policy=policy, queue_depth=queue_depth,
+                                   loader=lambda layer, expert, slot: store.read_expert(layer, expert),
+                                   bytes_per_expert=store.expert_nbytes(0))
+        for layer in range(layers):
+            manager.preload(layer, range(slots))
+        run = ExactRun(slots, list(prompt_ids), memory_mib=layers * slots * store.expert_nbytes(0) / 2**20)
+        forward = step(manager, lookahead)
+        for position in range(len(prompt_ids) + tokens - 1):
+            if position == len(prompt_ids) - 1:
+                _, before = manager.stats()
+                ahead_before = manager.lookahead_stats()
+            start = time.perf_counter()
+            next_id = forward(run.tokens[position], position)  # ends the manager's token too
+            if position >= len(prompt_ids) - 1:
+                run.tokens.append(next_id)
+                run.token_seconds.append(time.perf_counter() - start)
+        _, after = manager.stats()
+        ahead_after = manager.lookahead_stats()
+        manager.close()
+    since = after.since(before)
+    ahead = {name: int(ahead_after[name].sum() - ahead_before[name].sum())
+             for name in ("critical_reads", "prefetches", "prefetch_used", "prefetch_late", "prefetch_wasted")}
+    run.generated, run.lookups, run.hits, run.bytes_read = tokens, since.lookups, since.hits, since.bytes_read
+    run.critical_reads, run.prefetches = ahead["critical_reads"], ahead["prefetches"]
+    run.prefetch_used, run.prefetch_late, run.prefetch_wasted = (ahead["prefetch_used"], ahead["prefetch_late"],
+                                                                 ahead["prefetch_wasted"])
+    run.unused_before = int(ahead_before["prefetch_unused"].sum())
+    run.unused_after = int(ahead_after["prefetch_unused"].sum())
+    return run
+
+
+def _jax_loop(checkpoint, slots: int, length: int, store, quantized: bool):
+    import jax.numpy as jnp
+
+    from kq_jax import qwen3_moe
+    from kq_jax.arena import JaxArena
+    from kq_jax.exact_loop import ExactLoop
+
+    cfg = qwen3_moe.Qwen3MoeConfig.load(checkpoint)
+    params = qwen3_moe.load_params(checkpoint, cfg, experts=False)
+    shapes = {name: (shape, np.float32) for name, (shape, _) in store.expert_shapes(0).items()}
+    arena = JaxArena(cfg.num_hidden_layers, slots, shapes)
+
+    def step(manager, lookahead):
+        loop = ExactLoop(params, cfg, manager, arena, length=length, lookahead=lookahead)
+        return lambda token, position: int(jnp.argmax(loop.step(token, position)[0]))
+
+    return arena, step
+
+
+def _mlx_loop(checkpoint, slots: int, length: int, store, quantized: bool):
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kq_mlx.mlx_lm_adapter import SwitchGLUArena, attach_arena, attach_exact
+
+    model, _ = load(str(Path(checkpoint)), lazy=True)
+    blocks = attach_arena(model, slots, keep_experts=False)
+    if not mx.metal.is_available() and not quantized:
+        model.set_dtype(mx.float32)  # MLX's CPU gather_mm takes float32 only
+    cache = make_prompt_cache(model)
+
+    def step(manager, lookahead):
+        attach_exact(model, blocks, manager, lookahead=lookahead)
+
+        def forward(token, position):
+            logits = model(mx.array([[token]]), cache=cache)[0, -1]
+            next_id = int(mx.argmax(logits).item())
+            manager.next_token()  # ExactLoop.step ends the token itself; attach_exact leaves it to the caller
+            return next_id
+
+        return forward
+
+    return SwitchGLUArena(blocks), step

@@ -482,7 +482,7 @@ def _mib(nbytes: int) -> str:
 
 def write_json(config: StudyConfig, resident: RunResult, results: list[RunResult], path, *,
                lookahead: dict | None = None) -> None:
-    """Every run's numbers, and ``lookahead`` (:func:`kq.lookahead.replay_grid`'s result) where given."""
+    """Every run's numbers, and ``lookahead`` (:func:`kq.replay.replay_grid`'s result) where given."""
     import platform
 
     import jax
@@ -523,25 +523,3 @@ def write_plot(resident: RunResult, results: list[RunResult], path) -> None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
-
-def generate(framework: str, checkpoint: Path, prompt: str, tokens: int, residency: float,
-             policy: str = "lfu", rule: str = "tier", tier_bits: int = 4) -> tuple[str, RunResult, str]:
-    """Greedy text after ``prompt`` through an arena of ``residency`` (misses under ``rule``), and with every expert.
-
-    Returns:
-        ``(text through the arena, its RunResult, text of the resident model)``.
-    """
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(Path(checkpoint) / "tokenizer.json"))
-    ids = tokenizer.encode(prompt).ids
-    if not ids:
-        raise ValueError(f"prompt {prompt!r} has no tokens: give generate at least one")
-    study = make_study(StudyConfig(checkpoint=checkpoint, tokens=1, warmup=0, framework=framework, tier_bits=tier_bits))
-    texts = []
-    for run_residency in (residency, 1.0):
-        result = study.run(run_residency, policy, rule, prompt=ids, generate=tokens)
-        result.tokens = tokens
-        texts.append((tokenizer.decode(result.trace["tokens"][len(ids):]), result))
-    (streamed, result), (resident, _) = texts
-    return streamed, result, resident

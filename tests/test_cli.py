@@ -143,7 +143,7 @@ def test_demo_runs_both_frameworks_small(tmp_path, capsys):
 
 
 def test_demo_with_every_expert_resident_does_not_diverge():
-    from kq.demo import DemoConfig, run
+    from kq.demo_random import DemoConfig, run
 
     cfg = DemoConfig(layers=2, experts=8, top_k=2, hidden=16, ffn=8, steps=6, residency=1.0, frameworks=("jax",),
                      queue_depth=0)
@@ -463,10 +463,11 @@ def test_the_bench_refuses_a_resident_fraction_outside_zero_one():
 def test_generate_refuses_a_prompt_without_tokens():
     pytest.importorskip("jax")
     pytest.importorskip("tokenizers")
-    from kq.study import SHIPPED_MODEL, generate
+    from kq.demo import generate_through_arena
+    from kq.study import SHIPPED_MODEL
 
     with pytest.raises(ValueError, match="prompt"):
-        generate("jax", SHIPPED_MODEL, "", 2, 0.5)
+        generate_through_arena("jax", SHIPPED_MODEL, "", 2, 0.5)
 
 
 @pytest.mark.parametrize("argv", [["bench", "--models", "olmoe-size"],
@@ -475,3 +476,4 @@ def test_generate_refuses_a_prompt_without_tokens():
 def test_bench_models_belong_to_decode_e2e(argv, capsys):
     assert main(argv) == 2
     assert "--models picks decode-e2e's models" in capsys.readouterr().out
+

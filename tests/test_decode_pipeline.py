@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("jax")
 pytest.importorskip("safetensors")
 
-from kq import demo  # noqa: E402
+from kq import demo_random as demo  # noqa: E402
 from kq_host.expert_store import ExpertStore  # noqa: E402
 from kq_host.residency import ResidencyManager  # noqa: E402
 

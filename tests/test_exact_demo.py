@@ -14,7 +14,7 @@ def test_both_frameworks_count_the_same_hits_and_prefetches_with_inline_reads():
     route the same text through the same arena, token by token."""
     pytest.importorskip("jax")
     pytest.importorskip("mlx_lm")
-    from kq.exact import generate_exact
+    from kq.demo import generate_exact
 
     runs = {framework: generate_exact(framework, SHIPPED_MODEL, PROMPT_IDS, 6, 0.25, queue_depth=0)
             for framework in ("jax", "mlx")}

@@ -240,7 +240,7 @@ def test_a_layer_routing_more_experts_than_it_has_slots_is_refused_by_name():
 
 @pytest.mark.parametrize("framework, prompt, message", [("torch", [1], "framework"), ("jax", [], "no tokens")])
 def test_generate_exact_refuses_bad_arguments_by_name(framework, prompt, message):
-    from kq.exact import generate_exact
+    from kq.demo import generate_exact
     from kq.study import SHIPPED_MODEL
 
     with pytest.raises(ValueError, match=message):

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kq.lookahead import recall, simulate
+from kq.replay import recall, simulate
 
 
 def _trace(seed=0, tokens=40, layers=3, experts=16, top_k=4):

@@ -70,7 +70,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from kq.demo import PROJECTIONS, write_checkpoint
+from kq.demo_random import PROJECTIONS, write_checkpoint
 from kq.bench import common
 from kq.bench.common import EXPERT_SIZES, jax_device_name, median_ms
 from kq.terminal import progress_bar, render_table

@@ -3,7 +3,7 @@
 Records the checkpoint's routing and its routers' look-ahead predictions over the held-out text
 (:func:`kq.study_jax.record_routing` with ``lookahead``), then replays an exact loop through per-layer arenas at 75 / 50 / 25%
 residency, LRU and LFU, without look-ahead and with predictions one and two layers ahead
-(:func:`kq.lookahead.simulate`; its docstring states the timing assumption). Prints the recall of the
+(:func:`kq.replay.simulate`; its docstring states the timing assumption). Prints the recall of the
 predictions and a Markdown table; ``--json`` keeps every number.
 
     python -m kq.bench.jobs lookahead --tokens 1024 --json docs/lookahead.json
@@ -22,7 +22,7 @@ RESIDENCIES = (0.75, 0.5, 0.25)
 
 
 def run(tokens: int, warmup: int, checkpoint=None, budgets=(None, 4)) -> dict:
-    from kq.lookahead import replay_grid
+    from kq.replay import replay_grid
     from kq.study import StudyConfig
 
     config = StudyConfig(tokens=tokens, warmup=warmup, **({"checkpoint": Path(checkpoint)} if checkpoint else {}))
@@ -36,7 +36,7 @@ def main() -> int:
     parser.add_argument("--checkpoint", help="the checkpoint directory (default: the shipped model)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
-    from kq.lookahead import format_replay
+    from kq.replay import format_replay
 
     result = run(args.tokens, args.warmup, args.checkpoint)
     print("recall [layer, layers ahead]:", np.round(np.array(result["recall"]), 3).tolist())
