@@ -876,8 +876,8 @@ def _retry_failed_reads(manager, report: LayerReport, read_retries: int, timeout
     times a layer).
 
     Raises:
-        PreloadError: a layer's reads still failed after ``read_retries`` tries, or were out past
-            ``timeout``; the message names each expert and its last error.
+        PreloadError: a layer's reads still failed after ``read_retries`` tries (the message names each expert
+            and its last error), or a read again was out past ``timeout`` (the message says it timed out).
     """
     tables = manager.snapshot()
     for layer in range(manager.num_layers):
@@ -902,9 +902,12 @@ def _retry_failed_reads(manager, report: LayerReport, read_retries: int, timeout
         pending = error.pending if error is not None else []
         details = "; ".join(f"expert {r.expert}: {r.error_type}: {r.message}, {r.count} failures in a row"
                             for r in failed)
-        out = f", {len(pending)} still out after {timeout} s" if pending else ""
+        if pending:
+            last = f" (the last failures: {details})" if failed else ""
+            raise PreloadError(f"generate_greedy: layer {layer}: reading experts {sorted(r.expert for r in pending)} "
+                               f"again timed out: still out after {timeout} s{last}", failed, pending) from error
         raise PreloadError(f"generate_greedy: layer {layer}: the reads of experts {sorted(r.expert for r in failed)} "
-                           f"failed after {read_retries} retries ({details}){out}", failed, pending) from error
+                           f"failed after {read_retries} retries ({details})", failed, pending) from error
 
 
 def prefill(model: nn.Module, blocks: list[ArenaLayer], manager, prompt, cache, *, timeout: float | None = None,

@@ -983,3 +983,57 @@ def test_generate_greedy_and_prefill_name_each_bad_argument():
         with pytest.raises(ValueError, match=r"generate_greedy: cache must be the model's cache"):
             generate_greedy(model, blocks, manager, [2, 7], 2, cache=cache)
     manager.close()
+
+
+def test_attach_exact_takes_every_timeout_the_manager_takes():
+    from kq_mlx.mlx_lm_adapter import attach_exact
+
+    model = evaluated(qwen3_model, seed=8)
+    blocks = attach_arena(model, num_slots=EXPERTS // 4)
+    manager = _manager_over(blocks, EXPERTS // 4, queue_depth=0)
+    for timeout in (np.float32(1), np.int64(2), float("inf"), None):
+        attach_exact(model, blocks, manager, timeout=timeout)
+        assert all(block.timeout is timeout for block in blocks)
+        manager.acquire(0, np.array([[1]]), np.array([[1.0]]), timeout=timeout)  # the manager takes it too
+    for timeout in (float("nan"), -1, True, "1"):
+        with pytest.raises(ValueError, match="attach_exact: timeout must be None or a number of seconds >= 0"):
+            attach_exact(model, blocks, manager, timeout=timeout)
+    manager.close()
+
+
+def test_a_retry_that_times_out_says_so():
+    """A missed expert's read fails, and reading it again hangs past the timeout: the error says the read
+    again timed out, naming the layer and the expert (not that it failed after every retry)."""
+    import threading
+
+    from kq_host.residency import PreloadError
+    from kq_mlx.mlx_lm_adapter import generate_greedy
+
+    model = evaluated(qwen3_model, seed=7)
+    blocks = attach_arena(model, num_slots=6)
+    release, first, lock = threading.Event(), [], threading.Lock()
+
+    def fails_then_hangs(layer, expert, slot):
+        with lock:
+            failing = not first
+            if failing:
+                first.append((layer, expert))
+        if failing:
+            raise OSError("input/output error")
+        if (layer, expert) == first[0]:
+            release.wait(60)
+        return blocks[layer].expert_weights(expert)
+
+    manager = ResidencyManager(LAYERS, EXPERTS, 6, loader=fails_then_hangs, arena=SwitchGLUArena(blocks),
+                               queue_depth=2)
+    try:
+        with pytest.raises(PreloadError) as caught:
+            generate_greedy(model, blocks, manager, [2], 2, exact=True, timeout=0.2, read_retries=2)
+        layer, expert = first[0]
+        assert str(caught.value) == (f"generate_greedy: layer {layer}: reading experts [{expert}] again timed out: "
+                                     f"still out after 0.2 s (the last failures: expert {expert}: OSError: "
+                                     f"input/output error, 1 failures in a row)")
+        assert [(read.layer, read.expert) for read in caught.value.pending] == [(layer, expert)]
+    finally:
+        release.set()
+        manager.close()
