@@ -682,8 +682,8 @@ def _vocabulary_size(model: nn.Module) -> int | None:
     embeddings = [(path, module) for path, module in model.named_modules()
                   if isinstance(module, (nn.Embedding, nn.QuantizedEmbedding))]
     if embeddings:
-        _, embedding = next(((path, module) for path, module in embeddings if path.rpartition(".")[2] == "embed_tokens"),
-                            embeddings[0])
+        _, embedding = next(((path, module) for path, module in embeddings
+                             if path.rpartition(".")[2] == "embed_tokens"), embeddings[0])
         return int(embedding.weight.shape[0])
     vocabulary = getattr(getattr(model, "args", None), "vocab_size", None)
     if isinstance(vocabulary, (int, np.integer)) and not isinstance(vocabulary, bool) and vocabulary > 0:

@@ -246,3 +246,20 @@ def test_the_experts_are_never_in_memory_beyond_the_arena(tmp_path):
     assert result.prefill_reads == result.prompt_routed_pairs > 16
     # 64 MiB for the rest: the prompt's activations, a chunk's gathered rows, the allocator's slack
     assert result.mlx_peak_mib < result.arena_mib + result.other_weights_mib + 64 < result.experts_mib
+
+
+def test_the_mlx_decode_jobs_exact_loop_feeds_the_prompt_as_its_reference_does(monkeypatch):
+    """The job's exact loop is checked against the unmodified model fed the prompt a token a pass, and counts
+    the prompt's misses as read on the critical path: it feeds the prompt that way too, never through prefill."""
+    import kq_mlx.mlx_lm_adapter as adapter
+    from kq.bench.jobs import mlx_decode
+
+    prefilled, prefill = [], adapter.prefill
+    monkeypatch.setattr(adapter, "prefill",
+                        lambda *args, **kwargs: prefilled.append(args[3]) or prefill(*args, **kwargs))
+    model, tokenizer = mlx_decode._load(STDLIB, False)
+    prompt = tokenizer.encode(mlx_decode.PROMPT)
+    want = mlx_decode._unmodified_fed(model, prompt, 6)
+    got, stamps, counts = mlx_decode._arena_run(STDLIB, False, 0.25, "exact", prompt, 6, mlx_decode._Phases())
+    assert prefilled == [] and got == want and len(stamps) == 6
+    assert counts["reruns_per_token"] * 6 >= len(prompt)  # every prompt token missed from a cold arena, run again

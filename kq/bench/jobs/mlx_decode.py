@@ -367,7 +367,9 @@ def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, p
             for block in blocks:
                 block.rule = "tier"
         stamps = []
-        got = generate_greedy(model, blocks, manager, prompt, steps, exact=mode == "exact",
+        # The exact loop feeds the prompt a token a pass (each pass's misses read on its critical path), as
+        # its reference (_unmodified_fed) does, not through prefill in mlx-lm's order.
+        got = generate_greedy(model, blocks, manager, prompt, steps, exact=mode == "exact", prefill_prompt=False,
                               on_token=lambda token: stamps.append(time.perf_counter()))
     else:
         got = generate_greedy(model, blocks, manager, prompt, steps, overlap=mode == "overlapped")
