@@ -35,7 +35,8 @@ Every call that waits for reads (:meth:`ResidencyManager.acquire`, :meth:`Reside
 for the whole call, and waits only for the reads it needs. With ``queue_depth=0`` loads run on the calling
 thread, except in a call given a timeout: its loads run on a thread of their own, so the wait can end.
 :meth:`ManagerBase.close` may be called from any thread: a call waiting for reads on another thread
-then raises :class:`ManagerClosed`.
+then raises :class:`ManagerClosed`, and so does a call of another thread busy before its reads (a step's
+fence), which then starts none.
 """
 
 from __future__ import annotations
@@ -450,8 +451,8 @@ class ManagerBase:
 
         Callable from any thread: a call of another thread waiting for reads (``acquire``, ``preload``,
         ``drain``) raises :class:`ManagerClosed` at once; one busy otherwise (a fence, a load running
-        inline) is waited for within the same ``timeout``, and past it nothing is published. Reads not
-        started are cancelled; a loader still running is left to finish on its own thread (Python cannot
+        inline) is waited for within the same ``timeout``, and past it nothing is published; that call starts
+        no further read and raises :class:`ManagerClosed`. Reads not started are cancelled; a loader still running is left to finish on its own thread (Python cannot
         stop it), and its result is dropped; its thread ends when the loader returns. A second close
         returns the reads out.
 
