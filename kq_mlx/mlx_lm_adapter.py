@@ -671,7 +671,7 @@ def _checked_read_retries(function: str, read_retries) -> int:
 def _check_cache(function: str, cache) -> None:
     """ValueError naming ``cache`` where it is not a model's cache: a non-empty list of per-layer caches."""
     if (not isinstance(cache, (list, tuple)) or not cache
-            or not all(hasattr(layer_cache, "state") and hasattr(layer_cache, "offset") for layer_cache in cache)):
+            or not all(hasattr(layer_cache, "state") for layer_cache in cache)):
         raise ValueError(f"{function}: cache must be the model's cache, a list of one cache a layer "
                          f"(mlx_lm.models.cache.make_prompt_cache(model)), got {cache!r:.80}")
 
