@@ -255,7 +255,7 @@ def _study(args, parser) -> int:
                                    residencies=tuple(args.residency), policies=tuple(args.policies),
                                    rules=tuple(args.rules) if args.rules else None, framework=args.framework,
                                    tier_bits=args.tier_bits, tier_group_size=args.tier_group_size,
-                                   streams=args.streams)
+                                   streams=args.streams, long_context=args.long_context)
         if args.lookahead and config.framework != "jax":
             raise ValueError("--lookahead replays the routing recorded in JAX; use --framework jax")
         if args.prefetch_budget and not args.lookahead:
@@ -421,8 +421,9 @@ def main(argv: list[str] | None = None) -> int:
         "study", help="what shedding costs a trained model: perplexity through a bounded arena, per rule and policy",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="The rules, the columns and the method: docs/shedding_study.md and the module kq/study.py. The default "
-               "grid (41 runs of 256 scored tokens) takes about 4 minutes on a 2-core CPU; --tokens, --residency, "
-               "--policies and --rules shorten it.")
+               "grid (73 runs and the resident one, each of 256 scored tokens in two windows within the shipped "
+               "model's trained length) takes about 6 minutes on a 2-core CPU; --tokens, --residency, --policies and "
+               "--rules shorten it.")
     study_parser.add_argument("--framework", choices=["jax", "mlx"], default="jax",
                               help="decode with kq_jax's Qwen3-MoE or with mlx-lm's unmodified model (default jax)")
     study_parser.add_argument("--checkpoint", type=Path, default=study.SHIPPED_MODEL,
@@ -446,6 +447,10 @@ def main(argv: list[str] | None = None) -> int:
                               help="windows of --warmup + --tokens decoded side by side, spread over the text, each "
                                    "with its own arena's state; their tokens are the run's, the bootstrap draws "
                                    "windows (JAX; default 1)")
+    study_parser.add_argument("--long-context", action="store_true",
+                              help="decode each stream as one window of --warmup + --tokens, scoring tokens past the "
+                                   "length the checkpoint was trained on (the output then says LONG CONTEXT); by "
+                                   "default windows stay within it, overlapping by --warmup")
     study_parser.add_argument("--lookahead", type=int, nargs="+", choices=[1, 2], default=[],
                               help="also replay the exact loop (stall) with the next layers' routers' predictions "
                                    "prefetched, this many layers ahead, beside none (JAX; docs/lookahead.md)")

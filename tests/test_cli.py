@@ -477,3 +477,24 @@ def test_bench_models_belong_to_decode_e2e(argv, capsys):
     assert main(argv) == 2
     assert "--models picks decode-e2e's models" in capsys.readouterr().out
 
+
+
+def test_study_long_context_scores_past_the_trained_length_and_says_so(tmp_path, capsys):
+    """The shipped model recorded as trained on 8-token sequences: by default 4 warm-up and 6 scored tokens are
+    cut into windows within 8 tokens; --long-context decodes them as one window of 10 and labels the table."""
+    pytest.importorskip("jax")
+    pytest.importorskip("tokenizers")
+    from kq.study import SHIPPED_MODEL
+
+    for path in SHIPPED_MODEL.iterdir():
+        if path.name != "training.json":
+            (tmp_path / path.name).symlink_to(path)
+    (tmp_path / "training.json").write_text(json.dumps({"args": {"seq": 8}}))
+    argv = ["study", "--checkpoint", str(tmp_path), "--tokens", "6", "--warmup", "4", "--residency", "1", "--rules",
+            "shed", "--policies", "lfu", "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Scored in 2 window(s) a stream of at most 8 tokens" in out and "LONG CONTEXT" not in out
+    assert main([*argv, "--long-context"]) == 0
+    out = capsys.readouterr().out
+    assert "LONG CONTEXT: scored in 1 window(s) a stream of up to 10 tokens, past the 8-token sequences" in out
