@@ -242,7 +242,7 @@ def build_tier(store, num_layers: int, num_experts: int, *, bits: int = 3, group
 
     Args:
         store: an :class:`~kq_host.expert_store.ExpertStore` (or a store with its ``read_expert``,
-            ``expert_shapes``, ``projections`` and ``tensors``).
+            ``expert_shapes``, ``projections`` and ``tensors``, and ``layer_tensor_names`` where it has one).
         num_layers, num_experts: L and E of the checkpoint, as the store holds them.
         bits, group_size: as for :func:`quantize`.
         cache_dir: where built tiers are kept (``None``: ``$KQ_CACHE_DIR/tier`` or
@@ -397,10 +397,11 @@ def _layer_tensor_names(store) -> tuple[tuple[int, tuple[tuple[str, str], ...]],
     (``ExpertStore.for_tensors`` / ``for_arenas``) holds them: ``((layer, ((payload key, tensor name), ...)),
     ...)``, a name with ``{expert}`` for a tensor per expert; None for a store whose template names them.
 
-    Two such stores over one file may read other layers' tensors with the same template, projections
-    and files. ExpertStore keeps the names in ``_names`` and has no public accessor for them.
+    Two such stores over one file may read other layers' tensors with the same projections and files.
+    A store without ``layer_tensor_names`` (:class:`~kq_host.quantized.DequantizedExperts`) is named by its
+    template.
     """
-    names = getattr(store, "_names", None)
+    names = getattr(store, "layer_tensor_names", None)
     if names is None:
         return None
     return tuple((int(layer), tuple(sorted(keys.items()))) for layer, keys in sorted(names.items()))

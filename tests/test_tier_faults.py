@@ -1,6 +1,7 @@
 """The low-precision tier under bad inputs: counts and formats that disagree, stores whose reads alias,
 stale, corrupt and unwritable caches, failed writes, and weights the format cannot hold."""
 
+import json
 import os
 import threading
 import zipfile
@@ -186,6 +187,41 @@ def test_a_same_size_rewrite_of_a_tensors_bytes_is_not_served_the_old_tier_thoug
     assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
     _assert_tier_is(_build(checkpoint, cache), tensors)
 
+
+class _PublicNamesStore:
+    """A store holding an ExpertStore's public surface only: its tensor names through ``layer_tensor_names``."""
+
+    def __init__(self, store):
+        self._store = store
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._store, name)
+
+
+def test_the_cache_key_reads_the_stores_public_tensor_names(tmp_path, rng):
+    """Two stores naming other layers of one file, seen through their public attributes only, get their own tiers."""
+    from safetensors.numpy import save_file
+
+    file, cache = tmp_path / "model.safetensors", tmp_path / "cache"
+    stacks = {layer: rng.normal(size=(2, 32, 64)).astype(np.float32) for layer in range(4)}
+    save_file({f"model.layers.{layer}.w": stack for layer, stack in stacks.items()}, str(file))
+    for served in ((0, 1), (2, 3)):
+        names = {index: {"w": f"model.layers.{layer}.w"} for index, layer in enumerate(served)}
+        with ExpertStore.for_tensors(file, names) as store:
+            tier = build_tier(_PublicNamesStore(store), 2, 2, bits=4, group_size=32, cache_dir=cache)
+        for index, layer in enumerate(served):
+            want = quantize(stacks[layer], bits=4, group_size=32)
+            for got, expected in zip(tier.layer(index)["w"], want):
+                assert got.dtype == expected.dtype and got.tobytes() == expected.tobytes(), (served, layer)
+    assert len(_cached(cache)) == 2
+    recorded = []
+    for name in _cached(cache):
+        with np.load(cache / name) as entry:
+            recorded.append(json.loads(str(entry["meta"][()]))["layer_tensors"])
+    assert sorted(recorded) == [[[index, [["w", f"model.layers.{layer}.w"]]] for index, layer in enumerate(served)]
+                                for served in ((0, 1), (2, 3))]
 
 @pytest.mark.parametrize("name", ["model.layers.{layer}.mlp.experts.w", "model.layers.{layer}.mlp.experts.{expert}.w"])
 def test_stores_naming_other_layers_of_one_file_get_their_own_tiers(tmp_path, rng, name):
