@@ -23,11 +23,11 @@ from pathlib import Path
 import numpy as np
 
 from kq.terminal import render_table
-from kq_core.contract import MAX_TOP_K
+from kq_core.contract import EXPERT_PROJECTIONS, MAX_TOP_K
 from kq_host.expert_store import ExpertStore
 from kq_host.residency import LayerReport, ResidencyManager
 
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+PROJECTIONS = EXPERT_PROJECTIONS
 
 
 @dataclass
