@@ -1,6 +1,6 @@
 """Regenerates shared/spec.json from the oracle.
 
-Run ``python -m kq_core.make_spec`` after a deliberate change to the contract;
+Run ``python tools/make_spec.py`` after a deliberate change to the contract;
 tests/test_spec.py fails whenever the file and the oracle disagree.
 """
 
