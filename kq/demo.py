@@ -269,7 +269,7 @@ def generate_exact(framework: str, checkpoint, prompt_ids: list[int], tokens: in
     Returns:
         :class:`ExactRun`, ``tokens`` the prompt and the generated ids.
     """
-    from kq_host.quantized import Quantization, open_experts
+    from kq_host.checkpoint import Quantization, open_experts
     from kq_host.residency import ResidencyManager
 
     if framework not in ("jax", "mlx"):

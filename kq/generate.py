@@ -318,7 +318,7 @@ def generate(config: GenerateConfig, on_text: Callable[[str], None] | None = Non
     from mlx_lm.models.cache import make_prompt_cache
 
     from kq_host.expert_store import ExpertStore, ExpertStoreError
-    from kq_host.quantized import Quantization
+    from kq_host.checkpoint import Quantization
     from kq_host.residency import ResidencyManager
     from kq_mlx.mlx_lm_adapter import SwitchGLUArena, attach_arena, generate_greedy, prefill
 

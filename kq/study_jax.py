@@ -117,7 +117,7 @@ class JaxStudy:
         """:meth:`run` over one window's ``tokens``, the first ``warmup`` unscored."""
         import jax.numpy as jnp
 
-        from kq_host.quantized import open_experts
+        from kq_host.checkpoint import open_experts
         from kq_host.residency import LayerReport, ResidencyManager
         from kq_jax import qwen3_moe
         from kq_jax.arena import JaxArena
@@ -155,7 +155,7 @@ class JaxStudy:
         by side, each with its own residency manager's state (:func:`make_streams_step`); where
         :func:`window_plan` cuts each stream's text into several windows, the streams decode them round
         by round, each round afresh (key-value cache and arenas)."""
-        from kq_host.quantized import open_experts
+        from kq_host.checkpoint import open_experts
         from kq_jax import qwen3_moe
 
         cfg, config = self.cfg, self.config

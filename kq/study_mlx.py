@@ -103,7 +103,7 @@ class MlxStudy:
         """As :meth:`JaxStudy.run`, through mlx-lm: one model and arena, emptied for each window."""
         from mlx_lm.models.cache import make_prompt_cache
 
-        from kq_host.quantized import Quantization, open_experts
+        from kq_host.checkpoint import Quantization, open_experts
         from kq_host.residency import LayerReport, ResidencyManager
         from kq_mlx.mlx_lm_adapter import PROJECTIONS, SwitchGLUArena, attach_arena, attach_tier, set_tables
 

@@ -1,16 +1,35 @@
-"""Where a checkpoint keeps its experts, how wide they are, and how long the model was trained.
+"""Checkpoint directories (``config.json`` and ``*.safetensors``): where a checkpoint keeps its experts,
+how wide they are, how long the model was trained, and its experts read one at a time, float or quantized.
 
 Families by ``config.json``'s ``model_type``: each expert's projections' tensor names (Hugging Face
 names, in the arena's projection order gate, up, down), the config key of the expert count and of the
 experts' hidden width; :func:`trained_length` reads the sequence length the checkpoint was trained on.
+
+Quantized checkpoints are mlx-community's layout: ``mlx_lm.convert -q`` writes a quantized ``Linear`` or
+``Embedding`` as three tensors, ``X.weight`` (uint32, packed), ``X.scales`` and ``X.biases``, in
+:mod:`kq_host.tier`'s affine format, with the options in ``config.json``'s ``"quantization"`` (the default
+``bits`` and ``group_size``, and a module's own where it differs, e.g. the router at 8 bits). A Qwen3-MoE's
+experts are stacked per layer and projection, ``model.layers.{layer}.mlp.switch_mlp.{projection}.weight``
+``[E, out, ...]``. :func:`dense_tensors` gives every tensor in float32 (the JAX model loads it);
+:func:`open_experts` reads one expert at a time, a quantized one's packed bytes from the file, dequantized
+on the reader's thread, so an arena of float slots can run a quantized checkpoint and the bytes read are
+the file's.
 """
 
 from __future__ import annotations
 
 import json
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
 
 from kq_core.contract import EXPERT_PROJECTIONS
+from kq_host.expert_store import PER_EXPERT_TEMPLATE, ExpertStore, ExpertStoreError
+from kq_host.tier import QuantizedWeight, dequantize
+
 
 class CheckpointError(ValueError):
     """A checkpoint kq cannot run: a ``config.json`` that cannot be read or holds a value no model has, a
@@ -66,7 +85,142 @@ def trained_length(checkpoint) -> int | None:
 
 def expert_nbytes(checkpoint, projections=EXPERT_PROJECTIONS, template=None) -> int:
     """One expert's bytes in the checkpoint (every projection, the file's dtype)."""
-    from kq_host.quantized import open_experts
-
     with open_experts(checkpoint, projections, template=template) as store:
         return store.expert_nbytes(0)
+
+
+STACKED_QUANTIZED_TEMPLATE = "model.layers.{layer}.mlp.switch_mlp.{projection}"
+QUANTIZED_FIELDS = ("weight", "scales", "biases")
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """``config.json``'s ``"quantization"``: the default options and each module's own."""
+
+    bits: int
+    group_size: int
+    modules: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, checkpoint: str | os.PathLike) -> "Quantization | None":
+        """The checkpoint's quantization, or ``None`` for a float checkpoint.
+
+        Raises:
+            ExpertStoreError: a mode other than ``affine``, or options that are not ints.
+        """
+        path = Path(checkpoint) / "config.json"
+        raw = json.loads(path.read_text()).get("quantization") if path.is_file() else None
+        if raw is None:
+            return None
+        if raw.get("mode", "affine") != "affine":
+            raise ExpertStoreError(f"{path}: quantization mode {raw['mode']!r}; kq reads the affine mode only")
+        try:
+            modules = {name: (int(v["bits"]), int(v["group_size"])) for name, v in raw.items() if isinstance(v, dict)}
+            return cls(int(raw["bits"]), int(raw["group_size"]), modules)
+        except (KeyError, TypeError, ValueError) as error:
+            raise ExpertStoreError(f"{path}: unreadable quantization options {raw!r} ({error})") from None
+
+    def options(self, module: str) -> tuple[int, int]:
+        """``(bits, group_size)`` of one module (its name without ``.weight``)."""
+        return self.modules.get(module, (self.bits, self.group_size))
+
+
+def dense_tensors(checkpoint: str | os.PathLike, quantization: Quantization) -> dict[str, np.ndarray]:
+    """Every tensor of a quantized checkpoint, a quantized module's as one float32 ``X.weight``
+    (``[..., out, in]``) and the rest as stored.
+
+    Returns:
+        ``{name: array}``; no ``.scales`` or ``.biases`` names remain.
+    """
+    from safetensors.numpy import load_file
+
+    tensors: dict[str, np.ndarray] = {}
+    for path in sorted(Path(checkpoint).glob("*.safetensors")):
+        tensors.update(load_file(str(path)))
+    for name in [n for n in tensors if n.endswith(".scales")]:
+        module = name[: -len(".scales")]
+        bits, group_size = quantization.options(module)
+        weight = QuantizedWeight(tensors.pop(f"{module}.weight"), tensors.pop(name), tensors.pop(f"{module}.biases"))
+        tensors[f"{module}.weight"] = dequantize(weight, bits=bits, group_size=group_size)
+    return tensors
+
+
+class DequantizedExperts:
+    """An :class:`~kq_host.expert_store.ExpertStore` over a quantized checkpoint's stacked experts that
+    hands out float32 projections: the same ``read_expert``, ``submit``, ``expert_shapes``,
+    ``expert_nbytes`` (the stored, packed bytes) and ``bytes_read``."""
+
+    def __init__(self, checkpoint, quantization: Quantization, projections: Sequence[str], **store_options):
+        self.quantization = quantization
+        self.projections = tuple(projections)
+        fields = [f"{p}.{f}" for p in self.projections for f in QUANTIZED_FIELDS]
+        self.packed = ExpertStore(checkpoint, layout="stacked", projections=fields,
+                                  template=STACKED_QUANTIZED_TEMPLATE, **store_options)
+        self.template, self.layout, self.tensors = self.packed.template, "dequantized", self.packed.tensors
+
+    @property
+    def bytes_read(self) -> int:
+        return self.packed.bytes_read
+
+    def _options(self, layer: int, projection: str) -> tuple[int, int]:
+        return self.quantization.options(STACKED_QUANTIZED_TEMPLATE.format(layer=layer, projection=projection))
+
+    def read_expert(self, layer: int, expert: int) -> dict[str, np.ndarray]:
+        """``{projection: float32 [out, in]}`` of one expert."""
+        read = self.packed.read_expert(layer, expert)
+        out = {}
+        for p in self.projections:
+            bits, group_size = self._options(layer, p)
+            out[p] = dequantize(QuantizedWeight(*(read[f"{p}.{f}"] for f in QUANTIZED_FIELDS)), bits=bits,
+                                group_size=group_size)
+        return out
+
+    def submit(self, layer: int, expert: int):
+        return self.packed._pool.submit(self.read_expert, layer, expert)
+
+    def expert_shapes(self, layer: int, expert: int = 0) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        shapes = self.packed.expert_shapes(layer, expert)
+        out = {}
+        for p in self.projections:
+            bits, _ = self._options(layer, p)
+            (rows, words), _ = shapes[f"{p}.weight"]
+            out[p] = ((rows, words * 32 // bits), np.dtype(np.float32))
+        return out
+
+    def expert_nbytes(self, layer: int, expert: int = 0) -> int:
+        return self.packed.expert_nbytes(layer, expert)
+
+    def close(self) -> None:
+        self.packed.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def open_experts(checkpoint: str | os.PathLike, projections: Sequence[str] = EXPERT_PROJECTIONS,
+                 *, template: str | None = None, dequantized: bool = True, **store_options):
+    """A store of a checkpoint directory's experts, float or quantized.
+
+    Args:
+        checkpoint: the directory (``config.json`` and ``*.safetensors``).
+        projections: the experts' projection names in the checkpoint.
+        template: a float checkpoint's per-expert tensor names (default: the Hugging Face ones).
+        dequantized: for a quantized checkpoint, hand out float32 projections (``True``) or the stored
+            ``{"proj.weight", "proj.scales", "proj.biases"}`` arrays (``False``, what a quantized MLX arena takes).
+        store_options: passed to :class:`~kq_host.expert_store.ExpertStore` (``queue_depth``, ``host_allocator``).
+
+    Returns:
+        An :class:`~kq_host.expert_store.ExpertStore` or :class:`DequantizedExperts`.
+    """
+    quantization = Quantization.of(checkpoint)
+    if quantization is None:
+        return ExpertStore(checkpoint, layout="per_expert", projections=projections,
+                           template=template or PER_EXPERT_TEMPLATE, **store_options)
+    if dequantized:
+        return DequantizedExperts(checkpoint, quantization, projections, **store_options)
+    return ExpertStore(checkpoint, layout="stacked", projections=[f"{p}.{f}" for p in projections
+                                                                  for f in QUANTIZED_FIELDS],
+                       template=STACKED_QUANTIZED_TEMPLATE, **store_options)

@@ -398,7 +398,7 @@ def _layer_tensor_names(store) -> tuple[tuple[int, tuple[tuple[str, str], ...]],
     ...)``, a name with ``{expert}`` for a tensor per expert; None for a store whose template names them.
 
     Two such stores over one file may read other layers' tensors with the same projections and files.
-    A store without ``layer_tensor_names`` (:class:`~kq_host.quantized.DequantizedExperts`) is named by its
+    A store without ``layer_tensor_names`` (:class:`~kq_host.checkpoint.DequantizedExperts`) is named by its
     template.
     """
     names = getattr(store, "layer_tensor_names", None)
@@ -553,7 +553,7 @@ def tier_from_checkpoint(directory: str | os.PathLike, store, num_layers: int, n
         ExpertStoreError: ``directory`` holds no readable ``config.json`` or safetensors file.
     """
     from kq_host.expert_store import read_safetensors_header
-    from kq_host.quantized import Quantization
+    from kq_host.checkpoint import Quantization
 
     directory = Path(directory)
     for name, value in (("num_layers", num_layers), ("num_experts", num_experts)):

@@ -13,7 +13,7 @@ def arena_tier(checkpoint, *, bits: int = 3, group_size: int = 32):
     float weights (dequantized where it is stored quantized), its projections under the mlx-lm arena's
     names (:func:`kq_mlx.mlx_lm_adapter.attach_tier`): built once, cached on disk
     (:func:`kq_host.tier.build_tier`)."""
-    from kq_host.quantized import open_experts
+    from kq_host.checkpoint import open_experts
     from kq_host.tier import Tier, build_tier
     from kq_mlx.mlx_lm_adapter import PROJECTIONS
 

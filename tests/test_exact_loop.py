@@ -116,7 +116,7 @@ def model():
 
 def _loop_logits(model, slots, *, lookahead, policy="lfu"):
     """Each token's logits bits through the exact loop with ``slots`` per layer, and the manager's stats."""
-    from kq_host.quantized import open_experts
+    from kq_host.checkpoint import open_experts
     from kq_jax import qwen3_moe
     from kq_jax.arena import JaxArena
     from kq_jax.exact_loop import ExactLoop
@@ -167,7 +167,7 @@ def test_the_exact_loop_at_a_quarter_of_the_experts_is_the_full_arena_to_the_bit
 
 
 def test_two_ahead_prefetches_each_layer_from_the_two_layers_before_it_nearest_first(model):
-    from kq_host.quantized import open_experts
+    from kq_host.checkpoint import open_experts
     from kq_jax import qwen3_moe
     from kq_jax.arena import JaxArena
     from kq_jax.exact_loop import ExactLoop

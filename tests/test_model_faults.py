@@ -188,7 +188,7 @@ def _loop(exact_model, store, loader=None, *, queue_depth=0, **options):
 
 @pytest.fixture
 def store():
-    from kq_host.quantized import open_experts
+    from kq_host.checkpoint import open_experts
     from kq_jax import qwen3_moe
 
     with open_experts(SHIPPED_MODEL, qwen3_moe.PROJECTIONS) as store:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kq_host.expert_store import ExpertStore, ExpertStoreError
-from kq_host.quantized import DequantizedExperts, Quantization, dense_tensors, open_experts
+from kq_host.checkpoint import DequantizedExperts, Quantization, dense_tensors, open_experts
 from kq_host.tier import build_tier, dequantize, quantize
 
 SHIPPED_4BIT = Path(__file__).resolve().parents[1] / "models" / "wheels-moe"
