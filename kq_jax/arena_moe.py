@@ -15,7 +15,9 @@ Rules for a routed expert that is not resident (:data:`RULES`):
   step with an arena that holds nothing (every entry from the tier);
 * ``reroute``, ``prior``: cache-aware routing (the router's top-2k and resident experts; see
   :func:`serve`);
-* ``stall``: every routed expert computed from the whole set of experts (the exact output).
+* ``stall``: every routed expert computed from the whole set of experts (the exact output);
+* ``exact``: the exact output from the arena: a miss's expert read inside the program by the host's
+  ``fetch`` (:mod:`kq_jax.miss_fetch`), the router's weights as they are.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ from jax import lax
 
 import kq_jax
 from kq_core.contract import RouteShedResult
-from kq_jax.moe import Experts, TierExperts, combine, experts_apply, tiered_apply
+from kq_jax.miss_fetch import gather_with_misses
+from kq_jax.moe import Experts, TierExperts, apply_gathered, combine, experts_apply, tiered_apply
 from kq_jax.reference import bounded_table
 
-RULES = ("route_shed", "shed", "renormalize", "substitute", "tier", "uniform", "stall", "reroute", "prior")
+RULES = ("route_shed", "shed", "renormalize", "substitute", "tier", "uniform", "stall", "exact", "reroute",
+         "prior")
 TIER_RULES = ("tier", "uniform")
 RESIDENT_PRIOR = 1.0  # the ``prior`` rule's bonus to a resident expert's log-probability (nats)
 
@@ -84,7 +88,7 @@ def _cache_aware(rule: str, indices, probs, table, *, normalize: bool):
 
 def arena_moe(x, indices, scores, slot_table, *, rule: str, weights: Experts, num_slots: int,
               tier: TierExperts | None = None, probs=None, slot_rows=None, normalize: bool = False,
-              shed: RouteShedResult | None = None, impl: str = "auto"):
+              shed: RouteShedResult | None = None, impl: str = "auto", fetch=None, layer=0):
     """One MoE layer's experts for a token batch on an arena, under ``rule``.
 
     Args:
@@ -103,6 +107,8 @@ def arena_moe(x, indices, scores, slot_table, *, rule: str, weights: Experts, nu
         shed: ``route_shed``'s result for this routing and table when the caller has it (``topk_route_shed``
             routes and sheds in one launch); None: computed here.
         impl: ``route_shed``'s implementation.
+        fetch: rule ``exact``: the host's reader of missed experts (:data:`kq_jax.miss_fetch.Fetch`);
+            layer: the layer index (int or int32 scalar) it is called with.
 
     Returns:
         ``(out [T, D], report)``: the combined output in ``weights``' dtype, and the report's fields
@@ -113,6 +119,9 @@ def arena_moe(x, indices, scores, slot_table, *, rule: str, weights: Experts, nu
     on_miss = "tier" if rule in TIER_RULES else "shed"
     if on_miss == "tier" and tier is None:
         raise ValueError(f"arena_moe: rule {rule!r} needs the tier's experts (tier=...)")
+    if (rule == "exact") != (fetch is not None):
+        raise ValueError(f"arena_moe: fetch= is for rule 'exact' and needed there, got rule {rule!r} with "
+                         f"fetch={fetch!r}")
     if shed is None:
         shed = kq_jax.route_shed(indices, scores, slot_table, num_slots=num_slots, on_miss=on_miss, impl=impl)
 
@@ -121,6 +130,10 @@ def arena_moe(x, indices, scores, slot_table, *, rule: str, weights: Experts, nu
 
     if rule == "stall":
         y, mix = experts_apply(x, weights, indices), scores
+    elif rule == "exact":
+        hit = bounded_table(slot_table, num_slots)[indices] >= 0
+        gathered = gather_with_misses(weights, rows(jnp.where(hit, shed.slots, 0)), hit, indices, fetch, layer)
+        y, mix = apply_gathered(x, gathered), scores
     elif on_miss == "tier":
         hit = shed.slots < num_slots
         stacked = weights.gate.shape[0]  # tiered_apply reads entry r >= N as the tier's expert r - N
@@ -130,5 +143,5 @@ def arena_moe(x, indices, scores, slot_table, *, rule: str, weights: Experts, nu
         slots, mix = serve(rule, indices, scores, probs, slot_table, shed, normalize=normalize,
                            num_slots=num_slots)
         y = experts_apply(x, weights, rows(slots))
-    served = scores if rule == "stall" else jnp.where(mix > 0, scores, 0.0)
+    served = scores if rule in ("stall", "exact") else jnp.where(mix > 0, scores, 0.0)
     return combine(y, mix), (indices, scores, shed.miss_ids, shed.miss_scores, served)

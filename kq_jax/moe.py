@@ -210,10 +210,10 @@ def route(x, router_w, *, top_k: int):
 
 def experts_apply(x, experts: Experts, rows):
     """Each token's k experts on it: x ``[T, D]``, rows ``[T, k]`` slot ids -> ``[T, k, D]``."""
-    return _apply_gathered(x, Experts(*(jnp.asarray(w)[rows] for w in experts)))
+    return apply_gathered(x, Experts(*(jnp.asarray(w)[rows] for w in experts)))
 
 
-def _apply_gathered(x, gathered: Experts):
+def apply_gathered(x, gathered: Experts):
     """SwiGLU of each token's gathered experts: x ``[T, D]``, weights ``[T, k, out, in]`` -> ``[T, k, D]``."""
     gate = jnp.einsum("td,tkfd->tkf", x, gathered.gate)
     up = jnp.einsum("td,tkfd->tkf", x, gathered.up)

@@ -72,6 +72,16 @@ def test_the_exact_mode_gives_the_resident_models_bits_when_the_model_routes(rou
     assert np.array_equal(_bits(run.last), _bits(routed_setting[2])) and sum(run.reruns) > 0
 
 
+@pytest.mark.parametrize("residency", [1.0, 0.5, 0.25], ids=lambda r: f"residency{r:.0%}")
+@pytest.mark.parametrize("routed", [False, True], ids=["recorded", "routed"])
+def test_the_exact_fetch_mode_gives_the_resident_models_bits_in_one_pass(setting, routed_setting, routed, residency):
+    chosen = routed_setting if routed else setting
+    run = _run(chosen, residency, "exact-fetch")
+    assert np.array_equal(_bits(run.last), _bits(chosen[2]))
+    assert sum(run.reruns) == 0 and (sum(run.critical) > 0) == (residency < 1.0)
+    assert run.stats.lookups == (STEPS - 2) * LAYERS * TOP_K and len(run.stamps) == STEPS
+
+
 @pytest.mark.parametrize("mode", ["lossy", "tier"])
 def test_the_lossy_modes_match_at_full_residency_and_differ_below(setting, mode):
     full, quarter = _run(setting, 1.0, mode), _run(setting, 0.25, mode)
@@ -169,13 +179,13 @@ def test_every_row_of_a_run_has_consistent_floor_columns(monkeypatch):
     rows = decode_e2e.run_model("tiny", tokens=6, warmup=3, routing=(indices.astype(np.int32), scores),
                                 residencies=(1.0, 0.25))
     assert [(r.mode, r.residency) for r in rows] == [("resident", 1.0)] + [
-        (mode, residency) for residency in (1.0, 0.25) for mode in ("lossy", "tier", "exact")]
+        (mode, residency) for residency in (1.0, 0.25) for mode in ("lossy", "tier", "exact", "exact-fetch")]
     expert_mib = 3 * HIDDEN * FFN * 2 / 2**20  # three bfloat16 projections
     assert len({r.read_gib_per_s for r in rows}) == 1 and rows[0].read_gib_per_s > 0
     assert rows[0].resident_tokens_per_s == rows[0].tokens_per_s and rows[0].x_floor == rows[0].x_resident == 1.0
     for row in rows:
         assert row.critical_mib_per_token == row.critical_reads_per_token * expert_mib
-        assert (row.critical_mib_per_token > 0) == (row.mode == "exact" and row.residency < 1.0)
+        assert (row.critical_mib_per_token > 0) == (row.mode.startswith("exact") and row.residency < 1.0)
         assert {key: getattr(row, key) for key in ("x_resident", "floor_with_reads_tokens_per_s", "x_floor")} == \
             decode_e2e.floor_columns(row.tokens_per_s, row.resident_tokens_per_s, row.critical_mib_per_token,
                                      row.read_gib_per_s)
@@ -188,7 +198,7 @@ def test_the_mlx_decode_job_reads_the_shipped_checkpoints():
         assert checkpoint.name == name and (checkpoint / "config.json").is_file()
 
 
-@pytest.mark.parametrize("mode", ["lossy", "exact"])
+@pytest.mark.parametrize("mode", ["lossy", "exact", "exact-fetch"])
 def test_a_full_arena_holds_the_checkpoints_bytes(setting, mode):
     """Every expert resident, the arena is the resident model's bytes (its dtype on every backend: on a CPU
     the bfloat16 bits held as uint16, which XLA writes in place), so both programs gather the same weights."""

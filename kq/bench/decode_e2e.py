@@ -25,6 +25,11 @@ Modes (JAX, on its default device):
   for bit. A token learns its misses from its own reports, as an engine would, but a whole token at a
   time: with recorded routing a run again routes as the first run did, so one extra run suffices (a
   routed model's run again may find later layers' misses, and runs again until it has none).
+* ``exact-fetch``: exact in one pass: a layer that misses calls the host from inside the program
+  (:mod:`kq_jax.miss_fetch`), which reads its missed experts (:class:`kq_host.miss_reader.MissReader`,
+  as many at once as the manager's workers) while the program waits, and the layer computes every entry
+  from its own expert's weights. The token's reports name the same misses, and the manager's loader
+  takes those reads for the arena instead of reading them again. Never runs a token again.
 
 Routing (the ``routing`` column):
 
@@ -75,7 +80,7 @@ from kq.bench import common
 from kq.bench.common import EXPERT_SIZES, jax_device_name, median_ms
 from kq.terminal import progress_bar, render_table
 
-MODES = ("resident", "lossy", "tier", "exact")
+MODES = ("resident", "lossy", "tier", "exact", "exact-fetch")
 RESIDENCIES = (1.0, 0.75, 0.5, 0.25)
 TIER_BITS, TIER_GROUP_SIZE = 3, 32
 # Recorded: name -> (checkpoint under models/, layers (None: every layer the checkpoint has), hidden,
@@ -339,7 +344,7 @@ class Engine:
                 x = x + combine(experts_apply(x, layer_weights(weights, layer), indices), scores)
             return next_input(x, position), jnp.argmax(x[0]).astype(jnp.int32)
 
-        def streamed(x, position, arrays, tables, tier, rule):
+        def streamed(x, position, arrays, tables, tier, rule, fetch=None):
             arrays = {name: as_weights(a) for name, a in arrays.items()}
             reports, num_slots = [], arrays[PROJECTIONS[0]].shape[1]
             on_miss = "tier" if rule == "tier" else "shed"
@@ -354,7 +359,7 @@ class Engine:
                     *(TierWeights(*(a[layer] for a in tier[name])) for name in PROJECTIONS), bits=TIER_BITS,
                     group_size=TIER_GROUP_SIZE)
                 y, report = arena_moe(x, indices, scores, tables[layer], rule=rule, weights=layer_weights(arrays, layer),
-                                      num_slots=num_slots, tier=low, shed=shed, impl=impl)
+                                      num_slots=num_slots, tier=low, shed=shed, impl=impl, fetch=fetch, layer=layer)
                 x = x + y
                 reports.append(report)
             return next_input(x, position), pack_reports(reports)
@@ -364,6 +369,9 @@ class Engine:
                                                                              "route_shed"))
         tiered = jax.jit(lambda x, position, arrays, tables, tier: streamed(x, position, arrays, tables, tier, "tier"))
         self.tiered = lambda x, position, arrays, tables: tiered(x, position, arrays, tables, self.tier)
+        # the exact rule with misses read inside the program, by a host reader given per run
+        self.fetching = lambda fetch: jax.jit(lambda x, position, arrays, tables: streamed(
+            x, position, arrays, tables, None, "exact", fetch))
 
 
 def _queued(outputs):
@@ -459,6 +467,7 @@ def run_streamed(engine: Engine, store, *, residency: float, mode: str, warmup: 
     """One arena run of ``engine.steps`` tokens in ``mode`` (``lossy``, ``tier`` or ``exact``)."""
     import jax
 
+    from kq_host.miss_reader import MissReader
     from kq_host.residency import LayerReport, ResidencyManager
     from kq_jax.arena import JaxArena
 
@@ -476,12 +485,14 @@ def run_streamed(engine: Engine, store, *, residency: float, mode: str, warmup: 
               for name, (shape, dtype) in store.expert_shapes(0).items()}
     arena = JaxArena(engine.layers, slots, shapes)
     timed = _TimedArena(arena)
-    manager = ResidencyManager(engine.layers, experts, slots, loader=lambda l, e, s: bits_of(store.read_expert(l, e)) if as_bits else store.read_expert(l, e),
+    reader = MissReader(store, PROJECTIONS) if mode == "exact-fetch" else None  # 8 reads at once, as the manager
+    read = store.read_expert if reader is None else reader.loader
+    manager = ResidencyManager(engine.layers, experts, slots, loader=lambda l, e, s: bits_of(read(l, e)) if as_bits else read(l, e),
                                arena=timed, bytes_per_expert=store.expert_nbytes(0))
     for layer in range(engine.layers):  # a warm arena before the clock, as an engine starts with one
         manager.preload(layer, warm_experts(engine, layer, slots, experts, warmup))
     state = {"tables": manager.snapshot()}
-    program = engine.tiered if mode == "tier" else engine.streamed
+    program = {"tier": engine.tiered, "exact-fetch": engine.fetching(reader)}.get(mode, engine.streamed)
     device_tables = {}
 
     def on_device(tables):  # the tables go to the device only when they change
@@ -502,6 +513,8 @@ def run_streamed(engine: Engine, store, *, residency: float, mode: str, warmup: 
         start, timed.seconds = time.perf_counter(), 0.0
         report = LayerReport.from_packed(packed)
         missed = int((report.miss_ids >= 0).sum())
+        if mode == "exact-fetch":  # read inside the program, on the token's critical path
+            critical[position] += missed
         if missed or position not in stepped:  # a run again that hit everything was credited by its first run
             state["tables"] = manager.step(report)
             stepped.add(position)
@@ -521,6 +534,8 @@ def run_streamed(engine: Engine, store, *, residency: float, mode: str, warmup: 
     stamps, waits, last = decode(dispatch, boundary, engine.first, steps, overlap=True)
     floor = device_floor(dispatch, engine.first, min(steps, 64))
     manager.close()  # the reads still out land first, so they count among the bytes read
+    if reader is not None:
+        reader.close()
     memory = sum(a.nbytes for a in arena.arrays.values())
     if mode == "tier":
         memory += sum(a.nbytes for weight in engine.tier.values() for a in weight)
@@ -611,7 +626,7 @@ def run_model(model: str, *, tokens: int = 64, warmup: int = 16, seed: int = 0, 
             if log:
                 log(f"{model}: the misses' path reads {read_gib_per_s:.2f} GiB/s")
             for residency in residencies or RESIDENCIES:
-                for mode in MODES[1:] if recorded else ("lossy", "exact"):
+                for mode in MODES[1:] if recorded else ("lossy", "exact", "exact-fetch"):
                     time_resident()
                     run = run_streamed(engine, store, residency=residency, mode=mode, warmup=warmup, experts=experts)
                     arena_runs.append((mode, residency, run))

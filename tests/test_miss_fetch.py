@@ -1,0 +1,152 @@
+"""The exact rule with misses read inside the program: the resident model's bits at every residency."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+from kq_host.miss_reader import MissReader  # noqa: E402
+from kq_jax.arena_moe import arena_moe  # noqa: E402
+from kq_jax.miss_fetch import miss_buckets  # noqa: E402
+from kq_jax.moe import Experts, combine, experts_apply  # noqa: E402
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+EXPERTS, HIDDEN, FFN, TOP_K = 16, 64, 32, 4
+
+
+class ArrayStore:
+    """Experts held in memory, read as an ExpertStore reads them; counts the reads."""
+
+    def __init__(self, weights: dict[str, np.ndarray]):
+        self.weights, self.reads = weights, []
+
+    def read_expert(self, layer: int, expert: int):
+        self.reads.append((layer, expert))
+        return {name: w[layer, expert].copy() for name, w in self.weights.items()}
+
+
+def random_weights(rng, dtype, layers=1):
+    shapes = {"gate_proj": (FFN, HIDDEN), "up_proj": (FFN, HIDDEN), "down_proj": (HIDDEN, FFN)}
+    return {name: (rng.standard_normal((layers, EXPERTS, *shape)) * 0.1 + 0.01).astype(dtype)
+            for name, shape in shapes.items()}
+
+
+def routing(rng, tokens):
+    indices = np.stack([rng.choice(EXPERTS, TOP_K, replace=False) for _ in range(tokens)]).astype(np.int32)
+    scores = rng.dirichlet(np.ones(TOP_K), size=tokens).astype(np.float32)
+    return indices, scores
+
+
+def arena_of(weights, resident_experts, num_slots):
+    """``(arena Experts [S, ...], slot_table [E])``: ``resident_experts`` in slots in reverse order."""
+    table = np.full(EXPERTS, -1, np.int32)
+    arena = {name: np.zeros((num_slots, *w.shape[2:]), w.dtype) for name, w in weights.items()}
+    for slot, expert in enumerate(reversed(resident_experts)):
+        table[expert] = slot
+        for name, w in weights.items():
+            arena[name][slot] = w[0, expert]
+    return Experts(*(jnp.asarray(arena[name]) for name in PROJECTIONS)), jnp.asarray(table)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("resident", [16, 8, 4, 0], ids=lambda n: f"{n}of16")
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_exact_rule_gives_the_resident_layers_bits(dtype, resident, tokens):
+    import ml_dtypes
+
+    rng = np.random.default_rng(resident * 10 + tokens)
+    np_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    weights = random_weights(rng, np_dtype)
+    store = ArrayStore(weights)
+    reader = MissReader(store, PROJECTIONS, workers=2)
+    indices, scores = routing(rng, tokens)
+    x = jnp.asarray(rng.standard_normal((tokens, HIDDEN)).astype(np.float32))
+    everything = Experts(*(jnp.asarray(weights[name][0]) for name in PROJECTIONS))
+    expected = combine(experts_apply(x, everything, jnp.asarray(indices)), jnp.asarray(scores))
+
+    num_slots = max(resident, 1)
+    arena, table = arena_of(weights, list(rng.permutation(EXPERTS)[:resident]), num_slots)
+
+    @jax.jit
+    def step(x, indices, scores, table, arena):
+        return arena_moe(x, indices, scores, table, rule="exact", weights=arena, num_slots=num_slots,
+                         fetch=reader, layer=0)
+
+    out, report = step(x, jnp.asarray(indices), jnp.asarray(scores), table, arena)
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint32), np.asarray(expected).view(np.uint32))
+    missed = np.asarray(table)[indices] < 0
+    assert (np.asarray(report[2]) >= 0).sum() == missed.sum()  # the misses still reported for the host
+    assert sorted(set(store.reads)) == sorted({(0, int(e)) for e in indices[missed]})
+    assert reader.experts_read == len({int(e) for e in indices[missed]})  # one call, each expert read once
+    reader.close()
+
+
+def test_a_layer_without_misses_calls_nothing():
+    rng = np.random.default_rng(3)
+    weights = random_weights(rng, np.float32)
+    calls = []
+
+    def fetch(layer, ids):
+        calls.append(ids)
+        raise AssertionError("fetch called for a layer that hit everything")
+
+    arena, table = arena_of(weights, list(range(EXPERTS)), EXPERTS)
+    indices, scores = routing(rng, 3)
+    x = jnp.asarray(rng.standard_normal((3, HIDDEN)).astype(np.float32))
+    out, _ = jax.jit(lambda x: arena_moe(x, jnp.asarray(indices), jnp.asarray(scores), table, rule="exact",
+                                         weights=arena, num_slots=EXPERTS, fetch=fetch))(x)
+    out.block_until_ready()
+    assert calls == []
+
+
+def test_the_reader_hands_its_reads_to_the_managers_loader_once():
+    rng = np.random.default_rng(4)
+    store = ArrayStore(random_weights(rng, np.float32, layers=2))
+    reader = MissReader(store, PROJECTIONS, workers=2)
+    stacked = reader(1, np.array([5, 2, 5], np.int32))
+    assert [a.shape for a in stacked] == [(3, FFN, HIDDEN), (3, FFN, HIDDEN), (3, HIDDEN, FFN)]
+    np.testing.assert_array_equal(stacked[2][0].view(np.uint32), store.weights["down_proj"][1, 5].view(np.uint32))
+    assert sorted(store.reads) == [(1, 2), (1, 5)]  # a repeated id read once
+    payload = reader.loader(1, 5)
+    np.testing.assert_array_equal(payload["gate_proj"].view(np.uint32),
+                                  store.weights["gate_proj"][1, 5].view(np.uint32))
+    assert len(store.reads) == 2  # taken from the program's read
+    reader.loader(1, 5)
+    assert store.reads[-1] == (1, 5) and len(store.reads) == 3  # kept once: a second load reads again
+    reader.close()
+
+
+def test_a_fetch_of_the_wrong_shape_is_named():
+    rng = np.random.default_rng(5)
+    weights = random_weights(rng, np.float32)
+    arena, table = arena_of(weights, [0, 1], 2)
+    indices = jnp.asarray(np.array([[0, 7, 9, 1]], np.int32))
+    scores = jnp.asarray(np.full((1, TOP_K), 0.25, np.float32))
+    x = jnp.asarray(rng.standard_normal((1, HIDDEN)).astype(np.float32))
+
+    def fetch(layer, ids):
+        return tuple(np.zeros((len(ids), 3, 3), np.float32) for _ in range(3))
+
+    with pytest.raises(Exception, match="fetch's gate"):
+        arena_moe(x, indices, scores, table, rule="exact", weights=arena, num_slots=2,
+                  fetch=fetch)[0].block_until_ready()
+
+
+def test_fetch_belongs_to_the_exact_rule():
+    arena = Experts(*(jnp.ones((2, 4, 4)) for _ in range(3)))
+    args = (jnp.ones((1, 4)), jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2)), jnp.zeros(8, jnp.int32))
+    with pytest.raises(ValueError, match="fetch"):
+        arena_moe(*args, rule="exact", weights=arena, num_slots=2)
+    with pytest.raises(ValueError, match="fetch"):
+        arena_moe(*args, rule="shed", weights=arena, num_slots=2, fetch=lambda layer, ids: ())
+
+
+def test_miss_buckets():
+    assert miss_buckets(1) == (1,)
+    assert miss_buckets(8) == (1, 2, 4, 8)
+    assert miss_buckets(40) == (1, 2, 4, 8, 16, 32, 40)
+    with pytest.raises(ValueError, match="entries"):
+        miss_buckets(0)
