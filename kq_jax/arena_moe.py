@@ -28,13 +28,54 @@ from jax import lax
 import kq_jax
 from kq_core.contract import RouteShedResult
 from kq_jax.miss_fetch import gather_with_misses
-from kq_jax.moe import Experts, TierExperts, apply_gathered, combine, experts_apply, tiered_apply
-from kq_jax.reference import bounded_table
+from kq_jax.moe import Experts, TierExperts, apply_gathered, combine, experts_apply, router_probs, tiered_apply
+from kq_jax.reference import bounded_table, normalize_topk_ref
 
+FUSED_RULES = ("route_shed", "tier", "uniform")  # routed and shed by one topk_route_shed launch in moe_layer
 RULES = ("route_shed", "shed", "renormalize", "substitute", "tier", "uniform", "stall", "exact", "reroute",
          "prior")
 TIER_RULES = ("tier", "uniform")
 RESIDENT_PRIOR = 1.0  # the ``prior`` rule's bonus to a resident expert's log-probability (nats)
+
+
+def router_topk(probs, *, top_k: int, normalize: bool):
+    """The router's top-k of ``probs`` float32 ``[T, E]``: ``(indices int32 [T, k], scores float32 [T, k])``,
+    ``lax.top_k``'s, the scores renormalised by :func:`kq_jax.reference.normalize_topk_ref` (the contract's
+    correctly rounded arithmetic) where ``normalize`` (Qwen3-MoE's ``norm_topk_prob``), else as they are."""
+    scores, indices = lax.top_k(probs, top_k)
+    return indices, normalize_topk_ref(scores) if normalize else scores
+
+
+def moe_layer(x, router_w, slot_table, *, rule: str, top_k: int, normalize: bool, weights: Experts,
+              num_slots: int, tier: TierExperts | None = None, slot_rows=None, impl: str = "auto"):
+    """One MoE layer on an arena from its router's weights: the router, then :func:`arena_moe` under ``rule``.
+
+    The step :class:`kq_jax.nnx.ArenaMoE` runs and :func:`kq_jax.qwen3_moe_arena.make_step`'s layers run, so
+    the module and the functional decode step compute with the same operations in the same order. Rules
+    :data:`FUSED_RULES` route and shed in one ``topk_route_shed`` launch; the others take the router's
+    ``lax.top_k`` (:func:`router_topk`) and let :func:`arena_moe` shed.
+
+    Args:
+        x: ``[T, D]`` the layer's MoE input.
+        router_w: ``[D, E]`` the router's weights (the checkpoint's ``[E, D]`` transposed inside the caller's
+            jitted step, so the router's product keeps the checkpoint's layout).
+        slot_table: int32 ``[E]``, expert -> arena slot (negative: not resident).
+        rule, weights, num_slots, tier, slot_rows, impl: as for :func:`arena_moe`.
+        top_k: experts a token routes to; normalize: whether the router renormalises its top-k.
+
+    Returns:
+        ``(out [T, D], report)`` as :func:`arena_moe`.
+    """
+    probs = router_probs(x, router_w)
+    if rule in FUSED_RULES:
+        routing = kq_jax.topk_route_shed(probs, slot_table, top_k=top_k, normalize=normalize,
+                                         on_miss="tier" if rule in TIER_RULES else "shed", num_slots=num_slots,
+                                         impl=impl)
+        indices, scores, shed = routing.indices, routing.scores, routing.shed
+    else:
+        (indices, scores), shed = router_topk(probs, top_k=top_k, normalize=normalize), None
+    return arena_moe(x, indices, scores, slot_table, rule=rule, weights=weights, num_slots=num_slots, tier=tier,
+                     probs=probs, slot_rows=slot_rows, normalize=normalize, shed=shed, impl=impl)
 
 
 def serve(rule: str, indices, scores, probs, slot_table, shed, *, normalize: bool = False,

@@ -4,8 +4,9 @@
 routes with its :class:`Router`, runs ``topk_route_shed`` against the module's slot table, computes the hits
 with the arena's weights and the misses with the tier's copy (``on_miss="tier"``) or sheds them
 (``on_miss="shed"``), and returns the output beside the routing reports the host reads back. The step is
-the library's one MoE step, :func:`kq_jax.arena_moe.arena_moe` (rules ``route_shed`` and ``tier``): the
-module holds the state, the library computes.
+the library's one MoE step, :func:`kq_jax.arena_moe.moe_layer` (rules ``route_shed`` and ``tier``), the one
+:func:`kq_jax.qwen3_moe_arena.make_step`'s layers run: the module holds the state, the library computes.
+:class:`kq_jax.qwen3_moe_nnx.Qwen3MoeDecoder` is Qwen3-MoE on a stack of these modules.
 
 That state is NNX variables of three kinds of their own, so filters tell them apart from the trainable
 :class:`flax.nnx.Param` router: :class:`ArenaSlots` (the arena's weights, ``[S, ...]`` a projection),
@@ -18,8 +19,9 @@ built with ``nnx.vmap`` holds them ``[L, ...]``, the layout of ``JaxArena.arrays
 :class:`DenseMoE` is the same layer with every expert held as a parameter; :meth:`ArenaMoE.from_dense` with
 every expert resident gives its output bit for bit.
 
-Weights keep the checkpoint layout kq uses everywhere (``[out, in]`` per expert); each name ends with its
-axes: D the hidden size, F the expert's intermediate size, E the experts, S the arena's slots.
+Weights keep the checkpoint layout kq uses everywhere (``[out, in]``: the router's ``[E, D]``, each
+expert's ``[F, D]`` and ``[D, F]``); each name ends with its axes: D the hidden size, F the expert's
+intermediate size, E the experts, S the arena's slots.
 
 Needs Flax (``pip install 'kq[nnx]'``); the rest of :mod:`kq_jax` does not import it.
 """
@@ -40,10 +42,10 @@ except ImportError as error:  # the one module of kq_jax that needs Flax
 
 from kq_core.contract import EXPERT_PROJECTIONS
 from kq_host.tier import BITS, GROUP_SIZES, quantize, scale_dtype
-from kq_jax.api import IMPLS, topk_route_shed
+from kq_jax.api import IMPLS
 from kq_jax.arena import pack_reports
-from kq_jax.arena_moe import arena_moe
-from kq_jax.moe import Experts, TierExperts, TierWeights, check_tier, moe_ffn_resident, route, router_probs
+from kq_jax.arena_moe import moe_layer, router_topk
+from kq_jax.moe import Experts, TierExperts, TierWeights, check_tier, combine, experts_apply, router_probs
 
 # The arena's projections, named as the expert store's tensors, ``JaxArena.arrays`` and the tier's layers.
 _TIER_PARTS = ("packed", "scales", "biases")
@@ -88,16 +90,28 @@ def _check_array(where: str, name: str, given, held) -> None:
                          f"{type(given).__name__} {dtype} {list(getattr(given, 'shape', ()))}")
 
 
+def _check_flag(where: str, name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{where}: {name} must be a bool, got {value!r}")
+    return bool(value)
+
+
 class Router(nnx.Module):
-    """Softmax router over E experts, top-k renormalised (Qwen3-MoE with ``norm_topk_prob``).
+    """Softmax router over E experts and its top-k, renormalised where ``normalize`` (Qwen3-MoE's
+    ``norm_topk_prob``).
+
+    Its kernel keeps the checkpoint's layout (``mlp.gate.weight``, ``[E, D]``), as the experts do, so a
+    layer built from a checkpoint computes the router's product as :mod:`kq_jax.qwen3_moe` does.
 
     Args:
         hidden_size: D; num_experts: E; top_k: experts a token routes to, ``1 <= top_k <= min(E, 64)``.
+        normalize: renormalise the top-k weights to sum to 1 (True) or keep the softmax's (False).
         dtype: the kernel's dtype.
         rngs: ``nnx.Rngs`` with a ``params`` stream.
     """
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, *, normalize: bool = True,
+                 dtype=jnp.float32, rngs: nnx.Rngs):
         hidden_size = _check_size("Router", "hidden_size", hidden_size)
         num_experts = _check_size("Router", "num_experts", num_experts)
         top_k = _check_size("Router", "top_k", top_k)
@@ -105,29 +119,36 @@ class Router(nnx.Module):
             raise ValueError(f"Router: top_k must be at most min(num_experts, 64) = {min(num_experts, 64)}, "
                              f"got {top_k}")
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
-        self.kernel_DE = nnx.Param(_normal(rngs, (hidden_size, num_experts), hidden_size, dtype))
+        self.normalize = _check_flag("Router", "normalize", normalize)
+        self.kernel_ED = nnx.Param(_normal(rngs, (num_experts, hidden_size), hidden_size, dtype))
+
+    def probs(self, rows):
+        """The softmax over experts, float32 ``[T, E]``, of ``rows`` ``[T, D]``."""
+        return router_probs(rows, self.kernel_ED[...].T)
 
     def __call__(self, inputs):
         """The router's top-k: ``inputs`` ``[..., D]`` -> ``(weights_TX float32, experts_TX int32)``, each
-        ``[T, top_k]`` over the ``T`` rows of ``inputs``, the weights renormalised to sum to 1."""
-        experts_TX, weights_TX = route(_rows("Router", inputs, self.hidden_size), self.kernel_DE[...],
-                                       top_k=self.top_k)
-        return weights_TX, experts_TX.astype(jnp.int32)
+        ``[T, top_k]`` over the ``T`` rows of ``inputs`` (:func:`kq_jax.arena_moe.router_topk`)."""
+        experts_TX, weights_TX = router_topk(self.probs(_rows("Router", inputs, self.hidden_size)),
+                                             top_k=self.top_k, normalize=self.normalize)
+        return weights_TX, experts_TX
 
 
 class DenseMoE(nnx.Module):
     """The MoE feed-forward with every expert held as a parameter: SwiGLU experts ``down(silu(gate(x)) *
-    up(x))`` mixed by the :class:`Router`'s renormalised top-k (:func:`kq_jax.moe.moe_ffn_resident`).
+    up(x))`` mixed by the :class:`Router`'s top-k (:func:`kq_jax.moe.moe_ffn_resident` where ``normalize``,
+    :func:`kq_jax.qwen3_moe.moe_resident` in general).
 
     Args:
-        hidden_size: D; intermediate_size: F (each expert's); num_experts: E; top_k: as :class:`Router`'s.
+        hidden_size: D; intermediate_size: F (each expert's); num_experts: E; top_k, normalize: as
+            :class:`Router`'s.
         dtype: the weights' dtype.
         rngs: ``nnx.Rngs`` with a ``params`` stream.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
-                 dtype=jnp.float32, rngs: nnx.Rngs):
-        self.router = Router(hidden_size, num_experts, top_k, dtype=dtype, rngs=rngs)
+                 normalize: bool = True, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.router = Router(hidden_size, num_experts, top_k, normalize=normalize, dtype=dtype, rngs=rngs)
         d, f, e = self.router.hidden_size, _check_size("DenseMoE", "intermediate_size", intermediate_size), num_experts
         self.kernel_gating_EFD = nnx.Param(_normal(rngs, (e, f, d), d, dtype))
         self.kernel_up_proj_EFD = nnx.Param(_normal(rngs, (e, f, d), d, dtype))
@@ -140,8 +161,38 @@ class DenseMoE(nnx.Module):
     def __call__(self, inputs):
         """``inputs`` ``[..., D]`` -> outputs ``[..., D]`` (float32 weights: float32)."""
         rows = _rows("DenseMoE", inputs, self.router.hidden_size)
-        outputs = moe_ffn_resident(rows, self.router.kernel_DE[...], self.experts(), top_k=self.router.top_k)
+        weights_TX, experts_TX = self.router(rows)
+        outputs = combine(experts_apply(rows, self.experts(), experts_TX), weights_TX)
         return jnp.reshape(outputs, jnp.shape(inputs)[:-1] + outputs.shape[-1:])
+
+    @classmethod
+    def from_qwen3_moe(cls, layer: Mapping[str, jax.Array], cfg) -> "DenseMoE":
+        """The MoE layer of a Qwen3-MoE checkpoint: ``layer`` one entry of
+        :func:`kq_jax.qwen3_moe.load_params`' ``"layers"`` (``router`` ``[E, D]``, ``gate_proj`` and
+        ``up_proj`` ``[E, F, D]``, ``down_proj`` ``[E, D, F]``; its other arrays unread), ``cfg`` its
+        :class:`kq_jax.qwen3_moe.Qwen3MoeConfig`. Its output is :func:`kq_jax.qwen3_moe.moe_resident`'s.
+
+        Raises:
+            ValueError: ``layer`` lacks one of those arrays or holds one of another shape or dtype.
+        """
+        d, e, f = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        shapes = {"router": (e, d), "gate_proj": (e, f, d), "up_proj": (e, f, d), "down_proj": (e, d, f)}
+        if not isinstance(layer, Mapping) or not set(shapes) <= set(layer):
+            given = sorted(layer) if isinstance(layer, Mapping) else type(layer).__name__
+            raise ValueError(f"DenseMoE.from_qwen3_moe: layer must map {sorted(shapes)} to arrays, got {given}")
+        dtype = getattr(layer["router"], "dtype", None)
+        for name, shape in shapes.items():
+            given = layer[name]
+            if getattr(given, "dtype", None) != dtype or tuple(getattr(given, "shape", ())) != shape:
+                raise ValueError(f"DenseMoE.from_qwen3_moe: layer[{name!r}] must be {dtype} {list(shape)} (the "
+                                 f"config's sizes, the router's dtype), got {getattr(given, 'dtype', None)} "
+                                 f"{list(getattr(given, 'shape', ()))}")
+        module = cls(d, f, e, cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob, dtype=dtype, rngs=nnx.Rngs(0))
+        module.router.kernel_ED.set_value(jnp.asarray(layer["router"]))
+        for variable, name in ((module.kernel_gating_EFD, "gate_proj"), (module.kernel_up_proj_EFD, "up_proj"),
+                               (module.kernel_down_proj_EDF, "down_proj")):
+            variable.set_value(jnp.asarray(layer[name]))
+        return module
 
 
 class ArenaMoE(nnx.Module):
@@ -155,7 +206,8 @@ class ArenaMoE(nnx.Module):
     ``topk_route_shed`` keeps each device on its own rows (:mod:`kq_jax.partition`), the variables replicated.
 
     Args:
-        hidden_size: D; intermediate_size: F; num_experts: E; num_slots: S; top_k: as :class:`Router`'s.
+        hidden_size: D; intermediate_size: F; num_experts: E; num_slots: S; top_k, normalize: as
+            :class:`Router`'s.
         on_miss: ``"shed"`` (a miss's weight goes to the row's kept experts) or ``"tier"`` (a miss runs
             from the tier at its own weight).
         tier_bits, tier_group_size: the tier's format (:mod:`kq_host.tier`), used where ``on_miss="tier"``;
@@ -170,9 +222,9 @@ class ArenaMoE(nnx.Module):
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, num_slots: int, top_k: int, *,
-                 on_miss: str = "shed", tier_bits: int = 3, tier_group_size: int = 32, dtype=jnp.float32,
-                 impl: str = "auto", rngs: nnx.Rngs):
-        self.router = Router(hidden_size, num_experts, top_k, dtype=dtype, rngs=rngs)
+                 normalize: bool = True, on_miss: str = "shed", tier_bits: int = 3, tier_group_size: int = 32,
+                 dtype=jnp.float32, impl: str = "auto", rngs: nnx.Rngs):
+        self.router = Router(hidden_size, num_experts, top_k, normalize=normalize, dtype=dtype, rngs=rngs)
         d, e = self.router.hidden_size, self.router.num_experts
         f = _check_size("ArenaMoE", "intermediate_size", intermediate_size)
         s = _check_size("ArenaMoE", "num_slots", num_slots)
@@ -245,12 +297,12 @@ class ArenaMoE(nnx.Module):
         if self.on_miss == "tier":
             tier = self.tier()
             check_tier(tier, arena, num_experts=self.router.num_experts, where="ArenaMoE: tier")
-        # topk_route_shed routes and sheds in one launch; arena_moe takes its route_shed result as it is.
-        routing = topk_route_shed(router_probs(rows, self.router.kernel_DE[...]), table, top_k=self.router.top_k,
-                                  num_slots=self.num_slots, on_miss=self.on_miss, impl=self.impl)
-        outputs, report = arena_moe(rows, routing.indices, routing.scores, table,
-                                    rule="tier" if self.on_miss == "tier" else "route_shed", weights=arena,
-                                    num_slots=self.num_slots, tier=tier, shed=routing.shed, impl=self.impl)
+        # The library's one step (kq_jax.qwen3_moe_arena.make_step's layers run it too): topk_route_shed
+        # routes and sheds in one launch, arena_moe runs the hits and the misses and combines them.
+        outputs, report = moe_layer(rows, self.router.kernel_ED[...].T, table,
+                                    rule="tier" if self.on_miss == "tier" else "route_shed",
+                                    top_k=self.router.top_k, normalize=self.router.normalize, weights=arena,
+                                    num_slots=self.num_slots, tier=tier, impl=self.impl)
         outputs = jnp.reshape(outputs, jnp.shape(inputs)[:-1] + outputs.shape[-1:])
         return outputs, pack_reports([report])[:, 0]
 
@@ -349,14 +401,14 @@ class ArenaMoE(nnx.Module):
         _check_size("ArenaMoE.from_dense", "num_slots", num_slots)
         if num_slots < ids.size:
             raise ValueError(f"ArenaMoE.from_dense: num_slots {num_slots} cannot hold the {ids.size} resident experts")
-        kernel = router.kernel_DE[...]
+        kernel = router.kernel_ED[...]
         if experts.gate.dtype != kernel.dtype:
             raise ValueError(f"ArenaMoE.from_dense: the dense layer's experts are {experts.gate.dtype} and its "
                              f"router {kernel.dtype}; the arena layer keeps one dtype")
-        module = cls(router.hidden_size, experts.gate.shape[1], e, num_slots, router.top_k, on_miss=on_miss,
-                     tier_bits=tier_bits, tier_group_size=tier_group_size, dtype=kernel.dtype, impl=impl,
-                     rngs=nnx.Rngs(0))
-        module.router.kernel_DE.set_value(kernel)
+        module = cls(router.hidden_size, experts.gate.shape[1], e, num_slots, router.top_k,
+                     normalize=router.normalize, on_miss=on_miss, tier_bits=tier_bits,
+                     tier_group_size=tier_group_size, dtype=kernel.dtype, impl=impl, rngs=nnx.Rngs(0))
+        module.router.kernel_ED.set_value(kernel)
         table = np.full(e, -1, np.int32)
         table[ids] = np.arange(ids.size, dtype=np.int32)
         module.set_residency(table, {name: jnp.zeros((num_slots, *w.shape[1:]), w.dtype).at[:ids.size].set(w[ids])

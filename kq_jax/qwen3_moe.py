@@ -23,8 +23,8 @@ from jax import lax
 
 from kq_core.contract import EXPERT_PROJECTIONS
 from kq_host.checkpoint import CheckpointError, read_config
+from kq_jax.arena_moe import router_topk
 from kq_jax.moe import Experts, combine, experts_apply, router_probs
-from kq_jax.reference import normalize_topk_ref
 
 PROJECTIONS = EXPERT_PROJECTIONS
 
@@ -310,13 +310,11 @@ def _attend(q, k, v, mask, cfg: Qwen3MoeConfig):
 
 def route(p, x, cfg: Qwen3MoeConfig):
     """``(indices int32 [..., k], scores float32 [..., k], probs [..., E])``: the router's top-k
-    (:func:`kq_jax.moe.router_probs`; with ``norm_topk_prob`` renormalised by
-    :func:`kq_jax.reference.normalize_topk_ref`, the contract's correctly rounded arithmetic, as every
-    other router of kq)."""
+    (:func:`kq_jax.moe.router_probs`, then :func:`kq_jax.arena_moe.router_topk`: with ``norm_topk_prob``
+    renormalised by :func:`kq_jax.reference.normalize_topk_ref`, the contract's correctly rounded
+    arithmetic, as every other router of kq)."""
     probs = router_probs(x, p["router"].T)
-    scores, indices = lax.top_k(probs, cfg.num_experts_per_tok)
-    if cfg.norm_topk_prob:
-        scores = normalize_topk_ref(scores)
+    indices, scores = router_topk(probs, top_k=cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob)
     return indices, scores, probs
 
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from kq_jax import qwen3_moe
 from kq_jax.arena import pack_reports
-from kq_jax.arena_moe import arena_moe
+from kq_jax.arena_moe import arena_moe, moe_layer
 from kq_jax.moe import Experts, TierExperts, TierWeights, combine, experts_apply
 
 
@@ -36,7 +36,9 @@ def _experts(p) -> Experts:
 
 
 def make_step(cfg, rule: str, tier_options: tuple[int, int] = (3, 32)):
-    """A jitted decode step under ``rule`` (:data:`kq_jax.arena_moe.RULES`).
+    """A jitted decode step under ``rule`` (:data:`kq_jax.arena_moe.RULES`), each MoE layer
+    :func:`kq_jax.arena_moe.moe_layer`: the step of :class:`kq_jax.nnx.ArenaMoE` (rules ``route_shed`` and
+    ``tier``), so :class:`kq_jax.qwen3_moe_nnx.Qwen3MoeDecoder` gives this step's logits bit for bit.
 
     ``(params, arena, tables, token, position, cache, tier=None) -> (logits [1, V], cache, packed)``:
     ``arena`` ``{projection: [L, S, ...]}`` (None with rule ``stall``: every expert from ``params``),
@@ -48,15 +50,14 @@ def make_step(cfg, rule: str, tier_options: tuple[int, int] = (3, 32)):
 
     def step(params, arena, tables, token, position, cache, tier=None):
         def moe(layer, p, x):
-            indices, scores, probs = qwen3_moe.route(p, x, cfg)
             if rule == "stall" or arena is None:  # every routed expert served: the resident layer
                 weights, num_slots, layer_rule = _experts(p), cfg.num_experts, "stall"
             else:
                 weights = Experts(*(arena[name][layer] for name in qwen3_moe.PROJECTIONS))
                 num_slots, layer_rule = weights.gate.shape[0], rule
-            return arena_moe(x, indices, scores, tables[layer], rule=layer_rule, weights=weights,
-                             num_slots=num_slots, tier=_layer_tier(tier, layer, bits, group_size), probs=probs,
-                             normalize=cfg.norm_topk_prob)
+            return moe_layer(x, p["router"].T, tables[layer], rule=layer_rule, top_k=cfg.num_experts_per_tok,
+                             normalize=cfg.norm_topk_prob, weights=weights, num_slots=num_slots,
+                             tier=_layer_tier(tier, layer, bits, group_size))
 
         logits, cache, reports = qwen3_moe.decode_step(params, token, position, cache, cfg, moe)
         return logits, cache, pack_reports(reports)

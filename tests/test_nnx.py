@@ -91,14 +91,14 @@ def test_a_permuted_arena_set_by_the_host_keeps_the_dense_bits(dense, inputs):
     got, reports = _call(module, inputs)
     assert_same_bits(_call(dense, inputs), got)
     ids, score_bits = _field(reports, "ids"), _field(reports, "scores")
-    indices, scores = route(inputs.reshape(-1, D), dense.router.kernel_DE[...], top_k=K)
+    indices, scores = jax.jit(lambda x, w: route(x, w.T, top_k=K))(inputs.reshape(-1, D), dense.router.kernel_ED[...])
     np.testing.assert_array_equal(ids, np.asarray(indices))
     np.testing.assert_array_equal(score_bits.view(np.uint32), bits(scores))
 
 
 def test_the_router_is_the_dense_routers_top_k(dense, inputs):
     weights_TX, experts_TX = dense.router(inputs)
-    indices, scores = route(inputs.reshape(-1, D), dense.router.kernel_DE[...], top_k=K)
+    indices, scores = route(inputs.reshape(-1, D), dense.router.kernel_ED[...].T, top_k=K)
     assert experts_TX.dtype == jnp.int32 and weights_TX.shape == (T, K)
     np.testing.assert_array_equal(np.asarray(experts_TX), np.asarray(indices))
     assert_same_bits(scores, weights_TX)
@@ -119,8 +119,8 @@ def test_shed_mode_is_the_functional_arena_layer(dense, inputs):
     got, reports = _call(module, inputs)
     rows = inputs.reshape(-1, D)
     # Every array an argument, as the module's are under nnx.jit (a closed-over constant XLA may fold).
-    want, routing = jax.jit(lambda x, w, arena, t: moe_ffn_arena(x, w, arena, t, top_k=K))(
-        rows, dense.router.kernel_DE[...], module.arena(), table)
+    want, routing = jax.jit(lambda x, w, arena, t: moe_ffn_arena(x, w.T, arena, t, top_k=K))(
+        rows, dense.router.kernel_ED[...], module.arena(), table)
     assert (_misses(reports) >= 0).any() and (np.asarray(routing.shed.mix) > 0).all(-1).sum() < T
     assert_same_bits(want.reshape(inputs.shape), got)
     np.testing.assert_array_equal(np.asarray(reports), np.asarray(pack_reports([routing]))[:, 0])
@@ -136,9 +136,9 @@ def test_tier_mode_is_the_functional_tiered_layer(dense, inputs):
     got, reports = _call(module, inputs)
     rows = inputs.reshape(-1, D)
     tier = module.tier()
-    want, routing = jax.jit(lambda x, w, arena, weights, t: moe_ffn_tiered(x, w, arena, _tier_like(tier, weights), t,
+    want, routing = jax.jit(lambda x, w, arena, weights, t: moe_ffn_tiered(x, w.T, arena, _tier_like(tier, weights), t,
                                                                           top_k=K))(
-        rows, dense.router.kernel_DE[...], module.arena(), tier[:3], table)
+        rows, dense.router.kernel_ED[...], module.arena(), tier[:3], table)
     assert (_misses(reports) >= 0).any()
     assert_same_bits(want.reshape(inputs.shape), got)
     np.testing.assert_array_equal(np.asarray(reports), np.asarray(pack_reports([routing]))[:, 0])
@@ -175,7 +175,7 @@ def test_exact_mode_acquires_the_misses_and_gives_the_dense_bits(dense, inputs):
     manager = ResidencyManager(1, E, S, loader=_loader(stacked), arena=arena, queue_depth=0)
     manager.preload(0, RESIDENT[:2])
     module = ArenaMoE(D, F, E, S, K, rngs=nnx.Rngs(5))
-    module.router.kernel_DE.set_value(dense.router.kernel_DE[...])
+    module.router.kernel_ED.set_value(dense.router.kernel_ED[...])
     module.set_residency(manager.snapshot()[0], {name: a[0] for name, a in arena.arrays.items()})
     _, reports = _call(module, inputs)
     assert (_misses(reports) >= 0).any()
@@ -186,7 +186,7 @@ def test_exact_mode_acquires_the_misses_and_gives_the_dense_bits(dense, inputs):
     assert (_misses(reports) == -1).all()
     assert_same_bits(_call(dense, inputs), got)
     rows = inputs.reshape(-1, D)
-    indices, scores = route(rows, dense.router.kernel_DE[...], top_k=K)
+    indices, scores = jax.jit(lambda x, w: route(x, w.T, top_k=K))(rows, dense.router.kernel_ED[...])
     exact = jax.jit(lambda rows, arena, table: jnp.einsum("tkd,tk->td", experts_apply(rows, arena, table[indices]),
                                                           scores))(rows, module.arena(), jnp.asarray(table))
     assert_same_bits(exact.reshape(inputs.shape), got)
@@ -218,7 +218,7 @@ def _loop(kernels, arrays, tables, h):
     routings = []
     for layer in range(L):
         arena = Experts(*(arrays[name][layer] for name in EXPERT_PROJECTIONS))
-        y, routing = jax.jit(lambda h, w, a, t: moe_ffn_arena(h, w, a, t, top_k=K))(h, kernels[layer], arena,
+        y, routing = jax.jit(lambda h, w, a, t: moe_ffn_arena(h, w.T, a, t, top_k=K))(h, kernels[layer], arena,
                                                                                     tables[layer])
         h, routings = h + y, routings + [routing]
     return h, pack_reports(routings)
@@ -239,7 +239,7 @@ def test_nnx_scan_over_layers_steps_with_the_manager(inputs):
         manager.preload(layer, RESIDENT[layer:layer + 3])
     tables = manager.snapshot()
     h = inputs.reshape(-1, D)
-    kernels = stack.router.kernel_DE[...]
+    kernels = stack.router.kernel_ED[...]
     missed = []
     for _ in range(3):
         stack.set_residency(tables, arena.arrays)
@@ -269,14 +269,14 @@ def test_gradients_through_the_mix_are_the_functional_layers(dense, inputs, on_m
 
     def functional(kernel, arena, weights, table):
         extra = (_tier_like(module.tier(), weights),) if on_miss == "tier" else ()
-        y, _ = (moe_ffn_tiered if on_miss == "tier" else moe_ffn_arena)(rows, kernel, arena, *extra, table, top_k=K)
+        y, _ = (moe_ffn_tiered if on_miss == "tier" else moe_ffn_arena)(rows, kernel.T, arena, *extra, table, top_k=K)
         return jnp.sum((y - target) ** 2)
 
     grads = nnx.jit(nnx.grad(loss))(module)
-    assert _paths(grads) == [("router", "kernel_DE")]  # the arena, table and tier are no Params
-    got = grads["router"]["kernel_DE"][...]
+    assert _paths(grads) == [("router", "kernel_ED")]  # the arena, table and tier are no Params
+    got = grads["router"]["kernel_ED"][...]
     weights = module.tier()[:3] if on_miss == "tier" else None
-    want = jax.jit(jax.grad(functional))(dense.router.kernel_DE[...], module.arena(), weights, table)
+    want = jax.jit(jax.grad(functional))(dense.router.kernel_ED[...], module.arena(), weights, table)
     assert np.abs(np.asarray(want)).max() > 0
     assert_same_bits(want, got)
 
@@ -367,7 +367,7 @@ def test_the_module_state_is_typed_for_filters(dense):
     assert sorted(_paths(nnx.state(module, ArenaSlots))) == [
         ("arena_down_proj_SDF",), ("arena_gating_SFD",), ("arena_up_proj_SFD",)]
     assert _paths(nnx.state(module, SlotTable)) == [("slot_table_E",)]
-    assert _paths(nnx.state(module, nnx.Param)) == [("router", "kernel_DE")]
+    assert _paths(nnx.state(module, nnx.Param)) == [("router", "kernel_ED")]
 
 
 # ---- Flax is optional -----------------------------------------------------------------------------

@@ -1,0 +1,136 @@
+"""Qwen3-MoE decoding on Flax NNX modules: :class:`Qwen3MoeDecoder`, its MoE layers a stack of
+:class:`kq_jax.nnx.ArenaMoE`.
+
+The attention, the norms and the embedding run as :func:`kq_jax.qwen3_moe.decode_step` runs them; each
+layer's MoE is its layer of the stacked ``ArenaMoE``, whose step is :func:`kq_jax.arena_moe.moe_layer`,
+the step :func:`kq_jax.qwen3_moe_arena.make_step`'s layers run. On the same arena, tables and tier, the
+decoder's logits and reports are ``make_step(cfg, "route_shed")``'s (``on_miss="shed"``) or
+``make_step(cfg, "tier")``'s (``on_miss="tier"``), bit for bit; with every expert resident, the resident
+model's (``tests/test_qwen3_moe_nnx.py``).
+
+The stack holds its state ``[L, ...]``: the ``[L, E]`` tables of ``ResidencyManager.snapshot()`` /
+``step`` and the ``[L, S, ...]`` arrays of a :class:`kq_jax.arena.JaxArena`, as they are.
+
+Needs Flax (``pip install 'kq[nnx]'``), as :mod:`kq_jax.nnx` does.
+"""
+
+from __future__ import annotations
+
+from numbers import Integral
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+
+from kq_jax import qwen3_moe
+from kq_jax.moe import TierExperts
+from kq_jax.nnx import ArenaMoE  # first: its ImportError says how to install Flax
+
+from flax import nnx  # noqa: E402  (isort: after kq_jax.nnx)
+
+_MOE_ARRAYS = ("router", *qwen3_moe.PROJECTIONS)  # a checkpoint layer's arrays the MoE stack holds
+
+
+class Qwen3MoeDecoder(nnx.Module):
+    """Qwen3-MoE decoding one token per sequence, its MoE layers a stack of :class:`kq_jax.nnx.ArenaMoE`.
+
+    Args:
+        params: :func:`kq_jax.qwen3_moe.load_params`' (``experts=False`` is enough: the arena serves the
+            experts): ``{"embed": [V, D], "norm": [D], "layers": [{name: array}] * L}``; each layer's
+            attention and norm arrays become :class:`flax.nnx.Param`\\ s, its routers the stack's
+            ``router.kernel_ED`` ``[L, E, D]``; its experts, if any, are not read.
+        cfg: the checkpoint's :class:`kq_jax.qwen3_moe.Qwen3MoeConfig`.
+        num_slots: S, each layer's arena slots.
+        on_miss, tier_bits, tier_group_size, impl: as for :class:`kq_jax.nnx.ArenaMoE`.
+
+    The arena starts empty (every table entry -1); :meth:`set_residency` points it at the host's tables
+    and arena, :meth:`set_tier` loads the tier (``on_miss="tier"``).
+
+    Raises:
+        ValueError: ``cfg`` is no ``Qwen3MoeConfig``, ``params`` lacks an array or holds ``cfg``'s layers,
+            router or embedding in another shape, or an option the MoE layers cannot take, naming it.
+    """
+
+    def __init__(self, params: Mapping, cfg: qwen3_moe.Qwen3MoeConfig, num_slots: int, *, on_miss: str = "shed",
+                 tier_bits: int = 3, tier_group_size: int = 32, impl: str = "auto"):
+        if not isinstance(cfg, qwen3_moe.Qwen3MoeConfig):
+            raise ValueError(f"Qwen3MoeDecoder: cfg must be a kq_jax.qwen3_moe.Qwen3MoeConfig, got "
+                             f"{type(cfg).__name__}")
+        if not isinstance(num_slots, Integral) or isinstance(num_slots, bool) or num_slots < 1:
+            raise ValueError(f"Qwen3MoeDecoder: num_slots must be an int >= 1, got {num_slots!r}")
+        layers = _checked_layers(params, cfg)
+        routers = jnp.stack([jnp.asarray(layer["router"]) for layer in layers])  # [L, E, D]
+
+        @nnx.split_rngs(splits=cfg.num_hidden_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create(rngs):
+            return ArenaMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, num_slots,
+                            cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob, on_miss=on_miss,
+                            tier_bits=tier_bits, tier_group_size=tier_group_size, dtype=routers.dtype, impl=impl,
+                            rngs=rngs)
+
+        self.cfg = cfg
+        self.moe = create(nnx.Rngs(0))
+        self.moe.router.kernel_ED.set_value(routers)
+        self.embed = nnx.Param(jnp.asarray(params["embed"]))
+        self.norm = nnx.Param(jnp.asarray(params["norm"]))
+        self.layers = nnx.List([nnx.Dict({name: nnx.Param(jnp.asarray(array)) for name, array in layer.items()
+                                          if name not in _MOE_ARRAYS}) for layer in layers])
+
+    def set_residency(self, tables, arena: Mapping[str, jax.Array] | None = None) -> None:
+        """Points the MoE layers at the host's residency between steps: ``tables`` int ``[L, E]``
+        (``ResidencyManager.snapshot()`` / ``step``'s), ``arena`` ``{projection: [L, S, ...]}``
+        (``JaxArena.arrays``), held as they are. As :meth:`kq_jax.nnx.ArenaMoE.set_residency`."""
+        self.moe.set_residency(tables, arena)
+
+    def set_tier(self, tier: TierExperts) -> None:
+        """Loads the tier (``on_miss="tier"``), every array ``[L, E, ...]``: e.g.
+        ``kq_jax.moe.tier_experts(kq_jax.qwen3_moe_arena.tier_arrays(tier), bits=..., group_size=...)`` of a
+        :class:`kq_host.tier.Tier`. As :meth:`kq_jax.nnx.ArenaMoE.set_tier`."""
+        self.moe.set_tier(tier)
+
+    def __call__(self, tokens, position, cache):
+        """One token per sequence, as :func:`kq_jax.qwen3_moe.decode_step`.
+
+        Args:
+            tokens: int ``[B]``; position: int scalar; cache: :func:`kq_jax.qwen3_moe.empty_cache`'s
+                ``(keys, values)``, each float32 ``[L, B, length, Hkv, hd]``.
+
+        Returns:
+            ``(logits float32 [B, V], cache, reports int32 [5, L, B, k])``: the reports in
+            :func:`kq_jax.arena.pack_reports`' layout, what ``LayerReport.from_packed`` reads.
+        """
+        graphdef, state = nnx.split(self.moe)
+
+        def moe(layer, _, x):  # the stack's layer `layer`, its variables sliced inside the traced step
+            return nnx.merge(graphdef, jax.tree.map(lambda array: array[layer], state))(x)
+
+        params = {"embed": self.embed[...], "norm": self.norm[...],
+                  "layers": [{name: variable[...] for name, variable in layer.items()} for layer in self.layers]}
+        logits, cache, reports = qwen3_moe.decode_step(params, tokens, position, cache, self.cfg, moe)
+        return logits, cache, jnp.stack(reports, axis=1)
+
+
+def _checked_layers(params, cfg) -> list:
+    """``params["layers"]`` once each holds a router of ``cfg``'s shape and the embedding is ``[V, D]``."""
+    if not isinstance(params, Mapping) or not {"embed", "norm", "layers"} <= set(params):
+        given = sorted(params) if isinstance(params, Mapping) else type(params).__name__
+        raise ValueError(f"Qwen3MoeDecoder: params must hold 'embed', 'norm' and 'layers' "
+                         f"(kq_jax.qwen3_moe.load_params'), got {given}")
+    layers = params["layers"]
+    if not isinstance(layers, (list, tuple)) or len(layers) != cfg.num_hidden_layers:
+        raise ValueError(f"Qwen3MoeDecoder: params['layers'] must be a list of cfg.num_hidden_layers = "
+                         f"{cfg.num_hidden_layers} layers, got {type(layers).__name__} of "
+                         f"{len(layers) if isinstance(layers, (list, tuple)) else '?'}")
+    wanted = {"embed": (cfg.vocab_size, cfg.hidden_size), "norm": (cfg.hidden_size,)}
+    for name, shape in wanted.items():
+        if tuple(getattr(params[name], "shape", ())) != shape:
+            raise ValueError(f"Qwen3MoeDecoder: params[{name!r}] must be {list(shape)}, got "
+                             f"{list(getattr(params[name], 'shape', ()))}")
+    for index, layer in enumerate(layers):
+        router = layer.get("router") if isinstance(layer, Mapping) else None
+        if tuple(getattr(router, "shape", ())) != (cfg.num_experts, cfg.hidden_size):
+            raise ValueError(f"Qwen3MoeDecoder: params['layers'][{index}]['router'] must be "
+                             f"[{cfg.num_experts}, {cfg.hidden_size}], got "
+                             f"{list(getattr(router, 'shape', ())) if router is not None else 'none'}")
+    return list(layers)
