@@ -257,7 +257,8 @@ def generate_exact(framework: str, checkpoint, prompt_ids: list[int], tokens: in
     Args:
         framework: ``"jax"`` (:class:`kq_jax.exact_loop.ExactLoop`) or ``"mlx"`` (mlx-lm with
             :func:`kq_mlx.mlx_lm_adapter.attach_exact`); the prompt is fed one token at a time.
-        checkpoint: a Qwen3-MoE checkpoint directory (float or mlx-community's quantized layout).
+        checkpoint: a Qwen3-MoE checkpoint directory (float or mlx-community's quantized layout) or, with
+            ``"mlx"``, a float Mixtral one (its experts' ``w1``, ``w3``, ``w2`` are the arena's gate, up, down).
         prompt_ids: the prompt's token ids, at least one.
         tokens: greedy tokens to generate.
         residency: fraction of each layer's experts in the arena (at least top-k slots).
@@ -269,7 +270,7 @@ def generate_exact(framework: str, checkpoint, prompt_ids: list[int], tokens: in
     Returns:
         :class:`ExactRun`, ``tokens`` the prompt and the generated ids.
     """
-    from kq_host.checkpoint import Quantization, open_experts
+    from kq_host.checkpoint import CHECKPOINT_LAYOUTS, Quantization, expert_count, open_experts
     from kq_host.residency import ResidencyManager
 
     if framework not in ("jax", "mlx"):
@@ -277,16 +278,24 @@ def generate_exact(framework: str, checkpoint, prompt_ids: list[int], tokens: in
     if not prompt_ids:
         raise ValueError("generate_exact: the prompt has no tokens")
     config = checkpoint_config(checkpoint, framework)
-    layers, experts, top_k = config["num_hidden_layers"], config["num_experts"], config["num_experts_per_tok"]
+    layers, experts, top_k = config["num_hidden_layers"], expert_count(config), config["num_experts_per_tok"]
+    template, projections, _ = CHECKPOINT_LAYOUTS[config["model_type"]]
     slots = max(top_k, round(residency * experts))
     quantized = Quantization.of(checkpoint) is not None
-    # JAX's arena holds float experts; MLX's arena takes a quantized checkpoint's arrays as stored.
-    with open_experts(checkpoint, EXPERT_PROJECTIONS, dequantized=framework == "jax") as store:
+    # JAX's arena holds float experts; MLX's arena takes a quantized checkpoint's arrays as stored, under
+    # mlx-lm's stacked names (the arena's own).
+    stored_as_is = quantized and framework == "mlx"
+    arena_names = dict(zip(projections, EXPERT_PROJECTIONS))
+
+    def load(layer, expert, slot):
+        read = store.read_expert(layer, expert)
+        return read if stored_as_is else {arena_names[name]: array for name, array in read.items()}
+
+    with open_experts(checkpoint, projections, template=template, dequantized=framework == "jax") as store:
         arena, step = (_jax_loop if framework == "jax" else _mlx_loop)(checkpoint, slots, len(prompt_ids) + tokens,
                                                                      store, quantized)
         manager = ResidencyManager(layers, experts, slots, arena=arena, policy=policy, queue_depth=queue_depth,
-                                   loader=lambda layer, expert, slot: store.read_expert(layer, expert),
-                                   bytes_per_expert=store.expert_nbytes(0))
+                                   loader=load, bytes_per_expert=store.expert_nbytes(0))
         for layer in range(layers):
             manager.preload(layer, range(slots))
         run = ExactRun(slots, list(prompt_ids), memory_mib=layers * slots * store.expert_nbytes(0) / 2**20)

@@ -66,6 +66,29 @@ CHECKPOINT_LAYOUTS = {
 }
 
 
+def expert_count(config: Mapping) -> int:
+    """The experts of each MoE layer, read from ``config.json`` under its family's key
+    (``CHECKPOINT_LAYOUTS[model_type][2]``: ``num_experts``, Mixtral's ``num_local_experts``).
+
+    Args:
+        config: ``config.json`` as a dict (:func:`read_config`).
+
+    Raises:
+        CheckpointError: a ``model_type`` with no known layout, or the family's key missing or not an
+            int >= 1 (naming the model type or the key).
+    """
+    model_type = config.get("model_type")
+    if model_type not in CHECKPOINT_LAYOUTS:
+        raise CheckpointError(f"config.json: model_type {model_type!r} has no known expert layout; known: "
+                              f"{', '.join(sorted(CHECKPOINT_LAYOUTS))}")
+    key = CHECKPOINT_LAYOUTS[model_type][2]
+    count = config.get(key)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise CheckpointError(f"config.json: {key} (the {model_type} expert count) must be an int >= 1, "
+                              f"got {count!r}")
+    return count
+
+
 def trained_length(checkpoint) -> int | None:
     """The length of the sequences the checkpoint was trained on: ``training.json``'s ``args.seq``
     (``models/train.py`` writes it), else ``config.json``'s ``max_position_embeddings``; None where
