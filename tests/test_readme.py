@@ -40,6 +40,46 @@ def test_every_local_link_resolves():
             assert (page.parent / target).exists(), f"{page.name} links to {target}, which is not there"
 
 
+TOP_LEVEL_DIRS = frozenset({"benchmarks", "docs", "kq", "kq_core", "kq_host", "kq_jax", "kq_mlx", "models", "shared",
+                            "tests", "tools"})
+
+
+def _code_span_paths(text: str) -> list[str]:
+    """The repo file paths a page writes in code spans: `docs/x.md`, `kq/y.py`, `tests/t.py::case`, `models/m/`.
+
+    A span counts when it is one word holding a slash and either starts at a top-level directory of the
+    repository or names a file with an extension; ``::test`` and a trailing ``'s`` are dropped.
+    """
+    paths = []
+    for span in re.findall(r"(?<!`)`([^`\s]+)`(?!`)", text):
+        path = span.split("::")[0].rstrip(".,;:")
+        if "/" not in path or not re.fullmatch(r"[\w.*/-]+", path) or "//" in path:
+            continue
+        first = path.split("/")[0]
+        if first in TOP_LEVEL_DIRS or (first not in (".", "..") and re.search(r"\.[A-Za-z]\w*$", path)):
+            paths.append(path)
+    return paths
+
+
+def _path_exists(page: Path, path: str) -> bool:
+    bases = (ROOT,) if path.split("/")[0] in TOP_LEVEL_DIRS else (ROOT, page.parent)
+    return any(any(base.glob(path)) if "*" in path else (base / path).exists() for base in bases)
+
+
+def test_the_code_span_path_finder_takes_paths_and_leaves_code():
+    text = ("`docs/x.md`, `kq/y.py`'s, `tests/test_z.py::test_case`, `models/wheels-moe/`, `h200/run.json`, "
+            "`benchmarks/gpu_job.sh`, `P(\"data\", None)`, `[L, E]`, `jax.jit`, `a/b`, `1/x`, "
+            "`git show abc:kq/old.py`, `https://example.org/a.md`")
+    assert _code_span_paths(text) == ["docs/x.md", "kq/y.py", "tests/test_z.py", "models/wheels-moe/", "h200/run.json",
+                                      "benchmarks/gpu_job.sh"]
+
+
+def test_every_path_in_a_code_span_exists():
+    missing = [f"{page.relative_to(ROOT)}: `{path}`" for page in PAGES
+               for path in _code_span_paths(page.read_text()) if not _path_exists(page, path)]
+    assert not missing, "paths written in code spans that are not in the repository:\n" + "\n".join(missing)
+
+
 README_TEST_COMMAND = 'python -m pip install -e ".[all]" && python -m pytest -q'
 
 
