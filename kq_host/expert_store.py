@@ -25,7 +25,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Mapping, Sequence
+from typing import Any, Literal, Mapping, NamedTuple, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -55,6 +55,51 @@ class ExpertStoreClosed(RuntimeError):
 MAX_HEADER_BYTES = 100_000_000
 
 
+class FileIdentity(NamedTuple):
+    """What tells a file apart from one saved again at its path: a replacement has another inode (or
+    device), a rewrite in place another size or modification time."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+
+
+def file_identity(stat: os.stat_result) -> FileIdentity:
+    """The :class:`FileIdentity` of an ``os.stat`` / ``os.fstat`` result."""
+    return FileIdentity(stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+def shared_memory_pairs(arrays: Sequence[Any]) -> list[tuple[int, int]]:
+    """The pairs of ``arrays`` whose memory overlaps (one holds the other's bytes, or some of them).
+
+    Args:
+        arrays: any objects; only the non-empty NumPy arrays among them are compared.
+
+    Returns:
+        ``[(i, j), ...]`` indices into ``arrays``, ``i < j``, sorted; empty when no two share memory.
+    """
+    spans = []  # (first byte, last byte + 1, index); only arrays whose spans overlap are compared
+    for index, value in enumerate(arrays):
+        if isinstance(value, np.ndarray) and value.size:
+            first = last = value.__array_interface__["data"][0]
+            for extent, stride in zip(value.shape, value.strides):
+                if stride < 0:
+                    first += (extent - 1) * stride
+                else:
+                    last += (extent - 1) * stride
+            spans.append((first, last + value.itemsize, index))
+    spans.sort()
+    pairs, reaching = set(), []  # reaching: the spans that end past the current one's start
+    for span in spans:
+        reaching = [other for other in reaching if other[1] > span[0]]
+        for other in reaching:
+            if np.shares_memory(arrays[span[2]], arrays[other[2]]):
+                pairs.add((min(span[2], other[2]), max(span[2], other[2])))
+        reaching.append(span)
+    return sorted(pairs)
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     path: Path
@@ -62,11 +107,7 @@ class TensorEntry:
     shape: tuple[int, ...]
     offset: int  # absolute byte offset of the tensor's data in the file
     nbytes: int
-    identity: tuple[int, int, int]  # (inode, size, mtime_ns) of the file when its header was read
-
-
-def _file_identity(stat: os.stat_result) -> tuple[int, int, int]:
-    return stat.st_ino, stat.st_size, stat.st_mtime_ns
+    identity: FileIdentity  # of the file when its header was read
 
 
 def _unique_keys(pairs):
@@ -95,8 +136,8 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorEntry]:
     except OSError as error:  # a directory, a dangling link, a link loop, no permission
         raise ExpertStoreError(f"{path}: cannot be opened as a safetensors file ({error.strerror or error})") from None
     with handle:
-        identity = _file_identity(os.fstat(handle.fileno()))
-        size = identity[1]
+        identity = file_identity(os.fstat(handle.fileno()))
+        size = identity.size
         raw = handle.read(8)
         if len(raw) != 8:
             raise ExpertStoreError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
@@ -345,13 +386,13 @@ class ExpertStore:
             descriptor = self._descriptors[entry.path]
         try:
             # The open file, and the file now at its path (a checkpoint saved again replaces the file).
-            changed = (_file_identity(os.fstat(descriptor)) != entry.identity
-                       or _file_identity(os.stat(entry.path)) != entry.identity)
+            changed = (file_identity(os.fstat(descriptor)) != entry.identity
+                       or file_identity(os.stat(entry.path)) != entry.identity)
         except OSError:
             changed = True
         if changed:
-            raise ExpertStoreError(f"{entry.path} changed after its header was read (inode, size or modification "
-                                   f"time differ, or the file is gone); open a new ExpertStore on the new file")
+            raise ExpertStoreError(f"{entry.path} changed after its header was read (device, inode, size or "
+                                   f"modification time differ, or the file is gone); open a new ExpertStore on the new file")
         return descriptor
 
     def _locate(self, layer: int, expert: int, projection: str) -> tuple[TensorEntry, int, int, tuple[int, ...]]:
@@ -424,8 +465,7 @@ class ExpertStore:
 
     def _read_projections(self, layer: int, expert: int, expected) -> dict[str, np.ndarray]:
         """:meth:`read_expert`'s reads, one ``pread`` per projection."""
-        out = {}
-        nbytes_total = 0
+        located = {}  # projection: (entry, offset, nbytes, shape, tensor name)
         for projection in self._keys(layer):
             entry, offset, nbytes, shape = self._locate(layer, expert, projection)
             name = self._tensor_name(layer, expert, projection)
@@ -437,18 +477,17 @@ class ExpertStore:
                     raise ExpertStoreError(
                         f"{entry.path}: tensor {name} (expert {expert} of layer {layer}) is "
                         f"{entry.dtype.name}{list(shape)}, the arena expects {np.dtype(want_dtype).name}{list(want_shape)}")
-            if self.host_allocator is None:
+            located[projection] = entry, offset, nbytes, shape, name
+        buffers = None if self.host_allocator is None else self._allocated_read(located, layer, expert)
+        out = {}
+        nbytes_total = 0
+        for projection, (entry, offset, nbytes, shape, name) in located.items():
+            if buffers is None:
                 data = os.pread(self._descriptor(entry), nbytes, offset)
                 count = len(data)
                 array = np.frombuffer(data, dtype=entry.dtype).reshape(shape)
             else:
-                array = self._allocated(shape, entry.dtype)
-                for other, earlier in out.items():
-                    if np.shares_memory(array, earlier):
-                        raise ExpertStoreError(
-                            f"ExpertStore: host_allocator returned {projection}'s buffer overlapping {other}'s "
-                            f"(expert {expert} of layer {layer}); each projection of a read needs memory of its own "
-                            f"(an allocator keeping one buffer per shape hands the same one out twice)")
+                array = buffers[projection]
                 count = os.preadv(self._descriptor(entry), [array.reshape(-1).view(np.uint8)], offset)
             if count != nbytes:
                 raise ExpertStoreError(f"{entry.path}: tensor {name} (expert {expert} of layer {layer}): "
@@ -458,6 +497,20 @@ class ExpertStore:
         with self._lock:
             self.bytes_read += nbytes_total
         return out
+
+    def _allocated_read(self, located: Mapping[str, tuple], layer: int, expert: int) -> dict[str, np.ndarray]:
+        """``{projection: buffer}`` from ``host_allocator`` for one read, checked to share no memory."""
+        buffers = {projection: self._allocated(shape, entry.dtype)
+                   for projection, (entry, _, _, shape, _) in located.items()}
+        names = list(buffers)
+        pairs = shared_memory_pairs(list(buffers.values()))
+        if pairs:
+            earlier, later = (names[index] for index in pairs[0])
+            raise ExpertStoreError(
+                f"ExpertStore: host_allocator returned {later}'s buffer overlapping {earlier}'s "
+                f"(expert {expert} of layer {layer}); each projection of a read needs memory of its own "
+                f"(an allocator keeping one buffer per shape hands the same one out twice)")
+        return buffers
 
     def _allocated(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """A buffer from ``host_allocator``, checked to be a writable C-contiguous array of the read."""

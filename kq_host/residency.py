@@ -58,6 +58,7 @@ from kq_core import reports as report_layout
 from kq_host import bookkeeping
 from kq_host.arena import Arena, write_landed
 from kq_host.bookkeeping import SlotState, Tables
+from kq_host.expert_store import shared_memory_pairs
 
 Loader = Callable[[int, int, int], Any]  # (layer, expert, slot) -> payload for the arena, or None
 
@@ -495,39 +496,16 @@ class ManagerBase:
         self.close()
 
 
-def _array_extent(value) -> tuple[int, int] | None:
-    """``(first, last + 1)`` byte addresses of a NumPy array's memory, or None for anything else."""
-    if not isinstance(value, np.ndarray) or value.size == 0:
-        return None
-    first = last = value.__array_interface__["data"][0]
-    for extent, stride in zip(value.shape, value.strides):
-        if stride < 0:
-            first += (extent - 1) * stride
-        else:
-            last += (extent - 1) * stride
-    return first, last + value.itemsize
-
-
 def _refuse_shared_buffers(picked: list, failed: np.ndarray) -> None:
     """Fails every landed read whose payload shares memory with another payload's array, or another
     projection of its own (a staging buffer or payload dict reused before its expert was written)."""
-    arrays = []  # (first byte, last byte + 1, read, array)
+    owners, arrays = [], []  # the read each array came from, and the array
     for j, payload in enumerate(picked):
         if not failed[j] and isinstance(payload, MappingABC):
             for value in payload.values():
-                extent = _array_extent(value)
-                if extent is not None:
-                    arrays.append((*extent, j, value))
-    if len(arrays) < 2:
-        return
-    arrays.sort(key=lambda entry: entry[0])
-    shared, active = set(), []  # active: the arrays whose memory reaches past the current start
-    for entry in arrays:
-        active = [other for other in active if other[1] > entry[0]]
-        for other in active:
-            if np.shares_memory(entry[3], other[3]):
-                shared.update((entry[2], other[2]))
-        active.append(entry)
+                owners.append(j)
+                arrays.append(value)
+    shared = {owners[index] for pair in shared_memory_pairs(arrays) for index in pair}
     for j in shared:
         failed[j], picked[j] = True, ValueError(
             "the payload's arrays share memory with another payload not yet published (or with each other): "

@@ -31,7 +31,7 @@ from typing import Mapping, NamedTuple
 import ml_dtypes
 import numpy as np
 
-from kq_host.expert_store import ExpertStoreError
+from kq_host.expert_store import ExpertStoreError, FileIdentity, file_identity, shared_memory_pairs
 
 BITS = (2, 3, 4, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -337,18 +337,18 @@ def _quantize_store(store, num_layers: int, num_experts: int, bits: int,
 
 def _refuse_shared_memory(read: Mapping[str, np.ndarray], layer: int, expert: int) -> None:
     """Raises ExpertStoreError if two projections of one read share memory: one holds the other's bytes."""
-    arrays = list(read.items())
-    for index, (first, a) in enumerate(arrays):
-        for second, b in arrays[index + 1:]:
-            if np.shares_memory(a, b):
-                raise ExpertStoreError(
-                    f"build_tier: expert {expert} of layer {layer}: the store's reads of {first} and {second} share "
-                    f"memory (its host_allocator hands one buffer to both), so one holds the other's weights; "
-                    f"build the tier through a store without that host_allocator")
+    pairs = shared_memory_pairs(list(read.values()))
+    if pairs:
+        names = list(read)
+        first, second = (names[index] for index in pairs[0])
+        raise ExpertStoreError(
+            f"build_tier: expert {expert} of layer {layer}: the store's reads of {first} and {second} share "
+            f"memory (its host_allocator hands one buffer to both), so one holds the other's weights; "
+            f"build the tier through a store without that host_allocator")
 
 
-def _files(store) -> dict[str, tuple[int, int, int]]:
-    """``{path: (inode, size, mtime_ns)}`` of the store's files when their headers were read."""
+def _files(store) -> dict[str, FileIdentity]:
+    """``{path: identity}`` of the store's files when their headers were read."""
     return {str(entry.path): entry.identity for entry in store.tensors.values()}
 
 
@@ -381,13 +381,12 @@ def _content_digest(store) -> str:
                                    f"({error.strerror or error})") from None
         with handle:
             stat = os.fstat(handle.fileno())
-            if (stat.st_ino, stat.st_size, stat.st_mtime_ns) != tuple(identity):
-                raise ExpertStoreError(f"{path} changed after its header was read (inode, size or modification time "
-                                       f"differ); open a new store on the new file")
+            if file_identity(stat) != identity:
+                raise ExpertStoreError(f"{path} changed after its header was read (device, inode, size or "
+                                       f"modification time differ); open a new store on the new file")
             length = handle.read(_HEADER_LENGTH_BYTES)
             header = handle.read(int.from_bytes(length, "little")) if len(length) == _HEADER_LENGTH_BYTES else b""
-        digest.update(f"{Path(path).name}\0{stat.st_dev}\0{stat.st_ino}\0{stat.st_size}\0{stat.st_mtime_ns}\0"
-                      f"{stat.st_ctime_ns}\0".encode())
+        digest.update("".join(f"{field}\0" for field in (Path(path).name, *identity, stat.st_ctime_ns)).encode())
         digest.update(hashlib.sha256(length + header).digest())
     return digest.hexdigest()
 
@@ -659,8 +658,7 @@ def _read_tensor(entry, name: str) -> np.ndarray:
     """
     try:
         with open(entry.path, "rb") as handle:
-            stat = os.fstat(handle.fileno())
-            if (stat.st_ino, stat.st_size, stat.st_mtime_ns) != tuple(entry.identity):
+            if file_identity(os.fstat(handle.fileno())) != entry.identity:
                 raise ExpertStoreError(f"{entry.path} changed after its header was read; read the tier again")
             handle.seek(entry.offset)
             data = bytearray(entry.nbytes)
