@@ -50,7 +50,7 @@ def _resident(params, cfg, tokens):
 
 
 def _loop(study, cfg, tokens, reference, residency, policy, lookahead, warmup, queue_depth):
-    from kq_host.quantized import open_experts
+    from kq_host.checkpoint import open_experts
     from kq_host.residency import ResidencyManager
     from kq_jax import qwen3_moe
     from kq_jax.arena import JaxArena

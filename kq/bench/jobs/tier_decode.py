@@ -35,7 +35,7 @@ def _model(name: str, bits: int, group_size: int):
     import jax
     import jax.numpy as jnp
 
-    from kq_host.quantized import open_experts
+    from kq_host.checkpoint import open_experts
     from kq_host.tier import build_tier
     from kq_jax import qwen3_moe
     from kq_jax.qwen3_moe_arena import tier_arrays
