@@ -322,7 +322,7 @@ def test_no_rows_give_empty_outputs_and_reports(dense, on_miss):
     (dict(num_slots=0), "num_slots"), (dict(top_k=E + 1), "top_k"), (dict(on_miss="drop"), "on_miss"),
     (dict(impl="cuda"), "impl"), (dict(on_miss="tier", tier_bits=5), "tier_bits"),
     (dict(on_miss="tier", tier_group_size=16), "tier_group_size"),
-    (dict(on_miss="tier", hidden_size=48), "hidden_size"),
+    (dict(on_miss="tier", hidden_size=48), "hidden_size"), (dict(normalize="yes"), "normalize"),
 ])
 def test_a_layer_it_cannot_build_is_refused_by_name(options, argument):
     sizes = dict(hidden_size=D, intermediate_size=F, num_experts=E, num_slots=S, top_k=K)
@@ -375,16 +375,18 @@ def test_the_module_state_is_typed_for_filters(dense):
 
 WITHOUT_FLAX = BLOCK + textwrap.dedent("""
     import numpy as np
-    import kq_jax, kq_jax.arena, kq_jax.exact_loop, kq_jax.moe, kq_jax.qwen3_moe
+    import kq_jax, kq_jax.arena, kq_jax.arena_moe, kq_jax.exact_loop, kq_jax.moe, kq_jax.qwen3_moe
+    import kq_jax.qwen3_moe_arena
 
     out = kq_jax.route_shed(np.array([[7, 5]], np.int32), np.array([[0.75, 0.25]], np.float32),
                             np.array([-1] * 7 + [1], np.int32))
     print(np.asarray(out.slots).tolist(), np.asarray(out.mix).tolist())
     assert "flax" not in {{m.split(".")[0] for m in sys.modules}}
-    try:
-        import kq_jax.nnx
-    except ImportError as error:
-        print("refused:", error)
+    for name in ("kq_jax.nnx", "kq_jax.qwen3_moe_nnx"):
+        try:
+            __import__(name)
+        except ImportError as error:
+            print("refused:", error)
 """)
 
 
@@ -392,6 +394,6 @@ def test_the_rest_of_kq_jax_works_without_flax():
     done = subprocess.run([sys.executable, "-c", WITHOUT_FLAX.format(blocked="flax")], capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    first, second = done.stdout.splitlines()
+    first, *refusals = done.stdout.splitlines()
     assert first == "[[1, 1]] [[1.0, 0.0]]"  # expert 5 shed, its weight on expert 7
-    assert second.startswith("refused:") and "kq[nnx]" in second
+    assert len(refusals) == 2 and all(line.startswith("refused:") and "kq[nnx]" in line for line in refusals)
