@@ -40,15 +40,15 @@ def test_every_local_link_resolves():
             assert (page.parent / target).exists(), f"{page.name} links to {target}, which is not there"
 
 
-TOP_LEVEL_DIRS = frozenset({"benchmarks", "docs", "kq", "kq_core", "kq_host", "kq_jax", "kq_mlx", "models", "shared",
-                            "tests", "tools"})
+TOP_LEVEL_DIRS = frozenset({".ci", "benchmarks", "docs", "kq", "kq_core", "kq_host", "kq_jax", "kq_mlx", "models",
+                            "shared", "tests", "tools"})
 
 
 def _code_span_paths(text: str) -> list[str]:
     """The repo file paths a page writes in code spans: `docs/x.md`, `kq/y.py`, `tests/t.py::case`, `models/m/`.
 
     A span counts when it is one word holding a slash and either starts at a top-level directory of the
-    repository or names a file with an extension; ``::test`` and a trailing ``'s`` are dropped.
+    repository or names a file with an extension; a ``::test`` suffix and trailing punctuation are dropped.
     """
     paths = []
     for span in re.findall(r"(?<!`)`([^`\s]+)`(?!`)", text):
