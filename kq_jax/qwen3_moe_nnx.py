@@ -3,10 +3,12 @@
 
 The attention, the norms and the embedding run as :func:`kq_jax.qwen3_moe.decode_step` runs them; each
 layer's MoE is its layer of the stacked ``ArenaMoE``, whose step is :func:`kq_jax.arena_moe.moe_layer`,
-the step :func:`kq_jax.qwen3_moe_arena.make_step`'s layers run. On the same arena, tables and tier, the
-decoder's logits and reports are ``make_step(cfg, "route_shed")``'s (``on_miss="shed"``) or
-``make_step(cfg, "tier")``'s (``on_miss="tier"``), bit for bit; with every expert resident, the resident
-model's (``tests/test_qwen3_moe_nnx.py``).
+the step :func:`kq_jax.qwen3_moe_arena.make_step`'s layers run: on the same arena, tables and tier, the
+same operations on the same values as ``make_step(cfg, "route_shed")`` (``on_miss="shed"``) or
+``make_step(cfg, "tier")`` (``on_miss="tier"``). On CPU the logits and reports are that step's bit for bit,
+with every expert resident the resident model's (``tests/test_qwen3_moe_nnx.py``). The two are not one
+program: the decoder's routers are one ``[L, E, D]`` array sliced inside it, the functional step's one
+array a layer, and where XLA tunes each program's kernels (a GPU) their products may round apart.
 
 The stack holds its state ``[L, ...]``: the ``[L, E]`` tables of ``ResidencyManager.snapshot()`` /
 ``step`` and the ``[L, S, ...]`` arrays of a :class:`kq_jax.arena.JaxArena`, as they are.
@@ -99,7 +101,22 @@ class Qwen3MoeDecoder(nnx.Module):
         Returns:
             ``(logits float32 [B, V], cache, reports int32 [5, L, B, k])``: the reports in
             :func:`kq_jax.arena.pack_reports`' layout, what ``LayerReport.from_packed`` reads.
+
+        Raises:
+            ValueError: ``tokens`` is no integer ``[B]`` or ``cache`` no pair of ``[L, B, length, Hkv, hd]``
+                arrays, naming it (at trace time under ``nnx.jit``).
         """
+        cfg = self.cfg
+        if jnp.ndim(tokens) != 1 or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
+            raise ValueError(f"Qwen3MoeDecoder: tokens must be integer [B], one token a sequence, got "
+                             f"{jnp.result_type(tokens)} {list(jnp.shape(tokens))}")
+        layout = (cfg.num_hidden_layers, jnp.shape(tokens)[0], cfg.num_key_value_heads, cfg.head_dim)
+        if (not isinstance(cache, (tuple, list)) or len(cache) != 2
+                or any(jnp.ndim(part) != 5 or tuple(jnp.shape(part)[:2]) + tuple(jnp.shape(part)[3:]) != layout
+                       for part in cache)):
+            shapes = [list(jnp.shape(part)) for part in cache] if isinstance(cache, (tuple, list)) else type(cache)
+            raise ValueError(f"Qwen3MoeDecoder: cache must be (keys, values), each [{layout[0]}, {layout[1]}, "
+                             f"length, {layout[2]}, {layout[3]}] (kq_jax.qwen3_moe.empty_cache), got {shapes}")
         graphdef, state = nnx.split(self.moe)
 
         def moe(layer, _, x):  # the stack's layer `layer`, its variables sliced inside the traced step
@@ -107,7 +124,7 @@ class Qwen3MoeDecoder(nnx.Module):
 
         params = {"embed": self.embed[...], "norm": self.norm[...],
                   "layers": [{name: variable[...] for name, variable in layer.items()} for layer in self.layers]}
-        logits, cache, reports = qwen3_moe.decode_step(params, tokens, position, cache, self.cfg, moe)
+        logits, cache, reports = qwen3_moe.decode_step(params, tokens, position, cache, cfg, moe)
         return logits, cache, jnp.stack(reports, axis=1)
 
 

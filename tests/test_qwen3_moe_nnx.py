@@ -189,3 +189,15 @@ def test_a_layer_of_another_shape_is_refused_by_name(model):
                           ([layer["router"]], "layer")):
         with pytest.raises(ValueError, match=argument):
             DenseMoE.from_qwen3_moe(bad, cfg)
+
+
+def test_a_step_it_cannot_take_is_refused_by_name(model):
+    cfg, params = model
+    decoder = Qwen3MoeDecoder(params, cfg, SLOTS)
+    cache = qwen3_moe.empty_cache(cfg, 1, 4)
+    for tokens, bad_cache, argument in ((jnp.array([[3]], jnp.int32), cache, "tokens"),
+                                        (jnp.array([3.0]), cache, "tokens"),
+                                        (jnp.array([3, 4], jnp.int32), cache, "cache"),
+                                        (jnp.array([3], jnp.int32), cache[0], "cache")):
+        with pytest.raises(ValueError, match=argument):
+            _decode(decoder, tokens, 0, bad_cache)
