@@ -39,7 +39,7 @@ import mlx.nn as nn
 import numpy as np
 
 import kq_mlx
-from kq_mlx import report_pack
+from kq_mlx import report_pack, route_shed_columns
 from kq_host.arena import check_payload, checked_payloads
 from kq_host.residency import LayerReport, PreloadError, deadline_of
 
@@ -104,6 +104,11 @@ class ArenaLayer(nn.Module):
         rule: one of the class's ``RULES``.
         last: ``(inds, scores, RouteShedResult)`` of the last forward pass, for the host.
         last_mix: the weights the last pass combined the experts' outputs with (0: not served).
+        compiled: build the layer's graph through ``mx.compile`` (the default): its routing, ``route_shed``,
+            experts and combine traced once per rule and input shape, then replayed, and on a CPU stream
+            the misses' prestage lists left to :func:`pack_reports`, which ranks every layer's in one
+            call. The same bits as with ``False`` (the ops one by one), every rule but ``"stall"`` and
+            ``"exact"`` (which read back mid-graph and run uncompiled).
         module_path: the path of the layer's SwitchGLU in the model as loaded (``"model.layers.3.mlp.switch_mlp"``):
             the prefix of its tensors in an mlx-lm checkpoint (:meth:`tensor_names`).
         model_layer: the decoder layer's index in that path (3 above).
@@ -135,6 +140,11 @@ class ArenaLayer(nn.Module):
         self.read_retries = 0  # rule "exact": times a failed read is read again before the error (prefill)
         self.last = None
         self.last_mix = None
+        self.compiled = True
+        # Outside the module's tree: the compiled graphs (by rule and the modules they read) and what the
+        # last compiled pass left for pack_reports (_Deferred).
+        object.__setattr__(self, "_graphs", {})
+        object.__setattr__(self, "_deferred", None)
 
     @property
     def rule(self) -> str:
@@ -240,17 +250,55 @@ class ArenaLayer(nn.Module):
     def _experts(self, x, inds, scores, on_miss: str = "shed"):
         """route_shed against the slot table, then the arena (and with ``on_miss="tier"`` the tier for the
         misses) on the slots: ``(y [..., K, D], RouteShedResult)``."""
+        if on_miss == "tier" and self.tier is None:
+            raise ValueError(f"{type(self).__name__}: rule 'tier' needs a tier: call attach_tier(blocks, tier) first")
         shed = kq_mlx.route_shed(inds.astype(mx.uint32), scores, self.slot_table, num_slots=self.num_slots,
                                  on_miss=on_miss)
+        return self._arena_and_tier(x, shed.slots, on_miss), shed
+
+    def _graph(self, rule: str, captured: list[nn.Module], forward: Callable) -> Callable:
+        """``forward`` through ``mx.compile``, once per ``rule`` and set of ``captured`` modules (the arrays it
+        reads besides its arguments: read again at every call, so slot writes, new tables and replaced
+        submodules are seen; a module replaced whole, a new tier, gets a graph of its own)."""
+        key = (rule, *map(id, captured))
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = mx.compile(forward, inputs=captured)
+        return graph
+
+    def _serve(self, inds, scores, slot_table, on_miss: str):
+        """``route_shed`` inside a compiled graph: ``(slots, mix, miss bool)`` on a CPU stream (the prestage
+        lists left to :func:`pack_reports`), the full ``RouteShedResult`` where a kernel runs it."""
+        if kq_mlx.implementation_for() == "ops":
+            # The scores are a softmax router's (ArenaMoeBlock) or positive constants (ArenaSwitch): >= 0 or NaN.
+            return route_shed_columns.serve(inds.astype(mx.uint32), scores, slot_table, num_slots=self.num_slots,
+                                            on_miss=on_miss, nonnegative=True)
+        return tuple(kq_mlx.route_shed(inds.astype(mx.uint32), scores, slot_table, num_slots=self.num_slots,
+                                       on_miss=on_miss))
+
+    def _arena_and_tier(self, x, slots, on_miss: str):
+        """The experts on ``slots``: the arena's, and with ``on_miss="tier"`` the tier's for the slots past it."""
         if on_miss != "tier":
-            return self.arena(x, shed.slots), shed
+            return self.arena(x, slots)
         if self.tier is None:
             raise ValueError(f"{type(self).__name__}: rule 'tier' needs a tier: call attach_tier(blocks, tier) first")
-        from_tier = shed.slots >= self.num_slots
+        from_tier = slots >= self.num_slots
         # The hits through the arena exactly as route_shed's graph runs them: with no miss, the model's bits.
-        hits = self.arena(x, mx.where(from_tier, 0, shed.slots))
-        misses = self.tier(x, mx.where(from_tier, shed.slots - self.num_slots, 0))
-        return mx.where(from_tier[..., None], misses, hits), shed
+        hits = self.arena(x, mx.where(from_tier, 0, slots))
+        misses = self.tier(x, mx.where(from_tier, slots - self.num_slots, 0))
+        return mx.where(from_tier[..., None], misses, hits)
+
+    def _keep_compiled(self, inds, scores, last_mix, shed) -> None:
+        """Records a compiled pass: ``last`` and ``last_mix``, and where the prestage lists were left to
+        :func:`pack_reports`, what it needs to rank them (the ``last`` entry's lists are built lazily)."""
+        if len(shed) == 3:
+            slots, mix, miss = shed
+            shed = kq_mlx.RouteShedResult(slots, mix, *_rank_misses_graph()(inds, scores, miss))
+            self.last, self.last_mix = (inds, scores, shed), last_mix
+            object.__setattr__(self, "_deferred", _Deferred(self.last, last_mix, miss))
+            return
+        self.last, self.last_mix = (inds, scores, kq_mlx.RouteShedResult(*shed)), last_mix
+        object.__setattr__(self, "_deferred", None)
 
     def report(self) -> LayerReport:
         """The last pass's routing and misses as host arrays (call after evaluating the step)."""
@@ -284,6 +332,8 @@ class ArenaSwitch(ArenaLayer):
         return self.source
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
+        if self.compiled and self.rule in ("shed", "tier"):
+            return self._compiled_call(x, indices)
         k = indices.shape[-1]
         scores = mx.broadcast_to(mx.arange(k, 0, -1, dtype=mx.float32) / k, indices.shape)
         if self.rule == "stall":
@@ -302,6 +352,28 @@ class ArenaSwitch(ArenaLayer):
             return mx.where(kept[..., None], y, mx.zeros_like(y))
         self.last_mix = scores
         return y
+
+    def _compiled_call(self, x: mx.array, indices: mx.array) -> mx.array:
+        """Rules ``"shed"`` and ``"tier"`` as one compiled graph: the uncompiled path's ops and bits."""
+        rule = self.rule
+        on_miss = "tier" if rule == "tier" else "shed"
+        if rule == "tier" and self.tier is None:
+            raise ValueError(f"{type(self).__name__}: rule 'tier' needs a tier: call attach_tier(blocks, tier) first")
+
+        def forward(x, indices, slot_table):
+            k = indices.shape[-1]
+            scores = mx.broadcast_to(mx.arange(k, 0, -1, dtype=mx.float32) / k, indices.shape)
+            shed = self._serve(indices, scores, slot_table, on_miss)
+            y = self._arena_and_tier(x, shed[0], on_miss)
+            if rule == "shed":
+                kept = shed[1] > 0
+                return mx.where(kept[..., None], y, mx.zeros_like(y)), scores, mx.where(kept, scores, 0.0), shed
+            return y, scores, scores, shed
+
+        captured = [self.arena] + ([self.tier] if rule == "tier" else [])
+        out, scores, last_mix, shed = self._graph(rule, captured, forward)(x, indices, self.slot_table)
+        self._keep_compiled(indices, scores, last_mix, shed)
+        return out
 
 
 class ArenaMoeBlock(ArenaLayer):
@@ -331,6 +403,8 @@ class ArenaMoeBlock(ArenaLayer):
         return self.block.switch_mlp
 
     def __call__(self, x: mx.array) -> mx.array:
+        if self.compiled and self.rule in ("route_shed", "shed", "renormalize", "tier"):
+            return self._compiled_call(x)
         if self.rule == "substitute":
             inds, scores, shed = self._substitute(x)
         elif self.rule == "tier":
@@ -351,10 +425,30 @@ class ArenaMoeBlock(ArenaLayer):
             self._source("rule 'stall'")
             self.last_mix = scores
             return self.block(x)
-        mix = self._mix(inds, scores, shed)
+        mix = self._mix(self.rule, inds, scores, shed.mix, self.slot_table)
         self.last_mix = mix
         y = self.arena(x, shed.slots)
         return (y * mix.astype(scores.dtype)[..., None]).sum(axis=-2).astype(y.dtype)
+
+    def _compiled_call(self, x: mx.array) -> mx.array:
+        """Rules ``"route_shed"``, ``"shed"``, ``"renormalize"`` and ``"tier"`` as one compiled graph: the
+        routing, ``route_shed``, the experts and the combine, the uncompiled path's ops and bits."""
+        rule = self.rule
+        on_miss = "tier" if rule == "tier" else "shed"
+        if rule == "tier" and self.tier is None:
+            raise ValueError(f"{type(self).__name__}: rule 'tier' needs a tier: call attach_tier(blocks, tier) first")
+
+        def forward(x, slot_table):
+            inds, scores = self._route(self.block, x)
+            shed = self._serve(inds, scores, slot_table, on_miss)
+            mix = self._mix(rule, inds, scores, shed[1], slot_table)
+            y = self._arena_and_tier(x, shed[0], on_miss)
+            return (y * mix.astype(scores.dtype)[..., None]).sum(axis=-2).astype(y.dtype), inds, scores, mix, shed
+
+        captured = [self.block, self.arena] + ([self.tier] if rule == "tier" else [])
+        out, inds, scores, mix, shed = self._graph(rule, captured, forward)(x, self.slot_table)
+        self._keep_compiled(inds, scores, mix, shed)
+        return out
 
     def _substitute(self, x):
         """The routing and its substitutes in one op (kq_mlx.topk_route_shed; Qwen3-MoE routers)."""
@@ -366,12 +460,14 @@ class ArenaMoeBlock(ArenaLayer):
                                         num_slots=self.num_slots)
         return routed.indices, routed.scores, routed.shed
 
-    def _mix(self, inds, scores, shed):
-        """The weights under :attr:`rule` (route_shed, shed, renormalize or substitute)."""
-        if self.rule in ("route_shed", "substitute"):
-            return shed.mix
-        kept = self.slot_table[inds] >= 0
-        if self.rule == "shed":
+    @staticmethod
+    def _mix(rule: str, inds, scores, shed_mix, slot_table):
+        """The weights under ``rule`` (route_shed, shed, renormalize, substitute or tier), route_shed's ``mix``
+        given."""
+        if rule in ("route_shed", "substitute", "tier"):
+            return shed_mix
+        kept = slot_table[inds] >= 0
+        if rule == "shed":
             return mx.where(kept, scores, 0.0)
         kept_mass = mx.sum(mx.where(kept, scores, 0.0), axis=-1, keepdims=True)
         return mx.where(kept, scores / mx.where(kept_mass > 0, kept_mass, 1.0), 0.0)
@@ -824,6 +920,35 @@ def attach_tier(blocks: list[ArenaLayer], tier) -> None:
         block.tier = low
 
 
+class _Deferred:
+    """What a compiled pass on a CPU stream left for :func:`pack_reports`: the ``last`` and ``last_mix`` it set
+    (the report is this pass's while the layer still holds them) and its misses, bool ``[..., K]``."""
+
+    __slots__ = ("last", "last_mix", "miss")
+
+    def __init__(self, last: tuple, last_mix: mx.array, miss: mx.array):
+        self.last, self.last_mix, self.miss = last, last_mix, miss
+
+
+@functools.lru_cache(maxsize=None)
+def _rank_misses_graph() -> Callable:
+    """:func:`kq_mlx.route_shed_columns.rank_misses` compiled (traced once per shape)."""
+    return mx.compile(route_shed_columns.rank_misses)
+
+
+@functools.lru_cache(maxsize=None)
+def _pack_deferred_graph() -> Callable:
+    """Every layer's report of a token, the prestage lists ranked in one call over the layers' rows, packed
+    as :func:`kq_mlx.report_pack.pack` packs them: one compiled graph (traced once per layer count and shape)."""
+    def pack(ids, scores, miss, mix):
+        joined = {"ids": mx.concatenate(ids, axis=0), "scores": mx.concatenate(scores, axis=0),
+                  "mix": mx.concatenate(mix, axis=0)}
+        joined["miss_ids"], joined["miss_scores"] = route_shed_columns.rank_misses(
+            joined["ids"], joined["scores"], mx.concatenate(miss, axis=0))
+        return report_pack.pack_joined(joined, len(ids))
+    return mx.compile(pack)
+
+
 class _Published:
     """A slot table row as :func:`set_tables` last handed it to a block, and the array it made."""
 
@@ -863,6 +988,13 @@ def pack_reports(blocks: list[ArenaLayer]) -> mx.array:
         int32 ``[5, L, T, K]`` (:mod:`kq_core.reports`): ids, scores, miss ids, miss scores and the scores
         of the entries served (float fields as float32 bits); ``T`` the rows of the last pass.
     """
+    deferred = [getattr(block, "_deferred", None) for block in blocks]
+    if blocks and all(d is not None and d.last is block.last and d.last_mix is block.last_mix
+                      for d, block in zip(deferred, blocks)):
+        ids = [d.last[0] for d in deferred]
+        if len({(tuple(a.shape), a.dtype) for a in ids}) == 1:
+            return _pack_deferred_graph()(ids, [d.last[1] for d in deferred], [d.miss for d in deferred],
+                                          [d.last_mix for d in deferred])
     lasts = [block.last for block in blocks]
     return report_pack.pack({"ids": [inds for inds, _, _ in lasts], "scores": [scores for _, scores, _ in lasts],
                              "miss_ids": [shed.miss_ids for _, _, shed in lasts],

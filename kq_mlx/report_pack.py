@@ -76,7 +76,15 @@ def pack(fields: dict[str, list[mx.array]]) -> mx.array:
                            output_dtypes=[mx.int32])
         return packed
 
-    joined = {name: mx.concatenate(field, axis=0) for name, field in zip(INPUT_FIELDS, arrays)}  # [L x B, T, K]
+    return pack_joined({name: mx.concatenate(field, axis=0) for name, field in zip(INPUT_FIELDS, arrays)}, layers)
+
+
+def pack_joined(joined: dict[str, mx.array], layers: int) -> mx.array:
+    """The packing of :func:`pack` (off MLX-CUDA) from each field already joined over the layers:
+    ``{field of INPUT_FIELDS: [L x B, T, K]}`` (layer by layer along the first axis) -> int32 ``[F, L, N, K]``,
+    ``N`` a layer's rows (``B x T``)."""
+    k, n = joined["ids"].shape[-1], joined["ids"].size
+    out_shape = (len(REPORT_FIELDS), layers, n // (k * layers) if k else 0, k)
     scores = joined["scores"].astype(mx.float32)
     converted = {"ids": joined["ids"].astype(mx.int32), "scores": scores.view(mx.int32),
                  "miss_ids": joined["miss_ids"].astype(mx.int32),
