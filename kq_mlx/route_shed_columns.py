@@ -1,17 +1,13 @@
 """``route_shed`` for a graph compiled at fixed shapes (``mx.compile`` without ``shapeless``) on a CPU stream.
 
-The same contract and bits as :func:`kq_mlx.route_shed_ops`, with the row's K entries taken apart by
-``mx.split`` instead of masked reductions over the row: every sum, minimum and count along K is a
-chain of elementwise ops on the columns, in the contract's order, which ``mx.compile`` fuses into a
-few kernels. The masked-reduction form launches a reduction per column and per count (about 2 K + 7
-of them a call), each its own task on MLX's CPU stream, which costs a decode step more than the
-experts do; this form launches a handful. Splitting fixes the shape, so a compile around it is traced
-per shape (a decode step's one row, a prompt's length).
-
-Exactness: a column is taken, not summed, so its bits are the score's; the one-hot sums of the
-masked form (each output position receives exactly one entry, the others +0.0, and the flushed scores
-hold no -0.0) equal the entry itself, as the chains here give it. The running sums keep the contract's
-left-to-right order with the flush after every addition.
+The same contract and bits as :func:`kq_mlx.route_shed_ops`, in fewer primitives: that form moves the
+row's entries by masked reductions (about 2 K + 7 of them a call, each a task of its own on MLX's CPU
+stream, which costs a decode step more than the experts do). Here :func:`serve` gives what a layer's
+experts need (``slots`` and ``mix``) from a gather, two cumulative sums (scores known >= 0) or a chain
+over the columns (any scores) and one integer minimum, and :func:`rank_misses` ranks the misses with
+one sort of unique int64 keys, so one call can rank every layer's rows of a token at once. The columns,
+the slices and the bit views fix the shape: a compile around them is traced per shape (a decode step's
+one row, a prompt's length).
 """
 
 from __future__ import annotations
@@ -71,7 +67,6 @@ def serve(indices: mx.array, scores: mx.array, slot_table: mx.array, *, num_slot
     # The table bounded after the gather (K entries a row, not E): the same entries as bounding it first.
     slot = mx.where(valid, slot_table[safe], -1)
     keep = (slot >= 0) if num_slots is None else (slot >= 0) & (slot < int(num_slots))
-    slot = mx.where(keep, slot, -1)
     position = mx.arange(top_k, dtype=mx.int32)
     kept_s = mx.where(keep, s, 0.0)
 
@@ -88,10 +83,16 @@ def serve(indices: mx.array, scores: mx.array, slot_table: mx.array, *, num_slot
     scale = mx.where(has_mass, _flush(total / mx.where(has_mass, kept, 1.0)), 0.0)
     mix = mx.where(keep, _flush(s * scale), 0.0)
 
-    # Integer and boolean reductions: exact in any order.
-    first_kept = mx.min(mx.where(keep, position, top_k - 1), axis=-1, keepdims=True)
-    slot_first_kept = mx.sum(mx.where(position == first_kept, slot, 0), axis=-1, keepdims=True)
-    slots = mx.where(keep, slot, mx.where(mx.any(keep, axis=-1, keepdims=True), slot_first_kept, 0))
+    # A shed entry takes the row's first kept slot (0 where none is kept). Integer reductions: exact in any order.
+    if num_slots is not None and top_k * int(num_slots) < 2**31:
+        # One minimum over position * S + slot: the first kept entry, and its slot the remainder.
+        past = top_k * int(num_slots)
+        first = mx.min(mx.where(keep, position * int(num_slots) + slot, past), axis=-1, keepdims=True)
+        slots = mx.where(keep, slot, mx.where(first < past, first % int(num_slots), 0))
+    else:
+        first_kept = mx.min(mx.where(keep, position, top_k - 1), axis=-1, keepdims=True)
+        slot_first_kept = mx.sum(mx.where((position == first_kept) & keep, slot, 0), axis=-1, keepdims=True)
+        slots = mx.where(keep, slot, mx.where(mx.any(keep, axis=-1, keepdims=True), slot_first_kept, 0))
     miss = valid & ~keep
     if tier_base is not None:  # on_miss="tier": a miss at slot S + id, every served entry at its score
         slots = mx.where(miss, tier_base + safe, slots)

@@ -1037,3 +1037,108 @@ def test_a_retry_that_times_out_says_so():
     finally:
         release.set()
         manager.close()
+
+
+# ---- the compiled layer graphs ------------------------------------------------------------------------------
+
+
+def _decode_through_arenas(make_model, rule: str, slots: int, *, compiled: bool, steps: int = 6):
+    """Greedy decoding through arenas of ``slots`` slots under ``rule``, the boundary after every token (its reads
+    drained, so both paths see the same tables); returns each token's logits (uint32 bits), packed reports and
+    the blocks' own reports (float32 bits and ids, stacked)."""
+    from kq_host.residency import LayerReport
+    from kq_mlx.mlx_lm_adapter import attach_tier, pack_reports
+
+    model = evaluated(make_model, seed=7)
+    blocks = attach_arena(model, slots)
+    if rule == "tier":
+        attach_tier(blocks, _tier_of(blocks))
+    for block in blocks:
+        block.rule, block.compiled = rule, compiled
+    manager = _manager_over(blocks, slots)
+    for layer in range(LAYERS):
+        manager.preload(layer, range(0, EXPERTS, EXPERTS // slots))
+    set_tables(blocks, manager.snapshot())
+    cache, x, seen = make_prompt_cache(model), mx.array([PROMPT[:5]]), []
+    for _ in range(steps):
+        logits = model(x, cache=cache)[0, -1]
+        packed = pack_reports(blocks)
+        mx.eval(logits, packed)
+        own = LayerReport.stacked([block.report() for block in blocks])
+        seen.append((np.array(logits.astype(mx.float32)).view(np.uint32), np.array(packed),
+                     *(np.asarray(getattr(own, name)).view(np.uint32) for name in ("indices", "scores", "miss_ids",
+                                                                                   "miss_scores", "served"))))
+        manager.step(LayerReport.from_packed(np.array(packed)))
+        manager.drain()
+        set_tables(blocks, manager.snapshot())
+        x = mx.array([[int(mx.argmax(logits).item())]])
+    manager.close()
+    return seen
+
+
+COMPILED_CASES = ([pytest.param(qwen3_model, rule, id=f"qwen3_moe-{rule}")
+                   for rule in ("route_shed", "shed", "renormalize", "tier")]
+                  + [pytest.param(mixtral_model, "route_shed", id="mixtral-route_shed"),
+                     pytest.param(_quantized(qwen3_model), "route_shed", id="qwen3_moe-q4-route_shed"),
+                     pytest.param(_quantized(qwen3_model), "shed", id="qwen3_moe-q4-shed"),
+                     pytest.param(deepseek_v3_model, "shed", id="deepseek_v3-seam-shed"),
+                     pytest.param(deepseek_v3_model, "tier", id="deepseek_v3-seam-tier"),
+                     pytest.param(_quantized(deepseek_v3_model), "shed", id="deepseek_v3-q4-seam-shed")])
+
+
+@pytest.mark.parametrize("slots", [EXPERTS, EXPERTS // 4], ids=["full", "quarter"])
+@pytest.mark.parametrize("make_model, rule", COMPILED_CASES)
+def test_the_compiled_layer_graphs_give_the_uncompiled_bits(make_model, rule, slots):
+    """Each arena layer's graph through mx.compile (and the prestage lists ranked once a token in pack_reports)
+    against the same ops one by one: every token's logits, packed reports and per-layer reports, bit for bit,
+    while the tables change and slots are written between tokens."""
+    compiled = _decode_through_arenas(make_model, rule, slots, compiled=True)
+    uncompiled = _decode_through_arenas(make_model, rule, slots, compiled=False)
+    for got, want in zip(compiled, uncompiled):
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    misses = sum(int((miss_ids.view(np.int32) >= 0).sum()) for _, _, _, _, miss_ids, _, _ in compiled)
+    assert (misses > 0) == (slots < EXPERTS), "a quarter arena must miss, a full one never"
+    assert all(logits.any() for logits, *_ in compiled)
+
+
+def test_route_shed_columns_is_the_contract_bit_for_bit():
+    """kq_mlx.route_shed_columns compiled at each case's shape: every golden vector and random rows (K from 1 to
+    64, every dtype, NaN, inf, subnormal and negative scores, ids out of range); with ``nonnegative`` the
+    cases whose scores are all >= 0 or NaN (a softmax router's)."""
+    from kq.spec import assert_matches, golden_cases, random_cases
+    from kq_mlx.route_shed_columns import rank_misses, serve
+
+    def through(nonnegative):
+        def route_shed(indices, scores, slot_table, num_slots=None, on_miss="shed"):
+            def graph(indices, scores, slot_table):
+                slots, mix, miss = serve(indices, scores, slot_table, num_slots=num_slots, on_miss=on_miss,
+                                         nonnegative=nonnegative)
+                return (slots, mix, *rank_misses(indices, scores, miss))
+            return mx.compile(graph)(indices, scores, slot_table)
+        return route_shed
+
+    cases = golden_cases() + random_cases(seed=3, rows=1024)
+    assert assert_matches(through(False), cases, arrays="mlx").cases == len(cases)
+    nonnegative = [case for case in cases if not (case.scores.astype(np.float32) < 0).any()]
+    assert 10 < len(nonnegative) < len(cases)
+    assert assert_matches(through(True), nonnegative, arrays="mlx").cases == len(nonnegative)
+
+
+def test_a_compiled_layer_graph_holds_fewer_primitives_than_its_ops_one_by_one():
+    """What the compiled path is for: a decode step's MoE layer, routing to combine, is fewer primitives (each a
+    task of its own on MLX's CPU stream)."""
+    import io
+
+    model = evaluated(qwen3_model, seed=2)
+    blocks = attach_arena(model, EXPERTS // 4)
+    set_tables(blocks, np.tile(np.arange(EXPERTS, dtype=np.int32) % 5 - 1, (LAYERS, 1)))
+    x = mx.array(np.random.default_rng(2).standard_normal((1, 1, 64)).astype(np.float32))
+
+    def primitives(compiled):
+        blocks[0].compiled = compiled
+        dot = io.StringIO()
+        mx.export_to_dot(dot, blocks[0](x))
+        return dot.getvalue().count("shape=rectangle")
+
+    assert 3 * primitives(True) < 2 * primitives(False)
