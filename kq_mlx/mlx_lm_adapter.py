@@ -141,7 +141,7 @@ class ArenaLayer(nn.Module):
         self.last = None
         self.last_mix = None
         self.compiled = True
-        # Outside the module's tree: the compiled graphs (by rule and the modules they read) and what the
+        # Outside the module's tree: the compiled graphs (by rule, with the modules they read) and what the
         # last compiled pass left for pack_reports (_Deferred).
         object.__setattr__(self, "_graphs", {})
         object.__setattr__(self, "_deferred", None)
@@ -257,14 +257,15 @@ class ArenaLayer(nn.Module):
         return self._arena_and_tier(x, shed.slots, on_miss), shed
 
     def _graph(self, rule: str, captured: list[nn.Module], forward: Callable) -> Callable:
-        """``forward`` through ``mx.compile``, once per ``rule`` and set of ``captured`` modules (the arrays it
-        reads besides its arguments: read again at every call, so slot writes, new tables and replaced
-        submodules are seen; a module replaced whole, a new tier, gets a graph of its own)."""
-        key = (rule, *map(id, captured))
-        graph = self._graphs.get(key)
-        if graph is None:
-            graph = self._graphs[key] = mx.compile(forward, inputs=captured)
-        return graph
+        """``forward`` through ``mx.compile``, once per ``rule`` while the ``captured`` modules stay the same
+        objects (the arrays it reads besides its arguments, read again at every call: slot writes, new
+        tables and replaced submodules are seen). A module replaced whole (a new tier) replaces the rule's
+        graph, so the old module is not kept alive by it."""
+        modules = tuple(map(id, captured))
+        kept = self._graphs.get(rule)
+        if kept is None or kept[0] != modules:
+            kept = self._graphs[rule] = (modules, mx.compile(forward, inputs=captured))
+        return kept[1]
 
     def _serve(self, inds, scores, slot_table, on_miss: str):
         """``route_shed`` inside a compiled graph: ``(slots, mix, miss bool)`` on a CPU stream (the prestage
@@ -982,7 +983,8 @@ def pack_reports(blocks: list[ArenaLayer]) -> mx.array:
     reports back in one transfer (:meth:`kq_host.residency.LayerReport.from_packed`).
 
     A few ops a token however many layers there are (:mod:`kq_mlx.report_pack`: one kernel launch on
-    MLX's CUDA backend).
+    MLX's CUDA backend). After compiled passes on a CPU stream (:attr:`ArenaLayer.compiled`) the prestage
+    lists the layers left unranked are ranked here, every layer's rows in one call, in one compiled graph.
 
     Returns:
         int32 ``[5, L, T, K]`` (:mod:`kq_core.reports`): ids, scores, miss ids, miss scores and the scores

@@ -1142,3 +1142,34 @@ def test_a_compiled_layer_graph_holds_fewer_primitives_than_its_ops_one_by_one()
         return dot.getvalue().count("shape=rectangle")
 
     assert 3 * primitives(True) < 2 * primitives(False)
+
+
+def test_a_new_tier_replaces_the_compiled_graph_that_read_the_old_one():
+    """attach_tier again: the compiled pass reads the new tier (the bits of the ops one by one with it), and the
+    graph that read the old tier is dropped, not kept beside the new one."""
+    from kq_mlx.mlx_lm_adapter import attach_tier
+
+    model = evaluated(qwen3_model, seed=8)
+    blocks = attach_arena(model, EXPERTS // 4)
+    manager = _manager_over(blocks, EXPERTS // 4)
+    for layer in range(LAYERS):
+        manager.preload(layer, range(EXPERTS // 4))
+    set_tables(blocks, manager.snapshot())
+    for block in blocks:
+        block.rule = "tier"
+    prompt = mx.array([PROMPT[:6]])
+
+    def logits(compiled):
+        for block in blocks:
+            block.compiled = compiled
+        out = model(prompt, cache=make_prompt_cache(model))[0, -1]
+        return np.array(out.astype(mx.float32)).view(np.uint32)
+
+    seen = []
+    for bits in (4, 3):
+        attach_tier(blocks, _tier_of(blocks, bits=bits))
+        seen.append(logits(True))
+        assert seen[-1].tobytes() == logits(False).tobytes()
+        assert all(len(block._graphs) == 1 for block in blocks)
+    assert seen[0].tobytes() != seen[1].tobytes(), "the tiers must serve the misses differently"
+    manager.close()
