@@ -152,7 +152,7 @@ def load_params(directory: str | Path, cfg: Qwen3MoeConfig, *, experts: bool = T
     """Parameters from the checkpoint's safetensors files, as float32 JAX arrays.
 
     A checkpoint mlx-lm stored quantized (``config.json`` has ``"quantization"``) is read
-    dequantized (:func:`kq_host.quantized.dense_tensors`), its stacked experts as they are.
+    dequantized (:func:`kq_host.checkpoint.dense_tensors`), its stacked experts as they are.
     With ``experts=False`` the expert weights are not read (an arena serves them); they are checked all
     the same. Every tensor of the model ``cfg`` describes must be there with its shape, and no other
     (the layers, the experts, the hidden size, the vocabulary, the heads), as mlx-lm's loader requires.
@@ -167,7 +167,7 @@ def load_params(directory: str | Path, cfg: Qwen3MoeConfig, *, experts: bool = T
             (the message names the file and the tensor), or ``cfg`` unties the output projection from
             the embedding (this model reads it from the embedding).
     """
-    from kq_host.quantized import Quantization, dense_tensors
+    from kq_host.checkpoint import Quantization, dense_tensors
 
     directory = Path(directory)
     if not cfg.tie_word_embeddings:

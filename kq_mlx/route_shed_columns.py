@@ -16,7 +16,7 @@ import mlx.core as mx
 
 from kq_core.contract import RouteShedResult
 from kq_mlx import sources
-from kq_mlx.route_shed_mlx import _canonical_nan, _flush
+from kq_mlx.route_shed_mlx import canonical_nan, flush_subnormals
 
 
 # Positions in a row's sort key: K <= 64 (kq_core.contract).
@@ -30,7 +30,7 @@ def _columns(x: mx.array, axis: int = -1) -> list[mx.array]:
 
 
 def _flushed_scores(scores: mx.array) -> mx.array:
-    return _flush(scores.astype(mx.float32))
+    return flush_subnormals(scores.astype(mx.float32))
 
 
 def _validity(ids: mx.array, num_experts: int) -> mx.array:
@@ -77,11 +77,11 @@ def serve(indices: mx.array, scores: mx.array, slot_table: mx.array, *, num_slot
     else:
         total = kept = mx.array(0.0, mx.float32)
         for score, kept_score in zip(_columns(s), _columns(kept_s)):
-            total = _flush(total + score)
-            kept = _flush(kept + kept_score)
+            total = flush_subnormals(total + score)
+            kept = flush_subnormals(kept + kept_score)
     has_mass = kept > 0.0
-    scale = mx.where(has_mass, _flush(total / mx.where(has_mass, kept, 1.0)), 0.0)
-    mix = mx.where(keep, _flush(s * scale), 0.0)
+    scale = mx.where(has_mass, flush_subnormals(total / mx.where(has_mass, kept, 1.0)), 0.0)
+    mix = mx.where(keep, flush_subnormals(s * scale), 0.0)
 
     # A shed entry takes the row's first kept slot (0 where none is kept). Integer reductions: exact in any order.
     if num_slots is not None and top_k * int(num_slots) < 2**31:
@@ -97,7 +97,7 @@ def serve(indices: mx.array, scores: mx.array, slot_table: mx.array, *, num_slot
     if tier_base is not None:  # on_miss="tier": a miss at slot S + id, every served entry at its score
         slots = mx.where(miss, tier_base + safe, slots)
         mix = mx.where(valid, s, 0.0)
-    return slots.astype(indices.dtype), _canonical_nan(mix), miss
+    return slots.astype(indices.dtype), canonical_nan(mix), miss
 
 
 def rank_misses(indices: mx.array, scores: mx.array, miss: mx.array) -> tuple[mx.array, mx.array]:
@@ -127,7 +127,7 @@ def rank_misses(indices: mx.array, scores: mx.array, miss: mx.array) -> tuple[mx
     filled = mx.arange(top_k, dtype=mx.int32) < mx.sum(miss.astype(mx.int32), axis=-1, keepdims=True)
     miss_ids = mx.where(filled, mx.take_along_axis(indices.astype(mx.int32), order, axis=-1), -1)
     miss_scores = mx.where(filled, mx.take_along_axis(s, order, axis=-1), 0.0)
-    return miss_ids, _canonical_nan(miss_scores)
+    return miss_ids, canonical_nan(miss_scores)
 
 
 def route_shed_columns(indices: mx.array, scores: mx.array, slot_table: mx.array, *, num_slots: int | None = None,

@@ -32,14 +32,16 @@ MX_DTYPES = {"int32": mx.int32, "uint32": mx.uint32, "float32": mx.float32, "bfl
 
 
 
-def _flush(x):
+def flush_subnormals(x):
+    """``x`` float32 with every subnormal made 0 (the contract's flush of an intermediate)."""
     return mx.where(mx.abs(x) < F32_MIN_NORMAL, 0.0, x)
 
 
 _CANONICAL_NAN = np.array(CANONICAL_NAN_BITS, np.uint32).view(np.float32)
 
 
-def _canonical_nan(x):
+def canonical_nan(x):
+    """``x`` float32 with every NaN made the contract's canonical NaN bits."""
     return mx.where(mx.isnan(x), mx.array(_CANONICAL_NAN), x)
 
 
@@ -66,7 +68,7 @@ def _route_shed_ops_impl(indices, scores, slot_table, tier_base: int | None = No
     # around the op serves every row count.
     top_k = indices.shape[-1]
     ids = indices  # [..., k]
-    s = _flush(scores.astype(mx.float32))  # [..., k], no -0.0 after the flush
+    s = flush_subnormals(scores.astype(mx.float32))  # [..., k], no -0.0 after the flush
     num_experts = slot_table.shape[0]
     if ids.dtype == mx.uint32:
         valid = ids < mx.array(num_experts, mx.uint32)
@@ -85,11 +87,11 @@ def _route_shed_ops_impl(indices, scores, slot_table, tier_base: int | None = No
     total = kept = _over_k(mx.sum, mx.where(keep, mx.array(0.0, mx.float32), mx.array(0.0, mx.float32)))
     for k in range(top_k):
         at_k = position == k
-        total = _flush(total + _over_k(mx.sum, mx.where(at_k, s, 0.0)))
-        kept = _flush(kept + _over_k(mx.sum, mx.where(at_k, kept_s, 0.0)))
+        total = flush_subnormals(total + _over_k(mx.sum, mx.where(at_k, s, 0.0)))
+        kept = flush_subnormals(kept + _over_k(mx.sum, mx.where(at_k, kept_s, 0.0)))
     has_mass = kept > 0.0
-    scale = mx.where(has_mass, _flush(total / mx.where(has_mass, kept, 1.0)), 0.0)
-    mix = mx.where(keep, _flush(s * mx.expand_dims(scale, -1)), 0.0)
+    scale = mx.where(has_mass, flush_subnormals(total / mx.where(has_mass, kept, 1.0)), 0.0)
+    mix = mx.where(keep, flush_subnormals(s * mx.expand_dims(scale, -1)), 0.0)
 
     # Entries are moved along the row by masked sums over a one-hot [..., i, j] mask, never by a sort or
     # a gather along the row: exact for the same reason as the columns, and MLX-CUDA 0.32.4's argsort and
@@ -118,7 +120,7 @@ def _route_shed_ops_impl(indices, scores, slot_table, tier_base: int | None = No
     ranked_scores = _over_k(mx.sum, mx.where(to_rank, s_i, 0.0), axis=-2)
     miss_ids = mx.where(filled, ranked_ids, -1)
     miss_scores = mx.where(filled, ranked_scores, 0.0)
-    return slots.astype(indices.dtype), _canonical_nan(mix), miss_ids, _canonical_nan(miss_scores)
+    return slots.astype(indices.dtype), canonical_nan(mix), miss_ids, canonical_nan(miss_scores)
 
 
 @functools.lru_cache(maxsize=None)
@@ -292,13 +294,13 @@ def _topk_route_shed_ops_impl(probs, slot_table, *, top_k: int, normalize: bool,
     # The contract's total order, made unique by the expert id so argsort's stability does not matter.
     order = mx.argsort(_order_key(values).astype(mx.int64) * num_experts + expert, axis=1).astype(mx.int32)
     indices = order[:, :top_k]
-    scores = _flush(mx.take_along_axis(values, indices, axis=1))
+    scores = flush_subnormals(mx.take_along_axis(values, indices, axis=1))
     if normalize:
         total = mx.zeros(scores.shape[:1], mx.float32)
         for j in range(top_k):
-            total = _flush(total + scores[:, j])
-        scores = _flush(scores / total[:, None])
-    scores = _canonical_nan(scores)
+            total = flush_subnormals(total + scores[:, j])
+        scores = flush_subnormals(scores / total[:, None])
+    scores = canonical_nan(scores)
     shed = _route_shed_ops_impl(indices, scores, slot_table, tier_base)
     if on_miss == "substitute":
         shed = _substitute_ops(order, indices, scores, slot_table, shed)

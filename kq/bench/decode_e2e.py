@@ -28,8 +28,9 @@ Modes (JAX, on its default device):
 * ``exact-fetch``: exact in one pass: a layer that misses calls the host from inside the program
   (:mod:`kq_jax.miss_fetch`), which reads its missed experts (:class:`kq_host.miss_reader.MissReader`,
   as many at once as the manager's workers) while the program waits, and the layer computes every entry
-  from its own expert's weights. The token's reports name the same misses, and the manager's loader
-  takes those reads for the arena instead of reading them again. Never runs a token again.
+  from its own expert's weights. The token's reports name the same misses; the manager's loader takes
+  those reads for the arena instead of reading them again, and they land at the token's boundary, before
+  the next token is dispatched (so it finds them resident). Never runs a token again.
 
 Routing (the ``routing`` column):
 
@@ -513,11 +514,13 @@ def run_streamed(engine: Engine, store, *, residency: float, mode: str, warmup: 
         start, timed.seconds = time.perf_counter(), 0.0
         report = LayerReport.from_packed(packed)
         missed = int((report.miss_ids >= 0).sum())
-        if mode == "exact-fetch":  # read inside the program, on the token's critical path
-            critical[position] += missed
         if missed or position not in stepped:  # a run again that hit everything was credited by its first run
             state["tables"] = manager.step(report)
             stepped.add(position)
+        if mode == "exact-fetch" and missed:  # read inside the program, on the token's critical path: the
+            critical[position] += missed      # reads the manager asked for are those, landed now for the next token
+            manager.drain()
+            state["tables"] = manager.snapshot()
         again = mode == "exact" and missed > 0
         if again:  # the misses read on the token's critical path; the token runs again on them
             if reruns[position] > engine.layers:
@@ -531,7 +534,8 @@ def run_streamed(engine: Engine, store, *, residency: float, mode: str, warmup: 
         publishes[position] += timed.seconds
         return again
 
-    stamps, waits, last = decode(dispatch, boundary, engine.first, steps, overlap=True)
+    # exact-fetch: the next token dispatched after the boundary, on the tables holding this token's misses
+    stamps, waits, last = decode(dispatch, boundary, engine.first, steps, overlap=mode != "exact-fetch")
     floor = device_floor(dispatch, engine.first, min(steps, 64))
     manager.close()  # the reads still out land first, so they count among the bytes read
     if reader is not None:

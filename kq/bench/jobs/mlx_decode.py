@@ -386,7 +386,7 @@ def run(tokens: int = 64, warmup: int = 16, residencies=(1.0, 0.25), rounds: int
     """Every loop ``rounds`` times, the loops interleaved within a round; a row is a loop's median round."""
 
     from kq.bench.decode_e2e import floor_columns
-    from kq_host.quantized import Quantization
+    from kq_host.checkpoint import Quantization
 
     steps = warmup + tokens
     rows = []
