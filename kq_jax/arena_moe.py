@@ -47,7 +47,8 @@ def router_topk(probs, *, top_k: int, normalize: bool):
 
 
 def moe_layer(x, router_w, slot_table, *, rule: str, top_k: int, normalize: bool, weights: Experts,
-              num_slots: int, tier: TierExperts | None = None, slot_rows=None, impl: str = "auto"):
+              num_slots: int, tier: TierExperts | None = None, slot_rows=None, impl: str = "auto", fetch=None,
+              layer=0):
     """One MoE layer on an arena from its router's weights: the router, then :func:`arena_moe` under ``rule``.
 
     The step :class:`kq_jax.nnx.ArenaMoE` runs and :func:`kq_jax.qwen3_moe_arena.make_step`'s layers run, so
@@ -60,7 +61,7 @@ def moe_layer(x, router_w, slot_table, *, rule: str, top_k: int, normalize: bool
         router_w: ``[D, E]`` the router's weights (the checkpoint's ``[E, D]`` transposed inside the caller's
             jitted step, so the router's product keeps the checkpoint's layout).
         slot_table: int32 ``[E]``, expert -> arena slot (negative: not resident).
-        rule, weights, num_slots, tier, slot_rows, impl: as for :func:`arena_moe`.
+        rule, weights, num_slots, tier, slot_rows, impl, fetch, layer: as for :func:`arena_moe`.
         top_k: experts a token routes to; normalize: whether the router renormalises its top-k.
 
     Returns:
@@ -75,7 +76,8 @@ def moe_layer(x, router_w, slot_table, *, rule: str, top_k: int, normalize: bool
     else:
         (indices, scores), shed = router_topk(probs, top_k=top_k, normalize=normalize), None
     return arena_moe(x, indices, scores, slot_table, rule=rule, weights=weights, num_slots=num_slots, tier=tier,
-                     probs=probs, slot_rows=slot_rows, normalize=normalize, shed=shed, impl=impl)
+                     probs=probs, slot_rows=slot_rows, normalize=normalize, shed=shed, impl=impl, fetch=fetch,
+                     layer=layer)
 
 
 def serve(rule: str, indices, scores, probs, slot_table, shed, *, normalize: bool = False,

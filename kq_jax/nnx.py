@@ -49,7 +49,8 @@ from kq_jax.moe import Experts, TierExperts, TierWeights, check_tier, combine, e
 
 # The arena's projections, named as the expert store's tensors, ``JaxArena.arrays`` and the tier's layers.
 _TIER_PARTS = ("packed", "scales", "biases")
-ON_MISS = ("shed", "tier")
+ON_MISS = ("shed", "tier", "fetch")
+_RULE = {"shed": "route_shed", "tier": "tier", "fetch": "exact"}  # arena_moe's rule for each on_miss
 
 
 class ArenaSlots(nnx.Variable):
@@ -208,8 +209,12 @@ class ArenaMoE(nnx.Module):
     Args:
         hidden_size: D; intermediate_size: F; num_experts: E; num_slots: S; top_k, normalize: as
             :class:`Router`'s.
-        on_miss: ``"shed"`` (a miss's weight goes to the row's kept experts) or ``"tier"`` (a miss runs
-            from the tier at its own weight).
+        on_miss: ``"shed"`` (a miss's weight goes to the row's kept experts), ``"tier"`` (a miss runs
+            from the tier at its own weight) or ``"fetch"`` (a miss's expert read inside the program by
+            ``fetch``: the output is the resident layer's; :mod:`kq_jax.miss_fetch`).
+        fetch: ``on_miss="fetch"``'s reader, ``fetch(layer, ids) -> (gate, up, down)`` of the experts ``ids``
+            (e.g. a :class:`kq_host.miss_reader.MissReader`); called from inside the step, only when the
+            layer misses.
         tier_bits, tier_group_size: the tier's format (:mod:`kq_host.tier`), used where ``on_miss="tier"``;
             D and F must be multiples of ``tier_group_size``.
         dtype: the router's and the arena's dtype (the tier's scales and biases are
@@ -223,7 +228,7 @@ class ArenaMoE(nnx.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, num_slots: int, top_k: int, *,
                  normalize: bool = True, on_miss: str = "shed", tier_bits: int = 3, tier_group_size: int = 32,
-                 dtype=jnp.float32, impl: str = "auto", rngs: nnx.Rngs):
+                 dtype=jnp.float32, impl: str = "auto", fetch=None, rngs: nnx.Rngs):
         self.router = Router(hidden_size, num_experts, top_k, normalize=normalize, dtype=dtype, rngs=rngs)
         d, e = self.router.hidden_size, self.router.num_experts
         f = _check_size("ArenaMoE", "intermediate_size", intermediate_size)
@@ -232,7 +237,11 @@ class ArenaMoE(nnx.Module):
             raise ValueError(f"ArenaMoE: on_miss must be one of {ON_MISS}, got {on_miss!r}")
         if impl not in IMPLS:
             raise ValueError(f"ArenaMoE: impl must be one of {IMPLS}, got {impl!r}")
+        if (on_miss == "fetch") != callable(fetch):
+            raise ValueError(f"ArenaMoE: fetch must be a callable exactly when on_miss='fetch', got on_miss="
+                             f"{on_miss!r} and fetch={fetch!r}")
         self.intermediate_size, self.num_slots, self.on_miss, self.impl = f, s, on_miss, impl
+        self.fetch = fetch
         self.arena_gating_SFD = ArenaSlots(jnp.zeros((s, f, d), dtype))
         self.arena_up_proj_SFD = ArenaSlots(jnp.zeros((s, f, d), dtype))
         self.arena_down_proj_SDF = ArenaSlots(jnp.zeros((s, d, f), dtype))
@@ -275,11 +284,12 @@ class ArenaMoE(nnx.Module):
 
     # ---- the step ----------------------------------------------------------------------------------
 
-    def __call__(self, inputs):
+    def __call__(self, inputs, layer=0):
         """One MoE step on the arena.
 
         Args:
             inputs: ``[..., D]``, e.g. ``[B, T, D]``; its ``T`` rows (every leading position) are routed.
+            layer: int or int32 scalar, the layer ``fetch`` is told it reads for (``on_miss="fetch"``).
 
         Returns:
             ``(outputs [..., D], reports int32 [F, T, top_k])``: the report of :mod:`kq_core.reports` for
@@ -300,9 +310,9 @@ class ArenaMoE(nnx.Module):
         # The library's one step (kq_jax.qwen3_moe_arena.make_step's layers run it too): topk_route_shed
         # routes and sheds in one launch, arena_moe runs the hits and the misses and combines them.
         outputs, report = moe_layer(rows, self.router.kernel_ED[...].T, table,
-                                    rule="tier" if self.on_miss == "tier" else "route_shed",
-                                    top_k=self.router.top_k, normalize=self.router.normalize, weights=arena,
-                                    num_slots=self.num_slots, tier=tier, impl=self.impl)
+                                    rule=_RULE[self.on_miss], top_k=self.router.top_k,
+                                    normalize=self.router.normalize, weights=arena, num_slots=self.num_slots,
+                                    tier=tier, impl=self.impl, fetch=self.fetch, layer=layer)
         outputs = jnp.reshape(outputs, jnp.shape(inputs)[:-1] + outputs.shape[-1:])
         return outputs, pack_reports([report])[:, 0]
 

@@ -43,7 +43,8 @@ class Qwen3MoeDecoder(nnx.Module):
             ``router.kernel_ED`` ``[L, E, D]``; its experts, if any, are not read.
         cfg: the checkpoint's :class:`kq_jax.qwen3_moe.Qwen3MoeConfig`.
         num_slots: S, each layer's arena slots.
-        on_miss, tier_bits, tier_group_size, impl: as for :class:`kq_jax.nnx.ArenaMoE`.
+        on_miss, tier_bits, tier_group_size, impl, fetch: as for :class:`kq_jax.nnx.ArenaMoE` (``on_miss="fetch"``:
+            exact in one pass, a layer's misses read inside the step; the logits are the resident model's).
 
     The arena starts empty (every table entry -1); :meth:`set_residency` points it at the host's tables
     and arena, :meth:`set_tier` loads the tier (``on_miss="tier"``).
@@ -54,7 +55,7 @@ class Qwen3MoeDecoder(nnx.Module):
     """
 
     def __init__(self, params: Mapping, cfg: qwen3_moe.Qwen3MoeConfig, num_slots: int, *, on_miss: str = "shed",
-                 tier_bits: int = 3, tier_group_size: int = 32, impl: str = "auto"):
+                 tier_bits: int = 3, tier_group_size: int = 32, impl: str = "auto", fetch=None):
         if not isinstance(cfg, qwen3_moe.Qwen3MoeConfig):
             raise ValueError(f"Qwen3MoeDecoder: cfg must be a kq_jax.qwen3_moe.Qwen3MoeConfig, got "
                              f"{type(cfg).__name__}")
@@ -69,7 +70,7 @@ class Qwen3MoeDecoder(nnx.Module):
             return ArenaMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, num_slots,
                             cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob, on_miss=on_miss,
                             tier_bits=tier_bits, tier_group_size=tier_group_size, dtype=routers.dtype, impl=impl,
-                            rngs=rngs)
+                            fetch=fetch, rngs=rngs)
 
         self.cfg = cfg
         self.moe = create(nnx.Rngs(0))
@@ -120,7 +121,7 @@ class Qwen3MoeDecoder(nnx.Module):
         graphdef, state = nnx.split(self.moe)
 
         def moe(layer, _, x):  # the stack's layer `layer`, its variables sliced inside the traced step
-            return nnx.merge(graphdef, jax.tree.map(lambda array: array[layer], state))(x)
+            return nnx.merge(graphdef, jax.tree.map(lambda array: array[layer], state))(x, layer)
 
         params = {"embed": self.embed[...], "norm": self.norm[...],
                   "layers": [{name: variable[...] for name, variable in layer.items()} for layer in self.layers]}

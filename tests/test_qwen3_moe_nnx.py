@@ -122,6 +122,56 @@ def test_a_quarter_arena_with_a_tier_is_the_functional_tier_step(model):
     assert _misses(steps) > 0
 
 
+class _StackedStore:
+    """The checkpoint's experts held in memory, read as an ExpertStore reads them."""
+
+    def __init__(self, params):
+        self.host = {name: _stacked(params, name) for name in qwen3_moe.PROJECTIONS}
+
+    def read_expert(self, layer, expert):
+        return {name: w[layer, expert] for name, w in self.host.items()}
+
+
+def test_a_quarter_arena_fetching_its_misses_gives_the_resident_logits_in_one_pass(model):
+    """on_miss='fetch': each token one pass, its misses read inside the step by a MissReader, which then hands
+    them to the manager; the logits are the resident model's bit for bit, from a cold arena on."""
+    from kq_host.miss_reader import MissReader
+
+    cfg, params = model
+    store = _StackedStore(params)
+    reader = MissReader(store, qwen3_moe.PROJECTIONS, workers=2)
+    arena = JaxArena(cfg.num_hidden_layers, SLOTS, {name: (w.shape[2:], w.dtype) for name, w in store.host.items()})
+    manager = ResidencyManager(cfg.num_hidden_layers, cfg.num_experts, SLOTS, arena=arena, loader=
+                               lambda layer, expert, slot: reader.loader(layer, expert))
+    decoder = Qwen3MoeDecoder(params, cfg, SLOTS, on_miss="fetch", fetch=reader)
+    resident = make_step(cfg, "stall")
+    cache_r = cache_n = qwen3_moe.empty_cache(cfg, 1, len(TOKENS))
+    tables, misses = manager.snapshot(), 0
+    try:
+        for position, token in enumerate(TOKENS):
+            token = jnp.array([token], jnp.int32)
+            decoder.set_residency(tables, arena.arrays)
+            want, cache_r, _ = resident(params, None, jnp.asarray(tables), token, position, cache_r)
+            got, cache_n, reports = _decode(decoder, token, position, cache_n)
+            np.testing.assert_array_equal(bits(want), bits(got))
+            misses += int((np.asarray(reports)[REPORT_FIELDS.index("miss_ids")] >= 0).sum())
+            manager.step(LayerReport.from_packed(np.asarray(reports)))
+            manager.drain()
+            tables = manager.snapshot()
+    finally:
+        manager.close()
+        reader.close()
+    assert misses > 0 and reader.experts_read > 0 and manager.stats()[1].hits > 0
+
+
+@pytest.mark.parametrize("options", [{"on_miss": "fetch"}, {"on_miss": "shed", "fetch": lambda layer, ids: ()}],
+                         ids=["fetch-without-reader", "reader-without-fetch"])
+def test_a_reader_goes_with_on_miss_fetch(model, options):
+    cfg, params = model
+    with pytest.raises(ValueError, match="fetch"):
+        Qwen3MoeDecoder(params, cfg, SLOTS, **options)
+
+
 def test_the_decoder_steps_with_the_manager_and_a_jax_arena(model):
     """The host between tokens: the manager's tables and the JaxArena's arrays handed to the decoder as they
     are; the functional step on the same tables and arena gives the same bits, and the reads land."""
