@@ -25,18 +25,21 @@ class MissReader:
         projections: the payload keys in the order the program takes them (gate, up, down).
         workers: reads in flight at once.
         keep: at most this many experts kept for :meth:`loader` (the oldest dropped first).
+        dtype: the dtype the program's arena holds (e.g. float32 for a bfloat16 checkpoint), each read
+            converted to it for the program (the kept reads stay as read); None: as read.
 
     Raises:
         ValueError: ``projections`` empty, ``workers`` or ``keep`` below 1.
     """
 
-    def __init__(self, store, projections: Sequence[str], *, workers: int = 8, keep: int = 4096):
+    def __init__(self, store, projections: Sequence[str], *, workers: int = 8, keep: int = 4096, dtype=None):
         if not projections:
             raise ValueError("MissReader: projections must name at least one payload key")
         for name, value in (("workers", workers), ("keep", keep)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"MissReader: {name} must be an int >= 1, got {value!r}")
         self._store, self._projections, self._keep = store, tuple(projections), keep
+        self._dtype = None if dtype is None else np.dtype(dtype)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kq-miss")
         self._kept: dict[tuple[int, int], Mapping[str, np.ndarray]] = {}
         self._lock = threading.Lock()
@@ -55,7 +58,8 @@ class MissReader:
                 self._kept[(layer, expert)] = payload
             while len(self._kept) > self._keep:
                 del self._kept[next(iter(self._kept))]
-        return tuple(np.stack([payloads[e][name] for e in ids]) for name in self._projections)
+        stacked = (np.stack([payloads[e][name] for e in ids]) for name in self._projections)
+        return tuple(stacked if self._dtype is None else (a.astype(self._dtype, copy=False) for a in stacked))
 
     def loader(self, layer: int, expert: int, slot: int = 0) -> Mapping[str, np.ndarray]:
         """The residency manager's loader: the expert as a program's miss read it, else from the store."""

@@ -150,3 +150,17 @@ def test_miss_buckets():
     assert miss_buckets(40) == (1, 2, 4, 8, 16, 32, 40)
     with pytest.raises(ValueError, match="entries"):
         miss_buckets(0)
+
+
+def test_the_reader_converts_for_the_program_and_keeps_the_read_for_the_arena():
+    import ml_dtypes
+
+    rng = np.random.default_rng(6)
+    store = ArrayStore(random_weights(rng, ml_dtypes.bfloat16))
+    reader = MissReader(store, PROJECTIONS, workers=1, dtype=np.float32)
+    gate, _, _ = reader(0, np.array([3], np.int32))
+    assert gate.dtype == np.float32
+    np.testing.assert_array_equal(gate[0].view(np.uint32),
+                                  store.weights["gate_proj"][0, 3].astype(np.float32).view(np.uint32))
+    assert reader.loader(0, 3)["gate_proj"].dtype == ml_dtypes.bfloat16
+    reader.close()
