@@ -1,12 +1,10 @@
 """Each checkpoint family's expert count, and ``kq demo --rule exact`` on a Mixtral-layout checkpoint."""
 
-import json
 
-import numpy as np
 import pytest
 
-from kq.study import SHIPPED_MODEL
 from kq_host.checkpoint import CheckpointError, expert_count
+from tiny_models import write_mixtral
 
 
 def test_expert_count_reads_each_family_s_own_key():
@@ -31,33 +29,7 @@ def test_expert_count_refuses_a_config_without_a_count(config, named):
 def mixtral_checkpoint(tmp_path_factory):
     """A tiny random float Mixtral in the Hugging Face layout (one tensor per expert: w1, w2, w3)."""
     pytest.importorskip("mlx_lm")
-    import shutil
-
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import mixtral
-    from safetensors.numpy import save_file
-
-    args = dict(model_type="mixtral", vocab_size=4096, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)
-    mx.random.seed(5)
-    model = mixtral.Model(mixtral.ModelArgs(**args))
-    tensors = {}
-    for name, value in tree_flatten(model.parameters()):
-        value = np.array(value)
-        if ".switch_mlp." in name:
-            prefix, projection = name.split(".switch_mlp.")
-            hf = {"gate_proj.weight": "w1", "down_proj.weight": "w2", "up_proj.weight": "w3"}[projection]
-            for expert in range(value.shape[0]):
-                tensors[f"{prefix}.experts.{expert}.{hf}.weight"] = np.ascontiguousarray(value[expert])
-        else:
-            tensors[name] = value
-    directory = tmp_path_factory.mktemp("mixtral")
-    save_file(tensors, str(directory / "model.safetensors"))
-    (directory / "config.json").write_text(json.dumps(args))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(SHIPPED_MODEL / name, directory / name)
-    return directory
+    return write_mixtral(tmp_path_factory.mktemp("mixtral"), seed=5)
 
 
 def test_exact_generation_runs_a_mixtral_checkpoint(mixtral_checkpoint):

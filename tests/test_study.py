@@ -11,6 +11,7 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("safetensors")
 
 from kq.study import SHIPPED_MODEL, StudyConfig, make_study  # noqa: E402
+from tiny_models import write_mixtral  # noqa: E402
 
 
 def _framework(name):
@@ -123,33 +124,7 @@ def test_the_jax_model_reads_the_files_as_mlx_lm_does():
 def mixtral_checkpoint(tmp_path_factory):
     """A tiny random Mixtral in the Hugging Face layout (one tensor per expert: w1, w2, w3), the shipped tokenizer."""
     pytest.importorskip("mlx_lm")
-    import shutil
-
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import mixtral
-    from safetensors.numpy import save_file
-
-    args = dict(model_type="mixtral", vocab_size=4096, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)
-    mx.random.seed(3)
-    model = mixtral.Model(mixtral.ModelArgs(**args))
-    tensors = {}
-    for name, value in tree_flatten(model.parameters()):
-        value = np.array(value)
-        if ".switch_mlp." in name:  # stacked [E, ...] in mlx-lm, one tensor per expert on the Hub
-            prefix, projection = name.split(".switch_mlp.")
-            hf = {"gate_proj.weight": "w1", "down_proj.weight": "w2", "up_proj.weight": "w3"}[projection]
-            for expert in range(value.shape[0]):
-                tensors[f"{prefix}.experts.{expert}.{hf}.weight"] = np.ascontiguousarray(value[expert])
-        else:
-            tensors[name] = value
-    directory = tmp_path_factory.mktemp("mixtral")
-    save_file(tensors, str(directory / "model.safetensors"))
-    (directory / "config.json").write_text(json.dumps(args))
-    for name in ("tokenizer.json", "tokenizer_config.json", "heldout.txt"):
-        shutil.copy(SHIPPED_MODEL / name, directory / name)
-    return directory
+    return write_mixtral(tmp_path_factory.mktemp("mixtral"), seed=3, files=("tokenizer.json", "tokenizer_config.json", "heldout.txt"))
 
 
 def test_mixtral_checkpoints_run_through_mlx_lm(mixtral_checkpoint):

@@ -1,0 +1,42 @@
+"""Tiny random checkpoints the tests write: families kq reads beside its own Qwen3-MoE."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from kq.study import SHIPPED_MODEL
+
+MIXTRAL_ARGS = dict(model_type="mixtral", vocab_size=4096, hidden_size=32, intermediate_size=16,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                    num_experts_per_tok=2)
+
+
+def write_mixtral(directory: Path, *, seed: int, files=("tokenizer.json", "tokenizer_config.json")) -> Path:
+    """A tiny random float Mixtral (mlx-lm's model, :data:`MIXTRAL_ARGS`) in the Hugging Face layout: one
+    tensor per expert (w1 gate, w2 down, w3 up), the shipped model's ``files`` (its tokenizer) beside it."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import mixtral
+    from safetensors.numpy import save_file
+
+    mx.random.seed(seed)
+    model = mixtral.Model(mixtral.ModelArgs(**MIXTRAL_ARGS))
+    tensors = {}
+    for name, value in tree_flatten(model.parameters()):
+        value = np.array(value)
+        if ".switch_mlp." in name:  # stacked [E, ...] in mlx-lm, one tensor per expert on the Hub
+            prefix, projection = name.split(".switch_mlp.")
+            hf = {"gate_proj.weight": "w1", "down_proj.weight": "w2", "up_proj.weight": "w3"}[projection]
+            for expert in range(value.shape[0]):
+                tensors[f"{prefix}.experts.{expert}.{hf}.weight"] = np.ascontiguousarray(value[expert])
+        else:
+            tensors[name] = value
+    save_file(tensors, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(MIXTRAL_ARGS))
+    for name in files:
+        shutil.copy(SHIPPED_MODEL / name, directory / name)
+    return directory
