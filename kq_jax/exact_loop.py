@@ -36,7 +36,7 @@ from kq_jax.moe import Experts, combine, experts_apply
 @functools.partial(jax.jit, static_argnames="cfg")
 def _route(p, h, position, keys, values, cfg):
     h, x, keys, values = qwen3_moe.attention_block(p, h, position, keys, values, cfg)
-    indices, scores, _ = qwen3_moe.route(p, x, cfg)
+    indices, scores, _ = qwen3_moe.route_layer(p, x, cfg)
     return h, x, indices.astype(jnp.int32), scores, keys, values
 
 

@@ -308,8 +308,8 @@ def _attend(q, k, v, mask, cfg: Qwen3MoeConfig):
     return out.reshape(*out.shape[:2], -1)
 
 
-def route(p, x, cfg: Qwen3MoeConfig):
-    """``(indices int32 [..., k], scores float32 [..., k], probs [..., E])``: the router's top-k
+def route_layer(p, x, cfg: Qwen3MoeConfig):
+    """``(indices int32 [..., k], scores float32 [..., k], probs [..., E])``: checkpoint layer ``p``'s router top-k
     (:func:`kq_jax.moe.router_probs`, then :func:`kq_jax.arena_moe.router_topk`: with ``norm_topk_prob``
     renormalised by :func:`kq_jax.reference.normalize_topk_ref`, the contract's correctly rounded
     arithmetic, as every other router of kq)."""
@@ -320,7 +320,7 @@ def route(p, x, cfg: Qwen3MoeConfig):
 
 def moe_resident(p, x, cfg: Qwen3MoeConfig):
     """The MoE feed-forward with every expert in memory. x ``[T, D]`` -> ``[T, D]``."""
-    indices, scores, _ = route(p, x, cfg)
+    indices, scores, _ = route_layer(p, x, cfg)
     return combine(experts_apply(x, Experts(p["gate_proj"], p["up_proj"], p["down_proj"]), indices), scores)
 
 
@@ -328,7 +328,7 @@ def moe_dense(p, x, cfg: Qwen3MoeConfig):
     """Training form of :func:`moe_resident`: every expert computed, weighted by the top-k scores
     (zero elsewhere). Returns ``(y [N, D], load-balancing loss)`` (Switch Transformer's: E times
     the dot product of each expert's share of the routed entries and its mean probability)."""
-    indices, scores, probs = route(p, x, cfg)
+    indices, scores, probs = route_layer(p, x, cfg)
     weights = jnp.zeros_like(probs).at[jnp.arange(x.shape[0])[:, None], indices].set(scores)
     gate = jnp.einsum("nd,efd->nef", x, p["gate_proj"])
     up = jnp.einsum("nd,efd->nef", x, p["up_proj"])
@@ -408,7 +408,7 @@ def attention_block(p, h, position, keys, values, cfg: Qwen3MoeConfig):
 def predict_next(p_next, h, cfg: Qwen3MoeConfig):
     """A later layer's router on the residual stream ``h [B, D]``, normalised as that layer's MoE input:
     ``(ids int32 [B, k], scores float32 [B, k])``."""
-    indices, scores, _ = route(p_next, rms_norm(h, p_next["post_attention_layernorm"], cfg.rms_norm_eps), cfg)
+    indices, scores, _ = route_layer(p_next, rms_norm(h, p_next["post_attention_layernorm"], cfg.rms_norm_eps), cfg)
     return indices.astype(jnp.int32), scores.astype(jnp.float32)
 
 

@@ -82,7 +82,7 @@ def make_streams_step(cfg, rule: str, num_slots: int, tier_options: tuple[int, i
 
             def row(x, table):  # one stream: x [D], table [E]
                 x = x[None]
-                indices, scores, probs = qwen3_moe.route(p, x, cfg)
+                indices, scores, probs = qwen3_moe.route_layer(p, x, cfg)
                 experts = jnp.arange(cfg.num_experts, dtype=jnp.int32)
                 slot_expert = jnp.zeros(num_slots, jnp.int32).at[jnp.where(table >= 0, table, num_slots)].set(
                     experts, mode="drop")  # which expert each slot holds
@@ -109,7 +109,7 @@ def resident_moe(cfg):
     """The MoE layer with every expert in memory, recording its routing: ``moe(layer, p, x) -> (out,
     (indices, scores))``, for :func:`kq_jax.qwen3_moe.decode_step`."""
     def moe(layer, p, x):
-        indices, scores, _ = qwen3_moe.route(p, x, cfg)
+        indices, scores, _ = qwen3_moe.route_layer(p, x, cfg)
         return combine(experts_apply(x, _experts(p), indices), scores), (indices, scores)
 
     return moe

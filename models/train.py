@@ -144,7 +144,7 @@ def routing_stats(params, tokens, cfg, window: int, windows: int) -> dict:
             q, k, v = qwen3_moe._qkv(p, qwen3_moe.rms_norm(h, p["input_layernorm"], cfg.rms_norm_eps), positions, cfg)
             h = h + qwen3_moe._attend(q, k, v, mask, cfg) @ p["o_proj"].T
             x2 = qwen3_moe.rms_norm(h, p["post_attention_layernorm"], cfg.rms_norm_eps)[0]
-            indices, _, _ = qwen3_moe.route(p, x2, cfg)
+            indices, _, _ = qwen3_moe.route_layer(p, x2, cfg)
             out.append(indices)
             h = h + qwen3_moe.moe_resident(p, x2, cfg)[None]
         return out

@@ -76,7 +76,7 @@ def test_the_models_look_ahead_leaves_its_output_alone():
     cfg, params = study.cfg, study.full_params()
 
     def moe(layer, p, x):
-        indices, scores, _ = qwen3_moe.route(p, x, cfg)
+        indices, scores, _ = qwen3_moe.route_layer(p, x, cfg)
         y = experts_apply(x, Experts(p["gate_proj"], p["up_proj"], p["down_proj"]), indices)
         return jnp.einsum("tkd,tk->td", y, scores), indices
 
