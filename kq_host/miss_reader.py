@@ -30,6 +30,11 @@ class MissReader:
 
     Raises:
         ValueError: ``projections`` empty, ``workers`` or ``keep`` below 1.
+
+    A read that fails (the store raises, or its payload lacks a projection or differs in shape or dtype
+    from the call's other experts) fails the call, naming the expert and layer; nothing of that call is
+    kept, and the reader stays usable. The reader is safe to call from several threads at once (a
+    program's callback and the manager's loader threads).
     """
 
     def __init__(self, store, projections: Sequence[str], *, workers: int = 8, keep: int = 4096, dtype=None):
@@ -43,14 +48,46 @@ class MissReader:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kq-miss")
         self._kept: dict[tuple[int, int], Mapping[str, np.ndarray]] = {}
         self._lock = threading.Lock()
+        self._closed = False
         self.experts_read = 0  # experts read for programs waiting on them
 
     def __call__(self, layer: int, ids: np.ndarray) -> tuple[np.ndarray, ...]:
-        """The experts ``ids`` (int ``[m]``) of ``layer``, each projection stacked ``[m, out, in]``, in
-        ``projections`` order; an id routed twice read once."""
-        ids = [int(i) for i in np.asarray(ids).reshape(-1)]
+        """The experts ``ids`` of ``layer``, read once each however often routed.
+
+        Args:
+            layer: the layer, an int >= 0.
+            ids: int ``[m]``, m >= 1, the experts (ids >= 0), repeats allowed.
+
+        Returns:
+            Each projection's ``[m, out, in]``, in ``projections`` order, of the read's dtype (or ``dtype``).
+
+        Raises:
+            ValueError: ``layer`` or ``ids`` not as above; a payload that lacks a projection or differs in
+                shape or dtype from the call's other experts (naming the expert and layer).
+            RuntimeError: the reader is closed; the store's read failed (naming the expert and layer).
+        """
+        if not isinstance(layer, (int, np.integer)) or isinstance(layer, bool) or layer < 0:
+            raise ValueError(f"MissReader: layer must be an int >= 0, got {layer!r}")
+        layer = int(layer)
+        array = np.asarray(ids)
+        if array.ndim != 1 or array.size == 0 or array.dtype.kind not in "iu" or (array < 0).any():
+            raise ValueError(f"MissReader: ids must be a non-empty 1-D array of expert ids >= 0, got {ids!r}")
+        if self._closed:
+            raise RuntimeError("MissReader: the reader is closed; it reads no more misses")
+        ids = [int(i) for i in array]
         distinct = list(dict.fromkeys(ids))
-        payloads = dict(zip(distinct, self._pool.map(lambda e: self._store.read_expert(layer, e), distinct)))
+        try:
+            reads = [self._pool.submit(self._read, layer, expert) for expert in distinct]
+        except RuntimeError:
+            raise RuntimeError("MissReader: the reader is closed; it reads no more misses") from None
+        payloads = dict(zip(distinct, (read.result() for read in reads)))
+        first = distinct[0]
+        layout = self._layout(payloads[first])
+        for expert, payload in payloads.items():
+            for name, (shape, dtype) in self._layout(payload).items():
+                if (shape, dtype) != layout[name]:
+                    raise ValueError(f"MissReader: expert {expert} of layer {layer}: {name} is {dtype} {shape}, "
+                                     f"expert {first}'s is {layout[name][1]} {layout[name][0]}")
         with self._lock:
             self.experts_read += len(distinct)
             for expert, payload in payloads.items():
@@ -61,6 +98,23 @@ class MissReader:
         stacked = (np.stack([payloads[e][name] for e in ids]) for name in self._projections)
         return tuple(stacked if self._dtype is None else (a.astype(self._dtype, copy=False) for a in stacked))
 
+    def _read(self, layer: int, expert: int) -> Mapping[str, np.ndarray]:
+        """The store's payload of one expert, checked to hold every projection."""
+        try:
+            payload = self._store.read_expert(layer, expert)
+        except Exception as error:
+            raise RuntimeError(f"MissReader: reading expert {expert} of layer {layer} failed: "
+                               f"{type(error).__name__}: {error}") from error
+        missing = [name for name in self._projections if name not in payload]
+        if missing:
+            raise ValueError(f"MissReader: expert {expert} of layer {layer}: the store's payload lacks "
+                             f"{', '.join(missing)} (it has {', '.join(payload)})")
+        return payload
+
+    def _layout(self, payload: Mapping[str, np.ndarray]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """Each projection's shape and dtype in ``payload``."""
+        return {name: (np.shape(payload[name]), np.asarray(payload[name]).dtype) for name in self._projections}
+
     def loader(self, layer: int, expert: int, slot: int = 0) -> Mapping[str, np.ndarray]:
         """The residency manager's loader: the expert as a program's miss read it, else from the store."""
         with self._lock:
@@ -68,5 +122,7 @@ class MissReader:
         return self._store.read_expert(layer, expert) if payload is None else payload
 
     def close(self) -> None:
-        """Waits for reads in flight and stops the reader's threads."""
+        """Waits for reads in flight and stops the reader's threads; later calls raise, :meth:`loader` still
+        reads the store."""
+        self._closed = True
         self._pool.shutdown(wait=True)

@@ -47,14 +47,15 @@ def _host_fetch(fetch: Fetch, shapes: tuple[jax.ShapeDtypeStruct, ...], layer, i
     wanted = ids[ids >= 0]
     read = tuple(fetch(int(layer), wanted))
     if len(read) != len(shapes):
-        raise ValueError(f"gather_with_misses: fetch returned {len(read)} arrays, expected {len(shapes)} "
-                         f"(one per projection, in Experts order)")
+        raise ValueError(f"gather_with_misses: fetch returned {len(read)} arrays for layer {int(layer)}, expected "
+                         f"{len(shapes)} (one per projection, in Experts order)")
     out = []
     for name, array, shape in zip(Experts._fields, read, shapes):
         array = np.asarray(array)
         if array.shape != (len(wanted), *shape.shape[1:]) or array.dtype != shape.dtype:
-            raise ValueError(f"gather_with_misses: fetch's {name} for layer {int(layer)} is {array.dtype} "
-                             f"{array.shape}, expected {np.dtype(shape.dtype)} {(len(wanted), *shape.shape[1:])}")
+            raise ValueError(f"gather_with_misses: fetch's {name} for layer {int(layer)} (experts {wanted.tolist()}) "
+                             f"is {array.dtype} {array.shape}, expected {np.dtype(shape.dtype)} "
+                             f"{(len(wanted), *shape.shape[1:])}")
         padded = np.zeros(shape.shape, shape.dtype)
         padded[:len(wanted)] = array
         out.append(padded)

@@ -164,3 +164,184 @@ def test_the_reader_converts_for_the_program_and_keeps_the_read_for_the_arena():
                                   store.weights["gate_proj"][0, 3].astype(np.float32).view(np.uint32))
     assert reader.loader(0, 3)["gate_proj"].dtype == ml_dtypes.bfloat16
     reader.close()
+
+
+class FaultyStore(ArrayStore):
+    """An ArrayStore whose read of one expert fails in a chosen way (``fault``; None: no fault)."""
+
+    def __init__(self, weights, faulty_expert):
+        super().__init__(weights)
+        self.faulty_expert, self.fault = faulty_expert, None
+
+    def read_expert(self, layer, expert):
+        payload = super().read_expert(layer, expert)
+        if expert != self.faulty_expert or self.fault is None:
+            return payload
+        if self.fault == "oserror":
+            raise OSError("the disk went away")
+        if self.fault == "missing":
+            del payload["up_proj"]
+        elif self.fault == "shape":
+            payload["up_proj"] = payload["up_proj"][:3]
+        elif self.fault == "dtype":
+            payload["up_proj"] = payload["up_proj"].astype(np.float16)
+        return payload
+
+
+@pytest.mark.parametrize("fault", ["oserror", "missing", "shape", "dtype"])
+def test_a_failed_read_reaches_the_jitted_steps_caller_naming_the_expert_and_the_reader_recovers(fault):
+    rng = np.random.default_rng(7)
+    weights = random_weights(rng, np.float32)
+    store = FaultyStore(weights, faulty_expert=9)
+    reader = MissReader(store, PROJECTIONS, workers=2)
+    arena, table = arena_of(weights, [0, 1], 2)
+    indices = jnp.asarray(np.array([[0, 7, 9, 1], [7, 3, 0, 9]], np.int32))
+    scores = jnp.asarray(rng.dirichlet(np.ones(TOP_K), size=2).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((2, HIDDEN)).astype(np.float32))
+    step = jax.jit(lambda x: arena_moe(x, indices, scores, table, rule="exact", weights=arena, num_slots=2,
+                                       fetch=reader, layer=0)[0])
+    store.fault = fault
+    with pytest.raises(Exception, match="expert 9 of layer 0"):
+        step(x).block_until_ready()
+    assert (0, 9) not in reader._kept  # a bad read is never kept for the arena
+    store.fault = None
+    everything = Experts(*(jnp.asarray(weights[name][0]) for name in PROJECTIONS))
+    expected = combine(experts_apply(x, everything, indices), scores)
+    np.testing.assert_array_equal(np.asarray(step(x)).view(np.uint32), np.asarray(expected).view(np.uint32))
+    reader.close()
+
+
+def test_a_closed_reader_says_so():
+    reader = MissReader(ArrayStore(random_weights(np.random.default_rng(8), np.float32)), PROJECTIONS)
+    reader.close()
+    with pytest.raises(RuntimeError, match="MissReader.*closed"):
+        reader(0, np.array([1], np.int32))
+
+
+@pytest.mark.parametrize("ids", [np.array([-1, 2]), np.array([2.5]), np.array([[1, 2]]), np.array([], np.int32),
+                                 "3"], ids=["negative", "float", "2d", "empty", "str"])
+def test_the_reader_refuses_ids_that_are_not_expert_ids(ids):
+    store = ArrayStore(random_weights(np.random.default_rng(9), np.float32))
+    reader = MissReader(store, PROJECTIONS)
+    with pytest.raises(ValueError, match="MissReader.*ids"):
+        reader(0, ids)
+    assert store.reads == []
+    reader.close()
+
+
+def test_an_expert_the_store_does_not_hold_is_named():
+    reader = MissReader(ArrayStore(random_weights(np.random.default_rng(10), np.float32)), PROJECTIONS)
+    with pytest.raises(RuntimeError, match="expert 20 of layer 0"):
+        reader(0, np.array([3, 20], np.int32))
+    reader.close()
+
+
+def test_the_reader_keeps_at_most_keep_reads_each_handed_out_once():
+    store = ArrayStore(random_weights(np.random.default_rng(11), np.float32, layers=2))
+    reader = MissReader(store, PROJECTIONS, workers=2, keep=3)
+    for layer, ids in [(0, [1, 2]), (1, [1, 5, 6, 7]), (0, [2, 2, 9])]:
+        reader(layer, np.array(ids, np.int32))
+        assert len(reader._kept) <= 3
+    assert list(reader._kept) == [(1, 7), (0, 2), (0, 9)]  # the newest, a read again moved to the end
+    reads = len(store.reads)
+    handed = [reader.loader(0, 2) for _ in range(2)]
+    assert len(store.reads) == reads + 1  # the second load reads the store again
+    assert handed[0] is not handed[1]
+    reader.close()
+
+
+def test_the_loader_and_the_programs_calls_run_concurrently():
+    import threading
+
+    rng = np.random.default_rng(12)
+    weights = random_weights(rng, np.float32, layers=4)
+    store = ArrayStore(weights)
+    reader = MissReader(store, PROJECTIONS, workers=3, keep=8)
+    errors = []
+
+    def program(layer):
+        try:
+            for round_ in range(30):
+                ids = np.array([(round_ + j) % EXPERTS for j in range(3)], np.int32)
+                gate, _, _ = reader(layer, ids)
+                np.testing.assert_array_equal(gate.view(np.uint32), weights["gate_proj"][layer, ids].view(np.uint32))
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    def loader(layer):
+        try:
+            for round_ in range(60):
+                expert = round_ % EXPERTS
+                payload = reader.loader(layer, expert)
+                np.testing.assert_array_equal(payload["down_proj"].view(np.uint32),
+                                              weights["down_proj"][layer, expert].view(np.uint32))
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=target, args=(layer,)) for layer in range(2) for target in (program, loader)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads) and errors == []
+    assert len(reader._kept) <= 8
+    reader.close()
+
+
+def test_repeated_experts_across_tokens_give_the_resident_layers_bits():
+    rng = np.random.default_rng(13)
+    weights = random_weights(rng, np.float32)
+    store = ArrayStore(weights)
+    reader = MissReader(store, PROJECTIONS, workers=2)
+    arena, table = arena_of(weights, [0, 1, 2], 3)
+    indices = jnp.asarray(np.array([[5, 0, 9, 11], [9, 5, 1, 11], [11, 9, 5, 2], [0, 1, 2, 5]], np.int32))
+    scores = jnp.asarray(rng.dirichlet(np.ones(TOP_K), size=4).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((4, HIDDEN)).astype(np.float32))
+    out, _ = jax.jit(lambda x: arena_moe(x, indices, scores, table, rule="exact", weights=arena, num_slots=3,
+                                         fetch=reader, layer=0))(x)
+    everything = Experts(*(jnp.asarray(weights[name][0]) for name in PROJECTIONS))
+    expected = combine(experts_apply(x, everything, indices), scores)
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint32), np.asarray(expected).view(np.uint32))
+    assert sorted(store.reads) == [(0, 5), (0, 9), (0, 11)]
+    reader.close()
+
+
+def test_the_gradient_through_the_exact_rule_is_the_resident_layers():
+    rng = np.random.default_rng(14)
+    weights = random_weights(rng, np.float32)
+    reader = MissReader(ArrayStore(weights), PROJECTIONS, workers=2)
+    arena, table = arena_of(weights, [0, 1], 2)
+    indices = jnp.asarray(np.array([[0, 7, 9, 1], [7, 9, 0, 3]], np.int32))
+    scores = jnp.asarray(rng.dirichlet(np.ones(TOP_K), size=2).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((2, HIDDEN)).astype(np.float32))
+    everything = Experts(*(jnp.asarray(weights[name][0]) for name in PROJECTIONS))
+
+    def exact(x, scores):
+        out = arena_moe(x, indices, scores, table, rule="exact", weights=arena, num_slots=2, fetch=reader)[0]
+        return (out * out).sum()
+
+    def resident(x, scores):
+        out = combine(experts_apply(x, everything, indices), scores)
+        return (out * out).sum()
+
+    got = jax.jit(jax.grad(exact, argnums=(0, 1)))(x, scores)
+    want = jax.jit(jax.grad(resident, argnums=(0, 1)))(x, scores)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint32), np.asarray(w).view(np.uint32))
+    reader.close()
+
+
+def test_a_fetch_of_the_wrong_dtype_names_the_layer_and_its_experts():
+    rng = np.random.default_rng(15)
+    weights = random_weights(rng, np.float32, layers=4)
+    store = FaultyStore(weights, faulty_expert=9)
+    store.fault = "dtype"
+    reader = MissReader(store, PROJECTIONS, workers=1)
+    arena, table = arena_of(weights, [0, 1, 2], 3)
+    indices = jnp.asarray(np.array([[0, 9, 2, 1]], np.int32))
+    scores = jnp.asarray(np.full((1, TOP_K), 0.25, np.float32))
+    x = jnp.asarray(rng.standard_normal((1, HIDDEN)).astype(np.float32))
+    with pytest.raises(Exception, match=r"up for layer 3 \(experts \[9\]\)"):
+        arena_moe(x, indices, scores, table, rule="exact", weights=arena, num_slots=3, fetch=reader,
+                  layer=3)[0].block_until_ready()
+    reader.close()
