@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_batching import custom_vmap
 from jax.experimental import io_callback
 
 from kq_jax.moe import Experts
@@ -65,6 +66,10 @@ def _host_fetch(fetch: Fetch, shapes: tuple[jax.ShapeDtypeStruct, ...], layer, i
 def gather_with_misses(weights: Experts, rows, hit, indices, fetch: Fetch, layer) -> Experts:
     """Each routed entry's expert weights: a hit's from the arena, a miss's read by ``fetch``.
 
+    Under ``jax.vmap`` the batch's entries are one layer's entries: ``fetch`` is called once for the whole
+    batch. Differentiable in reverse mode: w.r.t. ``weights``, each hit's row gets its entries' cotangent
+    (a miss's weights are the host's read, a constant).
+
     Args:
         weights: the arena, :class:`~kq_jax.moe.Experts` ``[N, ...]``.
         rows: int32 ``[T, k]``, the row of ``weights`` each hit's expert is in (any valid row for a miss).
@@ -77,24 +82,65 @@ def gather_with_misses(weights: Experts, rows, hit, indices, fetch: Fetch, layer
 
     Returns:
         :class:`~kq_jax.moe.Experts` ``[T, k, ...]``.
+
+    Raises:
+        ValueError: under ``jax.vmap`` with ``layer`` batched (one layer per call).
     """
+    gathered = Experts(*(w[rows] for w in weights))
+    return _fill_misses(fetch)(gathered, hit, indices, jnp.asarray(layer, jnp.int32))
+
+
+def _fill_misses(fetch: Fetch):
+    """``fill(gathered, hit, indices, layer)``: ``gathered`` (Experts ``[T, k, ...]``) with its misses'
+    entries read by ``fetch``. Under ``jax.vmap`` the batch's routing is one layer's; its gradient w.r.t.
+    ``gathered`` is the cotangent at the hits (a miss's entry is the host's read, not ``gathered``'s)."""
+    fill = custom_vmap(partial(_fill_misses_once, fetch=fetch))
+
+    @fill.def_vmap
+    def fill_batch(axis_size, in_batched, gathered, hit, indices, layer):
+        gathered_batched, *routing_batched, layer_batched = in_batched
+        if layer_batched:
+            raise ValueError("gather_with_misses: under jax.vmap, layer must be the same for the whole batch")
+        routing = [r if batched else jnp.broadcast_to(r, (axis_size, *r.shape))
+                   for r, batched in zip((hit, indices), routing_batched)]
+        tokens, k = routing[0].shape[1:]
+        gathered = Experts(*(g if batched else jnp.broadcast_to(g, (axis_size, *g.shape))
+                             for g, batched in zip(gathered, gathered_batched)))
+        filled = fill(Experts(*(g.reshape(axis_size * tokens, *g.shape[2:]) for g in gathered)),
+                      *(r.reshape(axis_size * tokens, k) for r in routing), layer)
+        return (Experts(*(f.reshape(axis_size, tokens, *f.shape[1:]) for f in filled)),
+                Experts(*(True,) * len(filled)))
+
+    def fill_forward(gathered, hit, indices, layer):
+        return fill(gathered, hit, indices, layer), hit
+
+    def fill_backward(hit, cotangent):
+        at_hits = Experts(*(jnp.where(hit.reshape(*hit.shape, *(1,) * (c.ndim - hit.ndim)), c, 0)
+                            for c in cotangent))
+        return at_hits, None, None, None
+
+    differentiable = jax.custom_vjp(fill)
+    differentiable.defvjp(fill_forward, fill_backward)
+    return differentiable
+
+
+def _fill_misses_once(gathered: Experts, hit, indices, layer, *, fetch: Fetch) -> Experts:
+    """:func:`_fill_misses` for one batch of routing."""
     tokens, k = indices.shape
     entries = tokens * k
-    gathered = Experts(*(w[rows] for w in weights))
     flat_hit = hit.reshape(entries)
     order = jnp.argsort(flat_hit, stable=True)  # the misses first, in top-k order
     misses = entries - jnp.sum(flat_hit.astype(jnp.int32))
     buckets = miss_buckets(entries)
 
     def with_bucket(size):
-        shapes = tuple(jax.ShapeDtypeStruct((size, *w.shape[1:]), w.dtype) for w in weights)
+        shapes = tuple(jax.ShapeDtypeStruct((size, *g.shape[2:]), g.dtype) for g in gathered)
 
         def run(current: Experts) -> Experts:
             places = order[:size]
             real = jnp.arange(size) < misses
             ids = jnp.where(real, indices.reshape(entries)[places], -1).astype(jnp.int32)
-            read = io_callback(partial(_host_fetch, fetch, shapes), shapes, jnp.asarray(layer, jnp.int32), ids,
-                               ordered=False)
+            read = io_callback(partial(_host_fetch, fetch, shapes), shapes, layer, ids, ordered=False)
             target = jnp.where(real, places, entries)  # past the end: dropped
             return Experts(*(g.reshape(entries, *g.shape[2:]).at[target].set(r, mode="drop").reshape(g.shape)
                              for g, r in zip(current, read)))

@@ -345,3 +345,82 @@ def test_a_fetch_of_the_wrong_dtype_names_the_layer_and_its_experts():
         arena_moe(x, indices, scores, table, rule="exact", weights=arena, num_slots=3, fetch=reader,
                   layer=3)[0].block_until_ready()
     reader.close()
+
+
+def test_the_arenas_gradient_is_the_resident_layers_at_its_experts_rows():
+    rng = np.random.default_rng(16)
+    weights = random_weights(rng, np.float32)
+    reader = MissReader(ArrayStore(weights), PROJECTIONS, workers=2)
+    resident = [0, 1, 3]
+    arena, table = arena_of(weights, resident, 3)
+    indices = jnp.asarray(np.array([[0, 7, 9, 1], [7, 9, 0, 3]], np.int32))
+    scores = jnp.asarray(rng.dirichlet(np.ones(TOP_K), size=2).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((2, HIDDEN)).astype(np.float32))
+    everything = Experts(*(jnp.asarray(weights[name][0]) for name in PROJECTIONS))
+
+    def exact(arena):
+        out = arena_moe(x, indices, scores, table, rule="exact", weights=arena, num_slots=3, fetch=reader)[0]
+        return (out * out).sum()
+
+    def resident_layer(everything):
+        out = combine(experts_apply(x, everything, indices), scores)
+        return (out * out).sum()
+
+    got = jax.jit(jax.grad(exact))(arena)
+    want = jax.jit(jax.grad(resident_layer))(everything)
+    slots = np.asarray(table)[resident]
+    for g, w in zip(got, want):
+        assert np.abs(np.asarray(w)[resident]).max() > 0
+        np.testing.assert_array_equal(np.asarray(g)[slots].view(np.uint32), np.asarray(w)[resident].view(np.uint32))
+    reader.close()
+
+
+def test_vmap_reads_a_batchs_misses_in_one_call_and_gives_the_resident_layers_bits():
+    rng = np.random.default_rng(17)
+    weights = random_weights(rng, np.float32)
+    store = ArrayStore(weights)
+    calls = []
+
+    def fetch(layer, ids):
+        calls.append(ids.tolist())
+        return reader(layer, ids)
+
+    reader = MissReader(store, PROJECTIONS, workers=2)
+    arena, table = arena_of(weights, [0, 1], 2)
+    indices = jnp.asarray(np.array([[[0, 7, 9, 1], [7, 9, 0, 3]], [[1, 0, 12, 2], [0, 1, 5, 4]],
+                                    [[0, 1, 2, 3], [1, 0, 3, 2]]], np.int32))
+    scores = jnp.asarray(rng.dirichlet(np.ones(TOP_K), size=(3, 2)).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((3, 2, HIDDEN)).astype(np.float32))
+    everything = Experts(*(jnp.asarray(weights[name][0]) for name in PROJECTIONS))
+
+    def exact(x, indices, scores):
+        return arena_moe(x, indices, scores, table, rule="exact", weights=arena, num_slots=2, fetch=fetch)[0]
+
+    def resident(x, indices, scores):
+        return combine(experts_apply(x, everything, indices), scores)
+
+    got = jax.jit(jax.vmap(exact))(x, indices, scores)
+    want = jax.jit(jax.vmap(resident))(x, indices, scores)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
+    assert calls == [[7, 9, 7, 9, 3, 12, 2, 5, 4, 2, 3, 3, 2]]  # the whole batch's misses, one call
+
+    nested = jax.vmap(jax.vmap(exact, in_axes=(0, None, None)), in_axes=(0, None, None))
+    nested_want = jax.vmap(jax.vmap(resident, in_axes=(0, None, None)), in_axes=(0, None, None))
+    xs = jnp.stack([x, x * 2])  # [2, 3, T, D]
+    np.testing.assert_array_equal(np.asarray(nested(xs, indices[0], scores[0])).view(np.uint32),
+                                  np.asarray(nested_want(xs, indices[0], scores[0])).view(np.uint32))
+    reader.close()
+
+
+def test_vmap_over_the_layer_is_refused():
+    rng = np.random.default_rng(18)
+    weights = random_weights(rng, np.float32)
+    reader = MissReader(ArrayStore(weights), PROJECTIONS)
+    arena, table = arena_of(weights, [0, 1], 2)
+    indices = jnp.asarray(np.array([[0, 7, 9, 1]], np.int32))
+    scores = jnp.asarray(np.full((1, TOP_K), 0.25, np.float32))
+    x = jnp.asarray(rng.standard_normal((1, HIDDEN)).astype(np.float32))
+    with pytest.raises(ValueError, match="vmap, layer"):
+        jax.vmap(lambda layer: arena_moe(x, indices, scores, table, rule="exact", weights=arena, num_slots=2,
+                                         fetch=reader, layer=layer)[0])(jnp.arange(2))
+    reader.close()
