@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("jax")
 pytest.importorskip("safetensors")
 
-from kq.bench import decode_e2e  # noqa: E402
+from kq.bench import decode_e2e, floor  # noqa: E402
 from kq_host.expert_store import ExpertStore  # noqa: E402
 
 LAYERS, EXPERTS, TOP_K, HIDDEN, FFN, STEPS = 2, 16, 4, 32, 32, 12
@@ -108,7 +108,7 @@ def test_the_tier_mode_needs_a_tier(setting):
 
 
 def _fabricated(mode, tokens_per_s, resident_tokens_per_s, critical_mib_per_token, read_gib_per_s):
-    """A result with made-up rates (not timings): its floor columns from :func:`decode_e2e.floor_columns`."""
+    """A result with made-up rates (not timings): its floor columns from :func:`floor.floor_columns`."""
     return decode_e2e.DecodeResult(
         device="cpu", model="made-up", routing="recorded", checkpoint="stdlib-moe", layers=2, experts=16, hidden=32,
         ffn=32, mode=mode, residency=0.5, tokens=8, tokens_per_s=tokens_per_s, floor_tokens_per_s=900.0,
@@ -116,7 +116,7 @@ def _fabricated(mode, tokens_per_s, resident_tokens_per_s, critical_mib_per_toke
         reruns_per_token=1.0, mib_read_per_token=3.0, h2d_ms=0.01, hit_rate=0.75, memory_gib=0.5, tier_bits=None,
         resident_tokens_per_s=resident_tokens_per_s, read_gib_per_s=read_gib_per_s,
         critical_mib_per_token=critical_mib_per_token,
-        **decode_e2e.floor_columns(tokens_per_s, resident_tokens_per_s, critical_mib_per_token, read_gib_per_s))
+        **floor.floor_columns(tokens_per_s, resident_tokens_per_s, critical_mib_per_token, read_gib_per_s))
 
 
 def test_the_floor_is_the_slower_of_the_resident_token_and_its_critical_reads(tmp_path):
@@ -147,7 +147,7 @@ def test_the_floor_is_the_slower_of_the_resident_token_and_its_critical_reads(tm
 def test_the_floor_refuses_rates_it_cannot_divide_by(argument, bad):
     arguments = dict(tokens_per_s=100.0, resident_tokens_per_s=200.0, critical_mib_per_token=1.0, read_gib_per_s=2.0)
     with pytest.raises(ValueError, match=argument):
-        decode_e2e.floor_columns(**{**arguments, argument: bad})
+        floor.floor_columns(**{**arguments, argument: bad})
 
 
 def test_the_misses_path_is_read_through_the_store(setting):
@@ -155,18 +155,18 @@ def test_the_misses_path_is_read_through_the_store(setting):
     copied = []
     with ExpertStore(directory, layout="per_expert", projections=decode_e2e.PROJECTIONS) as store:
         expert = store.expert_nbytes(0)
-        gib_per_s = decode_e2e.miss_path_gib_per_s(store, LAYERS, EXPERTS, to_device=copied.append, workers=2,
+        gib_per_s = floor.miss_path_gib_per_s(store, LAYERS, EXPERTS, to_device=copied.append, workers=2,
                                                    passes=2, max_bytes=5 * expert)
         assert np.isfinite(gib_per_s) and gib_per_s > 0
         assert store.bytes_read == 3 * 5 * expert  # a warming pass and two timed ones, five experts each
         assert len(copied) == 15 and all(set(payload) == set(decode_e2e.PROJECTIONS) for payload in copied)
         before = store.bytes_read
-        decode_e2e.miss_path_gib_per_s(store, LAYERS, EXPERTS, passes=1, max_bytes=1)  # at least one expert
+        floor.miss_path_gib_per_s(store, LAYERS, EXPERTS, passes=1, max_bytes=1)  # at least one expert
         assert store.bytes_read - before == 2 * expert
         for argument in ("layers", "experts", "workers", "passes", "max_bytes"):
             arguments = {**dict(layers=LAYERS, experts=EXPERTS, workers=1, passes=1, max_bytes=expert), argument: 0}
             with pytest.raises(ValueError, match=argument):
-                decode_e2e.miss_path_gib_per_s(store, **arguments)
+                floor.miss_path_gib_per_s(store, **arguments)
 
 
 def test_every_row_of_a_run_has_consistent_floor_columns(monkeypatch):
@@ -187,7 +187,7 @@ def test_every_row_of_a_run_has_consistent_floor_columns(monkeypatch):
         assert row.critical_mib_per_token == row.critical_reads_per_token * expert_mib
         assert (row.critical_mib_per_token > 0) == (row.mode.startswith("exact") and row.residency < 1.0)
         assert {key: getattr(row, key) for key in ("x_resident", "floor_with_reads_tokens_per_s", "x_floor")} == \
-            decode_e2e.floor_columns(row.tokens_per_s, row.resident_tokens_per_s, row.critical_mib_per_token,
+            floor.floor_columns(row.tokens_per_s, row.resident_tokens_per_s, row.critical_mib_per_token,
                                      row.read_gib_per_s)
 
 

@@ -38,7 +38,7 @@ reports'; from there to ``overlapped`` the host's boundary. Those loops, ``unmod
 token and copying it, and its reports, back), ``step`` (``manager.step``) and ``tables``
 (:func:`~kq_mlx.mlx_lm_adapter.set_tables`).
 
-Each row also has the floor it could reach (:func:`kq.bench.decode_e2e.floor_columns`): 1 / max(the
+Each row also has the floor it could reach (:func:`kq.bench.floor.floor_columns`): 1 / max(the
 unmodified model's token time, the token's critical bytes / the read bandwidth of the misses' path), and
 ``x_floor`` beside ``x_resident`` (over the unmodified model's median round). A token's critical bytes
 (``critical_mib_per_token``) are the exact loop's misses read on its critical path (0 in the other loops,
@@ -299,10 +299,10 @@ def _mlx_to_device(payload) -> None:
 
 def read_gib_per_s(checkpoint: Path) -> float:
     """The misses' path's read bandwidth over ``checkpoint``'s experts
-    (:func:`kq.bench.decode_e2e.miss_path_gib_per_s`); on a GPU each read also goes into MLX arrays."""
+    (:func:`kq.bench.floor.miss_path_gib_per_s`); on a GPU each read also goes into MLX arrays."""
     import mlx.core as mx
 
-    from kq.bench.decode_e2e import miss_path_gib_per_s
+    from kq.bench.floor import miss_path_gib_per_s
 
     config = json.loads((checkpoint / "config.json").read_text())
     with checkpoint_store(checkpoint) as store:
@@ -385,7 +385,7 @@ def run(tokens: int = 64, warmup: int = 16, residencies=(1.0, 0.25), rounds: int
         modes=MODES) -> dict:
     """Every loop ``rounds`` times, the loops interleaved within a round; a row is a loop's median round."""
 
-    from kq.bench.decode_e2e import floor_columns
+    from kq.bench.floor import floor_columns
     from kq_host.checkpoint import Quantization
 
     steps = warmup + tokens
