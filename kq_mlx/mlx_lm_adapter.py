@@ -109,6 +109,11 @@ class ArenaLayer(nn.Module):
             the misses' prestage lists left to :func:`pack_reports`, which ranks every layer's in one
             call. The same bits as with ``False`` (the ops one by one), every rule but ``"stall"`` and
             ``"exact"`` (which read back mid-graph and run uncompiled).
+        full_path: with :attr:`compiled`, while the table :func:`set_tables` last published holds every expert
+            of the layer in the arena (nothing can miss), run the layer as mlx-lm runs its own block: the
+            routed ids remapped to slots by one gather (none when the table is the identity) and the experts,
+            no ``route_shed``, no tier, its report "no misses" (the general graph's bits: logits and reports).
+            ``False`` keeps the general graph at any residency (the default is True).
         module_path: the path of the layer's SwitchGLU in the model as loaded (``"model.layers.3.mlp.switch_mlp"``):
             the prefix of its tensors in an mlx-lm checkpoint (:meth:`tensor_names`).
         model_layer: the decoder layer's index in that path (3 above).
@@ -141,6 +146,7 @@ class ArenaLayer(nn.Module):
         self.last = None
         self.last_mix = None
         self.compiled = True
+        self.full_path = True
         # Outside the module's tree: the compiled graphs (by rule, with the modules they read) and what the
         # last compiled pass left for pack_reports (_Deferred).
         object.__setattr__(self, "_graphs", {})
@@ -301,6 +307,22 @@ class ArenaLayer(nn.Module):
         self.last, self.last_mix = (inds, scores, kq_mlx.RouteShedResult(*shed)), last_mix
         object.__setattr__(self, "_deferred", None)
 
+    def _resident(self) -> _Published | None:
+        """The table :func:`set_tables` last published, while it is the layer's and holds every expert in the
+        arena (and :attr:`full_path` is on); None otherwise: the general graph runs."""
+        published = self._published
+        if self.full_path and published is not None and published.full and published.table is self.slot_table:
+            return published
+        return None
+
+    def _keep_resident(self, inds, scores, slots, route_mix, last_mix) -> None:
+        """Records a pass with every expert resident: ``last`` (no misses: ids -1, scores 0.0, as route_shed
+        reports them) and ``last_mix``, and for :func:`pack_reports` a pass with nothing to rank."""
+        miss_ids, miss_scores, _ = _no_misses(tuple(inds.shape))
+        self.last = (inds, scores, kq_mlx.RouteShedResult(slots, route_mix, miss_ids, miss_scores))
+        self.last_mix = last_mix
+        object.__setattr__(self, "_deferred", _Deferred(self.last, last_mix, None))
+
     def report(self) -> LayerReport:
         """The last pass's routing and misses as host arrays (call after evaluating the step)."""
         inds, scores, shed = self.last
@@ -360,6 +382,9 @@ class ArenaSwitch(ArenaLayer):
         on_miss = "tier" if rule == "tier" else "shed"
         if rule == "tier" and self.tier is None:
             raise ValueError(f"{type(self).__name__}: rule 'tier' needs a tier: call attach_tier(blocks, tier) first")
+        resident = self._resident()
+        if resident is not None:
+            return self._resident_call(x, indices, resident)
 
         def forward(x, indices, slot_table):
             k = indices.shape[-1]
@@ -374,6 +399,20 @@ class ArenaSwitch(ArenaLayer):
         captured = [self.arena] + ([self.tier] if rule == "tier" else [])
         out, scores, last_mix, shed = self._graph(rule, captured, forward)(x, indices, self.slot_table)
         self._keep_compiled(indices, scores, last_mix, shed)
+        return out
+
+    def _resident_call(self, x: mx.array, indices: mx.array, resident: _Published) -> mx.array:
+        """Every expert resident: the slots (a gather, none for the identity table) and the arena, as mlx-lm's
+        SwitchGLU on ``indices``. Every entry is served at its pseudo score under both rules."""
+        def forward(x, indices, *remap):
+            slots = remap[0][indices] if remap else indices.astype(mx.uint32)
+            return self.arena(x, slots), slots
+
+        table = [] if resident.remap is None else [resident.remap]
+        key = f"{self.rule}: every expert resident" + (", remapped" if table else "")
+        out, slots = self._graph(key, [self.arena], forward)(x, indices, *table)
+        scores = _position_scores(tuple(indices.shape))
+        self._keep_resident(indices, scores, slots, scores, scores)
         return out
 
 
@@ -438,6 +477,9 @@ class ArenaMoeBlock(ArenaLayer):
         on_miss = "tier" if rule == "tier" else "shed"
         if rule == "tier" and self.tier is None:
             raise ValueError(f"{type(self).__name__}: rule 'tier' needs a tier: call attach_tier(blocks, tier) first")
+        resident = self._resident()
+        if resident is not None:
+            return self._resident_call(x, resident)
 
         def forward(x, slot_table):
             inds, scores = self._route(self.block, x)
@@ -450,6 +492,37 @@ class ArenaMoeBlock(ArenaLayer):
         out, inds, scores, mix, shed = self._graph(rule, captured, forward)(x, self.slot_table)
         self._keep_compiled(inds, scores, mix, shed)
         return out
+
+    def _resident_call(self, x: mx.array, resident: _Published) -> mx.array:
+        """Every expert resident: the block's routing, the slots (a gather, none for the identity table), the
+        arena and the combine, as mlx-lm's block runs them, weighted as the general graph weights a pass
+        that misses nothing."""
+        rule = self.rule
+
+        def forward(x, *remap):
+            inds, scores = self._route(self.block, x)
+            slots = remap[0][inds] if remap else inds.astype(mx.uint32)
+            mix = self._mix_all_resident(rule, scores)
+            y = self.arena(x, slots)
+            return (y * mix.astype(scores.dtype)[..., None]).sum(axis=-2).astype(y.dtype), inds, scores, slots, mix
+
+        table = [] if resident.remap is None else [resident.remap]
+        key = f"{rule}: every expert resident" + (", remapped" if table else "")
+        out, inds, scores, slots, mix = self._graph(key, [self.block, self.arena], forward)(x, *table)
+        # route_shed's own weights, for `last`: the combined ones under route_shed and tier, else built lazily.
+        route_mix = mix if rule in ("route_shed", "tier") else _mix_all_kept_graph()(scores)
+        self._keep_resident(inds, scores, slots, route_mix, mix)
+        return out
+
+    @staticmethod
+    def _mix_all_resident(rule: str, scores):
+        """:meth:`_mix` of a pass whose every routed expert is resident (route_shed, shed, renormalize or tier)."""
+        if rule in ("route_shed", "tier"):
+            return route_shed_columns.mix_all_kept(scores, on_miss="tier" if rule == "tier" else "shed")
+        if rule == "shed":
+            return scores
+        mass = mx.sum(scores, axis=-1, keepdims=True)
+        return scores / mx.where(mass > 0, mass, 1.0)
 
     def _substitute(self, x):
         """The routing and its substitutes in one op (kq_mlx.topk_route_shed; Qwen3-MoE routers)."""
@@ -922,8 +995,9 @@ def attach_tier(blocks: list[ArenaLayer], tier) -> None:
 
 
 class _Deferred:
-    """What a compiled pass on a CPU stream left for :func:`pack_reports`: the ``last`` and ``last_mix`` it set
-    (the report is this pass's while the layer still holds them) and its misses, bool ``[..., K]``."""
+    """What a compiled pass on a CPU stream (or any resident pass) left for :func:`pack_reports`: the ``last``
+    and ``last_mix`` it set (the report is this pass's while the layer still holds them) and its misses, bool
+    ``[..., K]`` (None: a resident pass, nothing missed)."""
 
     __slots__ = ("last", "last_mix", "miss")
 
@@ -950,13 +1024,55 @@ def _pack_deferred_graph() -> Callable:
     return mx.compile(pack)
 
 
+@functools.lru_cache(maxsize=None)
+def _pack_resident_graph() -> Callable:
+    """:func:`_pack_deferred_graph`'s packing of a token whose every layer missed nothing: the prestage lists
+    are route_shed's empty ones (ids -1, scores +0.0), nothing ranked; one compiled graph."""
+    def pack(ids, scores, mix):
+        joined = {"ids": mx.concatenate(ids, axis=0), "scores": mx.concatenate(scores, axis=0),
+                  "mix": mx.concatenate(mix, axis=0)}
+        joined["miss_ids"] = mx.full(joined["ids"].shape, -1, mx.int32)
+        joined["miss_scores"] = mx.zeros(joined["ids"].shape, mx.float32)
+        return report_pack.pack_joined(joined, len(ids))
+    return mx.compile(pack)
+
+
 class _Published:
-    """A slot table row as :func:`set_tables` last handed it to a block, and the array it made."""
+    """A slot table row as :func:`set_tables` last handed it to a block, the array it made, whether it holds
+    every expert in the block's arena (``full``: every entry in ``[0, num_slots)``) and then, unless it is
+    the identity, the row as uint32 slots on the device (``remap``, the gather of the resident path)."""
 
-    __slots__ = ("row", "table")
+    __slots__ = ("row", "table", "full", "remap")
 
-    def __init__(self, row: np.ndarray, table: mx.array):
+    def __init__(self, row: np.ndarray, table: mx.array, num_slots: int):
         self.row, self.table = row, table
+        self.full = bool(row.size) and int(row.min()) >= 0 and int(row.max()) < num_slots
+        identity = self.full and np.array_equal(row, np.arange(row.size))
+        self.remap = mx.array(row.astype(np.uint32)) if self.full and not identity else None
+
+
+@functools.lru_cache(maxsize=16)
+def _no_misses(shape: tuple[int, ...]) -> tuple[mx.array, mx.array, mx.array]:
+    """A pass of ``shape`` ``[..., K]`` that missed nothing: route_shed's prestage list (int32 -1, float32 +0.0)
+    and the misses (bool False), evaluated once per shape."""
+    arrays = (mx.full(shape, -1, mx.int32), mx.zeros(shape, mx.float32), mx.zeros(shape, mx.bool_))
+    mx.eval(arrays)
+    return arrays
+
+
+@functools.lru_cache(maxsize=16)
+def _position_scores(shape: tuple[int, ...]) -> mx.array:
+    """:class:`ArenaSwitch`'s pseudo scores for ``shape`` ``[..., K]``: ``(K - k) / K``, float32, evaluated."""
+    k = shape[-1]
+    scores = mx.broadcast_to(mx.arange(k, 0, -1, dtype=mx.float32) / k, shape)
+    mx.eval(scores)
+    return scores
+
+
+@functools.lru_cache(maxsize=None)
+def _mix_all_kept_graph() -> Callable:
+    """:func:`kq_mlx.route_shed_columns.mix_all_kept` compiled (traced once per shape)."""
+    return mx.compile(route_shed_columns.mix_all_kept)
 
 
 def set_tables(blocks: list[ArenaLayer], tables: np.ndarray) -> None:
@@ -964,7 +1080,9 @@ def set_tables(blocks: list[ArenaLayer], tables: np.ndarray) -> None:
 
     Only the rows that changed since this function last set them travel to the device, each as an array
     of its own, so an unchanged arena (every step at full residency) adds nothing to the next graph. A
-    block whose ``slot_table`` was set some other way since always gets its row.
+    block whose ``slot_table`` was set some other way since always gets its row. Whether a row holds every
+    expert in the block's arena is decided here, once a row: such a block runs its resident path
+    (:attr:`ArenaLayer.full_path`) until a row with a miss is set.
     """
     tables = np.asarray(tables, np.int32)
     if tables.ndim != 2 or tables.shape[0] != len(blocks):
@@ -975,7 +1093,7 @@ def set_tables(blocks: list[ArenaLayer], tables: np.ndarray) -> None:
         if published is not None and published.table is block.slot_table and np.array_equal(published.row, row):
             continue
         block.slot_table = mx.array(row)
-        block._published = _Published(row.copy(), block.slot_table)
+        block._published = _Published(row.copy(), block.slot_table, block.num_slots)
 
 
 def pack_reports(blocks: list[ArenaLayer]) -> mx.array:
@@ -995,8 +1113,12 @@ def pack_reports(blocks: list[ArenaLayer]) -> mx.array:
                       for d, block in zip(deferred, blocks)):
         ids = [d.last[0] for d in deferred]
         if len({(tuple(a.shape), a.dtype) for a in ids}) == 1:
-            return _pack_deferred_graph()(ids, [d.last[1] for d in deferred], [d.miss for d in deferred],
-                                          [d.last_mix for d in deferred])
+            scores, mix = [d.last[1] for d in deferred], [d.last_mix for d in deferred]
+            if all(d.miss is None for d in deferred):
+                return _pack_resident_graph()(ids, scores, mix)
+            nothing = _no_misses(tuple(ids[0].shape))[2]
+            return _pack_deferred_graph()(ids, scores, [nothing if d.miss is None else d.miss for d in deferred],
+                                          mix)
     lasts = [block.last for block in blocks]
     return report_pack.pack({"ids": [inds for inds, _, _ in lasts], "scores": [scores for _, scores, _ in lasts],
                              "miss_ids": [shed.miss_ids for _, _, shed in lasts],

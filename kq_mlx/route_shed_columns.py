@@ -100,6 +100,27 @@ def serve(indices: mx.array, scores: mx.array, slot_table: mx.array, *, num_slot
     return slots.astype(indices.dtype), canonical_nan(mix), miss
 
 
+def mix_all_kept(scores: mx.array, *, on_miss: str = "shed") -> mx.array:
+    """:func:`serve`'s ``mix`` (with ``nonnegative``) for rows whose every entry is valid and resident: the
+    same operations with every entry kept, so the same bits, without the table, the ids or the slots.
+
+    Args:
+        scores: float ``[..., K]``, each >= 0 or NaN (a softmax router's, or positive constants).
+        on_miss: ``"shed"`` (the kept weights rescaled to the row's mass, which is then a no-op but for the
+            flush and NaN rules) or ``"tier"`` (each entry at its own flushed score).
+
+    Returns:
+        float32 ``[..., K]``.
+    """
+    s = _flushed_scores(scores)
+    if on_miss == "tier":
+        return canonical_nan(s)
+    total = mx.cumsum(s, axis=-1)[..., -1:]  # the kept mass too: every entry is kept
+    has_mass = total > 0.0
+    scale = mx.where(has_mass, flush_subnormals(total / mx.where(has_mass, total, 1.0)), 0.0)
+    return canonical_nan(flush_subnormals(s * scale))
+
+
 def rank_misses(indices: mx.array, scores: mx.array, miss: mx.array) -> tuple[mx.array, mx.array]:
     """``route_shed``'s prestage list from :func:`serve`'s ``miss``: the misses, highest score first (NaN
     after every number, ties by position), padded with -1 and 0.0.

@@ -1,0 +1,181 @@
+"""The mlx-lm adapter's resident path: a layer whose published table holds every expert runs as mlx-lm's own
+block, with the general graph's bits (logits and reports), and goes back to the general graph when a table
+misses again."""
+
+import numpy as np
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+from kq_host.residency import LayerReport  # noqa: E402
+from kq_mlx.mlx_lm_adapter import (SwitchGLUArena, attach_arena, attach_tier, generate_greedy,  # noqa: E402
+                                   pack_reports, set_tables)
+from test_mlx_lm import (EXPERTS, LAYERS, PROMPT, _manager_over, _quantized,  # noqa: E402
+                         deepseek_v3_model, evaluated, mixtral_model, qwen3_model)
+
+IDENTITY = np.arange(EXPERTS, dtype=np.int32)
+PERMUTED = np.random.default_rng(5).permutation(EXPERTS).astype(np.int32)
+PARTIAL = np.where(np.arange(EXPERTS) % 3 == 1, -1, PERMUTED).astype(np.int32)
+# The table each token runs on: the identity, a permutation (the slots rewritten to match), a table with misses,
+# the permutation again.
+SCHEDULE = [IDENTITY, IDENTITY, PERMUTED, PERMUTED, PARTIAL, PARTIAL, PERMUTED]
+
+CASES = ([pytest.param(qwen3_model, rule, id=f"qwen3_moe-{rule}") for rule in ("route_shed", "shed", "renormalize",
+                                                                               "tier")]
+         + [pytest.param(mixtral_model, "route_shed", id="mixtral-route_shed"),
+            pytest.param(mixtral_model, "tier", id="mixtral-tier"),
+            pytest.param(_quantized(qwen3_model), "route_shed", id="qwen3_moe-q4-route_shed"),
+            pytest.param(_quantized(qwen3_model), "tier", id="qwen3_moe-q4-tier"),
+            pytest.param(_quantized(mixtral_model), "shed", id="mixtral-q4-shed"),
+            pytest.param(deepseek_v3_model, "shed", id="deepseek_v3-seam-shed"),
+            pytest.param(deepseek_v3_model, "tier", id="deepseek_v3-seam-tier"),
+            pytest.param(_quantized(deepseek_v3_model), "shed", id="deepseek_v3-q4-seam-shed")])
+
+
+def _float_weights(block, expert):
+    """One expert's projections as float32 ``[out, in]``: a quantized arena's dequantized (4-bit, groups of 32)."""
+    payload = block.expert_weights(expert)
+    if "gate_proj" in payload:
+        return payload
+    return {projection: np.array(mx.dequantize(*(mx.array(payload[f"{projection}.{name}"])
+                                                 for name in ("weight", "scales", "biases")), group_size=32, bits=4))
+            for projection in ("gate_proj", "up_proj", "down_proj")}
+
+
+def _tier(blocks):
+    """A 3-bit tier (groups of 32) of every expert, float or 4-bit arenas."""
+    from kq_host.tier import Tier, quantize
+
+    weights = {}
+    for projection in ("gate_proj", "up_proj", "down_proj"):
+        per_layer = [[quantize(_float_weights(block, e)[projection], bits=3, group_size=32) for e in range(EXPERTS)]
+                     for block in blocks]
+        weights[projection] = type(per_layer[0][0])(*(np.stack([np.stack([getattr(w, f) for w in layer])
+                                                                for layer in per_layer])
+                                                      for f in ("packed", "scales", "biases")))
+    return Tier(weights, 3, 32)
+
+
+def _fill(blocks, table):
+    """Every expert e into slot ``table[e]`` of every layer (the arena as a full table describes it)."""
+    arena = SwitchGLUArena(blocks)
+    for layer, block in enumerate(blocks):
+        for expert in range(EXPERTS):
+            arena.write_slot(layer, int(table[expert]), block.expert_weights(expert))
+
+
+def _decode(make_model, rule: str, *, full_path: bool):
+    """Greedy decoding through full arenas under ``rule``, each token on its table of :data:`SCHEDULE`; returns
+    each token's logits and packed reports (uint32 bits), the blocks' own reports, and whether each token
+    ran every layer on the resident path."""
+    model = evaluated(make_model, seed=7)
+    blocks = attach_arena(model, EXPERTS)
+    if rule == "tier":
+        attach_tier(blocks, _tier(blocks))
+    for block in blocks:
+        block.rule, block.full_path = rule, full_path
+    cache, x, seen, filled = make_prompt_cache(model), mx.array([PROMPT[:5]]), [], None
+    for table in SCHEDULE:
+        full = table if (table >= 0).all() else None
+        if full is not None and (filled is None or not np.array_equal(filled, full)):
+            _fill(blocks, full)
+            filled = full
+        set_tables(blocks, np.tile(table, (len(blocks), 1)))
+        logits = model(x, cache=cache)[0, -1]
+        packed = pack_reports(blocks)
+        mx.eval(logits, packed)
+        own = LayerReport.stacked([block.report() for block in blocks])
+        resident = all(block._deferred is not None and block._deferred.miss is None for block in blocks)
+        seen.append((np.array(logits.astype(mx.float32)).view(np.uint32), np.array(packed),
+                     *(np.asarray(getattr(own, name)).view(np.uint32)
+                       for name in ("indices", "scores", "miss_ids", "miss_scores", "served")), resident))
+        x = mx.array([[int(mx.argmax(logits).item())]])
+    return seen
+
+
+@pytest.mark.parametrize("make_model, rule", CASES)
+def test_the_resident_path_gives_the_general_graphs_bits_and_leaves_it_when_a_table_misses(make_model, rule):
+    """Full tables (the identity, then a permutation) on the resident path, then a table with misses on the
+    general graph, then full again: every token's logits, packed reports and per-layer reports are those of the
+    general graph run on the same tables, bit for bit."""
+    fast = _decode(make_model, rule, full_path=True)
+    general = _decode(make_model, rule, full_path=False)
+    for step, (got, want, table) in enumerate(zip(fast, general, SCHEDULE)):
+        for a, b in zip(got[:-1], want[:-1]):
+            assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), step
+        assert got[-1] == bool((table >= 0).all()), f"token {step}: resident path taken: {got[-1]}"
+        assert not want[-1]
+        misses = int((got[4].view(np.int32) >= 0).sum())
+        assert (misses > 0) == (not (table >= 0).all()), step
+    assert all(logits.any() for logits, *_ in fast)
+    assert any(served.any() for *_, served, _ in fast)
+
+
+def test_the_resident_path_is_one_gather_and_the_experts():
+    """The resident layer's graph is mlx-lm's own block's (routing, experts, combine), the flush of the weights
+    and one gather for a remapped table (none for the identity): no route_shed, no tier."""
+    import collections
+    import io
+    import re
+
+    model = evaluated(qwen3_model, seed=2)
+    own_block = evaluated(qwen3_model, seed=2).model.layers[0].mlp
+    blocks = attach_arena(model, EXPERTS)
+    attach_tier(blocks, _tier(blocks))
+    x = mx.array(np.random.default_rng(2).standard_normal((1, 1, 64)).astype(np.float32))
+
+    def primitives(out):
+        dot = io.StringIO()
+        mx.export_to_dot(dot, out)
+        return collections.Counter(re.findall(r'label ="(\w+)", shape=rectangle', dot.getvalue()))
+
+    def layer(table, full_path):
+        set_tables(blocks, np.tile(table, (LAYERS, 1)))
+        blocks[0].rule, blocks[0].full_path = "tier", full_path
+        return primitives(blocks[0](x))
+
+    own, general = primitives(own_block(x)), layer(IDENTITY, False)
+    identity, remapped = layer(IDENTITY, True), layer(PERMUTED, True)
+    assert general["GatherQMM"] == 3 and general["Min"] == 1  # the tier and route_shed
+    for counts in (identity, remapped):
+        assert counts["GatherQMM"] == 0 and counts["Min"] == 0 and counts["GatherMM"] == own["GatherMM"] == 3
+    assert identity["Gather"] == 0 and remapped["Gather"] == 1
+    assert sum(identity.values()) <= sum(own.values()) + 2 < sum(general.values())
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["overlapped", "exact"])
+@pytest.mark.parametrize("rule", ["route_shed", "tier"])
+def test_generate_greedy_at_full_residency_steps_on_the_general_graphs_reports(rule, exact):
+    """generate_greedy (overlapped and exact) with every expert resident: the tokens and every report the
+    manager steps on are those of the general graph, bit for bit, and nothing runs again."""
+    def run(full_path):
+        model = evaluated(qwen3_model, seed=11)
+        blocks = attach_arena(model, EXPERTS)
+        if rule == "tier":
+            attach_tier(blocks, _tier(blocks))
+        for block in blocks:
+            block.rule, block.full_path = rule, full_path
+        manager = _manager_over(blocks, EXPERTS)
+        for layer in range(LAYERS):
+            manager.preload(layer, PERMUTED.tolist())
+        stepped, step = [], manager.step
+
+        def recording(report):
+            stepped.append(report)
+            return step(report)
+        manager.step = recording
+        tokens = generate_greedy(model, blocks, manager, PROMPT[:4], 6, exact=exact)
+        resident = [block._deferred is not None and block._deferred.miss is None for block in blocks]
+        manager.close()
+        return tokens, stepped, resident
+
+    fast, general = run(True), run(False)
+    assert fast[0] == general[0] and len(fast[1]) == len(general[1]) > 0
+    for got, want in zip(fast[1], general[1]):
+        for name in ("indices", "scores", "miss_ids", "miss_scores", "served"):
+            a, b = np.asarray(getattr(got, name)), np.asarray(getattr(want, name))
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), name
+        assert (np.asarray(got.miss_ids) < 0).all()
+    assert all(fast[2]) and not any(general[2])
