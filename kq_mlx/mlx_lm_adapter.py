@@ -28,6 +28,7 @@ miss is computed with its copy at its full weight instead of being shed.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import re
@@ -143,6 +144,7 @@ class ArenaLayer(nn.Module):
         self.tier = None  # a copy of the arena holding every expert at low precision (attach_tier)
         self.manager, self.layer, self.timeout = None, None, None  # rule "exact" (attach_exact)
         self.read_retries = 0  # rule "exact": times a failed read is read again before the error (prefill)
+        self.credit_routing = True  # rule "exact": hand the manager each pass's routing (False: already handed)
         self.last = None
         self.last_mix = None
         self.compiled = True
@@ -214,8 +216,10 @@ class ArenaLayer(nn.Module):
         wanted = np.unique(ids)
         capacity = self.num_slots - len(pinned)
         if np.setdiff1d(wanted, list(pinned)).size <= capacity:
-            self.slot_table = mx.array(self._acquire(ids, host_scores))
-            return self._experts(x, inds, scores)
+            table = self._acquire(ids, host_scores)
+            self.slot_table = mx.array(table)
+            slots = mx.array(table[ids].astype(np.uint32).reshape(inds.shape))
+            return self.arena(x, slots), self._served(inds, scores, slots)
         if capacity < 1:
             raise ValueError(f"{type(self).__name__} at {self.module_path}: all {self.num_slots} slots hold pinned "
                              f"experts; none is left for the {wanted.size} experts the pass routes")
@@ -241,14 +245,22 @@ class ArenaLayer(nn.Module):
         # Every routed expert was served: the routing against a table holding them all (no miss, full mix).
         every = np.full(self.num_experts, -1, np.int32)
         every[wanted] = np.arange(wanted.size) % self.num_slots
-        return y, kq_mlx.route_shed(inds.astype(mx.uint32), scores, mx.array(every), num_slots=self.num_slots)
+        return y, self._served(inds, scores, mx.array(every[ids].astype(np.uint32).reshape(inds.shape)))
+
+    @staticmethod
+    def _served(inds, scores, slots) -> kq_mlx.RouteShedResult:
+        """route_shed's result for a pass whose every routed expert is resident at ``slots`` (uint32, as
+        ``inds``): its weights (:func:`~kq_mlx.route_shed_columns.mix_all_kept`, compiled) and no misses."""
+        miss_ids, miss_scores, _ = _no_misses(tuple(inds.shape))
+        return kq_mlx.RouteShedResult(slots, _mix_all_kept_graph()(scores), miss_ids, miss_scores)
 
     def _acquire(self, ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
         """``manager.acquire`` of this layer's routed ``ids``; a read that failed is read again (its routing
         not credited twice) up to :attr:`read_retries` times. Returns the layer's table, ``int32 [E]``."""
         for attempt in range(self.read_retries + 1):
             try:
-                return self.manager.acquire(self.layer, ids, scores, timeout=self.timeout, credit=attempt == 0)
+                return self.manager.acquire(self.layer, ids, scores, timeout=self.timeout,
+                                            credit=self.credit_routing and attempt == 0)
             except PreloadError as error:
                 if error.pending or attempt == self.read_retries:
                     raise
@@ -1205,11 +1217,7 @@ def prefill(model: nn.Module, blocks: list[ArenaLayer], manager, prompt, cache, 
     tokens = _token_ids("prefill", prompt, _vocabulary_size(model))
     _check_cache("prefill", cache)
     _check_manager_shape("prefill", manager, blocks)
-    saved = [(block.rule, block.manager, block.layer, block.timeout, block.read_retries) for block in blocks]
-    try:
-        for layer, block in enumerate(blocks):
-            block.rule, block.manager, block.layer, block.timeout = "exact", manager, layer, timeout
-            block.read_retries = read_retries
+    with _layer_by_layer(blocks, manager, timeout=timeout, read_retries=read_retries):
         for start in range(0, len(tokens), step_size):
             checkpoint = _CacheCheckpoint(cache)
             try:
@@ -1225,12 +1233,27 @@ def prefill(model: nn.Module, blocks: list[ArenaLayer], manager, prompt, cache, 
                     raise PreloadError(f"prefill: {error}{retried}", error.failed, error.pending) from error
                 raise
             manager.next_token()
-    finally:
-        for block, (rule, block_manager, layer, block_timeout, retries) in zip(blocks, saved):
-            block.rule, block.manager, block.layer, block.timeout = rule, block_manager, layer, block_timeout
-            block.read_retries = retries
-        set_tables(blocks, manager.snapshot())
     return logits
+
+
+@contextlib.contextmanager
+def _layer_by_layer(blocks: list[ArenaLayer], manager, *, timeout: float | None, read_retries: int,
+                    credit: bool = True):
+    """The blocks under rule ``"exact"``, bound to ``manager`` (layer by layer, each routed expert made
+    resident before it runs), ``credit`` saying whether their routing is handed to the manager; on leaving,
+    their rules and exact settings as before and their tables the manager's."""
+    settings = ("rule", "manager", "layer", "timeout", "read_retries", "credit_routing")
+    saved = [tuple(getattr(block, name) for name in settings) for block in blocks]
+    try:
+        for layer, block in enumerate(blocks):
+            block.rule, block.manager, block.layer, block.timeout = "exact", manager, layer, timeout
+            block.read_retries, block.credit_routing = read_retries, credit
+        yield
+    finally:
+        for block, values in zip(blocks, saved):
+            for name, value in zip(settings, values):
+                setattr(block, name, value)
+        set_tables(blocks, manager.snapshot())
 
 
 def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt: list[int], max_tokens: int,
@@ -1251,7 +1274,13 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
 
     With ``exact`` a token is kept only if it ran with every routed expert resident: when its reports
     show misses, the reads are waited for (``manager.drain``), the cache is put back as it was before the
-    token (the next token's entries, built on it, with it) and the token runs again on the new tables. The
+    token (the next token's entries, built on it, with it) and the token runs again layer by layer, as
+    :func:`prefill` runs a prompt: each layer's routing evaluated and its routed experts made resident
+    (``manager.acquire``, the routing not credited again) before they run, so a token runs at most twice,
+    and an arena too small for one token's experts runs them in chunks that fit. While tokens need reads
+    (the last one missed, or read experts running layer by layer), the next one runs layer by layer at
+    once, not overlapped (its routing credited by ``acquire``, the token ended by ``manager.next_token()``);
+    the first token that reads nothing goes back to the overlapped graph. The
     tokens are the unmodified model's at any residency: each miss is read on the token's critical path. A missed expert whose read failed (this token, or earlier: the
     manager then backs off from it) is read again at once through ``manager.acquire``, up to
     ``read_retries`` times; a read that keeps failing raises PreloadError naming it, and the manager
@@ -1291,8 +1320,6 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
             put back.
         PreloadError: with ``exact``, a read failed ``read_retries`` more times, or reads were out past
             ``timeout`` (``.failed`` and ``.pending`` list them).
-        RuntimeError: with ``exact``, a token still misses after ``L + 1`` runs with no read failing (an
-            arena too small for one token's experts).
     """
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -1329,37 +1356,57 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
         mx.async_eval(*built[1:3])
         return built
 
+    def run_layer_by_layer(x, credit):  # as dispatch, each layer's routed experts made resident before they run
+        before = _CacheCheckpoint(cache)
+        reads = manager.lookahead_stats()["critical_reads"].sum()
+        try:
+            with _layer_by_layer(blocks, manager, timeout=timeout, read_retries=read_retries, credit=credit):
+                token = mx.argmax(model(x, cache=cache)[0, -1], axis=-1)
+                packed = pack_reports(blocks)
+                mx.eval(token, packed)
+        except BaseException as error:
+            try:
+                before.restore()
+            except RuntimeError as stuck:
+                raise stuck from error
+            if isinstance(error, PreloadError):
+                raise PreloadError(f"generate_greedy: {error}", error.failed, error.pending) from error
+            raise
+        return (x, token, packed, before), bool(manager.lookahead_stats()["critical_reads"].sum() > reads)
+
     # Exact without prefill runs the prompt a token a pass, as it decodes: a pass needs every expert it
     # routes resident.
     forced = list(prompt[1:]) if exact else []
-    current, runs = dispatch(mx.array([prompt[:1] if exact else prompt])), 0
+    # How the current pass ran: "graph" (the rule's graph, dispatched; its report goes to manager.step),
+    # "again" (layer by layer after the graph missed: credited with that report) or "layered" (layer by layer
+    # at once: credited by acquire, the token ended by manager.next_token()).
+    current, kind = dispatch(mx.array([prompt[:1] if exact else prompt])), "graph"
+    layered = False  # exact: the last token needed a read, so the next one runs layer by layer at once
     while len(tokens) < max_tokens:
         more = bool(forced) or len(tokens) + 1 < max_tokens
         following_input = mx.array([forced[:1]]) if forced else current[1].reshape(1, 1)
         # The next token is built while this one runs, and dispatched once this one is read: a read then
         # waits for this token alone, wherever a read waits for the whole stream.
-        following = build(following_input) if overlap and more else None
+        following = build(following_input) if overlap and more and not layered else None
         token, packed = int(current[1].item()), np.array(current[2])
         report = LayerReport.from_packed(packed)
         missed = exact and bool((report.miss_ids >= 0).any())
         if following is not None and not missed:
             mx.async_eval(*following[1:3])
-        if runs == 0 or missed:  # a run again that hits everything was credited by the run before it
+        if kind == "graph":
             tables = manager.step(report)
+        elif kind == "layered":
+            tables = manager.next_token()
         if missed:
-            runs += 1
-            if runs > len(blocks):
-                raise RuntimeError(f"generate_greedy: a pass still misses {int((report.miss_ids >= 0).sum())} "
-                                   f"experts after {runs} runs (an arena too small for one token's experts?)")
             out = manager.drain(timeout)
             if out:
                 raise PreloadError(f"generate_greedy: {len(out)} read(s) still out after {timeout} s ("
                                    + ", ".join(f"layer {r.layer} expert {r.expert}" for r in out[:4]) + ")", [], out)
             _retry_failed_reads(manager, report, read_retries, timeout)
-            tables = manager.snapshot()
-            set_tables(blocks, tables)
             current[3].restore()  # the following token's entries, built on this one, go with it
-            current = dispatch(current[0])
+            current, _ = run_layer_by_layer(current[0], credit=False)
+            kind, layered = "again", True
+            tables = manager.snapshot()
             continue
         set_tables(blocks, tables)
         if forced:
@@ -1372,7 +1419,13 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
                 if following is not None:
                     mx.eval(following[1:3])  # dispatched ahead: let it finish before the caller goes on
                 break
-        runs = 0
-        if more:
-            current = following if following is not None else dispatch(following_input)
+        if not more:
+            continue
+        if following is not None:
+            current, kind = following, "graph"
+        elif layered:
+            current, layered = run_layer_by_layer(following_input, credit=True)
+            kind = "layered"
+        else:
+            current, kind = dispatch(following_input), "graph"
     return tokens

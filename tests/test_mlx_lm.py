@@ -524,14 +524,21 @@ def test_generate_greedy_exact_is_the_model_at_partial_residency(overlap):
     manager.close()
 
 
-def test_generate_greedy_exact_refuses_an_arena_too_small_for_one_token():
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "serial"])
+def test_generate_greedy_exact_runs_a_token_again_once_and_in_chunks_where_its_experts_exceed_the_arena(overlap):
+    """A token that missed runs again layer by layer: once, however its routing changes after the misses are
+    read, and in chunks that fit where its experts exceed the arena (top-4 routing, 2 slots): the model's
+    tokens."""
     from kq_mlx.mlx_lm_adapter import generate_greedy
 
+    want = _greedy_prefilled(qwen3_model, 7, [2, 7, 1, 8], 6)
     model = evaluated(qwen3_model, seed=7)
     blocks = attach_arena(model, num_slots=2)  # top-4 routing: 4 experts a row cannot fit 2 slots
     manager = _manager_over(blocks, 2, queue_depth=0)
-    with pytest.raises(RuntimeError, match="generate_greedy: a pass still misses"):
-        generate_greedy(model, blocks, manager, [2, 7, 1, 8], 4, exact=True)
+    drains, drain = [], manager.drain
+    manager.drain = lambda *args, **kwargs: drains.append(1) or drain(*args, **kwargs)
+    assert generate_greedy(model, blocks, manager, [2, 7, 1, 8], 6, overlap=overlap, exact=True) == want
+    assert 0 < len(drains) <= 6  # one run again at most a token (the prompt prefilled)
     manager.close()
 
 

@@ -17,11 +17,13 @@ engine does, greedily and autoregressively, the next token's input kept on the d
   dispatched, then this token's boundary (misses shed: the lossy rule);
 * ``tier``: the same with rule ``"tier"``: each miss served from a 3-bit copy (groups of 32) of every
   expert, on the device;
-* ``exact``: ``generate_greedy(exact=True)``: a token that missed runs again once its misses are read
-  (on its critical path), the prompt fed a token a pass; its tokens are checked against the unmodified
-  model fed the same way, at every residency.
+* ``exact``: ``generate_greedy(exact=True)``: a token that missed runs again layer by layer once its
+  misses are read (on its critical path), and while tokens need reads the next runs layer by layer at
+  once; the prompt fed a token a pass; its tokens are checked against the unmodified model fed the same
+  way, at every residency.
 
-Each arena row also has the hit rate, the misses read on the critical path and the runs again per
+Each arena row also has the hit rate, the experts read on the critical path (a run again's misses and
+the reads of the layer-by-layer passes), the runs again and the tokens run layer by layer at once per
 token (exact), and the MiB the manager read per token (after the preload), over all ``warmup +
 tokens``.
 
@@ -247,11 +249,16 @@ def _fixed_tables(model, blocks, manager, prompt: list[int], steps: int, phases:
 
 class _Stamped:
     """A residency manager whose ``step`` notes when each token's boundary began, and which counts the
-    misses read on a token's critical path (a ``drain`` after a step: the exact loop's runs again)."""
+    misses read on a token's critical path (a ``drain`` after a step: the exact loop's runs again) and the
+    tokens the exact loop ran layer by layer at once (``next_token``)."""
 
     def __init__(self, manager):
-        self.manager, self.stamps, self.critical, self.reruns = manager, [], 0, 0
+        self.manager, self.stamps, self.critical, self.reruns, self.layered = manager, [], 0, 0, 0
         self._missed = 0
+
+    def next_token(self):
+        self.layered += 1
+        return self.manager.next_token()
 
     def __getattr__(self, name):
         return getattr(self.manager, name)
@@ -375,9 +382,12 @@ def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, p
         got = generate_greedy(model, blocks, manager, prompt, steps, overlap=mode == "overlapped")
     manager.close()
     stats = manager.stats()[1].since(preloaded)
-    counts = dict(hit_rate=stats.hit_rate, critical_per_token=manager.critical / steps,
-                  critical_mib_per_token=manager.critical / steps * expert_bytes / 2**20,
-                  reruns_per_token=manager.reruns / steps, mib_per_token=stats.bytes_read / steps / 2**20)
+    # Critical reads: the misses a run again waited for, and the experts a layer-by-layer pass read (acquire).
+    critical = manager.critical + int(manager.lookahead_stats()["critical_reads"].sum())
+    counts = dict(hit_rate=stats.hit_rate, critical_per_token=critical / steps,
+                  critical_mib_per_token=critical / steps * expert_bytes / 2**20,
+                  reruns_per_token=manager.reruns / steps, layered_per_token=manager.layered / steps,
+                  mib_per_token=stats.bytes_read / steps / 2**20)
     return got, stamps, counts
 
 
@@ -419,8 +429,8 @@ def run(tokens: int = 64, warmup: int = 16, residencies=(1.0, 0.25), rounds: int
                              residency=residency, tok_s=middle["tok_s"],
                              tok_s_range=[ordered[0]["tok_s"], ordered[-1]["tok_s"]], hit_rate=middle["hit_rate"],
                              same_tokens=all(r["same_tokens"] for r in done),
-                             **{key: middle[key] for key in ("critical_per_token", "reruns_per_token", "mib_per_token")
-                                if key in middle},
+                             **{key: middle[key] for key in ("critical_per_token", "reruns_per_token",
+                                                             "layered_per_token", "mib_per_token") if key in middle},
                              unmodified_tok_s=unmodified, read_gib_per_s=bandwidth, critical_mib_per_token=critical_mib,
                              **floor_columns(middle["tok_s"], unmodified, critical_mib, bandwidth),
                              **({"phases_ms": middle["phases_ms"]} if middle["phases_ms"] else {})))
