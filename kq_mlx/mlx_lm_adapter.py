@@ -19,7 +19,9 @@ Quantized checkpoints (mlx-lm's ``QuantizedSwitchLinear``: packed weights, scale
 mode) get an arena of the same class and quantization: each slot holds one expert's packed arrays as
 the checkpoint stores them, and mlx-lm's ``gather_qmm`` runs on the slots.
 
-With every expert resident the model produces the original model's bits.
+With every expert resident the model produces the original model's bits, and a layer whose published
+table holds every expert runs as mlx-lm's own block does: no ``route_shed``, no tier, its report "no
+misses" (:attr:`ArenaLayer.full_path`).
 
 :func:`attach_tier` gives each layer a low-precision copy of all its experts
 (:class:`kq_host.tier.Tier`, MLX's quantized layout, run by ``gather_qmm``); with rule ``"tier"`` a
@@ -1267,7 +1269,8 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
     Each token's graph ends in its greedy token and :func:`pack_reports`, evaluated together with
     ``mx.async_eval``; the next token's input is that token, on the device. With ``overlap`` the next
     token's graph is built while this token runs, this token is read back, and the next token is
-    dispatched before this token's boundary (``manager.step`` on its reports, :func:`set_tables`), so it
+    dispatched (before the read where every layer of this token ran its resident path: it cannot miss)
+    before this token's boundary (``manager.step`` on its reports, :func:`set_tables`), so it
     runs with the tables of the boundary before; a slot the boundary writes
     while a token is in flight is copied, not changed under it (MLX arrays are never mutated while a
     graph holds them). Without ``overlap`` each boundary comes before the next token.
@@ -1347,9 +1350,13 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
     set_tables(blocks, manager.snapshot())
     tokens: list[int] = []
 
-    def build(x):  # (input, greedy token, packed reports, the cache as it was before: exact only)
+    def build(x):  # (input, greedy token, packed reports, the cache as it was before: exact only, whether
+        # every layer ran its resident path: the pass cannot miss)
         before = _CacheCheckpoint(cache) if exact else None
-        return x, mx.argmax(model(x, cache=cache)[0, -1], axis=-1), pack_reports(blocks), before
+        token = mx.argmax(model(x, cache=cache)[0, -1], axis=-1)
+        resident = all(block._deferred is not None and block._deferred.miss is None
+                       and block._deferred.last is block.last for block in blocks)
+        return x, token, pack_reports(blocks), before, resident
 
     def dispatch(x):
         built = build(x)
@@ -1372,7 +1379,7 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
             if isinstance(error, PreloadError):
                 raise PreloadError(f"generate_greedy: {error}", error.failed, error.pending) from error
             raise
-        return (x, token, packed, before), bool(manager.lookahead_stats()["critical_reads"].sum() > reads)
+        return (x, token, packed, before, True), bool(manager.lookahead_stats()["critical_reads"].sum() > reads)
 
     # Exact without prefill runs the prompt a token a pass, as it decodes: a pass needs every expert it
     # routes resident.
@@ -1388,10 +1395,13 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
         # The next token is built while this one runs, and dispatched once this one is read: a read then
         # waits for this token alone, wherever a read waits for the whole stream.
         following = build(following_input) if overlap and more and not layered else None
+        early = following is not None and current[4]
+        if early:  # this token cannot miss (every layer resident): the next one goes before it is read
+            mx.async_eval(*following[1:3])
         token, packed = int(current[1].item()), np.array(current[2])
         report = LayerReport.from_packed(packed)
         missed = exact and bool((report.miss_ids >= 0).any())
-        if following is not None and not missed:
+        if following is not None and not missed and not early:
             mx.async_eval(*following[1:3])
         if kind == "graph":
             tables = manager.step(report)

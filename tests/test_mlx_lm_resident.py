@@ -179,3 +179,35 @@ def test_generate_greedy_at_full_residency_steps_on_the_general_graphs_reports(r
             assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), name
         assert (np.asarray(got.miss_ids) < 0).all()
     assert all(fast[2]) and not any(general[2])
+
+
+@pytest.mark.parametrize("slots, exact", [(EXPERTS, True), (EXPERTS, False), (EXPERTS // 4, False)],
+                         ids=["full-exact", "full", "quarter"])
+def test_generate_greedy_dispatches_the_next_token_before_reading_one_that_cannot_miss(monkeypatch, slots, exact):
+    """Every layer on its resident path: the next token is dispatched before this one is read, as mlx-lm's own
+    loop does (the model's tokens); an arena that can miss reads a token before dispatching the next."""
+    import kq_mlx.mlx_lm_adapter as adapter
+    from test_mlx_lm import _greedy_prefilled
+
+    want = _greedy_prefilled(qwen3_model, 11, PROMPT[:4], 6)
+    model = evaluated(qwen3_model, seed=11)
+    blocks = attach_arena(model, slots)
+    manager = _manager_over(blocks, slots)
+    for layer in range(LAYERS):
+        manager.preload(layer, range(slots))
+    events, async_eval, from_packed = [], mx.async_eval, LayerReport.from_packed
+
+    class Recorded(LayerReport):
+        @staticmethod
+        def from_packed(packed):
+            events.append("read")
+            return from_packed(packed)
+    monkeypatch.setattr(adapter.mx, "async_eval", lambda *arrays: events.append("dispatch") or async_eval(*arrays))
+    monkeypatch.setattr(adapter, "LayerReport", Recorded)
+    got = generate_greedy(model, blocks, manager, PROMPT[:4], 6, exact=exact, prefill_prompt=True)
+    manager.close()
+    assert events.count("read") == 6 and events.count("dispatch") == 6
+    if slots == EXPERTS:
+        assert got == want and events[:3] == ["dispatch", "dispatch", "read"]
+    else:
+        assert events[:4] == ["dispatch", "read", "dispatch", "read"]
