@@ -68,7 +68,9 @@ def _route_mixtral(block, x):
     return inds, scores
 
 
-# The MoE blocks whose routers kq runs itself (ArenaMoeBlock), with the rules that rescale gate weights.
+# The MoE blocks whose routers kq runs itself (ArenaMoeBlock), with the rules that rescale gate weights. Each
+# row of a router's scores is all NaN or in [0, 1] with its largest at least 1 / E (a softmax's top k,
+# normalised or not): ArenaMoeBlock._mix_all_resident relies on it.
 ROUTERS: dict[str, Callable] = {
     "Qwen3MoeSparseMoeBlock": _route_qwen3_moe,
     "MixtralSparseMoeBlock": _route_mixtral,
@@ -530,9 +532,16 @@ class ArenaMoeBlock(ArenaLayer):
 
     @staticmethod
     def _mix_all_resident(rule: str, scores):
-        """:meth:`_mix` of a pass whose every routed expert is resident (route_shed, shed, renormalize or tier)."""
+        """:meth:`_mix` of a pass whose every routed expert is resident (route_shed, shed, renormalize or tier).
+
+        Under ``route_shed`` the kept weights are rescaled by the row's mass over the kept mass, the same sum
+        here, so by 1.0 wherever that sum is finite and positive, and a row whose sum is NaN gets NaN weights:
+        a router of :data:`ROUTERS` gives each row all NaN (a NaN or inf input) or scores in ``[0, 1]`` whose
+        largest is at least ``1 / E``, so route_shed's weights are the flushed scores, the tier's, without
+        the sum.
+        """
         if rule in ("route_shed", "tier"):
-            return route_shed_columns.mix_all_kept(scores, on_miss="tier" if rule == "tier" else "shed")
+            return route_shed_columns.mix_all_kept(scores, on_miss="tier")
         if rule == "shed":
             return scores
         mass = mx.sum(scores, axis=-1, keepdims=True)

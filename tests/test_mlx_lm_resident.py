@@ -211,3 +211,40 @@ def test_generate_greedy_dispatches_the_next_token_before_reading_one_that_canno
         assert got == want and events[:3] == ["dispatch", "dispatch", "read"]
     else:
         assert events[:4] == ["dispatch", "read", "dispatch", "read"]
+
+
+@pytest.mark.parametrize("make_model", [qwen3_model, mixtral_model], ids=["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("rule", ["route_shed", "tier"])
+def test_the_resident_weights_are_route_sheds_on_extreme_router_inputs(make_model, rule):
+    """Saturated routers (scores 0.0, subnormal or 1.0), NaN and inf inputs: the resident path's output, weights
+    and reports are the general graph's bits (a router's row is all NaN or of a finite positive mass)."""
+    model = evaluated(make_model, seed=13)
+    blocks = attach_arena(model, EXPERTS)
+    if rule == "tier":
+        attach_tier(blocks, _tier(blocks))
+    _fill(blocks, PERMUTED)
+    set_tables(blocks, np.tile(PERMUTED, (LAYERS, 1)))
+    block = blocks[0]
+    block.rule = rule
+    rows = np.random.default_rng(13).standard_normal((7, 64)).astype(np.float32)
+    rows[1] *= 1e3
+    rows[2] *= 1e30
+    rows[3, 5] = np.nan
+    rows[4, 7] = np.inf
+    rows[5] *= 1e-30
+    rows[6] = rows[0] * 196  # a routed score subnormal (Qwen3-MoE's router)
+    x = mx.array(rows[None])
+    seen = []
+    for full_path in (True, False):
+        block.full_path = full_path
+        out = block(x)
+        packed = pack_reports(blocks[:1])
+        mx.eval(out, packed, block.last_mix)
+        seen.append([np.array(a.astype(mx.float32) if a.dtype != mx.int32 else a).view(np.uint32)
+                     for a in (out, block.last_mix, block.last[2].mix, packed)])
+        assert (block._deferred.miss is None) == full_path
+    for got, want in zip(*seen):
+        assert got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes()
+    scores = np.array(block.last[1].astype(mx.float32))
+    assert np.isnan(scores).any() and (scores == 1.0).any() and (scores == 0.0).any()
+    assert ((0 < scores) & (scores < np.finfo(np.float32).tiny)).any() == (make_model is qwen3_model)
