@@ -142,9 +142,20 @@ def _fill_misses_once(gathered: Experts, hit, indices, layer, *, fetch: Fetch) -
             ids = jnp.where(real, indices.reshape(entries)[places], -1).astype(jnp.int32)
             read = io_callback(partial(_host_fetch, fetch, shapes), shapes, layer, ids, ordered=False)
             target = jnp.where(real, places, entries)  # past the end: dropped
-            return Experts(*(g.reshape(entries, *g.shape[2:]).at[target].set(r, mode="drop").reshape(g.shape)
+            return Experts(*(_scatter_rows(g.reshape(entries, *g.shape[2:]), target, r).reshape(g.shape)
                              for g, r in zip(current, read)))
         return run
 
     branch = jnp.where(misses == 0, 0, 1 + jnp.searchsorted(jnp.asarray(buckets), misses))
     return lax.switch(branch, [lambda current: current] + [with_bucket(size) for size in buckets], gathered)
+
+
+def _scatter_rows(rows, target, values):
+    """``rows`` with ``rows[target[i]] = values[i]`` (targets past the end dropped). A 16-bit float array
+    is written as its bits (XLA's CPU backend writes bfloat16 and float16 rows slowly); the values are
+    moved, never converted, so the result is the same either way."""
+    if jnp.issubdtype(rows.dtype, jnp.floating) and rows.dtype.itemsize == 2:
+        bits = lax.bitcast_convert_type(rows, jnp.uint16).at[target].set(
+            lax.bitcast_convert_type(values, jnp.uint16), mode="drop")
+        return lax.bitcast_convert_type(bits, rows.dtype)
+    return rows.at[target].set(values, mode="drop")
