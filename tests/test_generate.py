@@ -39,7 +39,7 @@ def test_the_shipped_models_are_qwen3_moe_mlx_lm_directories():
         assert (directory / "tokenizer.json").is_file() and list(directory.glob("*.safetensors"))
 
 
-@pytest.mark.parametrize("residency", [0.25, 1.0])
+@pytest.mark.parametrize("residency", [1 / 64, 0.25, 1.0], ids=["one-slot", "quarter", "full"])
 def test_cli_exact_on_the_shipped_model_gives_mlx_lms_greedy_tokens(residency, capsys, tmp_path):
     want = mlx_lm_tokens(STDLIB, PROMPT, 20)
     report = tmp_path / "run.json"
@@ -54,7 +54,7 @@ def test_cli_exact_on_the_shipped_model_gives_mlx_lms_greedy_tokens(residency, c
     assert out.startswith(tokenizer.decode([t for t in want if t not in tokenizer.eos_token_ids]))  # streamed text
     for line in ("prompt: ", "generation: ", "tokens/s", "hit rate", "MiB read a token", "peak memory: "):
         assert line in out
-    assert result["slots"] == round(64 * residency) and result["num_layers"] == 4
+    assert result["slots"] == max(1, round(64 * residency)) and result["num_layers"] == 4
     assert result["prompt_reads"] >= result["prompt_routed_pairs"] > 0
     assert result["peak_rss_mib"] > 0 and result["memory_bound_mib"] > 0  # the bound is checked by the huge_model job: a test worker's RSS holds other tests' models
     if residency == 1.0:  # every expert fits: each read at most once
@@ -191,7 +191,6 @@ def test_bad_arguments_are_refused_by_name(tmp_path, capsys):
         (dict(rule="tier", tier_bits=2, tier_model=WHEELS), "--tier-model: .* not both"),
         (dict(rule="tier", tier_model=tmp_path / "missing"), "--tier-model: .*missing is not a directory"),
         (dict(rule="tier", tier_model=STDLIB), r"--tier-model: .*config.json.* has no \"quantization\""),
-        (dict(residency=1 / 64), "--residency: 1 of 64 slots a layer cannot hold one token's routed experts"),
     ]
     for change, message in cases:
         options = dict(model=STDLIB, prompt=PROMPT, max_tokens=2, residency=0.25)
@@ -262,4 +261,5 @@ def test_the_mlx_decode_jobs_exact_loop_feeds_the_prompt_as_its_reference_does(m
     want = mlx_decode._unmodified_fed(model, prompt, 6)
     got, stamps, counts = mlx_decode._arena_run(STDLIB, False, 0.25, "exact", prompt, 6, mlx_decode._Phases())
     assert prefilled == [] and got == want and len(stamps) == 6
-    assert counts["reruns_per_token"] * 6 >= len(prompt)  # every prompt token missed from a cold arena, run again
+    # every prompt token missed from a cold arena: run again, or run layer by layer while tokens read
+    assert (counts["reruns_per_token"] + counts["layered_per_token"]) * 6 >= len(prompt)
