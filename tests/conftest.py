@@ -92,7 +92,7 @@ def _release_after_each_test(request):
 # The part of the suite a CUDA machine runs (`pytest -m gpu`): the JAX modules, and every backend test of
 # the backends that run on a GPU. Tagged here, in one place; it runs on the CPU too.
 GPU_MODULES = {"test_jax.py", "test_topk_route_shed.py", "test_moe_jax.py", "test_ieee_f32.py",
-               "test_pallas_lowering.py"}
+               "test_pallas_lowering.py", "test_miss_fetch.py", "test_nnx.py", "test_qwen3_moe_nnx.py"}
 GPU_BACKENDS = {"jax-pallas", "jax-reference", "cuda-source-cupy", "mlx-cuda"}
 
 
