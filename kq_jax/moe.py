@@ -214,16 +214,25 @@ def experts_apply(x, experts: Experts, rows):
 
 
 def apply_gathered(x, gathered: Experts):
-    """SwiGLU of each token's gathered experts: x ``[T, D]``, weights ``[T, k, out, in]`` -> ``[T, k, D]``."""
+    """SwiGLU of each token's gathered experts: x ``[T, D]``, weights ``[T, k, out, in]`` -> ``[T, k, D]``.
+
+    The computation is fenced (``lax.optimization_barrier`` on its inputs and its output), so a compiler
+    fuses it the same way whatever produced the weights (a gather, a conditional that filled misses) and
+    whatever consumes the result: on a GPU, XLA's reductions otherwise change their order with the
+    fusion, and the resident, the arena and the exact layers would differ in bits.
+    """
+    x, gathered = lax.optimization_barrier((x, gathered))
     gate = jnp.einsum("td,tkfd->tkf", x, gathered.gate)
     up = jnp.einsum("td,tkfd->tkf", x, gathered.up)
-    return jnp.einsum("tkf,tkdf->tkd", jax.nn.silu(gate) * up, gathered.down)
+    return lax.optimization_barrier(jnp.einsum("tkf,tkdf->tkd", jax.nn.silu(gate) * up, gathered.down))
 
 
 def combine(y, mix):
     """The layer's output: each token's k expert outputs weighted by ``mix``. ``y`` ``[T, k, D]``, ``mix``
-    ``[T, k]`` -> ``[T, D]`` of ``y``'s dtype."""
-    return jnp.einsum("tkd,tk->td", y, mix.astype(y.dtype))
+    ``[T, k]`` -> ``[T, D]`` of ``y``'s dtype. Fenced as :func:`apply_gathered` is: the weighted sum's
+    order does not depend on how ``mix`` was computed."""
+    y, mix = lax.optimization_barrier((y, mix.astype(y.dtype)))
+    return jnp.einsum("tkd,tk->td", y, mix)
 
 
 def moe_ffn_resident(x, router_w, experts: Experts, *, top_k: int):

@@ -8,7 +8,7 @@ import jax.numpy as jnp  # noqa: E402
 from conftest import assert_same_bits  # noqa: E402
 
 from kq_core.oracle import route_shed_oracle  # noqa: E402
-from kq_jax.moe import Experts, experts_apply, moe_ffn_arena, moe_ffn_resident, route  # noqa: E402
+from kq_jax.moe import Experts, apply_gathered, combine, experts_apply, moe_ffn_arena, moe_ffn_resident, route  # noqa: E402
 
 E, D, F, T, K = 16, 32, 24, 5, 4
 
@@ -32,6 +32,38 @@ def test_all_resident_arena_equals_the_resident_layer(layer):
     want = jax.jit(lambda x: moe_ffn_resident(x, router, experts, top_k=K))(x)
     got, _ = jax.jit(lambda x, t: moe_ffn_arena(x, router, arena, t, top_k=K))(x, jnp.asarray(table))
     np.testing.assert_array_equal(np.asarray(want), np.asarray(got))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_the_experts_bits_do_not_depend_on_the_program_around_them(dtype, tokens):
+    """The same routed experts through a fused gather, through a conditional (as the exact rule's
+    filled misses come) and inside other work give the same bits: on a GPU the fusion XLA picks for
+    the layer's reductions otherwise follows what surrounds them."""
+    rng = np.random.default_rng(tokens)
+    experts = Experts(*(jnp.asarray((rng.standard_normal(s) * 0.1 + 0.01).astype(dtype))
+                        for s in [(E, F, D), (E, F, D), (E, D, F)]))
+    x = jnp.asarray(rng.standard_normal((tokens, D)).astype(np.float32))
+    rows = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)]).astype(np.int32))
+    mix = jnp.asarray(rng.dirichlet(np.ones(K), size=tokens).astype(np.float32))
+
+    def alone(x, rows, mix):
+        return combine(experts_apply(x, experts, rows), mix)
+
+    def through_a_conditional(x, rows, mix):
+        gathered = Experts(*(w[rows] for w in experts))
+        gathered = jax.lax.cond(jnp.all(rows >= 0), lambda g: g, lambda g: Experts(*(-w for w in g)), gathered)
+        return combine(apply_gathered(x, gathered), mix)
+
+    def inside_other_work(x, rows, mix):
+        h = x * 1.5 + 0.25
+        return combine(experts_apply(h, experts, rows), mix * jnp.exp(h[:, :1] * 0)) + h
+
+    want = jax.jit(alone)(x, rows, mix)
+    assert np.abs(np.asarray(want)).max() > 0
+    assert_same_bits(want, jax.jit(through_a_conditional)(x, rows, mix))
+    h = jax.jit(lambda x: x * 1.5 + 0.25)(x)
+    assert_same_bits(jax.jit(alone)(h, rows, mix) + h, jax.jit(inside_other_work)(x, rows, mix))
 
 
 def test_partial_arena_uses_only_resident_experts_renormalised(layer):
