@@ -209,30 +209,34 @@ def route(x, router_w, *, top_k: int):
 
 
 def experts_apply(x, experts: Experts, rows):
-    """Each token's k experts on it: x ``[T, D]``, rows ``[T, k]`` slot ids -> ``[T, k, D]``."""
-    return apply_gathered(x, Experts(*(jnp.asarray(w)[rows] for w in experts)))
+    """Each token's k experts on it: x ``[T, D]``, rows ``[T, k]`` rows of ``experts`` -> ``[T, k, D]``.
 
-
-def apply_gathered(x, gathered: Experts):
-    """SwiGLU of each token's gathered experts: x ``[T, D]``, weights ``[T, k, out, in]`` -> ``[T, k, D]``.
-
-    The computation is fenced (``lax.optimization_barrier`` on its inputs and its output), so a compiler
-    fuses it the same way whatever produced the weights (a gather, a conditional that filled misses) and
-    whatever consumes the result: on a GPU, XLA's reductions otherwise change their order with the
-    fusion, and the resident, the arena and the exact layers would differ in bits.
+    The gather and the SwiGLU are fenced (``lax.optimization_barrier`` on the inputs and on the output),
+    so the compiler fuses them the same way in every program, whatever produced the weights and whatever
+    consumes the result: on a GPU, XLA's reductions otherwise take their order from the fusion around
+    them, and the resident, the arena and the exact layers would differ in bits.
     """
-    x, gathered = lax.optimization_barrier((x, gathered))
+    x, rows = lax.optimization_barrier((x, rows))
+    gathered = Experts(*(jnp.asarray(w)[rows] for w in experts))
     gate = jnp.einsum("td,tkfd->tkf", x, gathered.gate)
     up = jnp.einsum("td,tkfd->tkf", x, gathered.up)
     return lax.optimization_barrier(jnp.einsum("tkf,tkdf->tkd", jax.nn.silu(gate) * up, gathered.down))
 
 
+def apply_gathered(x, gathered: Experts):
+    """:func:`experts_apply` on weights already gathered: x ``[T, D]``, weights ``[T, k, out, in]`` ->
+    ``[T, k, D]``; the same program (a gather of each entry's own row), so the same bits."""
+    tokens, k = gathered.gate.shape[:2]
+    flat = Experts(*(g.reshape(tokens * k, *g.shape[2:]) for g in gathered))
+    return experts_apply(x, flat, jnp.arange(tokens * k, dtype=jnp.int32).reshape(tokens, k))
+
+
 def combine(y, mix):
     """The layer's output: each token's k expert outputs weighted by ``mix``. ``y`` ``[T, k, D]``, ``mix``
-    ``[T, k]`` -> ``[T, D]`` of ``y``'s dtype. Fenced as :func:`apply_gathered` is: the weighted sum's
+    ``[T, k]`` -> ``[T, D]`` of ``y``'s dtype. Fenced as :func:`experts_apply` is: the weighted sum's
     order does not depend on how ``mix`` was computed."""
     y, mix = lax.optimization_barrier((y, mix.astype(y.dtype)))
-    return jnp.einsum("tkd,tk->td", y, mix)
+    return lax.optimization_barrier(jnp.einsum("tkd,tk->td", y, mix))
 
 
 def moe_ffn_resident(x, router_w, experts: Experts, *, top_k: int):

@@ -8,6 +8,7 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 
+from jax_impls import ON_GPU  # noqa: E402
 from kq_host.miss_reader import MissReader  # noqa: E402
 from kq_jax.arena_moe import arena_moe  # noqa: E402
 from kq_jax.miss_fetch import miss_buckets  # noqa: E402
@@ -26,6 +27,13 @@ class ArrayStore:
     def read_expert(self, layer: int, expert: int):
         self.reads.append((layer, expert))
         return {name: w[layer, expert].copy() for name, w in self.weights.items()}
+
+
+@jax.jit
+def resident_layer(x, everything, indices, scores):
+    """The layer with every expert resident, compiled as a program of its own (eager dispatch, an op at a
+    time, fuses nothing and may give other bits on a GPU)."""
+    return combine(experts_apply(x, everything, indices), scores)
 
 
 def random_weights(rng, dtype, layers=1):
@@ -65,7 +73,7 @@ def test_exact_rule_gives_the_resident_layers_bits(dtype, resident, tokens):
     indices, scores = routing(rng, tokens)
     x = jnp.asarray(rng.standard_normal((tokens, HIDDEN)).astype(np.float32))
     everything = Experts(*(jnp.asarray(weights[name][0]) for name in PROJECTIONS))
-    expected = combine(experts_apply(x, everything, jnp.asarray(indices)), jnp.asarray(scores))
+    expected = resident_layer(x, everything, jnp.asarray(indices), jnp.asarray(scores))
 
     num_slots = max(resident, 1)
     arena, table = arena_of(weights, list(rng.permutation(EXPERTS)[:resident]), num_slots)
@@ -206,7 +214,7 @@ def test_a_failed_read_reaches_the_jitted_steps_caller_naming_the_expert_and_the
     assert (0, 9) not in reader._kept  # a bad read is never kept for the arena
     store.fault = None
     everything = Experts(*(jnp.asarray(weights[name][0]) for name in PROJECTIONS))
-    expected = combine(experts_apply(x, everything, indices), scores)
+    expected = resident_layer(x, everything, indices, scores)
     np.testing.assert_array_equal(np.asarray(step(x)).view(np.uint32), np.asarray(expected).view(np.uint32))
     reader.close()
 
@@ -300,7 +308,7 @@ def test_repeated_experts_across_tokens_give_the_resident_layers_bits():
     out, _ = jax.jit(lambda x: arena_moe(x, indices, scores, table, rule="exact", weights=arena, num_slots=3,
                                          fetch=reader, layer=0))(x)
     everything = Experts(*(jnp.asarray(weights[name][0]) for name in PROJECTIONS))
-    expected = combine(experts_apply(x, everything, indices), scores)
+    expected = resident_layer(x, everything, indices, scores)
     np.testing.assert_array_equal(np.asarray(out).view(np.uint32), np.asarray(expected).view(np.uint32))
     assert sorted(store.reads) == [(0, 5), (0, 9), (0, 11)]
     reader.close()
@@ -362,12 +370,12 @@ def test_the_arenas_gradient_is_the_resident_layers_at_its_experts_rows():
         out = arena_moe(x, indices, scores, table, rule="exact", weights=arena, num_slots=3, fetch=reader)[0]
         return (out * out).sum()
 
-    def resident_layer(everything):
+    def resident_loss(everything):
         out = combine(experts_apply(x, everything, indices), scores)
         return (out * out).sum()
 
     got = jax.jit(jax.grad(exact))(arena)
-    want = jax.jit(jax.grad(resident_layer))(everything)
+    want = jax.jit(jax.grad(resident_loss))(everything)
     slots = np.asarray(table)[resident]
     for g, w in zip(got, want):
         assert np.abs(np.asarray(w)[resident]).max() > 0
@@ -375,6 +383,8 @@ def test_the_arenas_gradient_is_the_resident_layers_at_its_experts_rows():
     reader.close()
 
 
+@pytest.mark.xfail(ON_GPU, strict=True, reason="on a GPU the vmapped exact layer gathers from batched weights and the "
+                   "resident one from unbatched: XLA fuses the two differently (docs/api.md)")
 def test_vmap_reads_a_batchs_misses_in_one_call_and_gives_the_resident_layers_bits():
     rng = np.random.default_rng(17)
     weights = random_weights(rng, np.float32)

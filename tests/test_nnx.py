@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from kq_core.reports import REPORT_FIELDS  # noqa: E402
 from kq_host.residency import LayerReport, ResidencyManager  # noqa: E402
 from kq_jax.arena import JaxArena, pack_reports  # noqa: E402
-from kq_jax.moe import Experts, TierExperts, experts_apply, moe_ffn_arena, moe_ffn_tiered, route  # noqa: E402
+from kq_jax.moe import Experts, TierExperts, combine, experts_apply, moe_ffn_arena, moe_ffn_tiered, route  # noqa: E402
 from kq_jax.nnx import EXPERT_PROJECTIONS, ArenaMoE, ArenaSlots, DenseMoE, SlotTable  # noqa: E402
 from test_optional_backends import BLOCK  # noqa: E402
 
@@ -187,8 +187,8 @@ def test_exact_mode_acquires_the_misses_and_gives_the_dense_bits(dense, inputs):
     assert_same_bits(_call(dense, inputs), got)
     rows = inputs.reshape(-1, D)
     indices, scores = jax.jit(lambda x, w: route(x, w.T, top_k=K))(rows, dense.router.kernel_ED[...])
-    exact = jax.jit(lambda rows, arena, table: jnp.einsum("tkd,tk->td", experts_apply(rows, arena, table[indices]),
-                                                          scores))(rows, module.arena(), jnp.asarray(table))
+    exact = jax.jit(lambda rows, arena, table: combine(experts_apply(rows, arena, table[indices]), scores))(
+        rows, module.arena(), jnp.asarray(table))
     assert_same_bits(exact.reshape(inputs.shape), got)
     manager.close()
 
