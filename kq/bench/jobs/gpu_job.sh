@@ -9,7 +9,7 @@
 # --sets decode-e2e`, DECODE_MODELS picks its models), decode_tests (the engine loop's exact mode and the overlapped loop), host (`kq bench --sets host` on this machine's CPU), host_tests (the host side's
 # tests: the replayed traces and the compiled bookkeeping against NumPy), arena_tests (publishing's faults and the
 # arenas, JAX's on the GPU), h2d (landed experts' copies to the
-# device: pageable against pinned staging), decode_floor (a full arena's decode token taken apart), tier_decode (decode through the low-precision tier against resident),
+# device: pageable against pinned staging), experts_fence (the experts' fenced computation: its bits in other programs, its cost), decode_floor (a full arena's decode token taken apart), tier_decode (decode through the low-precision tier against resident),
 # study_grid (the shedding study's grid on STUDY_MODELS, extra arguments in STUDY_ARGS), exact_loop (the exact
 # layer-by-layer loop with and without look-ahead, extra arguments in EXACT_ARGS, the JSON and log named
 # with EXACT_TAG; and its tests); and MLX on CUDA, after
@@ -75,6 +75,7 @@ for name in ${PARTS:-tests check memcheck}; do
                   --no-progress --json "$OUT/decode_e2e.json" ;;
     host) part host python3 -m kq bench --sets host --no-progress --json "$OUT/host.json" ;;
     h2d) part h2d python3 -m kq.bench.jobs h2d_staging --json "$OUT/h2d_staging.json" ;;
+    experts_fence) part experts_fence python3 -m kq.bench.jobs experts_fence --json "$OUT/experts_fence.json" ;;
     arena_tests) part arena_tests python3 -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_publish_faults.py \
                    tests/test_arena.py ;;
     decode_tests) part decode_tests python3 -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_decode_e2e.py \
