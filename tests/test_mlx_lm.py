@@ -10,6 +10,7 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from kq_host.residency import ResidencyManager  # noqa: E402
 from kq_mlx.mlx_lm_adapter import SwitchGLUArena, attach_arena, set_tables  # noqa: E402
+from tiny_models import tier_of  # noqa: E402
 
 EXPERTS, LAYERS = 16, 2
 
@@ -260,16 +261,7 @@ def test_lazy_checkpoint_never_materialises_its_experts(tmp_path):
 
 
 def _tier_of(blocks, bits=4):
-    from kq_host.tier import Tier, quantize
-
-    weights = {}
-    for projection in ("gate_proj", "up_proj", "down_proj"):
-        per_layer = [[quantize(block.expert_weights(e)[projection], bits=bits, group_size=32)
-                      for e in range(EXPERTS)] for block in blocks]
-        weights[projection] = type(per_layer[0][0])(*(np.stack([np.stack([getattr(w, f) for w in layer])
-                                                                for layer in per_layer])
-                                                      for f in ("packed", "scales", "biases")))
-    return Tier(weights, bits, 32)
+    return tier_of(blocks, lambda block, e: block.expert_weights(e), experts=EXPERTS, bits=bits)
 
 
 def test_tier_with_every_expert_resident_reproduces_the_model_bit_for_bit():

@@ -14,6 +14,7 @@ from kq_mlx.mlx_lm_adapter import (SwitchGLUArena, attach_arena, attach_tier, ge
                                    pack_reports, set_tables)
 from test_mlx_lm import (EXPERTS, LAYERS, PROMPT, _manager_over, _quantized,  # noqa: E402
                          deepseek_v3_model, evaluated, mixtral_model, qwen3_model)
+from tiny_models import tier_of  # noqa: E402
 
 IDENTITY = np.arange(EXPERTS, dtype=np.int32)
 PERMUTED = np.random.default_rng(5).permutation(EXPERTS).astype(np.int32)
@@ -46,16 +47,7 @@ def _float_weights(block, expert):
 
 def _tier(blocks):
     """A 3-bit tier (groups of 32) of every expert, float or 4-bit arenas."""
-    from kq_host.tier import Tier, quantize
-
-    weights = {}
-    for projection in ("gate_proj", "up_proj", "down_proj"):
-        per_layer = [[quantize(_float_weights(block, e)[projection], bits=3, group_size=32) for e in range(EXPERTS)]
-                     for block in blocks]
-        weights[projection] = type(per_layer[0][0])(*(np.stack([np.stack([getattr(w, f) for w in layer])
-                                                                for layer in per_layer])
-                                                      for f in ("packed", "scales", "biases")))
-    return Tier(weights, 3, 32)
+    return tier_of(blocks, _float_weights, experts=EXPERTS, bits=3)
 
 
 def _fill(blocks, table):
