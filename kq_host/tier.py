@@ -271,7 +271,8 @@ def build_tier(store, num_layers: int, num_experts: int, *, bits: int = 3, group
     cached = _load(path, meta, shapes)
     if cached is not None:
         return cached
-    tier = Tier(_quantize_store(store, num_layers, num_experts, bits, group_size), bits, group_size)
+    tier = Tier(quantize_experts(store.read_expert, store.projections, num_layers, num_experts, bits=bits,
+                                 group_size=group_size), bits, group_size)
     if _content_digest(store) != content:
         raise ExpertStoreError(f"build_tier: the checkpoint's files ({', '.join(sorted(_files(store)))}) changed "
                                f"while the tier was built from them; build it again")
@@ -317,18 +318,29 @@ def _expert_shapes(store, num_layers: int, num_experts: int) -> dict[str, tuple[
     return shapes
 
 
-def _quantize_store(store, num_layers: int, num_experts: int, bits: int,
-                    group_size: int) -> dict[str, QuantizedWeight]:
-    """Every expert read and quantized, each read's projections quantized before the next read."""
-    per_projection: dict[str, list[list[QuantizedWeight]]] = {p: [] for p in store.projections}
+def quantize_experts(read_expert, projections, num_layers: int, num_experts: int, *, bits: int,
+                     group_size: int) -> dict[str, QuantizedWeight]:
+    """Every expert read and quantized, each read's projections quantized before the next read.
+
+    Args:
+        read_expert: ``read_expert(layer, expert) -> {projection: float array [out, in]}``, one
+            array per projection, none sharing memory with another.
+        projections: the projections' names, in the tier's order.
+        num_layers, num_experts: how many of each to read.
+        bits, group_size: as for :func:`quantize`.
+
+    Returns:
+        ``{projection: QuantizedWeight}``, each field with leading dims ``[num_layers, num_experts]``.
+    """
+    per_projection: dict[str, list[list[QuantizedWeight]]] = {p: [] for p in projections}
     for layer in range(num_layers):
-        rows = {p: [] for p in store.projections}
+        rows = {p: [] for p in projections}
         for expert in range(num_experts):
-            read = store.read_expert(layer, expert)
+            read = read_expert(layer, expert)
             _refuse_shared_memory(read, layer, expert)
-            for name, weight in read.items():
-                rows[name].append(quantize(weight, bits=bits, group_size=group_size))
-        for name in store.projections:
+            for name in projections:
+                rows[name].append(quantize(read[name], bits=bits, group_size=group_size))
+        for name in projections:
             per_projection[name].append(rows[name])
     return {name: QuantizedWeight(*(np.stack([np.stack([getattr(w, field) for w in layer]) for layer in layers])
                                     for field in QuantizedWeight._fields))

@@ -45,13 +45,8 @@ def write_mixtral(directory: Path, *, seed: int, files=("tokenizer.json", "token
 def tier_of(blocks, expert_weights, *, experts: int, bits: int, group_size: int = 32):
     """A :class:`kq_host.tier.Tier` of every expert of every block: ``expert_weights(block, e)`` gives
     expert e's float weights by projection."""
-    from kq_host.tier import Tier, quantize
+    from kq_host.tier import Tier, quantize_experts
 
-    weights = {}
-    for projection in ("gate_proj", "up_proj", "down_proj"):
-        per_layer = [[quantize(expert_weights(block, e)[projection], bits=bits, group_size=group_size)
-                      for e in range(experts)] for block in blocks]
-        weights[projection] = type(per_layer[0][0])(*(np.stack([np.stack([getattr(w, f) for w in layer])
-                                                                for layer in per_layer])
-                                                      for f in ("packed", "scales", "biases")))
+    weights = quantize_experts(lambda layer, e: expert_weights(blocks[layer], e), ("gate_proj", "up_proj", "down_proj"),
+                               len(blocks), experts, bits=bits, group_size=group_size)
     return Tier(weights, bits, group_size)
