@@ -73,3 +73,19 @@ class TopkRouteShedResult(NamedTuple):
     indices: Any
     scores: Any
     shed: RouteShedResult
+
+
+def holds_every_expert(slot_tables, num_slots: int) -> np.ndarray:
+    """Which slot tables cannot miss: every expert has a slot in ``[0, num_slots)``.
+
+    Args:
+        slot_tables: int ``[..., E]`` host tables (-1 = not resident), one per layer or row.
+        num_slots: S, the arena's slots (an entry at or past it is not resident).
+
+    Returns:
+        bool ``[...]``: True where the table holds all E experts (an empty table holds none).
+    """
+    tables = np.asarray(slot_tables)
+    if tables.ndim == 0:
+        raise ValueError("holds_every_expert: slot_tables must be [..., E], got a scalar")
+    return ((tables >= 0) & (tables < num_slots)).all(axis=-1) & (tables.shape[-1] > 0)

@@ -43,6 +43,7 @@ import numpy as np
 
 import kq_mlx
 from kq_mlx import report_pack, route_shed_columns
+from kq_core.contract import holds_every_expert
 from kq_host.arena import check_payload, checked_payloads
 from kq_host.residency import LayerReport, PreloadError, deadline_of
 
@@ -1069,7 +1070,7 @@ class _Published:
 
     def __init__(self, row: np.ndarray, table: mx.array, num_slots: int):
         self.row, self.table = row, table
-        self.full = bool(row.size) and int(row.min()) >= 0 and int(row.max()) < num_slots
+        self.full = bool(holds_every_expert(row, num_slots))
         identity = self.full and np.array_equal(row, np.arange(row.size))
         self.remap = mx.array(row.astype(np.uint32)) if self.full and not identity else None
 

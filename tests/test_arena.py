@@ -548,3 +548,17 @@ def test_mlx_arena_writes_one_slot():
     arena.write_slot(0, 1, {"w": np.full((4, 5), 3, ml_dtypes.bfloat16)})
     w = np.array(arena.arrays["w"].astype(__import__("mlx.core").core.float32))
     assert w[0, 1].sum() == 60 and w.sum() == 60
+
+
+def test_holds_every_expert_is_true_only_for_a_table_that_cannot_miss():
+    from kq_core.contract import holds_every_expert
+
+    tables = np.array([[2, 0, 1, 3],     # every expert in a slot
+                       [2, 0, -1, 3],    # one not resident
+                       [2, 0, 4, 3],     # one past the arena's 4 slots
+                       [3, 3, 3, 3]])    # all in one slot: still no miss
+    assert holds_every_expert(tables, 4).tolist() == [True, False, False, True]
+    assert holds_every_expert(tables[0], 4).shape == () and bool(holds_every_expert(tables[0], 3)) is False
+    assert holds_every_expert(np.zeros((2, 0), np.int32), 4).tolist() == [False, False]
+    with pytest.raises(ValueError, match="slot_tables"):
+        holds_every_expert(np.int32(0), 4)

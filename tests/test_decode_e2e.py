@@ -90,6 +90,22 @@ def test_the_lossy_modes_match_at_full_residency_and_differ_below(setting, mode)
     assert sum(quarter.critical) == sum(quarter.reruns) == 0 and quarter.floor_tokens_per_s > 0
 
 
+@pytest.mark.parametrize("residency", [1.0, 0.25], ids=["full", "quarter"])
+def test_the_tier_mode_computes_the_tier_only_while_a_table_can_miss(setting, monkeypatch, residency):
+    """A token whose tables hold every expert runs the shedding program (the same bits, no tier computed);
+    one whose tables can miss runs the tier's. Counted past the compiles, over the decode and its floor."""
+    engine = setting[0]
+    calls = {"tier": 0, "shed": 0}
+    for name, key in (("tiered", "tier"), ("streamed", "shed")):
+        def counted(*args, program=getattr(engine, name), key=key, **kwargs):
+            calls[key] += 1
+            return program(*args, **kwargs)
+        monkeypatch.setattr(engine, name, counted)
+    _run(setting, residency, "tier")
+    compiles, tokens = 1, STEPS + min(STEPS, 64)  # the decode's, then the floor's
+    assert (calls["tier"] - compiles, calls["shed"] - compiles) == ((0, tokens) if residency == 1.0 else (tokens, 0))
+
+
 def test_the_tier_serves_misses_the_lossy_mode_sheds(setting):
     tier, lossy = _run(setting, 0.25, "tier"), _run(setting, 0.25, "lossy")
     assert not np.array_equal(_bits(tier.last), _bits(lossy.last))

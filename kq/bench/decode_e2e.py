@@ -17,7 +17,8 @@ Modes (JAX, on its default device):
   of every expert on the device (``on_miss="tier"``, :func:`kq_jax.moe.tiered_apply`; ``TIER_BITS``
   bits, groups of ``TIER_GROUP_SIZE``; random words of the tier's shapes: its speed does not depend on
   their values. Recorded routing only: a routed model's misses, served from random words, would steer
-  its later routing);
+  its later routing). While every layer's table holds every expert (``kq_core.contract.holds_every_expert``)
+  no entry can miss, and the token runs the ``lossy`` program, whose bits are then the tier's;
 * ``exact``: a token is kept only if it ran with every routed expert resident. Token t+1 is dispatched
   on the tables before token t is read, as in ``lossy``; when token t's reports show misses, they are
   read on its critical path (``step``, then ``drain``), token t runs again on the new tables and token
@@ -66,6 +67,7 @@ queued as its token is dispatched (``copy_to_host_async``).
 
 from __future__ import annotations
 
+import functools
 import statistics
 import sys
 import tempfile
@@ -283,14 +285,21 @@ class Engine:
                 reports.append(report)
             return next_input(x, position), pack_reports(reports)
 
+        def arena_program(rule: str, fetch=None):
+            """A new jitted ``(x, position, arrays, tables) -> (x, packed reports)`` on the arena with ``rule``
+            (``route_shed``, ``tier`` on ``self.tier``, or ``exact`` with misses read by ``fetch``)."""
+            if rule == "tier":
+                tiered = jax.jit(lambda x, position, arrays, tables, tier: streamed(x, position, arrays, tables,
+                                                                                    tier, rule))
+                return functools.partial(tiered, tier=self.tier)
+            return jax.jit(lambda x, position, arrays, tables: streamed(x, position, arrays, tables, None, rule, fetch))
+
+        self.arena_program = arena_program
         self.resident = jax.jit(resident)
-        self.streamed = jax.jit(lambda x, position, arrays, tables: streamed(x, position, arrays, tables, None,
-                                                                             "route_shed"))
-        tiered = jax.jit(lambda x, position, arrays, tables, tier: streamed(x, position, arrays, tables, tier, "tier"))
-        self.tiered = lambda x, position, arrays, tables: tiered(x, position, arrays, tables, self.tier)
+        self.streamed = arena_program("route_shed")
+        self.tiered = arena_program("tier")
         # the exact rule with misses read inside the program, by a host reader given per run
-        self.fetching = lambda fetch: jax.jit(lambda x, position, arrays, tables: streamed(
-            x, position, arrays, tables, None, "exact", fetch))
+        self.fetching = lambda fetch: arena_program("exact", fetch)
 
 
 def _queued(outputs):
@@ -386,6 +395,7 @@ def run_streamed(engine: Engine, store, *, residency: float, mode: str, warmup: 
     """One arena run of ``engine.steps`` tokens in ``mode`` (``lossy``, ``tier`` or ``exact``)."""
     import jax
 
+    from kq_core.contract import holds_every_expert
     from kq_host.miss_reader import MissReader
     from kq_host.residency import LayerReport, ResidencyManager
     from kq_jax.arena import JaxArena
@@ -414,15 +424,21 @@ def run_streamed(engine: Engine, store, *, residency: float, mode: str, warmup: 
     program = {"tier": engine.tiered, "exact-fetch": engine.fetching(reader)}.get(mode, engine.streamed)
     device_tables = {}
 
-    def on_device(tables):  # the tables go to the device only when they change
+    def on_device(tables):  # the tables go to the device only when they change, with the program they take
         if "host" not in device_tables or not np.array_equal(device_tables["host"], tables):
-            device_tables.update(host=tables, device=jax.device_put(tables))
-        return device_tables["device"]
+            # the tier: while every table holds every expert nothing can miss, and the shedding program
+            # gives the tier's bits without computing it
+            cannot_miss = mode == "tier" and bool(holds_every_expert(tables, slots).all())
+            device_tables.update(host=tables, device=jax.device_put(tables),
+                                 program=engine.streamed if cannot_miss else program)
+        return device_tables["program"], device_tables["device"]
 
     def dispatch(x, position):
-        return program(x, positions[position], arena.arrays, on_device(state["tables"]))
+        chosen, tables = on_device(state["tables"])
+        return chosen(x, positions[position], arena.arrays, tables)
 
-    dispatch(engine.first, 0)[1].block_until_ready()  # compile
+    for compiled in {program, engine.streamed} if mode == "tier" else {program}:
+        compiled(engine.first, positions[0], arena.arrays, on_device(state["tables"])[1])[1].block_until_ready()
     boundaries, publishes = [0.0] * steps, [0.0] * steps
     critical, reruns, stepped = [0] * steps, [0] * steps, set()
 

@@ -8,7 +8,9 @@ there the kernel runs in Pallas' interpreter): the resident program on the check
 weights (``resident``, decode-e2e's baseline) and the arena's on an arena holding every expert as
 decode-e2e holds them (``arena``: bfloat16, on a CPU its bits as uint16, which XLA writes in place), the
 slot tables the identity; on a CPU also the arena's program on a float32 arena (``arena (float32)``,
-how decode-e2e held a CPU arena before, since XLA's CPU backend writes a bfloat16 slot slowly).
+how decode-e2e held a CPU arena before, since XLA's CPU backend writes a bfloat16 slot slowly); and the
+tier's program on that arena (``tier``: decode-e2e's ``tier`` mode on tables that could miss, a 3-bit
+tier of every expert beside the arena). ``--programs`` picks them (``resident`` is always measured).
 Each is timed four ways, the programs interleaved within a round (so a round sees every program in one
 state of a shared machine), the median of ``--rounds`` rounds of ``--tokens`` tokens with the range:
 ``floor`` (dispatched back to back, nothing read back: the device's and the dispatch's rate),
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import re
 import statistics
 import sys
@@ -38,12 +41,15 @@ from kq.bench.common import run_header, write_json
 from kq.bench import decode_e2e
 
 WAYS = ("floor", "latency", "loop", "loop + step")
+PROGRAMS = ("resident", "arena", "arena (float32)", "tier")
 
 
-def hlo_profile(jitted, *args) -> dict:
-    """A jitted program's compiled HLO at ``args``: ``{"entry_ops": int, "fusions": int, "by_opcode":
-    {opcode: count}, "flops": float, "bytes_accessed": float}``."""
-    compiled = jitted.lower(*args).compile()
+def hlo_profile(program, *args) -> dict:
+    """A jitted program's compiled HLO at ``args`` (``program`` may be a ``functools.partial`` of one):
+    ``{"entry_ops": int, "fusions": int, "by_opcode": {opcode: count}, "flops": float, "bytes_accessed":
+    float}``."""
+    jitted, keywords = (program.func, program.keywords) if isinstance(program, functools.partial) else (program, {})
+    compiled = jitted.lower(*args, **keywords).compile()
     text = compiled.as_text()
     entry = text[text.index("\nENTRY"):]
     opcodes = collections.Counter(re.findall(r"= \S+ ([a-z][\w-]*)\(", entry))
@@ -65,7 +71,7 @@ def latency_ms(dispatch, first, tokens: int) -> float:
     return statistics.median(seconds) * 1e3
 
 
-def measure(model: str, impl: str, *, tokens: int, rounds: int, routing) -> list[dict]:
+def measure(model: str, impl: str, *, tokens: int, rounds: int, routing, names) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
@@ -76,23 +82,25 @@ def measure(model: str, impl: str, *, tokens: int, rounds: int, routing) -> list
     layers, top_k = routing[0].shape[1:]
     experts = 64
     weights = decode_e2e.random_experts(layers, experts, hidden, ffn, np.random.default_rng(0))
-    engine = decode_e2e.Engine(weights, top_k, tokens, routing=routing, impl=impl)
+    tier = decode_e2e.random_tier(layers, experts, hidden, ffn) if "tier" in names else None
+    engine = decode_e2e.Engine(weights, top_k, tokens, routing=routing, impl=impl, tier=tier)
     del weights
     positions = engine.positions
     tables = jax.device_put(np.tile(np.arange(experts, dtype=np.int32), (layers, 1)))
-    programs = {"resident": (engine.resident, engine.weights)}
     if jax.default_backend() == "gpu":
-        programs["arena"] = (engine.streamed, engine.weights)
+        arena = engine.weights
     else:  # decode-e2e's CPU arena: the bfloat16 bits as uint16
-        programs["arena"] = (engine.streamed, {name: jax.lax.bitcast_convert_type(a, jnp.uint16)
-                                               for name, a in engine.weights.items()})
-        programs["arena (float32)"] = (engine.streamed, {name: a.astype(jnp.float32)
-                                                         for name, a in engine.weights.items()})
+        arena = {name: jax.lax.bitcast_convert_type(a, jnp.uint16) for name, a in engine.weights.items()}
+    programs = {"resident": (engine.resident, engine.weights), "arena": (engine.streamed, arena),
+                "arena (float32)": (engine.streamed, {name: a.astype(jnp.float32) for name, a in
+                                                      engine.weights.items()}),
+                "tier": (engine.tiered, arena)}
+    programs = {name: program for name, program in programs.items() if name == "resident" or name in names}
     dispatches, boundaries, hlo = {}, {}, {}
-    for name, (jitted, arrays) in programs.items():
-        extra = (arrays,) if jitted is engine.resident else (arrays, tables)
-        dispatches[name] = lambda x, p, jitted=jitted, extra=extra: jitted(x, positions[p], *extra)
-        hlo[name] = hlo_profile(jitted, engine.first, positions[0], *extra)
+    for name, (program, arrays) in programs.items():
+        extra = (arrays,) if program is engine.resident else (arrays, tables)
+        dispatches[name] = lambda x, p, program=program, extra=extra: program(x, positions[p], *extra)
+        hlo[name] = hlo_profile(program, engine.first, positions[0], *extra)
         dispatches[name](engine.first, 0)[1].block_until_ready()  # compile
         boundaries[name] = {"loop": lambda position, packed: False}
         if name.startswith("arena"):
@@ -133,11 +141,14 @@ def measure(model: str, impl: str, *, tokens: int, rounds: int, routing) -> list
 def main() -> int:
     import jax
 
+    on_gpu = jax.default_backend() == "gpu"
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=["stdlib-moe-size", "wheels-moe-size", "olmoe-size"],
                         choices=sorted(decode_e2e.RECORDED_MODELS))
     parser.add_argument("--impls", nargs="+", choices=("pallas", "reference"),
-                        default=["pallas", "reference"] if jax.default_backend() == "gpu" else ["reference"])
+                        default=["pallas", "reference"] if on_gpu else ["reference"])
+    parser.add_argument("--programs", nargs="+", choices=PROGRAMS,
+                        default=[p for p in PROGRAMS if p != "arena (float32)" or not on_gpu])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", type=Path, required=True)
@@ -153,7 +164,7 @@ def main() -> int:
             recordings[checkpoint] = decode_e2e.record(checkpoint, args.tokens, 0)
         for impl in args.impls:
             payload["rows"] += measure(model, impl, tokens=args.tokens, rounds=args.rounds,
-                                       routing=recordings[checkpoint])
+                                       routing=recordings[checkpoint], names=args.programs)
             write_json(args.json, payload)
     return 0
 

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Everything kq runs on a CUDA machine, in one call from the repository root:
 #   PARTS="tests check memcheck" OUT=out bash kq/bench/jobs/gpu_job.sh
-# Parts: tests (the suite's GPU part, `pytest -m gpu`, PYTEST_WORKERS processes), check (`kq check` on the GPU backends with
+# Parts: tests (the suite's GPU part, `pytest -m gpu`, PYTEST_WORKERS processes, TEST_FILES to narrow it), check (`kq check` on the GPU backends with
 # ROWS random rows), memcheck (compute-sanitizer over the kernel's launch cases), bench (`kq bench`,
 # BENCH_SETS), sweep (the Pallas launch sweeps), moe (the MoE arena overhead), sharding (the sharding
 # and expert-parallel tests: on a GPU mesh where there are two GPUs or more), compile (`kq bench --sets
 # compile`), expert_parallel (the expert-parallel layer over this machine's GPUs), decode_e2e (`kq bench
-# --sets decode-e2e`, DECODE_MODELS picks its models), decode_tests (the engine loop's exact mode and the overlapped loop), host (`kq bench --sets host` on this machine's CPU), host_tests (the host side's
+# --sets decode-e2e`, DECODE_MODELS picks its models), decode_full (its modes at full residency
+# only), decode_tests (the engine loop's exact mode and the overlapped loop), host (`kq bench --sets host` on this machine's CPU), host_tests (the host side's
 # tests: the replayed traces and the compiled bookkeeping against NumPy), arena_tests (publishing's faults and the
 # arenas, JAX's on the GPU), h2d (landed experts' copies to the
-# device: pageable against pinned staging), experts_fence (the experts' fenced computation: its bits in other programs, its cost), decode_floor (a full arena's decode token taken apart), tier_decode (decode through the low-precision tier against resident),
+# device: pageable against pinned staging), experts_fence (the experts' fenced computation: its bits in other programs, its cost), decode_floor (a full arena's decode token taken apart, extra arguments in DECODE_FLOOR_ARGS), tier_decode (decode through the low-precision tier against resident),
 # study_grid (the shedding study's grid on STUDY_MODELS, extra arguments in STUDY_ARGS), exact_loop (the exact
 # layer-by-layer loop with and without look-ahead, extra arguments in EXACT_ARGS, the JSON and log named
 # with EXACT_TAG; and its tests); and MLX on CUDA, after
@@ -57,7 +58,8 @@ for name in ${PARTS:-tests check memcheck}; do
   case $name in
     tests) # pytest-xdist, where installed, spreads the kernels' compiles (CPU-bound) over PYTEST_WORKERS processes.
            workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${PYTEST_WORKERS:-4}")
-           part tests python3 -m pytest -q -m gpu -p no:cacheprovider --durations=20 $workers ;;
+           part tests python3 -m pytest -q -m gpu -p no:cacheprovider --durations=20 -rf --tb=line $workers \
+             ${TEST_FILES:-} ;;
     check) part check python3 -m kq check --backends jax-pallas jax-reference cuda-source-cupy \
              --random-rows "${ROWS:-50000}" ;;
     memcheck) part memcheck compute-sanitizer --tool memcheck --leak-check no \
@@ -73,6 +75,10 @@ for name in ${PARTS:-tests check memcheck}; do
                 tests/test_expert_parallel.py ;;
     decode_e2e) part decode_e2e python3 -m kq bench --sets decode-e2e ${DECODE_MODELS:+--models $DECODE_MODELS} \
                   --no-progress --json "$OUT/decode_e2e.json" ;;
+    decode_full) # decode-e2e's modes at full residency only, on DECODE_MODELS (default olmoe-size)
+                 part decode_full python3 -c "import sys; from kq.bench import decode_e2e as d
+results = [r for model in sys.argv[2:] for r in d.run_model(model, residencies=(1.0,))]
+print(d.format_table(results)); d.write_json(results, sys.argv[1])" "$OUT/decode_full.json" ${DECODE_MODELS:-olmoe-size} ;;
     host) part host python3 -m kq bench --sets host --no-progress --json "$OUT/host.json" ;;
     h2d) part h2d python3 -m kq.bench.jobs h2d_staging --json "$OUT/h2d_staging.json" ;;
     experts_fence) part experts_fence python3 -m kq.bench.jobs experts_fence --json "$OUT/experts_fence.json" ;;
@@ -104,14 +110,16 @@ for name in ${PARTS:-tests check memcheck}; do
     exact_loop) part "exact_loop${EXACT_TAG:-}" python3 -m kq.bench.jobs exact_loop --json "$OUT/exact_loop${EXACT_TAG:-}.json" \
                   ${EXACT_ARGS:-}
                 part exact_loop_tests python3 -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_exact_loop.py ;;
-    decode_floor) part decode_floor python3 -m kq.bench.jobs decode_floor --json "$OUT/decode_floor.json" ;;
+    decode_floor) part decode_floor python3 -m kq.bench.jobs decode_floor --json "$OUT/decode_floor.json" \
+                    ${DECODE_FLOOR_ARGS:-} ;;
     tier_decode) part tier_decode python3 -m kq.bench.jobs tier_decode --json "$OUT/tier_decode.json" ;;
     study_grid) for model in ${STUDY_MODELS:-stdlib-moe wheels-moe}; do
                   part "study_grid_$model" python3 -m kq.bench.jobs study_grid --checkpoint "models/$model" \
                     --json "$OUT/study_grid_$model.json" ${STUDY_ARGS:-}
                 done ;;
     *) echo "unknown part: $name (tests check memcheck bench sweep moe sharding compile expert_parallel decode_e2e host" \
-            "host_tests arena_tests decode_tests h2d tier_decode study_grid exact_loop" \
+            "decode_full host_tests arena_tests decode_tests h2d experts_fence decode_floor tier_decode study_grid" \
+            "exact_loop" \
             "mlx_check mlx_tests mlx_bench mlx_decode)"
        status=2 ;;
   esac
