@@ -129,6 +129,26 @@ def _cache_aware(rule: str, indices, probs, table, *, normalize: bool):
     return jnp.where(slots >= 0, slots, 0), jnp.where(slots >= 0, weights, 0.0)
 
 
+def full_table_moe(x, indices, scores, slot_table, *, weights: Experts):
+    """:func:`arena_moe` for a table that holds every expert (:func:`kq_core.contract.holds_every_expert`):
+    no routed expert can miss, so each is gathered from its slot and weighted by its score, with no
+    ``route_shed``, no tier and no fetch. Output and report are ``arena_moe``'s, bit for bit, under rules
+    ``route_shed``, ``shed``, ``tier``, ``uniform``, ``exact`` and ``substitute`` (not ``renormalize``,
+    which divides by the kept mass, nor the cache-aware rules, which route by residency).
+
+    Args:
+        x: ``[T, D]``; indices, scores: the router's top-k, int32 and float32 ``[T, k]``;
+        slot_table: int32 ``[E]``, every entry a slot of ``weights`` (the caller's check: not checked here,
+            a traced table's values are unknown); weights: the arena, :class:`~kq_jax.moe.Experts` ``[S, ...]``.
+
+    Returns:
+        ``(out [T, D], report)`` as :func:`arena_moe`: no misses (ids -1, scores +0.0), every entry served.
+    """
+    y = experts_apply(x, weights, slot_table[indices])
+    report = (indices, scores, jnp.full_like(indices, -1), jnp.zeros_like(scores), scores)
+    return combine(y, scores), report
+
+
 def arena_moe(x, indices, scores, slot_table, *, rule: str, weights: Experts, num_slots: int,
               tier: TierExperts | None = None, probs=None, slot_rows=None, normalize: bool = False,
               shed: RouteShedResult | None = None, impl: str = "auto", fetch=None, layer=0):

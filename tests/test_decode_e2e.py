@@ -91,19 +91,23 @@ def test_the_lossy_modes_match_at_full_residency_and_differ_below(setting, mode)
 
 
 @pytest.mark.parametrize("residency", [1.0, 0.25], ids=["full", "quarter"])
-def test_the_tier_mode_computes_the_tier_only_while_a_table_can_miss(setting, monkeypatch, residency):
-    """A token whose tables hold every expert runs the shedding program (the same bits, no tier computed);
-    one whose tables can miss runs the tier's. Counted past the compiles, over the decode and its floor."""
+@pytest.mark.parametrize("mode", ["lossy", "tier", "exact"])
+def test_a_token_whose_tables_hold_every_expert_runs_the_full_table_program(setting, monkeypatch, residency, mode):
+    """While every table holds every expert a token runs ``Engine.full`` (no route_shed, tier or fetch), in
+    every mode; a table that can miss puts it on the mode's own program. Counted past the compiles, over
+    the decode and its floor (the bits: the tests above)."""
     engine = setting[0]
-    calls = {"tier": 0, "shed": 0}
-    for name, key in (("tiered", "tier"), ("streamed", "shed")):
-        def counted(*args, program=getattr(engine, name), key=key, **kwargs):
-            calls[key] += 1
+    own = {"lossy": "streamed", "tier": "tiered", "exact": "streamed"}[mode]
+    calls = {own: 0, "full": 0}
+    for name in calls:
+        def counted(*args, program=getattr(engine, name), name=name, **kwargs):
+            calls[name] += 1
             return program(*args, **kwargs)
         monkeypatch.setattr(engine, name, counted)
-    _run(setting, residency, "tier")
-    compiles, tokens = 1, STEPS + min(STEPS, 64)  # the decode's, then the floor's
-    assert (calls["tier"] - compiles, calls["shed"] - compiles) == ((0, tokens) if residency == 1.0 else (tokens, 0))
+    _run(setting, residency, mode)
+    used, unused = ("full", own) if residency == 1.0 else (own, "full")
+    assert calls[unused] == 1  # its compile
+    assert calls[used] - 1 >= STEPS + min(STEPS, 64)  # the decode's tokens (and any runs again), the floor's
 
 
 def test_the_tier_serves_misses_the_lossy_mode_sheds(setting):

@@ -7,6 +7,7 @@ jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 from conftest import assert_same_bits  # noqa: E402
 
+from kq_core.contract import holds_every_expert  # noqa: E402
 from kq_core.oracle import route_shed_oracle  # noqa: E402
 from kq_jax.moe import Experts, apply_gathered, combine, experts_apply, moe_ffn_arena, moe_ffn_resident, route  # noqa: E402
 
@@ -108,3 +109,38 @@ def test_packed_reports_are_the_layers_reports_bit_for_bit():
         for got, want in ((stacked.scores, routing.scores), (stacked.miss_scores, routing.shed.miss_scores),
                           (stacked.served, served)):
             assert np.array_equal(got[layer].view(np.uint32), np.asarray(want, np.float32).view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("rule", ["route_shed", "shed", "tier"])
+def test_a_table_holding_every_expert_runs_without_route_shed_in_the_rules_bits(dtype, tokens, rule):
+    """full_table_moe (no route_shed, no tier) gives arena_moe's output and report, bit for bit, under the
+    rules whose full-table layer weights each routed expert by its score, on a permuted table with two
+    experts sharing a slot."""
+    from kq_host.tier import quantize
+    from kq_jax.arena_moe import arena_moe, full_table_moe
+    from kq_jax.moe import tier_experts
+
+    rng = np.random.default_rng(11)
+    experts = Experts(*(jnp.asarray(rng.normal(size=s).astype(np.float32) * 0.1, dtype)
+                        for s in [(E, 32, 64), (E, 32, 64), (E, 64, 32)]))
+    x = jnp.asarray(rng.normal(size=(tokens, 64)).astype(np.float32), dtype)
+    router = jnp.asarray(rng.normal(size=(64, E)).astype(np.float32), dtype)
+    table = rng.permutation(E).astype(np.int32)
+    table[3] = table[5]  # still every expert resident
+    assert holds_every_expert(table, E)
+    experts = Experts(*(e.at[5].set(e[3]) for e in experts))  # the shared slot holds both
+    arena = Experts(*(jnp.zeros_like(e).at[table].set(e) for e in experts))  # slot table[e] holds expert e
+    layer = tier_experts({name: quantize(np.asarray(w, np.float32), bits=3, group_size=32)
+                          for name, w in zip(("gate_proj", "up_proj", "down_proj"), experts)}, bits=3, group_size=32)
+    indices, scores = route(x, router, top_k=K)
+    want = jax.jit(lambda x, t: arena_moe(x, indices, scores, t, rule=rule, weights=arena, num_slots=E,
+                                          tier=layer))(x, jnp.asarray(table))
+    got = jax.jit(lambda x, t: full_table_moe(x, indices, scores, t, weights=arena))(x, jnp.asarray(table))
+    assert np.asarray(got[0]).dtype == np.dtype(dtype)
+    assert np.asarray(got[0]).tobytes() == np.asarray(want[0]).tobytes()
+    for name, g, w in zip(("indices", "scores", "miss_ids", "miss_scores", "served"), got[1], want[1]):
+        assert np.asarray(g).dtype == np.asarray(w).dtype and np.asarray(g).tobytes() == np.asarray(w).tobytes(), name
+    resident = jax.jit(lambda x: combine(experts_apply(x, experts, indices), scores))(x)
+    assert np.asarray(got[0]).tobytes() == np.asarray(resident).tobytes()

@@ -5,7 +5,10 @@ input is token t's output, kept on the device), one readback per token (the resi
 id; an arena's packed reports), the compiles done before the clock. Figures are over the last
 ``tokens`` of ``warmup + tokens``. Every arena starts warm, filled before the clock (with recorded
 routing, each layer's experts most routed over the warm-up tokens; else the lowest-numbered), and
-the slot tables go to the device only when a boundary changes them.
+the slot tables go to the device only when a boundary changes them. While every layer's table holds
+every expert (:func:`kq_core.contract.holds_every_expert`) nothing can miss, and every arena mode runs
+the same program: each routed expert gathered from its slot, no ``route_shed``, tier or fetch
+(:func:`kq_jax.arena_moe.full_table_moe`, each mode's bits).
 
 Modes (JAX, on its default device):
 
@@ -17,8 +20,7 @@ Modes (JAX, on its default device):
   of every expert on the device (``on_miss="tier"``, :func:`kq_jax.moe.tiered_apply`; ``TIER_BITS``
   bits, groups of ``TIER_GROUP_SIZE``; random words of the tier's shapes: its speed does not depend on
   their values. Recorded routing only: a routed model's misses, served from random words, would steer
-  its later routing). While every layer's table holds every expert (``kq_core.contract.holds_every_expert``)
-  no entry can miss, and the token runs the ``lossy`` program, whose bits are then the tier's;
+  its later routing);
 * ``exact``: a token is kept only if it ran with every routed expert resident. Token t+1 is dispatched
   on the tables before token t is read, as in ``lossy``; when token t's reports show misses, they are
   read on its critical path (``step``, then ``drain``), token t runs again on the new tables and token
@@ -230,7 +232,7 @@ class Engine:
 
         import kq_jax
         from kq_jax.arena import pack_reports
-        from kq_jax.arena_moe import arena_moe
+        from kq_jax.arena_moe import arena_moe, full_table_moe
         from kq_jax.moe import Experts, TierExperts, TierWeights, combine, experts_apply, route, router_probs
 
         if (routing is None) == (router is None):
@@ -270,12 +272,18 @@ class Engine:
             reports, num_slots = [], arrays[PROJECTIONS[0]].shape[1]
             on_miss = "tier" if rule == "tier" else "shed"
             for layer in range(self.layers):
-                if self.recorded:
+                if self.recorded or rule == "full":
                     (indices, scores), shed = routed(x, position, layer), None
                 else:  # routed and shed in one launch
                     routing = kq_jax.topk_route_shed(router_probs(x, routers[layer]), tables[layer], top_k=top_k,
                                                      num_slots=num_slots, on_miss=on_miss, impl=impl)
                     indices, scores, shed = routing
+                if rule == "full":  # every table holds every expert: nothing can miss
+                    y, report = full_table_moe(x, *routed(x, position, layer), tables[layer],
+                                               weights=layer_weights(arrays, layer))
+                    x = x + y
+                    reports.append(report)
+                    continue
                 low = None if tier is None else TierExperts(
                     *(TierWeights(*(a[layer] for a in tier[name])) for name in PROJECTIONS), bits=TIER_BITS,
                     group_size=TIER_GROUP_SIZE)
@@ -287,7 +295,8 @@ class Engine:
 
         def arena_program(rule: str, fetch=None):
             """A new jitted ``(x, position, arrays, tables) -> (x, packed reports)`` on the arena with ``rule``
-            (``route_shed``, ``tier`` on ``self.tier``, or ``exact`` with misses read by ``fetch``)."""
+            (``route_shed``, ``tier`` on ``self.tier``, ``exact`` with misses read by ``fetch``, or ``full``:
+            tables that hold every expert, :func:`kq_jax.arena_moe.full_table_moe`)."""
             if rule == "tier":
                 tiered = jax.jit(lambda x, position, arrays, tables, tier: streamed(x, position, arrays, tables,
                                                                                     tier, rule))
@@ -298,6 +307,7 @@ class Engine:
         self.resident = jax.jit(resident)
         self.streamed = arena_program("route_shed")
         self.tiered = arena_program("tier")
+        self.full = arena_program("full")
         # the exact rule with misses read inside the program, by a host reader given per run
         self.fetching = lambda fetch: arena_program("exact", fetch)
 
@@ -426,18 +436,18 @@ def run_streamed(engine: Engine, store, *, residency: float, mode: str, warmup: 
 
     def on_device(tables):  # the tables go to the device only when they change, with the program they take
         if "host" not in device_tables or not np.array_equal(device_tables["host"], tables):
-            # the tier: while every table holds every expert nothing can miss, and the shedding program
-            # gives the tier's bits without computing it
-            cannot_miss = mode == "tier" and bool(holds_every_expert(tables, slots).all())
+            # while every table holds every expert nothing can miss: every mode's bits without route_shed,
+            # the tier or a fetch (kq_jax.arena_moe.full_table_moe)
+            cannot_miss = bool(holds_every_expert(tables, slots).all())
             device_tables.update(host=tables, device=jax.device_put(tables),
-                                 program=engine.streamed if cannot_miss else program)
+                                 program=engine.full if cannot_miss else program)
         return device_tables["program"], device_tables["device"]
 
     def dispatch(x, position):
         chosen, tables = on_device(state["tables"])
         return chosen(x, positions[position], arena.arrays, tables)
 
-    for compiled in {program, engine.streamed} if mode == "tier" else {program}:
+    for compiled in (program, engine.full):
         compiled(engine.first, positions[0], arena.arrays, on_device(state["tables"])[1])[1].block_until_ready()
     boundaries, publishes = [0.0] * steps, [0.0] * steps
     critical, reruns, stepped = [0] * steps, [0] * steps, set()

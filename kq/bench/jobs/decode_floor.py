@@ -10,7 +10,9 @@ decode-e2e holds them (``arena``: bfloat16, on a CPU its bits as uint16, which X
 slot tables the identity; on a CPU also the arena's program on a float32 arena (``arena (float32)``,
 how decode-e2e held a CPU arena before, since XLA's CPU backend writes a bfloat16 slot slowly); and the
 tier's program on that arena (``tier``: decode-e2e's ``tier`` mode on tables that could miss, a 3-bit
-tier of every expert beside the arena). ``--programs`` picks them (``resident`` is always measured).
+tier of every expert beside the arena), and the program decode-e2e runs in every mode while the tables
+hold every expert (``arena (full tables)``: no ``route_shed``, tier or fetch). ``--programs`` picks them
+(``resident`` is always measured).
 Each is timed four ways, the programs interleaved within a round (so a round sees every program in one
 state of a shared machine), the median of ``--rounds`` rounds of ``--tokens`` tokens with the range:
 ``floor`` (dispatched back to back, nothing read back: the device's and the dispatch's rate),
@@ -41,7 +43,7 @@ from kq.bench.common import run_header, write_json
 from kq.bench import decode_e2e
 
 WAYS = ("floor", "latency", "loop", "loop + step")
-PROGRAMS = ("resident", "arena", "arena (float32)", "tier")
+PROGRAMS = ("resident", "arena", "arena (full tables)", "arena (float32)", "tier")
 
 
 def hlo_profile(program, *args) -> dict:
@@ -94,7 +96,7 @@ def measure(model: str, impl: str, *, tokens: int, rounds: int, routing, names) 
     programs = {"resident": (engine.resident, engine.weights), "arena": (engine.streamed, arena),
                 "arena (float32)": (engine.streamed, {name: a.astype(jnp.float32) for name, a in
                                                       engine.weights.items()}),
-                "tier": (engine.tiered, arena)}
+                "arena (full tables)": (engine.full, arena), "tier": (engine.tiered, arena)}
     programs = {name: program for name, program in programs.items() if name == "resident" or name in names}
     dispatches, boundaries, hlo = {}, {}, {}
     for name, (program, arrays) in programs.items():
