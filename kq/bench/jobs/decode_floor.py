@@ -7,11 +7,11 @@ size), with ``route_shed`` as the Pallas kernel and as the jnp reference (on a C
 there the kernel runs in Pallas' interpreter): the resident program on the checkpoint's bfloat16
 weights (``resident``, decode-e2e's baseline) and the arena's on an arena holding every expert as
 decode-e2e holds them (``arena``: bfloat16, on a CPU its bits as uint16, which XLA writes in place), the
-slot tables the identity; on a CPU also the arena's program on a float32 arena (``arena (float32)``,
+slot tables the identity; on a CPU also the arena's program on a float32 arena (``arena-float32``,
 how decode-e2e held a CPU arena before, since XLA's CPU backend writes a bfloat16 slot slowly); and the
 tier's program on that arena (``tier``: decode-e2e's ``tier`` mode on tables that could miss, a 3-bit
 tier of every expert beside the arena), and the program decode-e2e runs in every mode while the tables
-hold every expert (``arena (full tables)``: no ``route_shed``, tier or fetch). ``--programs`` picks them
+hold every expert (``arena-full-tables``: no ``route_shed``, tier or fetch). ``--programs`` picks them
 (``resident`` is always measured).
 Each is timed four ways, the programs interleaved within a round (so a round sees every program in one
 state of a shared machine), the median of ``--rounds`` rounds of ``--tokens`` tokens with the range:
@@ -43,7 +43,7 @@ from kq.bench.common import run_header, write_json
 from kq.bench import decode_e2e
 
 WAYS = ("floor", "latency", "loop", "loop + step")
-PROGRAMS = ("resident", "arena", "arena (full tables)", "arena (float32)", "tier")
+PROGRAMS = ("resident", "arena", "arena-full-tables", "arena-float32", "tier")
 
 
 def hlo_profile(program, *args) -> dict:
@@ -94,9 +94,9 @@ def measure(model: str, impl: str, *, tokens: int, rounds: int, routing, names) 
     else:  # decode-e2e's CPU arena: the bfloat16 bits as uint16
         arena = {name: jax.lax.bitcast_convert_type(a, jnp.uint16) for name, a in engine.weights.items()}
     programs = {"resident": (engine.resident, engine.weights), "arena": (engine.streamed, arena),
-                "arena (float32)": (engine.streamed, {name: a.astype(jnp.float32) for name, a in
+                "arena-float32": (engine.streamed, {name: a.astype(jnp.float32) for name, a in
                                                       engine.weights.items()}),
-                "arena (full tables)": (engine.full, arena), "tier": (engine.tiered, arena)}
+                "arena-full-tables": (engine.full, arena), "tier": (engine.tiered, arena)}
     programs = {name: program for name, program in programs.items() if name == "resident" or name in names}
     dispatches, boundaries, hlo = {}, {}, {}
     for name, (program, arrays) in programs.items():
@@ -150,7 +150,7 @@ def main() -> int:
     parser.add_argument("--impls", nargs="+", choices=("pallas", "reference"),
                         default=["pallas", "reference"] if on_gpu else ["reference"])
     parser.add_argument("--programs", nargs="+", choices=PROGRAMS,
-                        default=[p for p in PROGRAMS if p != "arena (float32)" or not on_gpu])
+                        default=[p for p in PROGRAMS if p != "arena-float32" or not on_gpu])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", type=Path, required=True)
