@@ -133,8 +133,9 @@ def full_table_moe(x, indices, scores, slot_table, *, weights: Experts):
     """:func:`arena_moe` for a table that holds every expert (:func:`kq_core.contract.holds_every_expert`):
     no routed expert can miss, so each is gathered from its slot and weighted by its score, with no
     ``route_shed``, no tier and no fetch. Output and report are ``arena_moe``'s, bit for bit, under rules
-    ``route_shed``, ``shed``, ``tier``, ``uniform``, ``exact`` and ``substitute`` (not ``renormalize``,
-    which divides by the kept mass, nor the cache-aware rules, which route by residency).
+    ``route_shed``, ``shed`` and ``tier`` (``tests/test_moe_jax.py``); its output is the resident layer's,
+    which is what rule ``exact`` gives (``tests/test_decode_e2e.py``). Not ``renormalize``, which divides
+    by the kept mass, nor the cache-aware rules, which route by residency.
 
     Args:
         x: ``[T, D]``; indices, scores: the router's top-k, int32 and float32 ``[T, k]``;

@@ -279,8 +279,7 @@ class Engine:
                                                      num_slots=num_slots, on_miss=on_miss, impl=impl)
                     indices, scores, shed = routing
                 if rule == "full":  # every table holds every expert: nothing can miss
-                    y, report = full_table_moe(x, *routed(x, position, layer), tables[layer],
-                                               weights=layer_weights(arrays, layer))
+                    y, report = full_table_moe(x, indices, scores, tables[layer], weights=layer_weights(arrays, layer))
                     x = x + y
                     reports.append(report)
                     continue
@@ -303,7 +302,6 @@ class Engine:
                 return functools.partial(tiered, tier=self.tier)
             return jax.jit(lambda x, position, arrays, tables: streamed(x, position, arrays, tables, None, rule, fetch))
 
-        self.arena_program = arena_program
         self.resident = jax.jit(resident)
         self.streamed = arena_program("route_shed")
         self.tiered = arena_program("tier")
