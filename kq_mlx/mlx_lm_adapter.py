@@ -49,6 +49,8 @@ from kq_host.residency import LayerReport, PreloadError, deadline_of
 
 # SwitchGLU's projections (a SwitchMLP has fc1 and fc2): the names a tier's weights carry.
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# mlx-lm's switch layers sort a call's entries by expert (a different gather_mm kernel) from this many on.
+SORTED_FROM = 64
 
 
 def _route_qwen3_moe(block, x):
@@ -240,7 +242,9 @@ class ArenaLayer(nn.Module):
             entries = np.flatnonzero(chunk_of_entry == chunk)
             table = self._acquire(flat_ids[entries][None], flat_scores[entries][None])
             slots = mx.array(table[flat_ids[entries]].astype(np.uint32))[:, None]
-            out = self.arena(x_rows[mx.array(entries // k)], slots)
+            # A chunk takes the kernel the whole pass would: repeated up to SORTED_FROM entries where it sorts.
+            copies = -(-SORTED_FROM // entries.size) if ids.size >= SORTED_FROM > entries.size else 1
+            out = self.arena(x_rows[mx.array(entries // k)], mx.repeat(slots, copies, axis=1))[:, :1]
             mx.eval(out)  # before the next chunk's reads take its slots
             outputs.append(out.reshape(entries.size, -1))
             positions.append(entries)

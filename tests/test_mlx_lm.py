@@ -1101,10 +1101,19 @@ def test_the_compiled_layer_graphs_give_the_uncompiled_bits(make_model, rule, sl
     assert all(logits.any() for logits, *_ in compiled)
 
 
-def test_route_shed_columns_is_the_contract_bit_for_bit():
-    """kq_mlx.route_shed_columns compiled at each case's shape: every golden vector and random rows (K from 1 to
-    64, every dtype, NaN, inf, subnormal and negative scores, ids out of range); with ``nonnegative`` the
-    cases whose scores are all >= 0 or NaN (a softmax router's)."""
+@pytest.fixture
+def on_cpu():
+    """MLX's default device the CPU for the test (where a graph takes route_shed_columns), then back."""
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(device)
+
+
+def test_route_shed_columns_is_the_contract_bit_for_bit(on_cpu):
+    """kq_mlx.route_shed_columns compiled at each case's shape on the CPU, where a graph runs it: every golden
+    vector and random rows (K from 1 to 64, every dtype, NaN, inf, subnormal and negative scores, ids out of
+    range); with ``nonnegative`` the cases whose scores are all >= 0 or NaN (a softmax router's)."""
     from kq.spec import assert_matches, golden_cases, random_cases
     from kq_mlx.route_shed_columns import rank_misses, serve
 
@@ -1124,7 +1133,7 @@ def test_route_shed_columns_is_the_contract_bit_for_bit():
     assert assert_matches(through(True), nonnegative, arrays="mlx").cases == len(nonnegative)
 
 
-def test_a_compiled_layer_graph_holds_fewer_primitives_than_its_ops_one_by_one():
+def test_a_compiled_layer_graph_holds_fewer_primitives_than_its_ops_one_by_one(on_cpu):
     """What the compiled path is for: a decode step's MoE layer, routing to combine, is fewer primitives (each a
     task of its own on MLX's CPU stream)."""
     import io
