@@ -211,7 +211,10 @@ class ArenaLayer(nn.Module):
         its experts are then taken in chunks that fit, the resident ones first, each chunk's experts
         acquired (each read once) and run on the entries routed to them, and the entries' outputs put
         back in order. Each entry's output is the arena's for that entry alone, so the bits are those
-        of one call over every entry (each entry's products are its own rows of ``gather_mm``).
+        of one call over every entry (each entry's products are its own rows of ``gather_mm``), provided
+        a chunk takes the kernel the whole pass would: mlx-lm sorts a call's entries from
+        :data:`SORTED_FROM` on, and on MLX-CUDA the sorted kernel's float32 bits differ from the unsorted
+        one's, so a chunk of a pass that sorts is repeated up to that many entries (docs/benchmarks.md).
         """
         if self.manager is None:
             raise ValueError(f"{type(self).__name__}: rule 'exact' needs a residency manager: call attach_exact first")

@@ -7,7 +7,9 @@ experts need (``slots`` and ``mix``) from a gather, two cumulative sums (scores 
 over the columns (any scores) and one integer minimum, and :func:`rank_misses` ranks the misses with
 one sort of unique int64 keys, so one call can rank every layer's rows of a token at once. The columns,
 the slices and the bit views fix the shape: a compile around them is traced per shape (a decode step's
-one row, a prompt's length).
+one row, a prompt's length). :func:`mix_all_kept` is compiled on any stream (a resident layer's weights).
+Over zero rows MLX 0.32.4's CUDA backend aborts a compiled graph of these functions (SIGFPE,
+docs/benchmarks.md); no model pass gets there, as mlx-lm's models refuse a pass of no tokens.
 """
 
 from __future__ import annotations
