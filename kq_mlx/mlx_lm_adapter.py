@@ -1069,14 +1069,15 @@ def _pack_resident_graph() -> Callable:
 
 
 class _Published:
-    """A slot table row as :func:`set_tables` last handed it to a block, the array it made, whether it holds
+    """A slot table row as :func:`set_tables` last handed it to a block (its bytes, ``key``: an unchanged row is
+    one comparison), the array it made, whether it holds
     every expert in the block's arena (``full``: every entry in ``[0, num_slots)``) and then, unless it is
     the identity, the row as uint32 slots on the device (``remap``, the gather of the resident path)."""
 
-    __slots__ = ("row", "table", "full", "remap")
+    __slots__ = ("key", "table", "full", "remap")
 
     def __init__(self, row: np.ndarray, table: mx.array, num_slots: int):
-        self.row, self.table = row, table
+        self.key, self.table = row.tobytes(), table
         self.full = bool(holds_every_expert(row, num_slots))
         identity = self.full and np.array_equal(row, np.arange(row.size))
         self.remap = mx.array(row.astype(np.uint32)) if self.full and not identity else None
@@ -1119,12 +1120,12 @@ def set_tables(blocks: list[ArenaLayer], tables: np.ndarray) -> None:
     if tables.ndim != 2 or tables.shape[0] != len(blocks):
         raise ValueError(f"set_tables: tables must be int [L, E] with L = {len(blocks)} blocks, got shape "
                          f"{tables.shape}")
-    for layer, block in enumerate(blocks):
-        row, published = tables[layer], block._published
-        if published is not None and published.table is block.slot_table and np.array_equal(published.row, row):
+    for block, row in zip(blocks, tables):
+        published = block._published
+        if published is not None and published.table is block.slot_table and published.key == row.tobytes():
             continue
         block.slot_table = mx.array(row)
-        block._published = _Published(row.copy(), block.slot_table, block.num_slots)
+        block._published = _Published(row, block.slot_table, block.num_slots)
 
 
 def pack_reports(blocks: list[ArenaLayer]) -> mx.array:
