@@ -1069,10 +1069,10 @@ def _pack_resident_graph() -> Callable:
 
 
 class _Published:
-    """A slot table row as :func:`set_tables` last handed it to a block (its bytes, ``key``: an unchanged row is
-    one comparison), the array it made, whether it holds
-    every expert in the block's arena (``full``: every entry in ``[0, num_slots)``) and then, unless it is
-    the identity, the row as uint32 slots on the device (``remap``, the gather of the resident path)."""
+    """A slot table row as :func:`set_tables` last handed it to a block: its bytes (``key``: an unchanged row is
+    one comparison), the array it made, whether it holds every expert in the block's arena (``full``: every
+    entry in ``[0, num_slots)``) and then, unless it is the identity, the row as uint32 slots on the device
+    (``remap``, the gather of the resident path)."""
 
     __slots__ = ("key", "table", "full", "remap")
 

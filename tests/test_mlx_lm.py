@@ -1181,3 +1181,16 @@ def test_a_new_tier_replaces_the_compiled_graph_that_read_the_old_one():
         assert all(len(block._graphs) == 1 for block in blocks)
     assert seen[0].tobytes() != seen[1].tobytes(), "the tiers must serve the misses differently"
     manager.close()
+
+
+def test_the_chunk_bits_job_finds_a_chunk_of_a_pass_in_the_pass_bits_on_the_cpu(on_cpu):
+    """``python -m kq.bench.jobs chunk_bits`` on the CPU, where gather_mm computes each entry alone: every entry of
+    each chunk has the whole pass's bits in every form (float32 and 4-bit; the CPU's gather_mm takes no
+    bfloat16, which the job reports as not run)."""
+    from kq.bench.jobs import chunk_bits
+
+    rows = {row["dtype"]: row for row in chunk_bits.run(tokens=20, top_k=4, experts=16, chunk_experts=4, seed=5)}
+    for dtype in ("float32", "4-bit"):
+        assert rows[dtype]["entries"] == 80
+        assert rows[dtype]["entries_differing"] == {"alone": 0, "repeated": 0, "sorted": 0}
+    assert rows["bfloat16"]["entries_differing"].startswith("not run")
