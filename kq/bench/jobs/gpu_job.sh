@@ -15,7 +15,8 @@
 # layer-by-layer loop with and without look-ahead, extra arguments in EXACT_ARGS, the JSON and log named
 # with EXACT_TAG; and its tests); and MLX on CUDA, after
 # `source .mlxb/env.sh` (../shared/device/mlx-cuda-prepare.sh; with kq/bench/jobs/mlx_lm_wheels.sh, mlx-lm is
-# installed beside it): mlx_check (`kq check --backends mlx-cuda`), mlx_tests (tests/test_mlx.py, test_mlx_lm.py),
+# installed beside it): mlx_check (`kq check --backends mlx-cuda`), mlx_tests (the tests/test_mlx*.py files,
+# MLX_TEST_FILES to narrow them),
 # mlx_bench (`kq bench`: mlx-cuda beside mlx-ops-gpu, the pure-`mx` path on the GPU stream,
 # on the same GPU), mlx_decode (mlx-lm decode through
 # the arena, `python -m kq.bench.jobs mlx_decode`, extra arguments in MLX_DECODE_ARGS), mlx_chunk_bits (a
@@ -92,8 +93,9 @@ print(d.format_table(results)); d.write_json(results, sys.argv[1])" "$OUT/decode
     compile) part compile python3 -m kq bench --sets compile --no-progress --json "$OUT/compile.json" ;;
     expert_parallel) part expert_parallel python3 -m kq.bench.jobs expert_parallel --json "$OUT/expert_parallel.json" ;;
     mlx_check) part mlx_check python3 -m kq check --backends mlx-cuda mlx-ops-gpu --random-rows "${ROWS:-50000}" ;;
-    mlx_tests) part mlx_tests python3 -m pytest -q -p no:cacheprovider -n 0 -rs --durations=10 tests/test_mlx_lm.py \
-                 tests/test_mlx.py ;;
+    mlx_tests) part mlx_tests python3 -m pytest -q -p no:cacheprovider -n 0 -rfs --tb=short --durations=10 \
+                 ${MLX_TEST_FILES:-tests/test_mlx.py tests/test_mlx_lm.py tests/test_mlx_lm_resident.py \
+                 tests/test_mlx_lm_exact_loop.py tests/test_mlx_families.py} ;;
     mlx_bench) # One backend and one set per process; a set that MLX's CUDA graph refuses is run again with
                # MLX_USE_CUDA_GRAPHS=0, its log kept beside the first.
                for backend in mlx-cuda mlx-ops-gpu; do
