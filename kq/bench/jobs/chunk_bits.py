@@ -93,6 +93,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json")
     args = parser.parse_args()
+    for name in ("tokens", "top_k", "experts", "chunk_experts"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.top_k > args.experts:
+        parser.error(f"--top-k ({args.top_k}) must not exceed --experts ({args.experts})")
     rows = run(args.tokens, args.top_k, args.experts, args.chunk_experts, args.seed)
     if args.json:
         with open(args.json, "w") as f:
