@@ -1124,7 +1124,7 @@ def set_tables(blocks: list[ArenaLayer], tables: np.ndarray) -> None:
         published = block._published
         if published is not None and published.table is block.slot_table and published.key == row.tobytes():
             continue
-        block.slot_table = mx.array(row)
+        block.slot_table = mx.array(np.ascontiguousarray(row))  # MLX takes no negative strides
         block._published = _Published(row, block.slot_table, block.num_slots)
 
 

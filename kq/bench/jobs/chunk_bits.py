@@ -6,7 +6,9 @@ arena holds) asks of the backend.
 quantized), a pass of ``T`` tokens x ``K`` entries, its experts split in groups; each group's entries run
 alone as they come (``alone``: mlx-lm sorts only a call of 64 entries or more), repeated to 64 entries so
 the call takes the sorted path as the whole pass did (``repeated``), and through the sorted path directly
-(``sorted``). Reports, per variant, how many entries' outputs differ in bits from the whole pass's.
+(``sorted``). Reports, per variant, how many entries' outputs differ in bits from the whole pass's, whichever
+path the whole pass took (it sorts from 64 entries on: the defaults' 80 do; the adapter repeats a chunk only
+then).
 """
 
 from __future__ import annotations
