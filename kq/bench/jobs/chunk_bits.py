@@ -18,6 +18,8 @@ import json
 
 import numpy as np
 
+from kq.bench.common import run_header, write_json
+
 
 def _variants(glu, x, ids, chunk_experts: int):
     import mlx.core as mx
@@ -80,7 +82,7 @@ def run(tokens: int, top_k: int, experts: int, chunk_experts: int, seed: int) ->
         except RuntimeError as error:  # MLX's CPU gather_mm takes float32 only
             differing = f"not run: {error}"
         rows.append({"dtype": dtype, "tokens": tokens, "top_k": top_k, "experts": experts,
-                     "chunk_experts": chunk_experts, "entries": tokens * top_k, "device": str(mx.default_device()),
+                     "chunk_experts": chunk_experts, "entries": tokens * top_k,
                      "entries_differing": differing})
         print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -102,8 +104,7 @@ def main() -> None:
         parser.error(f"--top-k ({args.top_k}) must not exceed --experts ({args.experts})")
     rows = run(args.tokens, args.top_k, args.experts, args.chunk_experts, args.seed)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, {**run_header("mlx"), "rows": rows})
 
 
 if __name__ == "__main__":
