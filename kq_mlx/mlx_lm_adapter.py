@@ -198,9 +198,13 @@ class ArenaLayer(nn.Module):
 
     def expert_weights(self, expert: int) -> dict[str, np.ndarray]:
         """One expert's payload (:meth:`slot_layout`'s keys) from the original experts: the in-memory 'disk' for tests."""
-        return {key: np.array(array[expert].astype(mx.float32) if _host_dtype(array.dtype) == np.float32
-                              else array[expert])
-                for key, array in _slot_arrays(self._source("expert_weights"))}
+        return {key: _to_host(array[expert]) for key, array in _slot_arrays(self._source("expert_weights"))}
+
+    def stacked_expert_weights(self) -> dict[str, np.ndarray]:
+        """Every original expert's payload at once, ``{key: [E, ...] host array}`` (one copy of the layer's
+        experts in host memory, as the page cache holds a checkpoint's: an in-memory 'disk' whose reads
+        touch no device)."""
+        return {key: _to_host(array) for key, array in _slot_arrays(self._source("stacked_expert_weights"))}
 
     def _exact(self, x, inds, scores):
         """Rule ``"exact"``: the routing evaluated and read back, every routed expert made resident by the
@@ -629,6 +633,11 @@ def _slot_arrays(switch) -> list[tuple[str, mx.array]]:
                 float_weight = name == "weight" and not quantized
                 out.append((projection if float_weight else f"{projection}.{name}", value))
     return out
+
+
+def _to_host(array: mx.array) -> np.ndarray:
+    """A per-expert array as a payload holds it: floats as float32, anything else as it is."""
+    return np.array(array.astype(mx.float32) if _host_dtype(array.dtype) == np.float32 else array)
 
 
 def _host_dtype(dtype) -> np.dtype:

@@ -5,7 +5,7 @@ import sys
 
 JOBS = ("sweep_route_shed", "sweep_topk", "launches", "moe_overhead", "expert_parallel", "mlx_decode", "h2d_staging",
         "frontier", "lookahead", "study_grid", "tier_decode", "exact_loop", "decode_floor", "huge_model",
-        "experts_fence", "chunk_bits")
+        "experts_fence", "chunk_bits", "mlx_token_parts")
 
 
 def main() -> int:

@@ -1,0 +1,176 @@
+"""A decode token through mlx-lm's models on arenas taken apart, on MLX's default device.
+
+``graphs``: at full residency (every expert resident, the tables fixed), the token of each graph below,
+dispatched as ``mlx_lm.generate`` dispatches (the next token before this one is read), nothing else read
+back; the graphs interleaved within a round, ``rounds`` rounds, the median round reported with its range:
+
+* ``unmodified``: the model as mlx-lm ships it;
+* ``arena``: :func:`kq_mlx.mlx_lm_adapter.attach_arena`'s layers on their resident path, as shipped;
+* ``arena-uncompiled``: the same layers, their resident graph run op by op, not through ``mx.compile``;
+* ``block-on-arena``: mlx-lm's own block with the arena in place of its switch layer (no report, no
+  remap): what the arena's weights cost alone.
+
+``exact``: ``generate_greedy(exact=True)`` at ``--residency`` on wheels-moe, the misses read from one of
+two in-memory 'disks': ``device`` (each read slices the model's own experts, on the default device, and
+copies them to the host: :meth:`~kq_mlx.mlx_lm_adapter.ArenaLayer.expert_weights`) and ``host`` (host
+copies of every expert made once, as the page cache holds a checkpoint's:
+:meth:`~kq_mlx.mlx_lm_adapter.ArenaLayer.stacked_expert_weights`); each loop's tokens per second, then
+the same loop under ``cProfile``: the host's time a token by function, the largest first.
+
+    python -m kq.bench.jobs mlx_token_parts --json out/mlx_token_parts.json [--parts graphs exact]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import time
+
+import numpy as np
+
+from kq.bench.common import run_header, write_json
+from kq.bench.jobs.mlx_decode import PROMPT, VARIANTS, _fixed_tables, _load, _Phases, _tok_s, _unmodified
+
+GRAPHS = ("unmodified", "arena", "arena-uncompiled", "block-on-arena")
+
+
+def _manager(blocks, slots: int, loader):
+    from kq_host.residency import ResidencyManager
+    from kq_mlx.mlx_lm_adapter import SwitchGLUArena
+
+    num_experts = blocks[0].num_experts
+    expert_bytes = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize
+                       for shape, dtype in blocks[0].slot_layout().values())
+    manager = ResidencyManager(len(blocks), num_experts, slots, arena=SwitchGLUArena(blocks),
+                               bytes_per_expert=expert_bytes, loader=loader)
+    for layer in range(len(blocks)):
+        manager.preload(layer, range(slots) if slots == num_experts else [])
+    return manager
+
+
+def _graph_run(checkpoint, quantized: bool, graph: str, prompt: list[int], steps: int):
+    """One graph's tokens and stamps on a freshly loaded model."""
+    from kq_mlx.mlx_lm_adapter import _replace, attach_arena
+
+    model, _ = _load(checkpoint, quantized)
+    phases = _Phases()
+    if graph == "unmodified":
+        return _unmodified(model, prompt, steps, phases)
+    num_experts = model.layers[0].mlp.switch_mlp.gate_proj.weight.shape[0]
+    blocks = attach_arena(model, num_experts)
+    manager = _manager(blocks, num_experts, lambda layer, expert, slot: blocks[layer].expert_weights(expert))
+    if graph == "arena-uncompiled":
+        for block in blocks:
+            object.__setattr__(block, "_graph", lambda rule, captured, forward: forward)
+    elif graph == "block-on-arena":
+        for block in blocks:
+            block.block.switch_mlp = block.arena
+            _replace(model, block.module_path.rpartition(".")[0], block.block)
+    try:
+        return _fixed_tables(model, blocks, manager, prompt, steps, phases, read_reports=False)
+    finally:
+        manager.close()
+
+
+def graphs(rounds: int, tokens: int, warmup: int, variants) -> list[dict]:
+    rows = []
+    for name, checkpoint, quantized in variants:
+        prompt = _load(checkpoint, quantized)[1].encode(PROMPT)
+        runs = {graph: [] for graph in GRAPHS}
+        tokens_of = {}
+        for _ in range(rounds):
+            for graph in GRAPHS:
+                got, stamps = _graph_run(checkpoint, quantized, graph, prompt, warmup + tokens)
+                runs[graph].append(_tok_s(stamps, tokens))
+                tokens_of.setdefault(graph, got)
+        unmodified = sorted(runs["unmodified"])[rounds // 2]
+        for graph, done in runs.items():
+            done = sorted(done)
+            rows.append(dict(model=name, quantized=quantized or name == "wheels-moe", graph=graph,
+                             tok_s=done[rounds // 2], tok_s_range=[done[0], done[-1]],
+                             x_unmodified=done[rounds // 2] / unmodified,
+                             same_tokens=tokens_of[graph] == tokens_of["unmodified"]))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _host_loader(blocks):
+    stacked = [block.stacked_expert_weights() for block in blocks]
+    return lambda layer, expert, slot: {key: array[expert] for key, array in stacked[layer].items()}
+
+
+def _exact_loop(checkpoint, residency: float, disk: str, prompt: list[int], steps: int, profile: cProfile.Profile | None):
+    from kq_mlx.mlx_lm_adapter import attach_arena, generate_greedy
+
+    model, _ = _load(checkpoint, False)
+    num_experts = model.layers[0].mlp.switch_mlp.gate_proj.weight.shape[0]
+    slots = max(1, int(round(residency * num_experts)))
+    blocks = attach_arena(model, slots)
+    loader = (_host_loader(blocks) if disk == "host"
+              else lambda layer, expert, slot: blocks[layer].expert_weights(expert))
+    manager = _manager(blocks, slots, loader)
+    stamps = []
+    try:
+        if profile is not None:
+            profile.enable()
+        got = generate_greedy(model, blocks, manager, prompt, steps, exact=True, prefill_prompt=False,
+                              on_token=lambda token: stamps.append(time.perf_counter()))
+    finally:
+        if profile is not None:
+            profile.disable()
+        manager.close()
+    return got, stamps
+
+
+def exact(residency: float, tokens: int, warmup: int, top: int) -> list[dict]:
+    name, checkpoint, _ = VARIANTS[2]
+    prompt = _load(checkpoint, False)[1].encode(PROMPT)
+    steps = warmup + tokens
+    rows = []
+    for disk in ("device", "host"):
+        got, stamps = _exact_loop(checkpoint, residency, disk, prompt, steps, None)
+        profile = cProfile.Profile()
+        _exact_loop(checkpoint, residency, disk, prompt, steps, profile)
+        stats = pstats.Stats(profile).stats  # {(file, line, function): (calls, primitive calls, tottime, cumtime, callers)}
+        largest = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+        rows.append(dict(model=name, residency=residency, disk=disk, tok_s=_tok_s(stamps, tokens), tokens=got,
+                         host_ms_per_token=[dict(function=f"{file.rpartition('/')[2]}:{line}:{function}",
+                                                 calls_per_token=calls / steps, own=1e3 * own / steps,
+                                                 cumulative=1e3 * cumulative / steps)
+                                            for (file, line, function), (_, calls, own, cumulative, _) in largest]))
+        print(json.dumps({key: value for key, value in rows[-1].items() if key != "tokens"}), flush=True)
+    rows[-1]["same_tokens"] = rows[0]["tokens"] == rows[1]["tokens"]
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", nargs="+", choices=("graphs", "exact"), default=["graphs", "exact"])
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of the graphs, interleaved")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=16)
+    parser.add_argument("--variants", nargs="+", type=int, choices=range(len(VARIANTS)),
+                        default=list(range(len(VARIANTS))), help="the graphs' models: indices into mlx_decode's")
+    parser.add_argument("--residency", type=float, default=0.5, help="the exact loop's")
+    parser.add_argument("--top", type=int, default=25, help="functions listed per exact loop")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    for name in ("rounds", "tokens", "top"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1")
+    if args.warmup < 1:
+        parser.error("--warmup must be at least 1")
+    if not 0.0 < args.residency < 1.0:
+        parser.error(f"--residency must be in (0, 1): the exact loop reads nothing at full residency, got "
+                     f"{args.residency}")
+    result = {**run_header("mlx"), "tokens": args.tokens, "warmup": args.warmup, "rounds": args.rounds}
+    if "graphs" in args.parts:
+        result["graphs"] = graphs(args.rounds, args.tokens, args.warmup, [VARIANTS[i] for i in args.variants])
+    if "exact" in args.parts:
+        result["exact"] = exact(args.residency, args.tokens, args.warmup, args.top)
+    if args.json:
+        write_json(args.json, result)
+    return 0 if all(row["same_tokens"] for row in result.get("graphs", []) + result.get("exact", [])[-1:]) else 1
+
