@@ -20,7 +20,8 @@
 # mlx_bench (`kq bench`: mlx-cuda beside mlx-ops-gpu, the pure-`mx` path on the GPU stream,
 # on the same GPU), mlx_decode (mlx-lm decode through
 # the arena, `python -m kq.bench.jobs mlx_decode`, extra arguments in MLX_DECODE_ARGS), mlx_chunk_bits (a
-# prompt chunk's gather_mm bits against the whole pass's, `python -m kq.bench.jobs chunk_bits`). Each part's log and
+# prompt chunk's gather_mm bits against the whole pass's, `python -m kq.bench.jobs chunk_bits`), mlx_token_parts (a decode
+# token taken apart: `python -m kq.bench.jobs mlx_token_parts`, extra arguments in MLX_TOKEN_PARTS_ARGS). Each part's log and
 # JSON go under $OUT, with the device and versions in device.txt and one line per part in
 # summary.txt; a part is cut at PART_TIMEOUT seconds (default 500). Exits non-zero if a part failed.
 # Wheels in WHEELS (default .whl, e.g. Numba's for the host side: `pip download numba`) are installed
@@ -111,6 +112,8 @@ print(d.format_table(results)); d.write_json(results, sys.argv[1])" "$OUT/decode
                done ;;
     mlx_decode) part mlx_decode python3 -m kq.bench.jobs mlx_decode --json "$OUT/mlx_decode.json" ${MLX_DECODE_ARGS:-} ;;
     mlx_chunk_bits) part mlx_chunk_bits python3 -m kq.bench.jobs chunk_bits --json "$OUT/chunk_bits.json" ;;
+    mlx_token_parts) part mlx_token_parts python3 -m kq.bench.jobs mlx_token_parts --json "$OUT/mlx_token_parts.json" \
+                       ${MLX_TOKEN_PARTS_ARGS:-} ;;
     exact_loop) part "exact_loop${EXACT_TAG:-}" python3 -m kq.bench.jobs exact_loop --json "$OUT/exact_loop${EXACT_TAG:-}.json" \
                   ${EXACT_ARGS:-}
                 part exact_loop_tests python3 -m pytest -q -p no:cacheprovider -n 0 -rs tests/test_exact_loop.py ;;
@@ -124,7 +127,7 @@ print(d.format_table(results)); d.write_json(results, sys.argv[1])" "$OUT/decode
     *) echo "unknown part: $name (tests check memcheck bench sweep moe sharding compile expert_parallel decode_e2e host" \
             "decode_full host_tests arena_tests decode_tests h2d experts_fence decode_floor tier_decode study_grid" \
             "exact_loop" \
-            "mlx_check mlx_tests mlx_bench mlx_decode mlx_chunk_bits)"
+            "mlx_check mlx_tests mlx_bench mlx_decode mlx_chunk_bits mlx_token_parts)"
        status=2 ;;
   esac
 done
