@@ -59,6 +59,17 @@ def rng():
     return np.random.default_rng(1234)
 
 
+@pytest.fixture
+def on_cpu():
+    """MLX's default device the CPU for the test (where a graph takes route_shed_columns), then back."""
+    import mlx.core as mx
+
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(device)
+
+
 def _release_compiled_programs() -> None:
     """Lets go of the compiled programs and buffer caches that tests left behind."""
     if "jax" in sys.modules:

@@ -1104,15 +1104,6 @@ def test_the_compiled_layer_graphs_give_the_uncompiled_bits(make_model, rule, sl
     assert all(logits.any() for logits, *_ in compiled)
 
 
-@pytest.fixture
-def on_cpu():
-    """MLX's default device the CPU for the test (where a graph takes route_shed_columns), then back."""
-    device = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    yield
-    mx.set_default_device(device)
-
-
 def test_route_shed_columns_is_the_contract_bit_for_bit(on_cpu):
     """kq_mlx.route_shed_columns compiled at each case's shape on the CPU, where a graph runs it: every golden
     vector and random rows (K from 1 to 64, every dtype, NaN, inf, subnormal and negative scores, ids out of

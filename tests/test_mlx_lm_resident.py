@@ -13,7 +13,7 @@ from kq_host.residency import LayerReport  # noqa: E402
 from kq_mlx.mlx_lm_adapter import (SwitchGLUArena, attach_arena, attach_tier, generate_greedy,  # noqa: E402
                                    pack_reports, set_tables)
 from test_mlx_lm import (EXPERTS, LAYERS, PROMPT, _manager_over, _quantized,  # noqa: E402
-                         deepseek_v3_model, evaluated, mixtral_model, on_cpu, qwen3_model)
+                         deepseek_v3_model, evaluated, mixtral_model, qwen3_model)
 from tiny_models import tier_of  # noqa: E402
 
 IDENTITY = np.arange(EXPERTS, dtype=np.int32)
