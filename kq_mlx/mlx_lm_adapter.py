@@ -222,10 +222,11 @@ class ArenaLayer(nn.Module):
         """
         if self.manager is None:
             raise ValueError(f"{type(self).__name__}: rule 'exact' needs a residency manager: call attach_exact first")
-        mx.eval(inds, scores)
+        scores_f32 = scores.astype(mx.float32)
+        mx.eval(inds, scores_f32)  # one wait for the routing: the host reads both
         k = inds.shape[-1]
         ids = np.array(inds).reshape(-1, k).astype(np.int64)
-        host_scores = np.array(scores.astype(mx.float32)).reshape(-1, k)
+        host_scores = np.array(scores_f32).reshape(-1, k)
         pinned = self.manager.pinned_experts.get(self.layer, set())
         wanted = np.unique(ids)
         capacity = self.num_slots - len(pinned)
@@ -592,15 +593,21 @@ class SwitchGLUArena:
         """One expert into ``[layer, slot]`` (keys and shapes of :meth:`ArenaSwitch.slot_layout`); float
         arrays cast to the arena's dtype through float32, packed quantized weights written as they are.
 
+        The payload's bytes are copied before it returns (its buffers may be reused at once); the copy into
+        the slot is dispatched, not waited for (``mx.async_eval``): every graph built after the call reads the
+        new slot, and one already in flight (a token dispatched before the boundary that writes it) the old
+        one, so a write neither waits for the token in flight nor adds a host round trip.
+
         Raises:
             ExpertPayloadError: the payload is not one expert of the layer's shapes (nothing written).
         """
         layout = self.blocks[layer].slot_layout()
         check_payload(payload, layout)
-        mx.eval(*self._assign(layer, slot, payload, layout))
+        mx.async_eval(*self._assign(layer, slot, payload, layout))
 
     def write_slots(self, layers, slots, payloads) -> list[BaseException | None]:
-        """n experts, evaluated once; one ExpertPayloadError (that expert not written) or None per write."""
+        """n experts, dispatched once as :meth:`write_slot` dispatches one; one ExpertPayloadError (that expert
+        not written) or None per write."""
         errors, written = [], []
         for layer, slot, payload in zip(np.asarray(layers).tolist(), np.asarray(slots).tolist(), payloads):
             layout = self.blocks[layer].slot_layout()
@@ -608,7 +615,7 @@ class SwitchGLUArena:
             if error is None:
                 written += self._assign(layer, slot, payload, layout)
             errors.append(error)
-        mx.eval(*written)
+        mx.async_eval(*written)
         return errors
 
     def _assign(self, layer: int, slot: int, payload, layout) -> list[mx.array]:

@@ -268,6 +268,23 @@ def test_each_arena_names_its_checkpoint_tensors():
             assert f".{block.model_layer}." in f".{block.module_path}."
 
 
+def test_the_stacked_experts_are_each_experts_payload():
+    """stacked_expert_weights()[key][e] is expert_weights(e)[key], bit for bit and dtype for dtype: float
+    (float32 and bfloat16 arenas), 4-bit (packed weights, scales, biases) and a projection bias (gpt-oss)."""
+    for family, quantized, dtype in (("deepseek_v3", False, mx.bfloat16), ("gpt_oss", True, None),
+                                     ("qwen3_moe", False, None)):
+        model = build(family, quantized=quantized)
+        if dtype is not None:
+            model.set_dtype(dtype)
+        block = attach_arena(model, 4)[-1]
+        stacked = block.stacked_expert_weights()
+        assert set(stacked) == set(block.slot_layout())
+        for expert in (0, 3, EXPERTS - 1):
+            for key, want in block.expert_weights(expert).items():
+                got = stacked[key][expert]
+                assert got.dtype == want.dtype and got.shape == want.shape and got.tobytes() == want.tobytes(), key
+
+
 def test_the_lazy_checkpoint_of_a_seam_family_streams_from_its_own_tensor_names(tmp_path):
     """deepseek_v3 saved, loaded lazily, its experts dropped: the arena reads each expert from the file
     under tensor_names(), and exact decoding gives the unmodified model's tokens."""

@@ -53,7 +53,8 @@ unified memory).
 
 Each arena loop runs at 100% residency (every expert preloaded: the adapter's own cost; its tokens are
 compared with the unmodified model's) and at 25% (experts read between tokens by the residency
-manager; the in-memory experts are the 'disk', so this is the arena's cost, not an SSD's). Steady
+manager; host copies of the model's experts are the 'disk', :func:`host_loader`, so this is the arena's
+cost, not an SSD's). Steady
 state: the time between successive tokens over the last ``tokens`` of ``warmup + tokens``, each loop run
 ``rounds`` times, the loops interleaved within a round, the median round reported with the range.
 
@@ -331,6 +332,14 @@ def _load(checkpoint: Path, quantized: bool):
     return model, tokenizer
 
 
+def host_loader(blocks):
+    """A residency manager's loader over host copies of every expert, made once
+    (:meth:`~kq_mlx.mlx_lm_adapter.ArenaLayer.stacked_expert_weights`): an in-memory 'disk' as the page
+    cache holds a checkpoint's, whose reads touch no device."""
+    stacked = [block.stacked_expert_weights() for block in blocks]
+    return lambda layer, expert, slot: {key: array[expert] for key, array in stacked[layer].items()}
+
+
 def _tok_s(stamps: list[float], tokens: int) -> float:
     gaps = [b - a for a, b in zip(stamps[-tokens - 1:], stamps[-tokens:])]
     return 1.0 / statistics.median(gaps)
@@ -354,7 +363,7 @@ def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, p
                        for shape, dtype in blocks[0].slot_layout().values())
     manager = _Stamped(ResidencyManager(
         len(blocks), num_experts, slots, arena=SwitchGLUArena(blocks), bytes_per_expert=expert_bytes,
-        loader=lambda layer, expert, slot: blocks[layer].expert_weights(expert)))
+        loader=host_loader(blocks)))
     for layer in range(len(blocks)):
         manager.preload(layer, range(slots) if slots == num_experts else [])
     preloaded = manager.stats()[1]

@@ -14,7 +14,7 @@ back; the graphs interleaved within a round, ``rounds`` rounds, the median round
 two in-memory 'disks': ``device`` (each read slices the model's own experts, on the default device, and
 copies them to the host: :meth:`~kq_mlx.mlx_lm_adapter.ArenaLayer.expert_weights`) and ``host`` (host
 copies of every expert made once, as the page cache holds a checkpoint's:
-:meth:`~kq_mlx.mlx_lm_adapter.ArenaLayer.stacked_expert_weights`); each loop's tokens per second, then
+:func:`~kq.bench.jobs.mlx_decode.host_loader`, what ``mlx_decode`` reads from); each loop's tokens per second, then
 the same loop under ``cProfile``: the host's time a token by function, the largest first.
 
     python -m kq.bench.jobs mlx_token_parts --json out/mlx_token_parts.json [--parts graphs exact]
@@ -31,7 +31,8 @@ import time
 import numpy as np
 
 from kq.bench.common import run_header, write_json
-from kq.bench.jobs.mlx_decode import PROMPT, VARIANTS, _fixed_tables, _load, _Phases, _tok_s, _unmodified
+from kq.bench.jobs.mlx_decode import (PROMPT, VARIANTS, _fixed_tables, _load, _Phases, _tok_s, _unmodified,
+                                      host_loader)
 
 GRAPHS = ("unmodified", "arena", "arena-uncompiled", "block-on-arena")
 
@@ -96,11 +97,6 @@ def graphs(rounds: int, tokens: int, warmup: int, variants) -> list[dict]:
     return rows
 
 
-def _host_loader(blocks):
-    stacked = [block.stacked_expert_weights() for block in blocks]
-    return lambda layer, expert, slot: {key: array[expert] for key, array in stacked[layer].items()}
-
-
 def _exact_loop(checkpoint, residency: float, disk: str, prompt: list[int], steps: int, profile: cProfile.Profile | None):
     from kq_mlx.mlx_lm_adapter import attach_arena, generate_greedy
 
@@ -108,7 +104,7 @@ def _exact_loop(checkpoint, residency: float, disk: str, prompt: list[int], step
     num_experts = model.layers[0].mlp.switch_mlp.gate_proj.weight.shape[0]
     slots = max(1, int(round(residency * num_experts)))
     blocks = attach_arena(model, slots)
-    loader = (_host_loader(blocks) if disk == "host"
+    loader = (host_loader(blocks) if disk == "host"
               else lambda layer, expert, slot: blocks[layer].expert_weights(expert))
     manager = _manager(blocks, slots, loader)
     stamps = []
