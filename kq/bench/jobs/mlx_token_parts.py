@@ -2,7 +2,8 @@
 
 ``graphs``: at full residency (every expert resident, the tables fixed), the token of each graph below,
 dispatched as ``mlx_lm.generate`` dispatches (the next token before this one is read), nothing else read
-back; the graphs interleaved within a round, ``rounds`` rounds, the median round reported with its range:
+back; each graph's model loaded once, the graphs interleaved within a round, ``rounds`` rounds, the median
+round reported with its range, and the median of each round's ratio to the unmodified model's round:
 
 * ``unmodified``: the model as mlx-lm ships it;
 * ``arena``: :func:`kq_mlx.mlx_lm_adapter.attach_arena`'s layers on their resident path, as shipped;
@@ -51,17 +52,17 @@ def _manager(blocks, slots: int, loader):
     return manager
 
 
-def _graph_run(checkpoint, quantized: bool, graph: str, prompt: list[int], steps: int):
-    """One graph's tokens and stamps on a freshly loaded model."""
+def _graph(checkpoint, quantized: bool, graph: str, prompt: list[int]):
+    """A graph's decode loop, ``loop(steps) -> (tokens, stamps)``, on a model loaded once for it."""
     from kq_mlx.mlx_lm_adapter import _replace, attach_arena
 
     model, _ = _load(checkpoint, quantized)
-    phases = _Phases()
     if graph == "unmodified":
-        return _unmodified(model, prompt, steps, phases)
+        return lambda steps: _unmodified(model, prompt, steps, _Phases())
     num_experts = model.layers[0].mlp.switch_mlp.gate_proj.weight.shape[0]
     blocks = attach_arena(model, num_experts)
-    manager = _manager(blocks, num_experts, lambda layer, expert, slot: blocks[layer].expert_weights(expert))
+    manager = _manager(blocks, num_experts, host_loader(blocks))
+    manager.close()  # every expert preloaded: the loop reads nothing, and only the tables are used
     if graph == "arena-uncompiled":
         for block in blocks:
             object.__setattr__(block, "_graph", lambda rule, captured, forward: forward)
@@ -69,29 +70,31 @@ def _graph_run(checkpoint, quantized: bool, graph: str, prompt: list[int], steps
         for block in blocks:
             block.block.switch_mlp = block.arena
             _replace(model, block.module_path.rpartition(".")[0], block.block)
-    try:
-        return _fixed_tables(model, blocks, manager, prompt, steps, phases, read_reports=False)
-    finally:
-        manager.close()
+    return lambda steps: _fixed_tables(model, blocks, manager, prompt, steps, _Phases(), read_reports=False)
 
 
 def graphs(rounds: int, tokens: int, warmup: int, variants) -> list[dict]:
     rows = []
     for name, checkpoint, quantized in variants:
         prompt = _load(checkpoint, quantized)[1].encode(PROMPT)
+        loops = {graph: _graph(checkpoint, quantized, graph, prompt) for graph in GRAPHS}
         runs = {graph: [] for graph in GRAPHS}
         tokens_of = {}
         for _ in range(rounds):
-            for graph in GRAPHS:
-                got, stamps = _graph_run(checkpoint, quantized, graph, prompt, warmup + tokens)
+            for graph, loop in loops.items():
+                got, stamps = loop(warmup + tokens)
                 runs[graph].append(_tok_s(stamps, tokens))
                 tokens_of.setdefault(graph, got)
         unmodified = sorted(runs["unmodified"])[rounds // 2]
         for graph, done in runs.items():
+            # Each round's ratio to the unmodified model's round beside it, and their median: drift between
+            # rounds (the GPU's clocks, the host's load) cancels where it is slower than a round.
+            ratios = sorted(tok_s / base for tok_s, base in zip(done, runs["unmodified"]))
             done = sorted(done)
             rows.append(dict(model=name, quantized=quantized or name == "wheels-moe", graph=graph,
                              tok_s=done[rounds // 2], tok_s_range=[done[0], done[-1]],
                              x_unmodified=done[rounds // 2] / unmodified,
+                             x_unmodified_paired=ratios[rounds // 2], x_unmodified_paired_range=[ratios[0], ratios[-1]],
                              same_tokens=tokens_of[graph] == tokens_of["unmodified"]))
             print(json.dumps(rows[-1]), flush=True)
     return rows
