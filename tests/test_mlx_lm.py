@@ -1189,3 +1189,17 @@ def test_the_chunk_bits_job_finds_a_chunk_of_a_pass_in_the_pass_bits_on_the_cpu(
         assert rows[dtype]["entries_differing"] == {"alone": 0, "repeated": 0, "sorted": 0}
     bfloat16 = rows["bfloat16"]["entries_differing"]
     assert bfloat16 == {"alone": 0, "repeated": 0, "sorted": 0} or bfloat16.startswith("not run: [GatherMM")
+
+
+def test_the_token_parts_job_runs_every_graph_and_both_disks_to_the_models_tokens():
+    """``python -m kq.bench.jobs mlx_token_parts`` at its smallest on the shipped wheels-moe: every graph at full
+    residency gives the unmodified model's tokens, and so does the exact loop at half residency from either
+    disk, with its host time by function."""
+    from kq.bench.jobs import mlx_decode, mlx_token_parts
+
+    rows = mlx_token_parts.graphs(rounds=1, tokens=2, warmup=1, variants=[mlx_decode.VARIANTS[2]])
+    assert [row["graph"] for row in rows] == list(mlx_token_parts.GRAPHS)
+    assert all(row["same_tokens"] and row["tok_s"] > 0 for row in rows)
+    exact = mlx_token_parts.exact(residency=0.5, tokens=2, warmup=1, top=3)
+    assert [row["disk"] for row in exact] == ["device", "host"] and all(row["same_tokens"] for row in exact)
+    assert all(len(row["host_ms_per_token"]) == 3 and row["host_ms_per_token"][0]["own"] > 0 for row in exact)
