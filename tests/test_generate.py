@@ -256,10 +256,10 @@ def test_the_mlx_decode_jobs_exact_loop_feeds_the_prompt_as_its_reference_does(m
     prefilled, prefill = [], adapter.prefill
     monkeypatch.setattr(adapter, "prefill",
                         lambda *args, **kwargs: prefilled.append(args[3]) or prefill(*args, **kwargs))
-    model, tokenizer = mlx_decode._load(STDLIB, False)
+    model, tokenizer = mlx_decode.load_model(STDLIB, False)
     prompt = tokenizer.encode(mlx_decode.PROMPT)
-    want = mlx_decode._unmodified_fed(model, prompt, 6)
-    got, stamps, counts = mlx_decode._arena_run(STDLIB, False, 0.25, "exact", prompt, 6, mlx_decode._Phases())
+    want = mlx_decode.unmodified_fed(model, prompt, 6)
+    got, stamps, counts = mlx_decode._arena_run(STDLIB, False, 0.25, "exact", prompt, 6, mlx_decode.Phases())
     assert prefilled == [] and got == want and len(stamps) == 6
     # every prompt token missed from a cold arena: run again, or run layer by layer while tokens read
     assert (counts["reruns_per_token"] + counts["layered_per_token"]) * 6 >= len(prompt)

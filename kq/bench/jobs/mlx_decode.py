@@ -82,7 +82,7 @@ MODES = ("per-layer", "packed", "dispatch-first", "overlapped", "overlapped-phas
 FIXED_TABLE_MODES = ("fixed-tables", "fixed-tables+readback")
 
 
-class _Phases:
+class Phases:
     """Each token's host time split into named phases: ``mark(name)`` ends the phase begun at the last
     mark (or ``start``)."""
 
@@ -102,7 +102,7 @@ class _Phases:
         return {name: 1e3 * statistics.median(spans[-tokens:]) for name, spans in self.spans.items()}
 
 
-def _unmodified(model, prompt: list[int], steps: int, phases: _Phases) -> tuple[list[int], list[float]]:
+def unmodified_loop(model, prompt: list[int], steps: int, phases: Phases) -> tuple[list[int], list[float]]:
     """Greedy tokens and the time each arrived, the next token dispatched before this one is read."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
@@ -123,7 +123,7 @@ def _unmodified(model, prompt: list[int], steps: int, phases: _Phases) -> tuple[
     return tokens, stamps
 
 
-def _unmodified_fed(model, prompt: list[int], steps: int) -> list[int]:
+def unmodified_fed(model, prompt: list[int], steps: int) -> list[int]:
     """The unmodified model's greedy tokens with the prompt fed a token a pass, as the exact loop feeds it."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
@@ -181,7 +181,7 @@ def _dispatch_first(model, blocks, manager, prompt: list[int], steps: int) -> li
     return tokens
 
 
-def _overlapped_phases(model, blocks, manager, prompt: list[int], steps: int, phases: _Phases) -> list[int]:
+def _overlapped_phases(model, blocks, manager, prompt: list[int], steps: int, phases: Phases) -> list[int]:
     """:func:`~kq_mlx.mlx_lm_adapter.generate_greedy`'s overlapped order, each phase timed."""
     import mlx.core as mx
     import numpy as np
@@ -215,8 +215,8 @@ def _overlapped_phases(model, blocks, manager, prompt: list[int], steps: int, ph
     return tokens
 
 
-def _fixed_tables(model, blocks, manager, prompt: list[int], steps: int, phases: _Phases, *, read_reports: bool):
-    """The arena's graph on the manager's first tables, dispatched as :func:`_unmodified`; with
+def fixed_tables_loop(model, blocks, manager, prompt: list[int], steps: int, phases: Phases, *, read_reports: bool):
+    """The arena's graph on the manager's first tables, dispatched as :func:`unmodified_loop`; with
     ``read_reports`` every layer's report packed, evaluated with the token and read back. Tokens, stamps."""
     import mlx.core as mx
     import numpy as np
@@ -318,7 +318,9 @@ def read_gib_per_s(checkpoint: Path) -> float:
                                    to_device=_mlx_to_device if mx.default_device() == mx.gpu else None)
 
 
-def _load(checkpoint: Path, quantized: bool):
+def load_model(checkpoint: Path, quantized: bool):
+    """``(model, tokenizer)`` from an mlx-lm checkpoint, evaluated: float32 on MLX's CPU, quantized (4-bit,
+    groups of 32) by ``nn.quantize`` with ``quantized``."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx_lm import load
@@ -340,13 +342,14 @@ def host_loader(blocks):
     return lambda layer, expert, slot: {key: array[expert] for key, array in stacked[layer].items()}
 
 
-def _tok_s(stamps: list[float], tokens: int) -> float:
+def tok_s_of(stamps: list[float], tokens: int) -> float:
+    """Tokens per second over the last ``tokens`` of ``stamps`` (each token's arrival): one over the median gap."""
     gaps = [b - a for a, b in zip(stamps[-tokens - 1:], stamps[-tokens:])]
     return 1.0 / statistics.median(gaps)
 
 
 def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, prompt: list[int], steps: int,
-               phases: _Phases):
+               phases: Phases):
     """One arena loop on a freshly loaded model: its tokens, the time each token's boundary began (each
     kept token's in the ``tier`` and ``exact`` loops), and the manager's counts."""
     import numpy as np
@@ -355,7 +358,7 @@ def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, p
     from kq_host.residency import ResidencyManager
     from kq_mlx.mlx_lm_adapter import SwitchGLUArena, attach_arena, attach_tier, generate_greedy
 
-    model, _ = _load(checkpoint, quantized)
+    model, _ = load_model(checkpoint, quantized)
     num_experts = model.layers[0].mlp.switch_mlp.gate_proj.weight.shape[0]
     slots = max(1, int(round(residency * num_experts)))
     blocks = attach_arena(model, slots)
@@ -369,7 +372,7 @@ def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, p
     preloaded = manager.stats()[1]
     stamps = manager.stamps
     if mode in FIXED_TABLE_MODES:
-        got, stamps = _fixed_tables(model, blocks, manager, prompt, steps, phases,
+        got, stamps = fixed_tables_loop(model, blocks, manager, prompt, steps, phases,
                                     read_reports=mode.endswith("readback"))
     elif mode == "overlapped-phases":
         got = _overlapped_phases(model, blocks, manager, prompt, steps, phases)
@@ -384,7 +387,7 @@ def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, p
                 block.rule = "tier"
         stamps = []
         # The exact loop feeds the prompt a token a pass (each pass's misses read on its critical path), as
-        # its reference (_unmodified_fed) does, not through prefill in mlx-lm's order.
+        # its reference (unmodified_fed) does, not through prefill in mlx-lm's order.
         got = generate_greedy(model, blocks, manager, prompt, steps, exact=mode == "exact", prefill_prompt=False,
                               on_token=lambda token: stamps.append(time.perf_counter()))
     else:
@@ -411,22 +414,22 @@ def run(tokens: int = 64, warmup: int = 16, residencies=(1.0, 0.25), rounds: int
     rows = []
     for name, checkpoint, quantized in variants:
         bandwidth = read_gib_per_s(checkpoint)
-        model, tokenizer = _load(checkpoint, quantized)
+        model, tokenizer = load_model(checkpoint, quantized)
         prompt = tokenizer.encode(PROMPT)
         loops = ([("unmodified", 1.0)] + [(mode, 1.0) for mode in FIXED_TABLE_MODES if 1.0 in residencies]
                  + [(mode, residency) for residency in residencies for mode in modes])
         runs: dict[tuple[str, float], list[dict]] = {loop: [] for loop in loops}
-        want, want_fed = None, _unmodified_fed(model, prompt, steps) if "exact" in modes else None
+        want, want_fed = None, unmodified_fed(model, prompt, steps) if "exact" in modes else None
         for _ in range(rounds):
             for mode, residency in loops:
-                phases = _Phases()
+                phases = Phases()
                 if mode == "unmodified":
-                    got, stamps = _unmodified(model, prompt, steps, phases)
+                    got, stamps = unmodified_loop(model, prompt, steps, phases)
                     want = want or got
                     counts = dict(hit_rate=None)
                 else:
                     got, stamps, counts = _arena_run(checkpoint, quantized, residency, mode, prompt, steps, phases)
-                runs[mode, residency].append(dict(tok_s=_tok_s(stamps, tokens), **counts,
+                runs[mode, residency].append(dict(tok_s=tok_s_of(stamps, tokens), **counts,
                                                   same_tokens=got == (want_fed if mode == "exact" else want),
                                                   phases_ms=phases.medians_ms(tokens)))
         unmodified = sorted(r["tok_s"] for r in runs["unmodified", 1.0])[rounds // 2]

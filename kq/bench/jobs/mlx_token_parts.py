@@ -33,8 +33,8 @@ import time
 import numpy as np
 
 from kq.bench.common import run_header, write_json
-from kq.bench.jobs.mlx_decode import (PROMPT, VARIANTS, _fixed_tables, _load, _Phases, _tok_s, _unmodified,
-                                      _unmodified_fed, host_loader)
+from kq.bench.jobs.mlx_decode import (PROMPT, VARIANTS, fixed_tables_loop, load_model, Phases, tok_s_of, unmodified_loop,
+                                      unmodified_fed, host_loader)
 
 GRAPHS = ("unmodified", "arena", "arena-uncompiled", "block-on-arena")
 
@@ -55,11 +55,11 @@ def _manager(blocks, slots: int, loader):
 
 def _graph(checkpoint, quantized: bool, graph: str, prompt: list[int]):
     """A graph's decode loop, ``loop(steps) -> (tokens, stamps)``, on a model loaded once for it."""
-    from kq_mlx.mlx_lm_adapter import _replace, attach_arena
+    from kq_mlx.mlx_lm_adapter import attach_arena
 
-    model, _ = _load(checkpoint, quantized)
+    model, _ = load_model(checkpoint, quantized)
     if graph == "unmodified":
-        return lambda steps: _unmodified(model, prompt, steps, _Phases())
+        return lambda steps: unmodified_loop(model, prompt, steps, Phases())
     num_experts = model.layers[0].mlp.switch_mlp.gate_proj.weight.shape[0]
     blocks = attach_arena(model, num_experts)
     manager = _manager(blocks, num_experts, host_loader(blocks))
@@ -68,23 +68,23 @@ def _graph(checkpoint, quantized: bool, graph: str, prompt: list[int]):
         for block in blocks:
             object.__setattr__(block, "_graph", lambda rule, captured, forward: forward)
     elif graph == "block-on-arena":
-        for block in blocks:
+        for block in blocks:  # the job's models are Qwen3-MoE: each block at model.layers[i].mlp
             block.block.switch_mlp = block.arena
-            _replace(model, block.module_path.rpartition(".")[0], block.block)
-    return lambda steps: _fixed_tables(model, blocks, manager, prompt, steps, _Phases(), read_reports=False)
+            model.layers[block.model_layer].mlp = block.block
+    return lambda steps: fixed_tables_loop(model, blocks, manager, prompt, steps, Phases(), read_reports=False)
 
 
 def graphs(rounds: int, tokens: int, warmup: int, variants) -> list[dict]:
     rows = []
     for name, checkpoint, quantized in variants:
-        prompt = _load(checkpoint, quantized)[1].encode(PROMPT)
+        prompt = load_model(checkpoint, quantized)[1].encode(PROMPT)
         loops = {graph: _graph(checkpoint, quantized, graph, prompt) for graph in GRAPHS}
         runs = {graph: [] for graph in GRAPHS}
         tokens_of = {}
         for _ in range(rounds):
             for graph, loop in loops.items():
                 got, stamps = loop(warmup + tokens)
-                runs[graph].append(_tok_s(stamps, tokens))
+                runs[graph].append(tok_s_of(stamps, tokens))
                 tokens_of.setdefault(graph, got)
         unmodified = sorted(runs["unmodified"])[rounds // 2]
         for graph, done in runs.items():
@@ -105,7 +105,7 @@ def _exact_loop(checkpoint, residency: float, disk: str, prompt: list[int], step
                 profile: cProfile.Profile | None):
     from kq_mlx.mlx_lm_adapter import attach_arena, generate_greedy
 
-    model, _ = _load(checkpoint, False)
+    model, _ = load_model(checkpoint, False)
     num_experts = model.layers[0].mlp.switch_mlp.gate_proj.weight.shape[0]
     slots = max(1, int(round(residency * num_experts)))
     blocks = attach_arena(model, slots)
@@ -127,10 +127,10 @@ def _exact_loop(checkpoint, residency: float, disk: str, prompt: list[int], step
 
 def exact(residency: float, tokens: int, warmup: int, top: int) -> list[dict]:
     name, checkpoint, _ = VARIANTS[2]
-    model, tokenizer = _load(checkpoint, False)
+    model, tokenizer = load_model(checkpoint, False)
     prompt = tokenizer.encode(PROMPT)
     steps = warmup + tokens
-    want = _unmodified_fed(model, prompt, steps)  # the exact loop feeds the prompt a token a pass, as this does
+    want = unmodified_fed(model, prompt, steps)  # the exact loop feeds the prompt a token a pass, as this does
     rows = []
     for disk in ("device", "host"):
         got, stamps = _exact_loop(checkpoint, residency, disk, prompt, steps, None)
@@ -139,7 +139,7 @@ def exact(residency: float, tokens: int, warmup: int, top: int) -> list[dict]:
         # {(file, line, function): (primitive calls, calls, own time, cumulative time, callers)}
         stats = pstats.Stats(profile).stats
         largest = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
-        rows.append(dict(model=name, residency=residency, disk=disk, tok_s=_tok_s(stamps, tokens),
+        rows.append(dict(model=name, residency=residency, disk=disk, tok_s=tok_s_of(stamps, tokens),
                          same_tokens=got == want,
                          host_ms_per_token=[dict(function=f"{file.rpartition('/')[2]}:{line}:{function}",
                                                  calls_per_token=calls / steps, own=1e3 * own / steps,
