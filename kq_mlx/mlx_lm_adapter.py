@@ -1157,8 +1157,11 @@ def pack_reports(blocks: list[ArenaLayer]) -> mx.array:
         of the entries served (float fields as float32 bits); ``T`` the rows of the last pass.
     """
     deferred = [getattr(block, "_deferred", None) for block in blocks]
-    if blocks and all(d is not None and d.last is block.last and d.last_mix is block.last_mix
-                      for d, block in zip(deferred, blocks)):
+    # On MLX-CUDA a pass leaves nothing to rank (route_shed is a kernel there; a resident pass's `last` holds
+    # its report), and the layers' fields go in one launch below, where the graphs here launch a copy each.
+    if blocks and not report_pack.one_launch() and all(d is not None and d.last is block.last
+                                                       and d.last_mix is block.last_mix
+                                                       for d, block in zip(deferred, blocks)):
         ids = [d.last[0] for d in deferred]
         if len({(tuple(a.shape), a.dtype) for a in ids}) == 1:
             scores, mix = [d.last[1] for d in deferred], [d.last_mix for d in deferred]

@@ -59,6 +59,12 @@ def cuda_kernel(layers: int, dtypes: tuple[str, ...]):
                                output_names=["packed"], source=body, ensure_row_contiguous=True)
 
 
+def one_launch() -> bool:
+    """Whether :func:`pack` is one kernel launch on the default device (MLX-CUDA), where a concatenation
+    of the layers' fields is a copy launched per input."""
+    return implementation_for() == "cuda"
+
+
 def pack(fields: dict[str, list[mx.array]]) -> mx.array:
     """``{field: one array per layer}`` (:data:`INPUT_FIELDS`, each ``[..., K]`` of one shape) -> int32
     ``[F, L, T, K]`` (:mod:`kq_core.reports`' layout), ``T`` the rows of one array."""
@@ -69,7 +75,7 @@ def pack(fields: dict[str, list[mx.array]]) -> mx.array:
                          f"shape, got { {name: [tuple(a.shape) for a in field] for name, field in zip(INPUT_FIELDS, arrays)} }")
     k, n = shape[-1], arrays[0][0].size
     out_shape = (len(REPORT_FIELDS), layers, n // k if k else 0, k)
-    if n > 0 and implementation_for() == "cuda":
+    if n > 0 and one_launch():
         kernel = cuda_kernel(layers, tuple(dtype_name(field[0]) for field in arrays))
         (packed,) = kernel(inputs=[a for field in arrays for a in field], grid=(n, 1, 1),
                            threadgroup=(min(THREADS_PER_GROUP, n), 1, 1), output_shapes=[out_shape],

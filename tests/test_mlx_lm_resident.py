@@ -247,3 +247,32 @@ def test_the_resident_weights_are_route_sheds_on_extreme_router_inputs(make_mode
     scores = np.array(block.last[1].astype(mx.float32))
     assert np.isnan(scores).any() and (scores == 1.0).any() and (scores == 0.0).any()
     assert ((0 < scores) & (scores < np.finfo(np.float32).tiny)).any() == (make_model is qwen3_model)
+
+
+@pytest.mark.parametrize("rule", ["route_shed", "shed", "tier"])
+def test_a_resident_token_packs_its_last_reports_where_one_launch_packs_them(monkeypatch, rule):
+    """Where report_pack.pack is one kernel launch (MLX-CUDA) a resident token's reports go through it, from
+    each layer's ``last``: the same bits as the resident packing graph (on this backend pack concatenates;
+    the kernel's bits are the concatenation's, test_mlx_lm's report_pack test)."""
+    import types
+
+    import kq_mlx.mlx_lm_adapter as adapter
+    from kq_mlx import report_pack
+
+    model = evaluated(qwen3_model, seed=17)
+    blocks = attach_arena(model, EXPERTS)
+    if rule == "tier":
+        attach_tier(blocks, _tier(blocks))
+    _fill(blocks, PERMUTED)
+    set_tables(blocks, np.tile(PERMUTED, (LAYERS, 1)))
+    for block in blocks:
+        block.rule = rule
+    mx.eval(model(mx.array([PROMPT[:5]]), cache=make_prompt_cache(model)))
+    assert all(block._deferred is not None and block._deferred.miss is None for block in blocks)
+    want = np.array(pack_reports(blocks))
+    packed = []
+    monkeypatch.setattr(adapter, "report_pack", types.SimpleNamespace(
+        one_launch=lambda: True, pack=lambda fields: packed.append(fields) or report_pack.pack(fields)))
+    got = np.array(pack_reports(blocks))
+    assert len(packed) == 1 and got.dtype == want.dtype and got.shape == want.shape
+    assert got.tobytes() == want.tobytes() and (want[2] == -1).all()
