@@ -34,25 +34,23 @@ class MlxArena:
     def write_slot(self, layer: int, slot: int, payload: Mapping[str, np.ndarray]) -> None:
         """Writes one expert into ``[layer, slot]`` in place.
 
-        The payload's bytes are copied before it returns; the copy into the slot is dispatched, not waited
-        for (``mx.async_eval``): every graph built after the call reads the new slot (so its table entry may be
-        published at once), one already in flight the old one.
-
         Raises:
             ExpertPayloadError: the payload is not one expert of the arena's layout (nothing written).
         """
         check_payload(payload, self.slot_layout)
         self._assign(layer, slot, payload)
-        mx.async_eval(*self.arrays.values())
+        # Evaluated before it returns: the slot holds the expert before its table entry is published, and the
+        # next write updates this one's output in place (built while this one was queued, it copied the array).
+        mx.eval(*self.arrays.values())
 
     def write_slots(self, layers, slots, payloads) -> list[BaseException | None]:
-        """Writes n experts, dispatched once; one ExpertPayloadError (not written) or None per write."""
+        """Writes n experts, evaluated once; one ExpertPayloadError (not written) or None per write."""
         errors = checked_payloads(self.slot_layout, payloads)
         for layer, slot, payload, error in zip(np.asarray(layers).tolist(), np.asarray(slots).tolist(), payloads,
                                                errors):
             if error is None:
                 self._assign(layer, slot, payload)
-        mx.async_eval(*self.arrays.values())
+        mx.eval(*self.arrays.values())
         return errors
 
     def _assign(self, layer: int, slot: int, payload) -> None:

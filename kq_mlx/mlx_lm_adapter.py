@@ -593,21 +593,18 @@ class SwitchGLUArena:
         """One expert into ``[layer, slot]`` (keys and shapes of :meth:`ArenaSwitch.slot_layout`); float
         arrays cast to the arena's dtype through float32, packed quantized weights written as they are.
 
-        The payload's bytes are copied before it returns (its buffers may be reused at once); the copy into
-        the slot is dispatched, not waited for (``mx.async_eval``): every graph built after the call reads the
-        new slot, and one already in flight (a token dispatched before the boundary that writes it) the old
-        one, so a write neither waits for the token in flight nor adds a host round trip.
+        Evaluated before it returns: a write built while the last one is still queued cannot update that
+        one's output in place and copies the whole array (docs/benchmarks.md).
 
         Raises:
             ExpertPayloadError: the payload is not one expert of the layer's shapes (nothing written).
         """
         layout = self.blocks[layer].slot_layout()
         check_payload(payload, layout)
-        mx.async_eval(*self._assign(layer, slot, payload, layout))
+        mx.eval(*self._assign(layer, slot, payload, layout))
 
     def write_slots(self, layers, slots, payloads) -> list[BaseException | None]:
-        """n experts, dispatched once as :meth:`write_slot` dispatches one; one ExpertPayloadError (that expert
-        not written) or None per write."""
+        """n experts, evaluated once; one ExpertPayloadError (that expert not written) or None per write."""
         errors, written = [], []
         for layer, slot, payload in zip(np.asarray(layers).tolist(), np.asarray(slots).tolist(), payloads):
             layout = self.blocks[layer].slot_layout()
@@ -615,7 +612,7 @@ class SwitchGLUArena:
             if error is None:
                 written += self._assign(layer, slot, payload, layout)
             errors.append(error)
-        mx.async_eval(*written)
+        mx.eval(*written)
         return errors
 
     def _assign(self, layer: int, slot: int, payload, layout) -> list[mx.array]:
@@ -623,7 +620,8 @@ class SwitchGLUArena:
         arrays to evaluate."""
         arrays = dict(_slot_arrays(self.blocks[layer].arena))
         for key, (_, dtype) in layout.items():
-            arrays[key][slot] = mx.array(np.asarray(payload[key], dtype)).astype(arrays[key].dtype)
+            # MLX takes no negative strides (a payload viewed backwards): such an array is copied first.
+            arrays[key][slot] = mx.array(np.ascontiguousarray(payload[key], dtype)).astype(arrays[key].dtype)
         return list(arrays.values())
 
 

@@ -198,9 +198,12 @@ def cuda_kernel(index_dtype: str, score_dtype: str, top_k: int, tier: bool = Fal
 
 
 def from_numpy(array: np.ndarray) -> mx.array:
-    """NumPy (including ml_dtypes.bfloat16) to MLX, bit for bit."""
+    """NumPy (including ml_dtypes.bfloat16) to MLX, bit for bit; any strides (MLX takes no negative ones:
+    such an array is copied first)."""
+    if not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array)
     if dtype_name(array) == "bfloat16":
-        return mx.array(np.ascontiguousarray(array).view(np.uint16)).view(mx.bfloat16)
+        return mx.array(array.view(np.uint16)).view(mx.bfloat16)
     return mx.array(array)
 
 

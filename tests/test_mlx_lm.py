@@ -1203,3 +1203,21 @@ def test_the_token_parts_job_runs_every_graph_and_both_disks_to_the_models_token
     exact = mlx_token_parts.exact(residency=0.5, tokens=2, warmup=1, top=3)
     assert [row["disk"] for row in exact] == ["device", "host"] and all(row["same_tokens"] for row in exact)
     assert all(len(row["host_ms_per_token"]) == 3 and row["host_ms_per_token"][0]["own"] > 0 for row in exact)
+
+
+@pytest.mark.parametrize("make_model", [qwen3_model, _quantized(qwen3_model)], ids=["float", "q4"])
+def test_a_slot_takes_a_payload_of_negative_strides(make_model):
+    """Every array of a payload viewed backwards (MLX refuses negative strides) is written as its contiguous
+    copy would be, by write_slot and write_slots: the slot then holds those bytes."""
+    model = evaluated(make_model, seed=6)
+    blocks = attach_arena(model, 2)
+    arena = SwitchGLUArena(blocks)
+    backwards = {key: value[::-1] for key, value in blocks[1].expert_weights(3).items()}
+    arena.write_slot(1, 0, backwards)
+    assert arena.write_slots(np.array([1]), np.array([1]), [backwards]) == [None]
+    for slot in (0, 1):
+        for key in backwards:
+            projection, _, name = key.partition(".")
+            array = blocks[1].arena[projection][name or "weight"]
+            got = np.array(array[slot].astype(mx.float32) if mx.issubdtype(array.dtype, mx.floating) else array[slot])
+            assert got.tobytes() == np.ascontiguousarray(backwards[key]).tobytes(), (key, slot)

@@ -195,12 +195,7 @@ def test_generate_greedy_dispatches_the_next_token_before_reading_one_that_canno
         def from_packed(packed):
             events.append("read")
             return from_packed(packed)
-
-    def dispatch(*arrays):  # a token's dispatch (its greedy token first), not a slot write's
-        if arrays[0].ndim == 0:
-            events.append("dispatch")
-        return async_eval(*arrays)
-    monkeypatch.setattr(adapter.mx, "async_eval", dispatch)
+    monkeypatch.setattr(adapter.mx, "async_eval", lambda *arrays: events.append("dispatch") or async_eval(*arrays))
     monkeypatch.setattr(adapter, "LayerReport", Recorded)
     got = generate_greedy(model, blocks, manager, PROMPT[:4], 6, exact=exact, prefill_prompt=True)
     manager.close()
