@@ -1221,3 +1221,19 @@ def test_a_slot_takes_a_payload_of_negative_strides(make_model):
             array = blocks[1].arena[projection][name or "weight"]
             got = np.array(array[slot].astype(mx.float32) if mx.issubdtype(array.dtype, mx.floating) else array[slot])
             assert got.tobytes() == np.ascontiguousarray(backwards[key]).tobytes(), (key, slot)
+
+
+def test_the_token_parts_job_checks_every_rounds_tokens(monkeypatch):
+    """A graph whose tokens go wrong after its first round is reported (same_tokens False), not only the first
+    round's compared."""
+    from kq.bench.jobs import mlx_decode, mlx_token_parts
+
+    rounds, real = [], mlx_token_parts.fixed_tables_loop
+
+    def wrong_after_the_first(*args, **kwargs):
+        tokens, stamps = real(*args, **kwargs)
+        rounds.append(1)
+        return ([token + 1 for token in tokens] if len(rounds) > 3 else tokens), stamps
+    monkeypatch.setattr(mlx_token_parts, "fixed_tables_loop", wrong_after_the_first)
+    rows = mlx_token_parts.graphs(rounds=2, tokens=1, warmup=1, variants=[mlx_decode.VARIANTS[0]])
+    assert [row["same_tokens"] for row in rows] == [True, False, False, False]

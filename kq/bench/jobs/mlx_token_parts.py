@@ -80,12 +80,12 @@ def graphs(rounds: int, tokens: int, warmup: int, variants) -> list[dict]:
         prompt = load_model(checkpoint, quantized)[1].encode(PROMPT)
         loops = {graph: _graph(checkpoint, quantized, graph, prompt) for graph in GRAPHS}
         runs = {graph: [] for graph in GRAPHS}
-        tokens_of = {}
+        tokens_of = {graph: [] for graph in GRAPHS}  # every round's
         for _ in range(rounds):
             for graph, loop in loops.items():
                 got, stamps = loop(warmup + tokens)
                 runs[graph].append(tok_s_of(stamps, tokens))
-                tokens_of.setdefault(graph, got)
+                tokens_of[graph].append(got)
         unmodified = sorted(runs["unmodified"])[rounds // 2]
         for graph, done in runs.items():
             # Each round's ratio to the unmodified model's round beside it, and their median: drift between
@@ -96,7 +96,7 @@ def graphs(rounds: int, tokens: int, warmup: int, variants) -> list[dict]:
                              tok_s=done[rounds // 2], tok_s_range=[done[0], done[-1]],
                              x_unmodified=done[rounds // 2] / unmodified,
                              x_unmodified_paired=ratios[rounds // 2], x_unmodified_paired_range=[ratios[0], ratios[-1]],
-                             same_tokens=tokens_of[graph] == tokens_of["unmodified"]))
+                             same_tokens=all(got == tokens_of["unmodified"][0] for got in tokens_of[graph])))
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
