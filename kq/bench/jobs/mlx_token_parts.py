@@ -33,8 +33,8 @@ import time
 import numpy as np
 
 from kq.bench.common import run_header, write_json
-from kq.bench.jobs.mlx_decode import (PROMPT, VARIANTS, fixed_tables_loop, load_model, Phases, tok_s_of, unmodified_loop,
-                                      unmodified_fed, host_loader)
+from kq.bench.jobs.mlx_decode import (PROMPT, VARIANTS, Phases, fixed_tables_loop, host_loader, load_model, tok_s_of,
+                                      unmodified_fed, unmodified_loop)
 
 GRAPHS = ("unmodified", "arena", "arena-uncompiled", "block-on-arena")
 
