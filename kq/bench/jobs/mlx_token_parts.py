@@ -8,8 +8,13 @@ round reported with its range, and the median of each round's ratio to the unmod
 * ``unmodified``: the model as mlx-lm ships it;
 * ``arena``: :func:`kq_mlx.mlx_lm_adapter.attach_arena`'s layers on their resident path, as shipped;
 * ``arena-uncompiled``: the same layers, their resident graph run op by op, not through ``mx.compile``;
+* ``arena-unflushed``: the same layers combining with the router's scores as they are, not the flushed
+  weights the general graph combines with (the tokens stay the model's unless a score is subnormal or
+  NaN): what the flush costs;
 * ``block-on-arena``: mlx-lm's own block with the arena in place of its switch layer (no report, no
-  remap): what the arena's weights cost alone.
+  remap): what the arena's weights cost alone;
+* ``block-on-arena-compiled``: that block through ``mx.compile`` (its arrays captured, as the arena's
+  layers capture theirs): what compiling a block costs or saves on this backend.
 
 ``exact``: ``generate_greedy(exact=True)`` at ``--residency`` on wheels-moe, the misses read from one of
 two in-memory 'disks': ``device`` (each read slices the model's own experts, on the default device, and
@@ -36,7 +41,24 @@ from kq.bench.common import run_header, write_json
 from kq.bench.jobs.mlx_decode import (PROMPT, VARIANTS, Phases, fixed_tables_loop, host_loader, load_model, tok_s_of,
                                       unmodified_fed, unmodified_loop)
 
-GRAPHS = ("unmodified", "arena", "arena-uncompiled", "block-on-arena")
+GRAPHS = ("unmodified", "arena", "arena-uncompiled", "arena-unflushed", "block-on-arena", "block-on-arena-compiled")
+
+
+def _compiled_block(block):
+    """An mlx-lm block called through ``mx.compile``, its arrays captured (a module in the block's place)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    class CompiledBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = block
+            object.__setattr__(self, "forward", mx.compile(lambda x: block(x), inputs=[block]))
+
+        def __call__(self, x):
+            return self.forward(x)
+
+    return CompiledBlock()
 
 
 def _manager(blocks, slots: int, loader):
@@ -67,20 +89,26 @@ def _graph(checkpoint, quantized: bool, graph: str, prompt: list[int]):
     if graph == "arena-uncompiled":
         for block in blocks:
             object.__setattr__(block, "_graph", lambda rule, captured, forward: forward)
-    elif graph == "block-on-arena":
+    elif graph == "arena-unflushed":
+        for block in blocks:
+            object.__setattr__(block, "_mix_all_resident", lambda rule, scores: scores)
+    elif graph.startswith("block-on-arena"):
         for block in blocks:  # the job's models are Qwen3-MoE: each block at model.layers[i].mlp
             block.block.switch_mlp = block.arena
-            model.layers[block.model_layer].mlp = block.block
+            model.layers[block.model_layer].mlp = (_compiled_block(block.block) if graph.endswith("compiled")
+                                                   else block.block)
     return lambda steps: fixed_tables_loop(model, blocks, manager, prompt, steps, Phases(), read_reports=False)
 
 
-def graphs(rounds: int, tokens: int, warmup: int, variants) -> list[dict]:
+def graphs(rounds: int, tokens: int, warmup: int, variants, chosen=GRAPHS) -> list[dict]:
+    """The ``chosen`` graphs (``unmodified`` always, first) on each of ``variants``: one row a graph."""
+    chosen = ["unmodified"] + [graph for graph in GRAPHS[1:] if graph in chosen]
     rows = []
     for name, checkpoint, quantized in variants:
         prompt = load_model(checkpoint, quantized)[1].encode(PROMPT)
-        loops = {graph: _graph(checkpoint, quantized, graph, prompt) for graph in GRAPHS}
-        runs = {graph: [] for graph in GRAPHS}
-        tokens_of = {graph: [] for graph in GRAPHS}  # every round's
+        loops = {graph: _graph(checkpoint, quantized, graph, prompt) for graph in chosen}
+        runs = {graph: [] for graph in chosen}
+        tokens_of = {graph: [] for graph in chosen}  # every round's
         for _ in range(rounds):
             for graph, loop in loops.items():
                 got, stamps = loop(warmup + tokens)
@@ -157,6 +185,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=16)
     parser.add_argument("--variants", nargs="+", type=int, choices=range(len(VARIANTS)),
                         default=list(range(len(VARIANTS))), help="the graphs' models: indices into mlx_decode's")
+    parser.add_argument("--graphs", nargs="+", choices=GRAPHS[1:], default=list(GRAPHS[1:]),
+                        help="the graphs beside the unmodified model's")
     parser.add_argument("--residency", type=float, default=0.5, help="the exact loop's")
     parser.add_argument("--top", type=int, default=25, help="functions listed per exact loop")
     parser.add_argument("--json", help="write the results here")
@@ -171,7 +201,8 @@ def main() -> int:
                      f"{args.residency}")
     result = {**run_header("mlx"), "tokens": args.tokens, "warmup": args.warmup, "rounds": args.rounds}
     if "graphs" in args.parts:
-        result["graphs"] = graphs(args.rounds, args.tokens, args.warmup, [VARIANTS[i] for i in args.variants])
+        result["graphs"] = graphs(args.rounds, args.tokens, args.warmup, [VARIANTS[i] for i in args.variants],
+                                  args.graphs)
     if "exact" in args.parts:
         result["exact"] = exact(args.residency, args.tokens, args.warmup, args.top)
     if args.json:
