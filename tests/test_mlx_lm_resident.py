@@ -58,6 +58,19 @@ def _fill(blocks, table):
             arena.write_slot(layer, int(table[expert]), block.expert_weights(expert))
 
 
+def _resident_model(make_model, seed: int, rule: str):
+    """A model on arenas holding every expert (permuted slots, their tables set), every layer under ``rule``."""
+    model = evaluated(make_model, seed=seed)
+    blocks = attach_arena(model, EXPERTS)
+    if rule == "tier":
+        attach_tier(blocks, _tier(blocks))
+    _fill(blocks, PERMUTED)
+    set_tables(blocks, np.tile(PERMUTED, (LAYERS, 1)))
+    for block in blocks:
+        block.rule = rule
+    return model, blocks
+
+
 def _decode(make_model, rule: str, *, full_path: bool):
     """Greedy decoding through full arenas under ``rule``, each token on its table of :data:`SCHEDULE`; returns
     each token's logits and packed reports (uint32 bits), the blocks' own reports, and whether each token
@@ -211,14 +224,8 @@ def test_generate_greedy_dispatches_the_next_token_before_reading_one_that_canno
 def test_the_resident_weights_are_route_sheds_on_extreme_router_inputs(make_model, rule):
     """Saturated routers (scores 0.0, subnormal or 1.0), NaN and inf inputs: the resident path's output, weights
     and reports are the general graph's bits (a router's row is all NaN or of a finite positive mass)."""
-    model = evaluated(make_model, seed=13)
-    blocks = attach_arena(model, EXPERTS)
-    if rule == "tier":
-        attach_tier(blocks, _tier(blocks))
-    _fill(blocks, PERMUTED)
-    set_tables(blocks, np.tile(PERMUTED, (LAYERS, 1)))
+    model, blocks = _resident_model(make_model, 13, rule)
     block = blocks[0]
-    block.rule = rule
     rows = np.random.default_rng(13).standard_normal((7, 64)).astype(np.float32)
     rows[1] *= 1e3
     rows[2] *= 1e30
@@ -254,14 +261,7 @@ def test_a_resident_token_packs_its_last_reports_where_one_launch_packs_them(mon
     import kq_mlx.mlx_lm_adapter as adapter
     from kq_mlx import report_pack
 
-    model = evaluated(qwen3_model, seed=17)
-    blocks = attach_arena(model, EXPERTS)
-    if rule == "tier":
-        attach_tier(blocks, _tier(blocks))
-    _fill(blocks, PERMUTED)
-    set_tables(blocks, np.tile(PERMUTED, (LAYERS, 1)))
-    for block in blocks:
-        block.rule = rule
+    model, blocks = _resident_model(qwen3_model, 17, rule)
     mx.eval(model(mx.array([PROMPT[:5]]), cache=make_prompt_cache(model)))
     assert all(block._deferred is not None and block._deferred.miss is None for block in blocks)
     want = np.array(pack_reports(blocks))
