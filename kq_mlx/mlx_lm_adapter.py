@@ -43,6 +43,7 @@ import numpy as np
 
 import kq_mlx
 from kq_mlx import report_pack, route_shed_columns
+from kq_mlx.route_shed_mlx import from_numpy
 from kq_core.contract import holds_every_expert
 from kq_host.arena import check_payload, checked_payloads
 from kq_host.residency import LayerReport, PreloadError, deadline_of
@@ -620,8 +621,7 @@ class SwitchGLUArena:
         arrays to evaluate."""
         arrays = dict(_slot_arrays(self.blocks[layer].arena))
         for key, (_, dtype) in layout.items():
-            # MLX takes no negative strides (a payload viewed backwards): such an array is copied first.
-            arrays[key][slot] = mx.array(np.ascontiguousarray(payload[key], dtype)).astype(arrays[key].dtype)
+            arrays[key][slot] = from_numpy(np.asarray(payload[key], dtype)).astype(arrays[key].dtype)
         return list(arrays.values())
 
 
@@ -1138,7 +1138,7 @@ def set_tables(blocks: list[ArenaLayer], tables: np.ndarray) -> None:
         published = block._published
         if published is not None and published.table is block.slot_table and published.key == row.tobytes():
             continue
-        block.slot_table = mx.array(np.ascontiguousarray(row))  # MLX takes no negative strides
+        block.slot_table = from_numpy(row)
         block._published = _Published(row, block.slot_table, block.num_slots)
 
 

@@ -342,6 +342,24 @@ def host_loader(blocks):
     return lambda layer, expert, slot: {key: array[expert] for key, array in stacked[layer].items()}
 
 
+def arena_manager(blocks, slots: int, loader):
+    """A residency manager over ``blocks``' arenas of ``slots`` slots, each read counted at one expert's bytes;
+    every expert preloaded where the arenas hold them all, none otherwise (the arenas start cold)."""
+    import numpy as np
+
+    from kq_host.residency import ResidencyManager
+    from kq_mlx.mlx_lm_adapter import SwitchGLUArena
+
+    num_experts = blocks[0].num_experts
+    expert_bytes = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize
+                       for shape, dtype in blocks[0].slot_layout().values())
+    manager = ResidencyManager(len(blocks), num_experts, slots, arena=SwitchGLUArena(blocks),
+                               bytes_per_expert=expert_bytes, loader=loader)
+    for layer in range(len(blocks)):
+        manager.preload(layer, range(slots) if slots == num_experts else [])
+    return manager
+
+
 def tok_s_of(stamps: list[float], tokens: int) -> float:
     """Tokens per second over the last ``tokens`` of ``stamps`` (each token's arrival): one over the median gap."""
     gaps = [b - a for a, b in zip(stamps[-tokens - 1:], stamps[-tokens:])]
@@ -352,23 +370,15 @@ def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, p
                phases: Phases):
     """One arena loop on a freshly loaded model: its tokens, the time each token's boundary began (each
     kept token's in the ``tier`` and ``exact`` loops), and the manager's counts."""
-    import numpy as np
-
     from kq_mlx.tier import arena_tier
-    from kq_host.residency import ResidencyManager
-    from kq_mlx.mlx_lm_adapter import SwitchGLUArena, attach_arena, attach_tier, generate_greedy
+    from kq_mlx.mlx_lm_adapter import attach_arena, attach_tier, generate_greedy
 
     model, _ = load_model(checkpoint, quantized)
     num_experts = model.layers[0].mlp.switch_mlp.gate_proj.weight.shape[0]
     slots = max(1, int(round(residency * num_experts)))
     blocks = attach_arena(model, slots)
-    expert_bytes = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize
-                       for shape, dtype in blocks[0].slot_layout().values())
-    manager = _Stamped(ResidencyManager(
-        len(blocks), num_experts, slots, arena=SwitchGLUArena(blocks), bytes_per_expert=expert_bytes,
-        loader=host_loader(blocks)))
-    for layer in range(len(blocks)):
-        manager.preload(layer, range(slots) if slots == num_experts else [])
+    manager = _Stamped(arena_manager(blocks, slots, host_loader(blocks)))
+    expert_bytes = manager.bytes_per_expert
     preloaded = manager.stats()[1]
     stamps = manager.stamps
     if mode in FIXED_TABLE_MODES:

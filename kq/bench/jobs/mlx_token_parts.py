@@ -35,11 +35,9 @@ import json
 import pstats
 import time
 
-import numpy as np
-
 from kq.bench.common import run_header, write_json
-from kq.bench.jobs.mlx_decode import (PROMPT, VARIANTS, Phases, fixed_tables_loop, host_loader, load_model, tok_s_of,
-                                      unmodified_fed, unmodified_loop)
+from kq.bench.jobs.mlx_decode import (PROMPT, VARIANTS, Phases, arena_manager, fixed_tables_loop, host_loader,
+                                      load_model, tok_s_of, unmodified_fed, unmodified_loop)
 
 GRAPHS = ("unmodified", "arena", "arena-uncompiled", "arena-unflushed", "block-on-arena", "block-on-arena-compiled")
 
@@ -61,20 +59,6 @@ def _compiled_block(block):
     return CompiledBlock()
 
 
-def _manager(blocks, slots: int, loader):
-    from kq_host.residency import ResidencyManager
-    from kq_mlx.mlx_lm_adapter import SwitchGLUArena
-
-    num_experts = blocks[0].num_experts
-    expert_bytes = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize
-                       for shape, dtype in blocks[0].slot_layout().values())
-    manager = ResidencyManager(len(blocks), num_experts, slots, arena=SwitchGLUArena(blocks),
-                               bytes_per_expert=expert_bytes, loader=loader)
-    for layer in range(len(blocks)):
-        manager.preload(layer, range(slots) if slots == num_experts else [])
-    return manager
-
-
 def _graph(checkpoint, quantized: bool, graph: str, prompt: list[int]):
     """A graph's decode loop, ``loop(steps) -> (tokens, stamps)``, on a model loaded once for it."""
     from kq_mlx.mlx_lm_adapter import attach_arena
@@ -84,7 +68,7 @@ def _graph(checkpoint, quantized: bool, graph: str, prompt: list[int]):
         return lambda steps: unmodified_loop(model, prompt, steps, Phases())
     num_experts = model.layers[0].mlp.switch_mlp.gate_proj.weight.shape[0]
     blocks = attach_arena(model, num_experts)
-    manager = _manager(blocks, num_experts, host_loader(blocks))
+    manager = arena_manager(blocks, num_experts, host_loader(blocks))
     manager.close()  # every expert preloaded: the loop reads nothing, and only the tables are used
     if graph == "arena-uncompiled":
         for block in blocks:
@@ -139,7 +123,7 @@ def _exact_loop(checkpoint, residency: float, disk: str, prompt: list[int], step
     blocks = attach_arena(model, slots)
     loader = (host_loader(blocks) if disk == "host"
               else lambda layer, expert, slot: blocks[layer].expert_weights(expert))
-    manager = _manager(blocks, slots, loader)
+    manager = arena_manager(blocks, slots, loader)
     stamps = []
     try:
         if profile is not None:
