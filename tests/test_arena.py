@@ -595,6 +595,31 @@ def test_mlx_arena_takes_a_payload_of_negative_strides(dtype):
             assert got[0, slot].tobytes() == np.ascontiguousarray(value).view(got.dtype).tobytes(), (name, slot)
 
 
+@pytest.mark.parametrize("kind", ["jax", "mlx"])
+def test_write_slots_leaves_what_one_write_after_another_leaves(kind):
+    """A batch across layers, with a slot written twice and a refused payload between, gives the bits that
+    write_slot called in order gives (random data, bf16 and float32 payloads into a float32 arena)."""
+    if kind == "jax":
+        pytest.importorskip("jax")
+        from kq_jax.arena import JaxArena as Arena
+    else:
+        pytest.importorskip("mlx.core")
+        from kq_mlx.arena import MlxArena as Arena
+    shapes = {"w": ((6, 5), np.float32), "i": ((3,), np.uint32)}
+    rng = np.random.default_rng(11)
+    layers, slots = np.array([1, 0, 1, 1, 0, 1]), np.array([2, 0, 0, 2, 1, 0])
+    payloads = [{"w": (rng.standard_normal((6, 5)) * 1e3).astype(ml_dtypes.bfloat16 if n % 2 else np.float32),
+                 "i": rng.integers(0, 2**32, 3, dtype=np.uint32)} for n in range(6)]
+    payloads[5] = {"w": payloads[5]["w"]}  # refused: a projection missing
+    batched, one_by_one = Arena(2, 3, shapes), Arena(2, 3, shapes)
+    errors = batched.write_slots(layers, slots, payloads)
+    assert [error is None for error in errors] == [True] * 5 + [False]
+    for layer, slot, payload in zip(layers[:5].tolist(), slots[:5].tolist(), payloads[:5]):
+        one_by_one.write_slot(layer, slot, payload)
+    for name in shapes:
+        assert np.asarray(batched.arrays[name]).tobytes() == np.asarray(one_by_one.arrays[name]).tobytes(), name
+
+
 def test_holds_every_expert_is_true_only_for_a_table_that_cannot_miss():
     from kq_core.contract import holds_every_expert
 

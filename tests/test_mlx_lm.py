@@ -1223,6 +1223,27 @@ def test_a_slot_takes_a_payload_of_negative_strides(make_model):
             assert got.tobytes() == np.ascontiguousarray(backwards[key]).tobytes(), (key, slot)
 
 
+@pytest.mark.parametrize("make_model", [qwen3_model, _quantized(qwen3_model)], ids=["float", "q4"])
+def test_write_slots_leaves_what_one_write_after_another_leaves(make_model):
+    """A batch over two layers, a slot written twice and a refused payload between, gives the arenas'
+    bytes that write_slot called in order gives."""
+    model = evaluated(make_model, seed=7)
+    batched, one_by_one = attach_arena(model, 3), attach_arena(evaluated(make_model, seed=7), 3)
+    layers, slots, experts = np.array([1, 0, 1, 1, 0, 1]), np.array([2, 0, 0, 2, 1, 0]), [3, 1, 4, 0, 2, 5]
+    payloads = [batched[layer].expert_weights(expert) for layer, expert in zip(layers.tolist(), experts)]
+    payloads[5] = {key: value for key, value in list(payloads[5].items())[1:]}  # refused: an array missing
+    errors = SwitchGLUArena(batched).write_slots(layers, slots, payloads)
+    assert [error is None for error in errors] == [True] * 5 + [False]
+    for layer, slot, payload in zip(layers[:5].tolist(), slots[:5].tolist(), payloads[:5]):
+        SwitchGLUArena(one_by_one).write_slot(layer, slot, payload)
+    for layer in (0, 1):
+        for key in batched[layer].slot_layout():
+            projection, _, name = key.partition(".")
+            got, want = (blocks[layer].arena[projection][name or "weight"] for blocks in (batched, one_by_one))
+            view = mx.uint16 if got.dtype in (mx.bfloat16, mx.float16) else got.dtype
+            assert np.array(got.view(view)).tobytes() == np.array(want.view(view)).tobytes(), (layer, key)
+
+
 def test_the_token_parts_job_checks_every_rounds_tokens(monkeypatch):
     """A graph whose tokens go wrong after its first round is reported (same_tokens False), not only the first
     round's compared."""
