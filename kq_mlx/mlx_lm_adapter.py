@@ -1175,26 +1175,6 @@ def pack_reports(blocks: list[ArenaLayer]) -> mx.array:
                              "mix": [block.last_mix for block in blocks]})
 
 
-def _routed_set_fits(manager, layer: int, indices: np.ndarray) -> bool:
-    """Whether ``manager.acquire`` can hold the experts ``indices`` routes in ``layer`` beside its pinned ones."""
-    return len(set(np.unique(indices).tolist()) | manager.pinned_experts.get(layer, set())) <= manager.num_slots
-
-
-def _acquire_missed_layers(manager, report: LayerReport, layers: np.ndarray, timeout: float | None) -> None:
-    """Makes each of ``layers``' routed experts in ``report`` resident (``manager.acquire``, the routing not
-    credited again); a failed read is left to :func:`_retry_failed_reads`.
-
-    Raises:
-        PreloadError: reads were still out after ``timeout``.
-    """
-    for layer in layers.tolist():
-        try:
-            manager.acquire(layer, report.indices[layer], report.scores[layer], timeout=timeout, credit=False)
-        except PreloadError as error:
-            if error.pending:
-                raise PreloadError(f"generate_greedy: {error}", error.failed, error.pending) from error
-
-
 def _retry_failed_reads(manager, report: LayerReport, read_retries: int, timeout: float | None) -> None:
     """Reads again, ignoring the manager's back-off, the experts a pass missed whose reads failed
     (``manager.acquire`` of the layer's routed set, its routing not credited again, up to ``read_retries``
@@ -1317,7 +1297,7 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
                     *, overlap: bool = True, exact: bool = False, timeout: float | None = None,
                     read_retries: int = 2, on_token: Callable[[int], None] | None = None,
                     prefill_prompt: bool | None = None, cache: list | None = None,
-                    stop_tokens: Collection[int] = (), again: str = "layers") -> list[int]:
+                    stop_tokens: Collection[int] = ()) -> list[int]:
     """Greedy decode through the arenas as an engine runs it: one readback per token, the host's boundary
     overlapped with the next token.
 
@@ -1339,11 +1319,7 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
     (the last one missed, or read experts running layer by layer), the next one runs layer by layer at
     once, not overlapped (its routing credited by ``acquire``, the token ended by ``manager.next_token()``);
     the first token that reads nothing goes back to the overlapped graph. The
-    tokens are the unmodified model's at any residency: each miss is read on the token's critical path.
-    With ``again="graph"`` a token that missed runs again as the whole graph instead, with its reads made
-    resident, and again while it misses (each pass's missed layers read through ``manager.acquire``, the
-    routing not credited again), up to one pass a layer, then layer by layer; the next token runs as the
-    graph (docs/benchmarks.md measures which is faster where). A missed expert whose read failed (this token, or earlier: the
+    tokens are the unmodified model's at any residency: each miss is read on the token's critical path. A missed expert whose read failed (this token, or earlier: the
     manager then backs off from it) is read again at once through ``manager.acquire``, up to
     ``read_retries`` times; a read that keeps failing raises PreloadError naming it, and the manager
     serves a later call once the reads succeed again.
@@ -1372,16 +1348,14 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
             if any; default: a new one).
         stop_tokens: ids that end the generation (an end-of-sequence id): the first one generated is the
             last id returned.
-        again: with ``exact``, how a token that missed runs again: ``"layers"`` (layer by layer, each layer's
-            routing read back before its experts run) or ``"graph"`` (the whole graph again while it misses).
 
     Returns:
         The ``max_tokens`` generated ids, or fewer ending in an id of ``stop_tokens``.
 
     Raises:
         ValueError: an empty prompt, an id outside the vocabulary, ``max_tokens`` no int >= 1, a bad
-            ``timeout``, ``read_retries``, ``stop_tokens``, ``cache`` or ``again``, or ``exact`` with a cache that
-            cannot be put back.
+            ``timeout``, ``read_retries``, ``stop_tokens`` or ``cache``, or ``exact`` with a cache that cannot be
+            put back.
         PreloadError: with ``exact``, a read failed ``read_retries`` more times, or reads were out past
             ``timeout`` (``.failed`` and ``.pending`` list them).
     """
@@ -1397,8 +1371,6 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
         raise ValueError(f"generate_greedy: stop_tokens must be a collection of token ids (ints), got "
                          f"{stop_tokens!r:.80}")
     stop_tokens = frozenset(int(t) for t in stop_tokens)
-    if again not in ("layers", "graph"):
-        raise ValueError(f"generate_greedy: again must be 'layers' or 'graph', got {again!r}")
     if cache is None:
         cache = make_prompt_cache(model)
     _check_cache("generate_greedy", cache)
@@ -1448,12 +1420,10 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
     # routes resident.
     forced = list(prompt[1:]) if exact else []
     # How the current pass ran: "graph" (the rule's graph, dispatched; its report goes to manager.step),
-    # "again" (layer by layer after the graph missed: credited with that report), "graph again" (the graph
-    # after it missed, again="graph": credited with the first pass's report) or "layered" (layer by layer at
-    # once: credited by acquire, the token ended by manager.next_token()).
+    # "again" (layer by layer after the graph missed: credited with that report) or "layered" (layer by layer
+    # at once: credited by acquire, the token ended by manager.next_token()).
     current, kind = dispatch(mx.array([prompt[:1] if exact else prompt])), "graph"
     layered = False  # exact: the last token needed a read, so the next one runs layer by layer at once
-    graph_passes = 0  # again="graph": the current token's passes again as the graph
     while len(tokens) < max_tokens:
         more = bool(forced) or len(tokens) + 1 < max_tokens
         following_input = mx.array([forced[:1]]) if forced else current[1].reshape(1, 1)
@@ -1473,30 +1443,16 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
         elif kind == "layered":
             tables = manager.next_token()
         if missed:
-            if kind == "graph again":
-                missed_layers = np.flatnonzero((report.miss_ids >= 0).reshape(len(blocks), -1).any(axis=1))
-                fits = all(_routed_set_fits(manager, layer, report.indices[layer]) for layer in missed_layers)
-                if fits:
-                    _acquire_missed_layers(manager, report, missed_layers, timeout)
-            else:
-                out = manager.drain(timeout)
-                if out:
-                    raise PreloadError(f"generate_greedy: {len(out)} read(s) still out after {timeout} s ("
-                                       + ", ".join(f"layer {r.layer} expert {r.expert}" for r in out[:4]) + ")", [], out)
-                fits, graph_passes = True, 0
+            out = manager.drain(timeout)
+            if out:
+                raise PreloadError(f"generate_greedy: {len(out)} read(s) still out after {timeout} s ("
+                                   + ", ".join(f"layer {r.layer} expert {r.expert}" for r in out[:4]) + ")", [], out)
             _retry_failed_reads(manager, report, read_retries, timeout)
             current[3].restore()  # the following token's entries, built on this one, go with it
-            if again == "graph" and fits and graph_passes < len(blocks):
-                graph_passes += 1
-                set_tables(blocks, manager.snapshot())
-                current, kind = dispatch(current[0]), "graph again"
-                continue
             current, _ = run_layer_by_layer(current[0], credit=False)
             kind, layered = "again", True
             tables = manager.snapshot()
             continue
-        if kind == "graph again":
-            tables = manager.snapshot()
         set_tables(blocks, tables)
         if forced:
             forced.pop(0)

@@ -503,12 +503,8 @@ def test_set_tables_sends_only_the_rows_that_changed():
     assert all(np.array_equal(np.array(block.slot_table), row) for block, row in zip(blocks, tables))
 
 
-AGAINS = pytest.mark.parametrize("again", ["layers", "graph"])
-
-
-@AGAINS
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "serial"])
-def test_generate_greedy_exact_is_the_model_at_partial_residency(overlap, again):
+def test_generate_greedy_exact_is_the_model_at_partial_residency(overlap):
     """exact=True: a token that missed runs again once its misses are read, so every kept token is the
     unmodified model's, from a cold arena a third the size of the model's experts."""
     from kq_mlx.mlx_lm_adapter import generate_greedy
@@ -517,20 +513,18 @@ def test_generate_greedy_exact_is_the_model_at_partial_residency(overlap, again)
     model = evaluated(qwen3_model, seed=7)
     blocks = attach_arena(model, num_slots=6)
     manager = _manager_over(blocks, 6, queue_depth=0)
-    assert generate_greedy(model, blocks, manager, [2, 7, 1, 8], 16, overlap=overlap, exact=True, again=again) == want
+    assert generate_greedy(model, blocks, manager, [2, 7, 1, 8], 16, overlap=overlap, exact=True) == want
     _, total = manager.stats()
     assert total.misses > 0 and total.reads_landed > 0  # it did read on the way
     manager.close()
 
 
-@AGAINS
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "serial"])
-def test_generate_greedy_exact_runs_a_token_again_once_and_in_chunks_where_its_experts_exceed_the_arena(
-        overlap, again, monkeypatch):
+def test_generate_greedy_exact_runs_a_token_again_once_and_in_chunks_where_its_experts_exceed_the_arena(overlap):
     """A token that missed runs again layer by layer: once, however its routing changes after the misses are
     read, and in chunks that fit where its experts exceed the arena (top-4 routing, 2 slots): the model's
-    tokens. Run again as the graph, a pass whose routed experts cannot fit goes layer by layer."""
-    import kq_mlx.mlx_lm_adapter as adapter
+    tokens."""
+    from kq_mlx.mlx_lm_adapter import generate_greedy
 
     want = _greedy_prefilled(qwen3_model, 7, [2, 7, 1, 8], 6)
     model = evaluated(qwen3_model, seed=7)
@@ -538,56 +532,8 @@ def test_generate_greedy_exact_runs_a_token_again_once_and_in_chunks_where_its_e
     manager = _manager_over(blocks, 2, queue_depth=0)
     drains, drain = [], manager.drain
     manager.drain = lambda *args, **kwargs: drains.append(1) or drain(*args, **kwargs)
-    layered, layer_by_layer = [], adapter._layer_by_layer
-    monkeypatch.setattr(adapter, "_layer_by_layer", lambda *a, **k: layered.append(1) or layer_by_layer(*a, **k))
-    got = adapter.generate_greedy(model, blocks, manager, [2, 7, 1, 8], 6, overlap=overlap, exact=True, again=again)
-    assert got == want
+    assert generate_greedy(model, blocks, manager, [2, 7, 1, 8], 6, overlap=overlap, exact=True) == want
     assert 0 < len(drains) <= 6  # one run again at most a token (the prompt prefilled)
-    assert len(layered) > len(drains)  # the prompt's prefill, and every run again
-    manager.close()
-
-
-def test_generate_greedy_exact_runs_a_token_again_as_the_graph_while_it_misses(monkeypatch):
-    """again="graph": a token that missed runs again as the whole graph, never layer by layer while a pass's
-    routed experts fit (6 slots, top-4), each pass reading the misses of the pass before; the tokens are
-    the model's, with more passes than tokens."""
-    import kq_mlx.mlx_lm_adapter as adapter
-
-    from kq.bench.jobs.mlx_decode import CountedCalls
-
-    want = _greedy_one_at_a_time(qwen3_model, 7, [2, 7, 1, 8], 10)
-    model = evaluated(qwen3_model, seed=7)
-    blocks = attach_arena(model, num_slots=6)
-    manager = _manager_over(blocks, 6, queue_depth=0)
-    counted, layered, layer_by_layer = CountedCalls(model), [], adapter._layer_by_layer
-    monkeypatch.setattr(adapter, "_layer_by_layer", lambda *a, **k: layered.append(1) or layer_by_layer(*a, **k))
-    got = adapter.generate_greedy(counted, blocks, manager, [2, 7, 1, 8], 10, exact=True, again="graph",
-                                  prefill_prompt=False, overlap=False)  # a call a pass: none built ahead
-    assert got == want and layered == []
-    assert counted.calls > 3 + 10  # the prompt fed a token a pass, and the tokens: some ran again
-    assert manager.stats()[1].misses > 0
-    manager.close()
-
-
-def test_generate_greedy_exact_runs_layer_by_layer_after_a_pass_again_a_layer(monkeypatch):
-    """again="graph": a token whose passes again keep missing (their reads left out here) runs as the graph
-    once a layer, then layer by layer: it ends, and its tokens are the model's."""
-    import kq_mlx.mlx_lm_adapter as adapter
-
-    from kq.bench.jobs.mlx_decode import CountedCalls
-
-    want = _greedy_one_at_a_time(qwen3_model, 7, [2], 4)
-    model = evaluated(qwen3_model, seed=7)
-    blocks = attach_arena(model, num_slots=6)
-    manager = _manager_over(blocks, 6, queue_depth=0)
-    manager.drain = lambda timeout=None: []  # the first pass's misses are not read either
-    monkeypatch.setattr(adapter, "_acquire_missed_layers", lambda *args: None)
-    counted = CountedCalls(model)
-    got = adapter.generate_greedy(counted, blocks, manager, [2], 4, exact=True, again="graph", prefill_prompt=False,
-                                  overlap=False)  # a call a pass: none built ahead
-    assert got == want
-    # the first token: its pass, one pass again a layer, then layer by layer; the same for a later token at most
-    assert LAYERS + 2 <= counted.calls <= 4 * (LAYERS + 2)
     manager.close()
 
 
@@ -743,10 +689,9 @@ def _greedy_one_at_a_time(make_model, seed, prompt, steps):
     return want
 
 
-@AGAINS
 @pytest.mark.parametrize("failing_read", [1, 5, 12])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "serial"])
-def test_generate_greedy_exact_retries_a_transient_read_failure(failing_read, overlap, again):
+def test_generate_greedy_exact_retries_a_transient_read_failure(failing_read, overlap):
     from kq_mlx.mlx_lm_adapter import generate_greedy
 
     want = _greedy_prefilled(qwen3_model, 7, [2, 7, 1, 8], 10)
@@ -756,8 +701,7 @@ def test_generate_greedy_exact_retries_a_transient_read_failure(failing_read, ov
         blocks = attach_arena(model, num_slots=6)
         loader = FlakyLoader(blocks, failing=failing)
         manager = ResidencyManager(LAYERS, EXPERTS, 6, loader=loader, arena=SwitchGLUArena(blocks), queue_depth=0)
-        assert generate_greedy(model, blocks, manager, [2, 7, 1, 8], 10, overlap=overlap, exact=True,
-                               again=again) == want
+        assert generate_greedy(model, blocks, manager, [2, 7, 1, 8], 10, overlap=overlap, exact=True) == want
         totals.append((manager.stats()[1], loader.count))
         manager.close()
     (failed_run, reads), (clean_run, _) = totals
@@ -835,8 +779,7 @@ def test_generate_greedy_exact_times_out_on_a_hanging_read(prefill_prompt):
     finally:
         release.set()
         manager.close()
-    for bad in (dict(timeout=-1.0), dict(read_retries=-1), dict(read_retries=1.5), dict(again="twice"),
-                dict(again=None)):
+    for bad in (dict(timeout=-1.0), dict(read_retries=-1), dict(read_retries=1.5)):
         with pytest.raises(ValueError, match=f"generate_greedy: {next(iter(bad))}"):
             generate_greedy(model, blocks, manager, [2], 1, exact=True, **bad)
 
@@ -1251,16 +1194,14 @@ def test_the_chunk_bits_job_finds_a_chunk_of_a_pass_in_the_pass_bits_on_the_cpu(
 def test_the_token_parts_job_runs_every_graph_and_both_disks_to_the_models_tokens():
     """``python -m kq.bench.jobs mlx_token_parts`` at its smallest on the shipped wheels-moe: every graph at full
     residency gives the unmodified model's tokens, and so does the exact loop at half residency from either
-    disk and run again either way, with its host time by function."""
+    disk, with its host time by function."""
     from kq.bench.jobs import mlx_decode, mlx_token_parts
 
     rows = mlx_token_parts.graphs(rounds=1, tokens=2, warmup=1, variants=[mlx_decode.VARIANTS[2]])
     assert [row["graph"] for row in rows] == list(mlx_token_parts.GRAPHS)
     assert all(row["same_tokens"] and row["tok_s"] > 0 for row in rows)
     exact = mlx_token_parts.exact(residency=0.5, tokens=2, warmup=1, top=3)
-    assert [(row["disk"], row["again"]) for row in exact] == [("device", "layers"), ("device", "graph"),
-                                                              ("host", "layers"), ("host", "graph")]
-    assert all(row["same_tokens"] and row["model_calls_per_token"] >= 1 for row in exact)
+    assert [row["disk"] for row in exact] == ["device", "host"] and all(row["same_tokens"] for row in exact)
     assert all(len(row["host_ms_per_token"]) == 3 and row["host_ms_per_token"][0]["own"] > 0 for row in exact)
 
 

@@ -20,15 +20,12 @@ engine does, greedily and autoregressively, the next token's input kept on the d
 * ``exact``: ``generate_greedy(exact=True)``: a token that missed runs again layer by layer once its
   misses are read (on its critical path), and while tokens need reads the next runs layer by layer at
   once; the prompt fed a token a pass; its tokens are checked against the unmodified model fed the same
-  way, at every residency;
-* ``exact-graph``: the same with ``again="graph"``: a token that missed runs again as the whole graph
-  while it misses, the next token as the graph.
+  way, at every residency.
 
 Each arena row also has the hit rate, the experts read on the critical path (a run again's misses and
-the reads of the layer-by-layer passes), the runs again, the tokens run layer by layer at once and the
-model's calls (each pass built, as the graph or layer by layer, the next token's built ahead and dropped
-where this one missed among them) per token (exact), and the MiB the manager read per token (after the
-preload), over all ``warmup + tokens``.
+the reads of the layer-by-layer passes), the runs again and the tokens run layer by layer at once per
+token (exact), and the MiB the manager read per token (after the preload), over all ``warmup +
+tokens``.
 
 The token taken apart, at 100% only (the slot tables never change, so every expert must be resident):
 
@@ -81,8 +78,7 @@ VARIANTS = (("stdlib-moe", MODELS / "stdlib-moe", False),
             ("stdlib-moe", MODELS / "stdlib-moe", True),
             ("wheels-moe", MODELS / "wheels-moe", False))
 PROMPT = "def read_config(path):\n"
-MODES = ("per-layer", "packed", "dispatch-first", "overlapped", "overlapped-phases", "tier", "exact", "exact-graph")
-EXACT_MODES = {"exact": "layers", "exact-graph": "graph"}  # mode: generate_greedy's again
+MODES = ("per-layer", "packed", "dispatch-first", "overlapped", "overlapped-phases", "tier", "exact")
 FIXED_TABLE_MODES = ("fixed-tables", "fixed-tables+readback")
 
 
@@ -278,21 +274,6 @@ class _Stamped:
         return self.manager.drain(*args, **kwargs)
 
 
-class CountedCalls:
-    """A model whose calls are counted (``calls``: each pass built, the next token's built ahead among them);
-    everything else is the model's."""
-
-    def __init__(self, model):
-        self.model, self.calls = model, 0
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        return self.model(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-
 def checkpoint_store(checkpoint: Path):
     """An :class:`~kq_host.expert_store.ExpertStore` over an mlx-lm checkpoint's experts: one tensor per expert
     and projection (Hugging Face's names) or stacked ``[E, ...]`` under ``switch_mlp`` (every array of a
@@ -399,7 +380,7 @@ def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, p
     manager = _Stamped(arena_manager(blocks, slots, host_loader(blocks)))
     expert_bytes = manager.bytes_per_expert
     preloaded = manager.stats()[1]
-    stamps, calls = manager.stamps, None
+    stamps = manager.stamps
     if mode in FIXED_TABLE_MODES:
         got, stamps = fixed_tables_loop(model, blocks, manager, prompt, steps, phases,
                                     read_reports=mode.endswith("readback"))
@@ -409,7 +390,7 @@ def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, p
         got = _per_layer(model, blocks, manager, prompt, steps)
     elif mode == "dispatch-first":
         got = _dispatch_first(model, blocks, manager, prompt, steps)
-    elif mode == "tier" or mode in EXACT_MODES:
+    elif mode in ("tier", "exact"):
         if mode == "tier":
             attach_tier(blocks, arena_tier(checkpoint))
             for block in blocks:
@@ -417,11 +398,8 @@ def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, p
         stamps = []
         # The exact loop feeds the prompt a token a pass (each pass's misses read on its critical path), as
         # its reference (unmodified_fed) does, not through prefill in mlx-lm's order.
-        counted = CountedCalls(model)
-        got = generate_greedy(counted, blocks, manager, prompt, steps, exact=mode in EXACT_MODES,
-                              prefill_prompt=False, again=EXACT_MODES.get(mode, "layers"),
+        got = generate_greedy(model, blocks, manager, prompt, steps, exact=mode == "exact", prefill_prompt=False,
                               on_token=lambda token: stamps.append(time.perf_counter()))
-        calls = counted.calls
     else:
         got = generate_greedy(model, blocks, manager, prompt, steps, overlap=mode == "overlapped")
     manager.close()
@@ -431,8 +409,7 @@ def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, p
     counts = dict(hit_rate=stats.hit_rate, critical_per_token=critical / steps,
                   critical_mib_per_token=critical / steps * expert_bytes / 2**20,
                   reruns_per_token=manager.reruns / steps, layered_per_token=manager.layered / steps,
-                  mib_per_token=stats.bytes_read / steps / 2**20,
-                  **({} if calls is None else {"model_calls_per_token": calls / steps}))
+                  mib_per_token=stats.bytes_read / steps / 2**20)
     return got, stamps, counts
 
 
@@ -452,7 +429,7 @@ def run(tokens: int = 64, warmup: int = 16, residencies=(1.0, 0.25), rounds: int
         loops = ([("unmodified", 1.0)] + [(mode, 1.0) for mode in FIXED_TABLE_MODES if 1.0 in residencies]
                  + [(mode, residency) for residency in residencies for mode in modes])
         runs: dict[tuple[str, float], list[dict]] = {loop: [] for loop in loops}
-        want, want_fed = None, unmodified_fed(model, prompt, steps) if set(modes) & set(EXACT_MODES) else None
+        want, want_fed = None, unmodified_fed(model, prompt, steps) if "exact" in modes else None
         for _ in range(rounds):
             for mode, residency in loops:
                 phases = Phases()
@@ -463,7 +440,7 @@ def run(tokens: int = 64, warmup: int = 16, residencies=(1.0, 0.25), rounds: int
                 else:
                     got, stamps, counts = _arena_run(checkpoint, quantized, residency, mode, prompt, steps, phases)
                 runs[mode, residency].append(dict(tok_s=tok_s_of(stamps, tokens), **counts,
-                                                  same_tokens=got == (want_fed if mode in EXACT_MODES else want),
+                                                  same_tokens=got == (want_fed if mode == "exact" else want),
                                                   phases_ms=phases.medians_ms(tokens)))
         unmodified = sorted(r["tok_s"] for r in runs["unmodified", 1.0])[rounds // 2]
         for (mode, residency), done in runs.items():
@@ -475,8 +452,7 @@ def run(tokens: int = 64, warmup: int = 16, residencies=(1.0, 0.25), rounds: int
                              tok_s_range=[ordered[0]["tok_s"], ordered[-1]["tok_s"]], hit_rate=middle["hit_rate"],
                              same_tokens=all(r["same_tokens"] for r in done),
                              **{key: middle[key] for key in ("critical_per_token", "reruns_per_token",
-                                                             "layered_per_token", "model_calls_per_token", "mib_per_token")
-                                if key in middle},
+                                                             "layered_per_token", "mib_per_token") if key in middle},
                              unmodified_tok_s=unmodified, read_gib_per_s=bandwidth, critical_mib_per_token=critical_mib,
                              **floor_columns(middle["tok_s"], unmodified, critical_mib, bandwidth),
                              **({"phases_ms": middle["phases_ms"]} if middle["phases_ms"] else {})))
@@ -511,4 +487,4 @@ def main() -> int:
     if args.json:
         write_json(args.json, result)
     # Every expert resident, every loop must give the unmodified model's tokens; the exact loop, at any residency.
-    return 0 if all(r["same_tokens"] for r in result["rows"] if r["residency"] == 1.0 or r["mode"] in EXACT_MODES) else 1
+    return 0 if all(r["same_tokens"] for r in result["rows"] if r["residency"] == 1.0 or r["mode"] == "exact") else 1

@@ -20,11 +20,9 @@ round reported with its range, and the median of each round's ratio to the unmod
 two in-memory 'disks': ``device`` (each read slices the model's own experts, on the default device, and
 copies them to the host: :meth:`~kq_mlx.mlx_lm_adapter.ArenaLayer.expert_weights`) and ``host`` (host
 copies of every expert made once, as the page cache holds a checkpoint's:
-:func:`~kq.bench.jobs.mlx_decode.host_loader`, what ``mlx_decode`` reads from), a token that missed run
-again each way ``--again`` names (``layers``, ``graph``: ``generate_greedy``'s ``again``); each loop's tokens
-per second, the model's calls per token (each pass built) and whether its tokens are the unmodified model's (fed the
-prompt a token a pass, as the loop is), then the same loop under ``cProfile``: the host's time a token by
-function, the largest first.
+:func:`~kq.bench.jobs.mlx_decode.host_loader`, what ``mlx_decode`` reads from); each loop's tokens per second
+and whether its tokens are the unmodified model's (fed the prompt a token a pass, as the loop is), then
+the same loop under ``cProfile``: the host's time a token by function, the largest first.
 
     python -m kq.bench.jobs mlx_token_parts --json out/mlx_token_parts.json [--parts graphs exact]
 """
@@ -38,8 +36,8 @@ import pstats
 import time
 
 from kq.bench.common import run_header, write_json
-from kq.bench.jobs.mlx_decode import (PROMPT, VARIANTS, CountedCalls, Phases, arena_manager, fixed_tables_loop,
-                                      host_loader, load_model, tok_s_of, unmodified_fed, unmodified_loop)
+from kq.bench.jobs.mlx_decode import (PROMPT, VARIANTS, Phases, arena_manager, fixed_tables_loop, host_loader,
+                                      load_model, tok_s_of, unmodified_fed, unmodified_loop)
 
 GRAPHS = ("unmodified", "arena", "arena-uncompiled", "arena-unflushed", "block-on-arena", "block-on-arena-compiled")
 
@@ -115,7 +113,7 @@ def graphs(rounds: int, tokens: int, warmup: int, variants, chosen=GRAPHS) -> li
     return rows
 
 
-def _exact_loop(checkpoint, residency: float, disk: str, again: str, prompt: list[int], steps: int,
+def _exact_loop(checkpoint, residency: float, disk: str, prompt: list[int], steps: int,
                 profile: cProfile.Profile | None):
     from kq_mlx.mlx_lm_adapter import attach_arena, generate_greedy
 
@@ -126,35 +124,35 @@ def _exact_loop(checkpoint, residency: float, disk: str, again: str, prompt: lis
     loader = (host_loader(blocks) if disk == "host"
               else lambda layer, expert, slot: blocks[layer].expert_weights(expert))
     manager = arena_manager(blocks, slots, loader)
-    stamps, counted = [], CountedCalls(model)
+    stamps = []
     try:
         if profile is not None:
             profile.enable()
-        got = generate_greedy(counted, blocks, manager, prompt, steps, exact=True, prefill_prompt=False, again=again,
+        got = generate_greedy(model, blocks, manager, prompt, steps, exact=True, prefill_prompt=False,
                               on_token=lambda token: stamps.append(time.perf_counter()))
     finally:
         if profile is not None:
             profile.disable()
         manager.close()
-    return got, stamps, counted.calls / steps
+    return got, stamps
 
 
-def exact(residency: float, tokens: int, warmup: int, top: int, agains=("layers", "graph")) -> list[dict]:
+def exact(residency: float, tokens: int, warmup: int, top: int) -> list[dict]:
     name, checkpoint, _ = VARIANTS[2]
     model, tokenizer = load_model(checkpoint, False)
     prompt = tokenizer.encode(PROMPT)
     steps = warmup + tokens
     want = unmodified_fed(model, prompt, steps)  # the exact loop feeds the prompt a token a pass, as this does
     rows = []
-    for disk, again in ((disk, again) for disk in ("device", "host") for again in agains):
-        got, stamps, calls = _exact_loop(checkpoint, residency, disk, again, prompt, steps, None)
+    for disk in ("device", "host"):
+        got, stamps = _exact_loop(checkpoint, residency, disk, prompt, steps, None)
         profile = cProfile.Profile()
-        _exact_loop(checkpoint, residency, disk, again, prompt, steps, profile)
+        _exact_loop(checkpoint, residency, disk, prompt, steps, profile)
         # {(file, line, function): (primitive calls, calls, own time, cumulative time, callers)}
         stats = pstats.Stats(profile).stats
         largest = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
-        rows.append(dict(model=name, residency=residency, disk=disk, again=again, tok_s=tok_s_of(stamps, tokens),
-                         model_calls_per_token=calls, same_tokens=got == want,
+        rows.append(dict(model=name, residency=residency, disk=disk, tok_s=tok_s_of(stamps, tokens),
+                         same_tokens=got == want,
                          host_ms_per_token=[dict(function=f"{file.rpartition('/')[2]}:{line}:{function}",
                                                  calls_per_token=calls / steps, own=1e3 * own / steps,
                                                  cumulative=1e3 * cumulative / steps)
@@ -175,8 +173,6 @@ def main() -> int:
                         help="the graphs beside the unmodified model's")
     parser.add_argument("--residency", type=float, default=0.5, help="the exact loop's")
     parser.add_argument("--top", type=int, default=25, help="functions listed per exact loop")
-    parser.add_argument("--again", nargs="+", choices=("layers", "graph"), default=["layers", "graph"],
-                        help="how the exact loop runs a token that missed again")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     for name in ("rounds", "tokens", "top"):
@@ -192,7 +188,7 @@ def main() -> int:
         result["graphs"] = graphs(args.rounds, args.tokens, args.warmup, [VARIANTS[i] for i in args.variants],
                                   args.graphs)
     if "exact" in args.parts:
-        result["exact"] = exact(args.residency, args.tokens, args.warmup, args.top, args.again)
+        result["exact"] = exact(args.residency, args.tokens, args.warmup, args.top)
     if args.json:
         write_json(args.json, result)
     return 0 if all(row["same_tokens"] for row in result.get("graphs", []) + result.get("exact", [])) else 1
