@@ -82,6 +82,42 @@ def test_the_exact_fetch_mode_gives_the_resident_models_bits_in_one_pass(setting
     assert run.stats.lookups == (STEPS - 2) * LAYERS * TOP_K and len(run.stamps) == STEPS
 
 
+@pytest.mark.parametrize("residency", [1.0, 0.25], ids=["full", "quarter"])
+def test_the_exact_fetch_mode_dispatches_ahead_while_its_tables_cannot_miss(setting, monkeypatch, residency):
+    """exact-fetch dispatches the next token before reading this one while every table holds every expert
+    (nothing to fetch, nothing to change at the boundary), and after the boundary while a table can miss
+    (the next token takes the tables holding this one's misses)."""
+    asked, decode = [], decode_e2e.decode
+
+    def recorded(dispatch, boundary, first, steps, *, overlap):
+        return decode(dispatch, boundary, first, steps, overlap=lambda: asked.append(overlap()) or asked[-1])
+    monkeypatch.setattr(decode_e2e, "decode", recorded)
+    run = _run(setting, residency, "exact-fetch")
+    assert np.array_equal(_bits(run.last), _bits(setting[2]))
+    assert len(asked) == STEPS - 1 and set(asked) == {residency == 1.0}
+
+
+def test_the_engine_loop_dispatches_ahead_only_while_asked():
+    """decode's overlap asked before each token: the next token dispatched before this one is read while it
+    says so, after this one's boundary otherwise; the tokens the same either way."""
+    events = []
+
+    import jax.numpy as jnp
+
+    def dispatch(x, position):
+        events.append(("dispatch", position))
+        return x + 1, jnp.asarray(x)
+
+    def boundary(position, readback):
+        events.append(("read", position))
+        return False
+    ahead = iter([True, False, True])
+    stamps, _, last = decode_e2e.decode(dispatch, boundary, 0, 4, overlap=lambda: next(ahead))
+    assert last == 4 and len(stamps) == 4
+    assert events == [("dispatch", 0), ("dispatch", 1), ("read", 0), ("read", 1), ("dispatch", 2), ("dispatch", 3),
+                      ("read", 2), ("read", 3)]
+
+
 @pytest.mark.parametrize("mode", ["lossy", "tier"])
 def test_the_lossy_modes_match_at_full_residency_and_differ_below(setting, mode):
     full, quarter = _run(setting, 1.0, mode), _run(setting, 0.25, mode)

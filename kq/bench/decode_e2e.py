@@ -74,6 +74,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -316,11 +317,13 @@ def _queued(outputs):
     return outputs
 
 
-def decode(dispatch, boundary, first, steps: int, *, overlap: bool) -> tuple[list[float], list[float], object]:
+def decode(dispatch, boundary, first, steps: int, *,
+           overlap: bool | Callable[[], bool]) -> tuple[list[float], list[float], object]:
     """The engine loop. ``dispatch(x, position)`` queues a token and returns its device outputs
     ``(next input, readback)``; ``boundary(position, readback)`` is the host's work on the read-back
     array, and returns True when the token must run again (on the tables the boundary left). With
-    ``overlap``, token t+1 is dispatched before token t is read (and dropped if token t runs again).
+    ``overlap`` (a callable: asked before each token that has a next one, whether to now), token t+1 is
+    dispatched before token t is read (and dropped if token t runs again).
 
     Returns:
         (the time each token's kept run was read back, each token's readback waits in seconds, summed,
@@ -330,7 +333,8 @@ def decode(dispatch, boundary, first, steps: int, *, overlap: bool) -> tuple[lis
     x, position = first, 0
     current = _queued(dispatch(first, 0))
     while position < steps:
-        following = _queued(dispatch(current[0], position + 1)) if overlap and position + 1 < steps else None
+        ahead = position + 1 < steps and (overlap() if callable(overlap) else overlap)
+        following = _queued(dispatch(current[0], position + 1)) if ahead else None
         start = time.perf_counter()
         readback = np.asarray(current[1])
         read = time.perf_counter()
@@ -476,8 +480,10 @@ def run_streamed(engine: Engine, store, *, residency: float, mode: str, warmup: 
         publishes[position] += timed.seconds
         return again
 
-    # exact-fetch: the next token dispatched after the boundary, on the tables holding this token's misses
-    stamps, waits, last = decode(dispatch, boundary, engine.first, steps, overlap=mode != "exact-fetch")
+    # exact-fetch: the next token dispatched after the boundary, on the tables holding this token's misses,
+    # unless every table holds every expert (the full-table program: nothing to fetch or to change)
+    overlap = (lambda: on_device(state["tables"])[0] is engine.full) if mode == "exact-fetch" else True
+    stamps, waits, last = decode(dispatch, boundary, engine.first, steps, overlap=overlap)
     floor = device_floor(dispatch, engine.first, min(steps, 64))
     manager.close()  # the reads still out land first, so they count among the bytes read
     if reader is not None:
