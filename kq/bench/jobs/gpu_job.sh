@@ -14,8 +14,8 @@
 # study_grid (the shedding study's grid on STUDY_MODELS, extra arguments in STUDY_ARGS), exact_loop (the exact
 # layer-by-layer loop with and without look-ahead, extra arguments in EXACT_ARGS, the JSON and log named
 # with EXACT_TAG; and its tests); and MLX on CUDA, after
-# `source .mlxb/env.sh` (../shared/device/mlx-cuda-prepare.sh; with kq/bench/jobs/mlx_lm_wheels.sh, mlx-lm is
-# installed beside it): mlx_check (`kq check --backends mlx-cuda`), mlx_tests (the tests/test_mlx*.py files,
+# `source .mlxb/env.sh` (../shared/device/mlx-cuda-prepare.sh, then kq/bench/jobs/mlx_cuda_parts.sh, which
+# packs it and mlx-lm into calls that fit; mlx-lm is installed beside it): mlx_check (`kq check --backends mlx-cuda`), mlx_tests (the tests/test_mlx*.py files,
 # MLX_TEST_FILES to narrow them),
 # mlx_bench (`kq bench`: mlx-cuda beside mlx-ops-gpu, the pure-`mx` path on the GPU stream,
 # on the same GPU), mlx_decode (mlx-lm decode through
@@ -35,7 +35,7 @@ WHEELS=${WHEELS:-.whl}
 if [ -d "$WHEELS" ] && ls "$WHEELS"/numba-*.whl >/dev/null 2>&1 && ! python3 -c "import numba" 2>/dev/null; then
   PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --no-index --find-links "$WHEELS" numba
 fi
-if [ -d /tmp/mlxparts/wheels ] && ! python3 -c "import mlx_lm" 2>/dev/null; then  # kq/bench/jobs/mlx_lm_wheels.sh
+if [ -d /tmp/mlxparts/wheels ] && ! python3 -c "import mlx_lm" 2>/dev/null; then  # kq/bench/jobs/mlx_cuda_parts.sh
   PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install -q --no-index --find-links /tmp/mlxparts/wheels mlx-lm
 fi
 {
