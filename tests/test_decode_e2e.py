@@ -100,9 +100,9 @@ def test_the_exact_fetch_mode_dispatches_ahead_while_its_tables_cannot_miss(sett
 def test_the_engine_loop_dispatches_ahead_only_while_asked():
     """decode's overlap asked before each token: the next token dispatched before this one is read while it
     says so, after this one's boundary otherwise; the tokens the same either way."""
-    events = []
-
     import jax.numpy as jnp
+
+    events = []
 
     def dispatch(x, position):
         events.append(("dispatch", position))

@@ -1205,6 +1205,13 @@ def test_the_token_parts_job_runs_every_graph_and_both_disks_to_the_models_token
     assert all(len(row["host_ms_per_token"]) == 3 and row["host_ms_per_token"][0]["own"] > 0 for row in exact)
 
 
+def _arena_array(block, key: str) -> mx.array:
+    """The ``[slots, ...]`` arena array a payload key names: ``"<projection>"`` (a float weight) or
+    ``"<projection>.<array>"``."""
+    projection, _, name = key.partition(".")
+    return block.arena[projection][name or "weight"]
+
+
 @pytest.mark.parametrize("make_model", [qwen3_model, _quantized(qwen3_model)], ids=["float", "q4"])
 def test_a_slot_takes_a_payload_of_negative_strides(make_model):
     """Every array of a payload viewed backwards (MLX refuses negative strides) is written as its contiguous
@@ -1217,8 +1224,7 @@ def test_a_slot_takes_a_payload_of_negative_strides(make_model):
     assert arena.write_slots(np.array([1]), np.array([1]), [backwards]) == [None]
     for slot in (0, 1):
         for key in backwards:
-            projection, _, name = key.partition(".")
-            array = blocks[1].arena[projection][name or "weight"]
+            array = _arena_array(blocks[1], key)
             got = np.array(array[slot].astype(mx.float32) if mx.issubdtype(array.dtype, mx.floating) else array[slot])
             assert got.tobytes() == np.ascontiguousarray(backwards[key]).tobytes(), (key, slot)
 
@@ -1238,8 +1244,7 @@ def test_write_slots_leaves_what_one_write_after_another_leaves(make_model):
         SwitchGLUArena(one_by_one).write_slot(layer, slot, payload)
     for layer in (0, 1):
         for key in batched[layer].slot_layout():
-            projection, _, name = key.partition(".")
-            got, want = (blocks[layer].arena[projection][name or "weight"] for blocks in (batched, one_by_one))
+            got, want = (_arena_array(blocks[layer], key) for blocks in (batched, one_by_one))
             view = mx.uint16 if got.dtype in (mx.bfloat16, mx.float16) else got.dtype
             assert np.array(got.view(view)).tobytes() == np.array(want.view(view)).tobytes(), (layer, key)
 
