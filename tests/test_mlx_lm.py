@@ -1193,16 +1193,19 @@ def test_the_chunk_bits_job_finds_a_chunk_of_a_pass_in_the_pass_bits_on_the_cpu(
 
 def test_the_token_parts_job_runs_every_graph_and_both_disks_to_the_models_tokens():
     """``python -m kq.bench.jobs mlx_token_parts`` at its smallest on the shipped wheels-moe: every graph at full
-    residency gives the unmodified model's tokens, and so does the exact loop at half residency from either
-    disk, with its host time by function."""
+    residency gives the unmodified model's tokens, and so do the exact loop at half residency (with its host
+    time by function), with its writes evaluated, and the layer-by-layer loop at full residency."""
     from kq.bench.jobs import mlx_decode, mlx_token_parts
 
     rows = mlx_token_parts.graphs(rounds=1, tokens=2, warmup=1, variants=[mlx_decode.VARIANTS[2]])
     assert [row["graph"] for row in rows] == list(mlx_token_parts.GRAPHS)
     assert all(row["same_tokens"] and row["tok_s"] > 0 for row in rows)
     exact = mlx_token_parts.exact(residency=0.5, tokens=2, warmup=1, top=3)
-    assert [row["disk"] for row in exact] == ["device", "host"] and all(row["same_tokens"] for row in exact)
-    assert all(len(row["host_ms_per_token"]) == 3 and row["host_ms_per_token"][0]["own"] > 0 for row in exact)
+    assert [row["loop"] for row in exact] == ["unmodified", "exact", "exact, writes evaluated",
+                                              "layer by layer, nothing read"]
+    assert exact[0]["same_tokens"] is None and all(row["same_tokens"] for row in exact[1:])
+    assert all(row["tok_s"] > 0 for row in exact)
+    assert len(exact[1]["host_ms_per_token"]) == 3 and exact[1]["host_ms_per_token"][0]["own"] > 0
 
 
 def _arena_array(block, key: str) -> mx.array:
@@ -1264,3 +1267,51 @@ def test_the_token_parts_job_checks_every_rounds_tokens(monkeypatch):
     monkeypatch.setattr(mlx_token_parts, "fixed_tables_loop", wrong_after_the_first)
     rows = mlx_token_parts.graphs(rounds=2, tokens=1, warmup=1, variants=[mlx_decode.VARIANTS[0]])
     assert [row["same_tokens"] for row in rows] == [True] + [False] * (len(mlx_token_parts.GRAPHS) - 1)
+
+
+@pytest.mark.parametrize("make_model", [qwen3_model, _quantized(qwen3_model)], ids=["float", "q4"])
+def test_deferred_writes_leave_the_bytes_of_evaluated_ones_and_own_their_payload(make_model):
+    """Writes built inside ``deferred_writes`` (evaluated with the next graph that reads the arena) leave the
+    bytes that evaluated writes leave, and hold their own copy of each payload: a loader reusing its buffer
+    once the write returned changes nothing."""
+    deferred, evaluated_ = attach_arena(evaluated(make_model, seed=8), 3), attach_arena(evaluated(make_model, seed=8), 3)
+    layers, slots, experts = np.array([1, 0, 1, 1]), np.array([2, 0, 0, 2]), [3, 1, 4, 0]
+    payloads = [deferred[layer].expert_weights(expert) for layer, expert in zip(layers.tolist(), experts)]
+    arena = SwitchGLUArena(deferred)
+    with arena.deferred_writes():
+        assert arena.write_slots(layers, slots, [{k: v.copy() for k, v in p.items()} for p in payloads[:2]]) == [None] * 2
+        reused = [{k: v.copy() for k, v in p.items()} for p in payloads[2:]]
+        assert arena.write_slots(layers[2:], slots[2:], reused) == [None] * 2
+    for payload in reused:  # the loader's buffers, overwritten before anything evaluated the writes
+        for value in payload.values():
+            value[...] = np.frombuffer(b"\x5a" * value.nbytes, value.dtype).reshape(value.shape)
+    SwitchGLUArena(evaluated_).write_slots(layers, slots, payloads)
+    for layer in (0, 1):
+        for key in deferred[layer].slot_layout():
+            got, want = (_arena_array(blocks[layer], key) for blocks in (deferred, evaluated_))
+            view = mx.uint16 if got.dtype in (mx.bfloat16, mx.float16) else got.dtype
+            assert np.array(got.view(view)).tobytes() == np.array(want.view(view)).tobytes(), (layer, key)
+
+
+def test_deferred_writes_update_the_arena_in_place():
+    """Eight deferred writes of 3 MiB experts into one layer's 24 MiB of slots, then one evaluation: MLX's peak
+    memory grows by the payloads the writes hold until then and a few experts more, not by a copy of the
+    arrays a write (192 MiB): each write updates the last one's output in place."""
+    model = evaluated(qwen3_model, seed=9)
+    blocks = attach_arena(model, 8)
+    for projection in ("gate_proj", "up_proj", "down_proj"):  # slots of 512 x 512 float32: 1 MiB each
+        blocks[0].arena[projection]["weight"] = mx.zeros((8, 512, 512), mx.float32)
+    mx.eval(blocks[0].arena.parameters())
+    arena = SwitchGLUArena(blocks)
+    rng = np.random.default_rng(5)
+    payload = {key: rng.standard_normal((512, 512)).astype(np.float32) for key in ("gate_proj", "up_proj", "down_proj")}
+    mx.synchronize()
+    mx.reset_peak_memory()
+    start = mx.get_active_memory()
+    with arena.deferred_writes():
+        for write in range(8):
+            assert arena.write_slots(np.array([0]), np.array([write]), [payload]) == [None]
+    mx.eval(blocks[0].arena.parameters())
+    mx.synchronize()
+    assert mx.get_peak_memory() - start < 48 * 2**20
+    assert np.array(blocks[0].arena["down_proj"]["weight"][7]).tobytes() == payload["down_proj"].tobytes()

@@ -21,7 +21,8 @@
 # on the same GPU), mlx_decode (mlx-lm decode through
 # the arena, `python -m kq.bench.jobs mlx_decode`, extra arguments in MLX_DECODE_ARGS), mlx_chunk_bits (a
 # prompt chunk's gather_mm bits against the whole pass's, `python -m kq.bench.jobs chunk_bits`), mlx_token_parts (a decode
-# token taken apart: `python -m kq.bench.jobs mlx_token_parts`, extra arguments in MLX_TOKEN_PARTS_ARGS). Each part's log and
+# token taken apart: `python -m kq.bench.jobs mlx_token_parts`, extra arguments in MLX_TOKEN_PARTS_ARGS); TAG ends the
+# names of mlx_decode's and mlx_token_parts' log and JSON (one job run twice, e.g. MLX_USE_CUDA_GRAPHS=0). Each part's log and
 # JSON go under $OUT, with the device and versions in device.txt and one line per part in
 # summary.txt; a part is cut at PART_TIMEOUT seconds (default 500). Exits non-zero if a part failed.
 # Wheels in WHEELS (default .whl, e.g. Numba's for the host side: `pip download numba`) are installed
@@ -110,9 +111,11 @@ print(d.format_table(results)); d.write_json(results, sys.argv[1])" "$OUT/decode
                    fi
                  done
                done ;;
-    mlx_decode) part mlx_decode python3 -m kq.bench.jobs mlx_decode --json "$OUT/mlx_decode.json" ${MLX_DECODE_ARGS:-} ;;
+    mlx_decode) part "mlx_decode${TAG:-}" python3 -m kq.bench.jobs mlx_decode --json "$OUT/mlx_decode${TAG:-}.json" \
+                  ${MLX_DECODE_ARGS:-} ;;
     mlx_chunk_bits) part mlx_chunk_bits python3 -m kq.bench.jobs chunk_bits --json "$OUT/chunk_bits.json" ;;
-    mlx_token_parts) part mlx_token_parts python3 -m kq.bench.jobs mlx_token_parts --json "$OUT/mlx_token_parts.json" \
+    mlx_token_parts) part "mlx_token_parts${TAG:-}" python3 -m kq.bench.jobs mlx_token_parts \
+                       --json "$OUT/mlx_token_parts${TAG:-}.json" \
                        ${MLX_TOKEN_PARTS_ARGS:-} ;;
     exact_loop) part "exact_loop${EXACT_TAG:-}" python3 -m kq.bench.jobs exact_loop --json "$OUT/exact_loop${EXACT_TAG:-}.json" \
                   ${EXACT_ARGS:-}
