@@ -1456,7 +1456,9 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
         token, packed = int(current[1].item()), np.array(current[2])
         report = LayerReport.from_packed(packed)
         missed = exact and bool((report.miss_ids >= 0).any())
-        if following is not None and not missed and not early:
+        if missed:  # this token runs again: the one built on it goes, before its graph, holding the arenas'
+            following = None  # arrays, makes every slot write (the boundary's, the run again's) copy its array
+        elif following is not None and not early:
             mx.async_eval(*following[1:3])
         if kind == "graph":
             tables = manager.step(report)
