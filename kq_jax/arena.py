@@ -78,7 +78,8 @@ class JaxArena:
 
     def write_slots(self, layers, slots, payloads) -> list[BaseException | None]:
         """Writes n experts at once: each projection's n arrays go to the device as they are and in one
-        scatter into the arena (the batch padded to a power of two by repeating its last write).
+        scatter into the arena (the batch padded to a power of two by repeating its last write); a slot
+        written twice holds the later write, as after :meth:`write_slot` in order.
 
         Args:
             layers, slots: int ``[n]``; payloads: n mappings as for :meth:`write_slot`.
@@ -87,7 +88,11 @@ class JaxArena:
             One :class:`ExpertPayloadError` (that expert not written) or None per write.
         """
         errors = checked_payloads(self.slot_layout, payloads)
-        keep = [i for i, error in enumerate(errors) if error is None]
+        layers, slots = np.asarray(layers).tolist(), np.asarray(slots).tolist()
+        # A slot written twice keeps its last write: which of a scatter's duplicate indices lands is
+        # unspecified (on a GPU the first could: docs/benchmarks.md), so only the last goes in.
+        last = {(layers[i], slots[i]): i for i, error in enumerate(errors) if error is None}
+        keep = sorted(last.values())
         if keep:
             keep += [keep[-1]] * (_write_bucket(len(keep)) - len(keep))
             self.arrays = _write_slots(

@@ -274,19 +274,14 @@ class ArenaLayer(nn.Module):
 
     def _acquire(self, ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
         """``manager.acquire`` of this layer's routed ``ids``; a read that failed is read again (its routing
-        not credited twice) up to :attr:`read_retries` times. Returns the layer's table, ``int32 [E]``.
-
-        The slot writes go with the graph that next reads them (:meth:`SwitchGLUArena.deferred_writes`): the
-        pass waited for this layer's routing, so nothing that reads the arena is in flight."""
-        arena = self.manager.arena
-        with arena.deferred_writes() if isinstance(arena, SwitchGLUArena) else contextlib.nullcontext():
-            for attempt in range(self.read_retries + 1):
-                try:
-                    return self.manager.acquire(self.layer, ids, scores, timeout=self.timeout,
-                                                credit=self.credit_routing and attempt == 0)
-                except PreloadError as error:
-                    if error.pending or attempt == self.read_retries:
-                        raise
+        not credited twice) up to :attr:`read_retries` times. Returns the layer's table, ``int32 [E]``."""
+        for attempt in range(self.read_retries + 1):
+            try:
+                return self.manager.acquire(self.layer, ids, scores, timeout=self.timeout,
+                                            credit=self.credit_routing and attempt == 0)
+            except PreloadError as error:
+                if error.pending or attempt == self.read_retries:
+                    raise
 
     def _experts(self, x, inds, scores, on_miss: str = "shed"):
         """route_shed against the slot table, then the arena (and with ``on_miss="tier"`` the tier for the
@@ -594,19 +589,6 @@ class SwitchGLUArena:
 
     def __init__(self, blocks: list[ArenaLayer]):
         self.blocks = blocks
-        self._deferring = False
-
-    @contextlib.contextmanager
-    def deferred_writes(self):
-        """Inside, :meth:`write_slots` builds its writes and returns: they are evaluated with the next graph
-        evaluated that reads the arena (the layer-by-layer exact pass's next wait for a routing), not with
-        a wait of their own. For a caller with nothing in flight that reads the arena, so each write still
-        updates the last one's output in place; each write holds its own copy of its payload until then."""
-        before, self._deferring = self._deferring, True
-        try:
-            yield
-        finally:
-            self._deferring = before
 
     def write_slot(self, layer: int, slot: int, payload: dict[str, np.ndarray]) -> None:
         """One expert into ``[layer, slot]`` (keys and shapes of :meth:`ArenaSwitch.slot_layout`); float
@@ -623,8 +605,7 @@ class SwitchGLUArena:
         mx.eval(*self._assign(layer, slot, payload, layout))
 
     def write_slots(self, layers, slots, payloads) -> list[BaseException | None]:
-        """n experts, evaluated once (or, inside :meth:`deferred_writes`, with the next graph); one
-        ExpertPayloadError (that expert not written) or None per write."""
+        """n experts, evaluated once; one ExpertPayloadError (that expert not written) or None per write."""
         errors, written = [], []
         for layer, slot, payload in zip(np.asarray(layers).tolist(), np.asarray(slots).tolist(), payloads):
             layout = self.blocks[layer].slot_layout()
@@ -632,8 +613,7 @@ class SwitchGLUArena:
             if error is None:
                 written += self._assign(layer, slot, payload, layout)
             errors.append(error)
-        if not self._deferring:
-            mx.eval(*written)
+        mx.eval(*written)
         return errors
 
     def _assign(self, layer: int, slot: int, payload, layout) -> list[mx.array]:
@@ -1456,9 +1436,7 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
         token, packed = int(current[1].item()), np.array(current[2])
         report = LayerReport.from_packed(packed)
         missed = exact and bool((report.miss_ids >= 0).any())
-        if missed:  # this token runs again: the one built on it goes, before its graph, holding the arenas'
-            following = None  # arrays, makes every slot write (the boundary's, the run again's) copy its array
-        elif following is not None and not early:
+        if following is not None and not missed and not early:
             mx.async_eval(*following[1:3])
         if kind == "graph":
             tables = manager.step(report)

@@ -1194,15 +1194,14 @@ def test_the_chunk_bits_job_finds_a_chunk_of_a_pass_in_the_pass_bits_on_the_cpu(
 def test_the_token_parts_job_runs_every_graph_and_both_disks_to_the_models_tokens():
     """``python -m kq.bench.jobs mlx_token_parts`` at its smallest on the shipped wheels-moe: every graph at full
     residency gives the unmodified model's tokens, and so do the exact loop at half residency (with its host
-    time by function), with its writes evaluated, and the layer-by-layer loop at full residency."""
+    time by function) and the layer-by-layer loop at full residency."""
     from kq.bench.jobs import mlx_decode, mlx_token_parts
 
     rows = mlx_token_parts.graphs(rounds=1, tokens=2, warmup=1, variants=[mlx_decode.VARIANTS[2]])
     assert [row["graph"] for row in rows] == list(mlx_token_parts.GRAPHS)
     assert all(row["same_tokens"] and row["tok_s"] > 0 for row in rows)
     exact = mlx_token_parts.exact(residency=0.5, tokens=2, warmup=1, top=3)
-    assert [row["loop"] for row in exact] == ["unmodified", "exact", "exact, writes evaluated",
-                                              "layer by layer, nothing read"]
+    assert [row["loop"] for row in exact] == ["unmodified", "exact", "layer by layer, nothing read"]
     assert exact[0]["same_tokens"] is None and all(row["same_tokens"] for row in exact[1:])
     assert all(row["tok_s"] > 0 for row in exact)
     assert len(exact[1]["host_ms_per_token"]) == 3 and exact[1]["host_ms_per_token"][0]["own"] > 0
@@ -1269,54 +1268,6 @@ def test_the_token_parts_job_checks_every_rounds_tokens(monkeypatch):
     assert [row["same_tokens"] for row in rows] == [True] + [False] * (len(mlx_token_parts.GRAPHS) - 1)
 
 
-@pytest.mark.parametrize("make_model", [qwen3_model, _quantized(qwen3_model)], ids=["float", "q4"])
-def test_deferred_writes_leave_the_bytes_of_evaluated_ones_and_own_their_payload(make_model):
-    """Writes built inside ``deferred_writes`` (evaluated with the next graph that reads the arena) leave the
-    bytes that evaluated writes leave, and hold their own copy of each payload: a loader reusing its buffer
-    once the write returned changes nothing."""
-    deferred, evaluated_ = attach_arena(evaluated(make_model, seed=8), 3), attach_arena(evaluated(make_model, seed=8), 3)
-    layers, slots, experts = np.array([1, 0, 1, 1]), np.array([2, 0, 0, 2]), [3, 1, 4, 0]
-    payloads = [deferred[layer].expert_weights(expert) for layer, expert in zip(layers.tolist(), experts)]
-    arena = SwitchGLUArena(deferred)
-    with arena.deferred_writes():
-        assert arena.write_slots(layers, slots, [{k: v.copy() for k, v in p.items()} for p in payloads[:2]]) == [None] * 2
-        reused = [{k: v.copy() for k, v in p.items()} for p in payloads[2:]]
-        assert arena.write_slots(layers[2:], slots[2:], reused) == [None] * 2
-    for payload in reused:  # the loader's buffers, overwritten before anything evaluated the writes
-        for value in payload.values():
-            value[...] = np.frombuffer(b"\x5a" * value.nbytes, value.dtype).reshape(value.shape)
-    SwitchGLUArena(evaluated_).write_slots(layers, slots, payloads)
-    for layer in (0, 1):
-        for key in deferred[layer].slot_layout():
-            got, want = (_arena_array(blocks[layer], key) for blocks in (deferred, evaluated_))
-            view = mx.uint16 if got.dtype in (mx.bfloat16, mx.float16) else got.dtype
-            assert np.array(got.view(view)).tobytes() == np.array(want.view(view)).tobytes(), (layer, key)
-
-
-def test_deferred_writes_update_the_arena_in_place():
-    """Eight deferred writes of 3 MiB experts into one layer's 24 MiB of slots, then one evaluation: MLX's peak
-    memory grows by the payloads the writes hold until then and a few experts more, not by a copy of the
-    arrays a write (192 MiB): each write updates the last one's output in place."""
-    model = evaluated(qwen3_model, seed=9)
-    blocks = attach_arena(model, 8)
-    for projection in ("gate_proj", "up_proj", "down_proj"):  # slots of 512 x 512 float32: 1 MiB each
-        blocks[0].arena[projection]["weight"] = mx.zeros((8, 512, 512), mx.float32)
-    mx.eval(blocks[0].arena.parameters())
-    arena = SwitchGLUArena(blocks)
-    rng = np.random.default_rng(5)
-    payload = {key: rng.standard_normal((512, 512)).astype(np.float32) for key in ("gate_proj", "up_proj", "down_proj")}
-    mx.synchronize()
-    mx.reset_peak_memory()
-    start = mx.get_active_memory()
-    with arena.deferred_writes():
-        for write in range(8):
-            assert arena.write_slots(np.array([0]), np.array([write]), [payload]) == [None]
-    mx.eval(blocks[0].arena.parameters())
-    mx.synchronize()
-    assert mx.get_peak_memory() - start < 48 * 2**20
-    assert np.array(blocks[0].arena["down_proj"]["weight"][7]).tobytes() == payload["down_proj"].tobytes()
-
-
 def _wide_qwen3_model():
     """Qwen3-MoE with 3 MiB float32 experts (hidden 256, expert width 1024): arenas large enough to see a copy."""
     args = qwen3_moe.ModelArgs(
@@ -1328,11 +1279,14 @@ def _wide_qwen3_model():
     return qwen3_moe.Model(args)
 
 
+@pytest.mark.xfail(strict=True, reason="the overlapped exact loop keeps the token built on one that missed until "
+                   "the run again has written its slots: dropping it first was built and left MLX-CUDA decode runs "
+                   "ending in an illegal memory access (docs/benchmarks.md)")
 def test_a_token_that_runs_again_drops_the_token_built_on_it_before_any_slot_is_written():
     """The overlapped exact loop builds the next token on this one before reading it; when this one missed,
-    that graph (which holds the arenas' arrays) goes before the boundary's and the run again's slot writes,
-    so they update the arrays in place: MLX's peak memory stays within one layer's arena (24 MiB) of the
-    serial loop's, where holding it copied every array written (57 against 24 MiB over the start)."""
+    that graph (which holds the arenas' arrays) should go before the boundary's and the run again's slot
+    writes, so they update the arrays in place: MLX's peak memory within one layer's arena (24 MiB) of the
+    serial loop's. Held, it makes every array written copy (57 against 24 MiB over the start; 33 dropped)."""
     from kq_mlx.mlx_lm_adapter import generate_greedy
 
     peaks, outputs = {}, {}

@@ -24,8 +24,6 @@ prompt a token a pass, as the loops are), one after another on one model each:
 * ``exact``: ``generate_greedy(exact=True)`` at ``--residency``, the misses read from host copies of every
   expert made once, as the page cache holds a checkpoint's (:func:`~kq.bench.jobs.mlx_decode.host_loader`),
   then the same loop under ``cProfile``: the host's time a token by function, the largest first;
-* ``exact, writes evaluated``: the same loop with each publish's slot writes evaluated as they are built
-  (:meth:`~kq_mlx.mlx_lm_adapter.SwitchGLUArena.deferred_writes` off): what a write's own wait costs;
 * ``layer by layer, nothing read``: every expert resident and every layer under rule ``exact``
   (:func:`~kq_mlx.mlx_lm_adapter.attach_exact`, no look-ahead): each layer's routing waited for and
   acquired, nothing to read; the round trips alone, the fastest a loop that waits for every layer's routing
@@ -171,10 +169,6 @@ def _layer_by_layer_loop(checkpoint, prompt: list[int], steps: int):
 
 def exact(residency: float, tokens: int, warmup: int, top: int) -> list[dict]:
     """The ``exact`` part's rows (module docstring), one a loop."""
-    import contextlib
-
-    from kq_mlx.mlx_lm_adapter import SwitchGLUArena
-
     name, checkpoint, _ = VARIANTS[2]
     model, tokenizer = load_model(checkpoint, False)
     prompt = tokenizer.encode(PROMPT)
@@ -197,12 +191,6 @@ def exact(residency: float, tokens: int, warmup: int, top: int) -> list[dict]:
         host_ms_per_token=[dict(function=f"{file.rpartition('/')[2]}:{line}:{function}", calls_per_token=calls / steps,
                                 own=1e3 * own / steps, cumulative=1e3 * cumulative / steps)
                            for (file, line, function), (_, calls, own, cumulative, _) in largest])
-    deferred = SwitchGLUArena.deferred_writes
-    SwitchGLUArena.deferred_writes = lambda arena: contextlib.nullcontext()
-    try:
-        row("exact, writes evaluated", *_exact_loop(checkpoint, residency, prompt, steps, None))
-    finally:
-        SwitchGLUArena.deferred_writes = deferred
     row("layer by layer, nothing read", *_layer_by_layer_loop(checkpoint, prompt, steps), residency=1.0)
     return rows
 
