@@ -1436,6 +1436,12 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
         token, packed = int(current[1].item()), np.array(current[2])
         report = LayerReport.from_packed(packed)
         missed = exact and bool((report.miss_ids >= 0).any())
+        if missed and following is not None:
+            # The token built on this one goes, its entries in the caches (there still once the caches are
+            # cut back) computed first: left lazy, they kept its graph and the arenas' arrays it read, and
+            # every slot write of the boundary and of the run again copied its array whole.
+            mx.eval(following[1:3])
+            following = None
         if following is not None and not missed and not early:
             mx.async_eval(*following[1:3])
         if kind == "graph":
