@@ -15,11 +15,12 @@ from tiny_models import tier_of  # noqa: E402
 EXPERTS, LAYERS = 16, 2
 
 
-def qwen3_model():
+def qwen3_model(hidden_size: int = 64, moe_intermediate_size: int = 32):
     args = qwen3_moe.ModelArgs(
-        model_type="qwen3_moe", hidden_size=64, num_hidden_layers=LAYERS, intermediate_size=128,
+        model_type="qwen3_moe", hidden_size=hidden_size, num_hidden_layers=LAYERS, intermediate_size=128,
         num_attention_heads=4, num_experts=EXPERTS, num_experts_per_tok=4, decoder_sparse_step=1,
-        mlp_only_layers=[], moe_intermediate_size=32, rms_norm_eps=1e-6, vocab_size=128, num_key_value_heads=2,
+        mlp_only_layers=[], moe_intermediate_size=moe_intermediate_size, rms_norm_eps=1e-6, vocab_size=128,
+        num_key_value_heads=2,
         head_dim=16, rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=512,
         norm_topk_prob=True)
     return qwen3_moe.Model(args)
@@ -1270,13 +1271,7 @@ def test_the_token_parts_job_checks_every_rounds_tokens(monkeypatch):
 
 def _wide_qwen3_model():
     """Qwen3-MoE with 3 MiB float32 experts (hidden 256, expert width 1024): arenas large enough to see a copy."""
-    args = qwen3_moe.ModelArgs(
-        model_type="qwen3_moe", hidden_size=256, num_hidden_layers=LAYERS, intermediate_size=128,
-        num_attention_heads=4, num_experts=EXPERTS, num_experts_per_tok=4, decoder_sparse_step=1,
-        mlp_only_layers=[], moe_intermediate_size=1024, rms_norm_eps=1e-6, vocab_size=128, num_key_value_heads=2,
-        head_dim=16, rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=512,
-        norm_topk_prob=True)
-    return qwen3_moe.Model(args)
+    return qwen3_model(hidden_size=256, moe_intermediate_size=1024)
 
 
 def test_a_token_that_runs_again_lets_go_of_the_token_built_on_it_before_any_slot_is_written():
