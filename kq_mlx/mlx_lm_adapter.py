@@ -52,6 +52,8 @@ from kq_host.residency import LayerReport, PreloadError, deadline_of
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # mlx-lm's switch layers sort a call's entries by expert (a different gather_mm kernel) from this many on.
 SORTED_FROM = 64
+# generate_greedy hands the manager the reports of passes that ran every layer resident this many at a time.
+RESIDENT_REPORTS_BATCH = 16
 
 
 def _route_qwen3_moe(block, x):
@@ -1175,6 +1177,24 @@ def pack_reports(blocks: list[ArenaLayer]) -> mx.array:
                              "mix": [block.last_mix for block in blocks]})
 
 
+def _read_token(token: mx.array) -> int:
+    """The host's read of a pass's greedy token: the wait for the pass."""
+    return int(token.item())
+
+
+def _resident_reports(passes: list[list[tuple]]) -> list[LayerReport]:
+    """The reports of passes that ran every layer resident, each given as its layers' report fields
+    (:data:`kq_mlx.report_pack.INPUT_FIELDS`, one shape), packed in one launch and read back in one transfer:
+    the bits :func:`pack_reports` gives each pass. The passes are padded to :data:`RESIDENT_REPORTS_BATCH`
+    with the last one, so the packing takes one form however many there are."""
+    layers = len(passes[0])
+    padded = passes + [passes[-1]] * (RESIDENT_REPORTS_BATCH - len(passes))
+    packed = np.array(report_pack.pack({name: [fields[layer][i] for fields in padded for layer in range(layers)]
+                                        for i, name in enumerate(report_pack.INPUT_FIELDS)}))
+    packed = packed.reshape(packed.shape[0], len(padded), layers, *packed.shape[2:])
+    return [LayerReport.from_packed(packed[:, p]) for p in range(len(passes))]
+
+
 def _retry_failed_reads(manager, report: LayerReport, read_retries: int, timeout: float | None) -> None:
     """Reads again, ignoring the manager's back-off, the experts a pass missed whose reads failed
     (``manager.acquire`` of the layer's routed set, its routing not credited again, up to ``read_retries``
@@ -1308,7 +1328,11 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
     before this token's boundary (``manager.step`` on its reports, :func:`set_tables`), so it
     runs with the tables of the boundary before; a slot the boundary writes
     while a token is in flight is copied, not changed under it (MLX arrays are never mutated while a
-    graph holds them). Without ``overlap`` each boundary comes before the next token.
+    graph holds them). Without ``overlap`` each boundary comes before the next token. A token whose every
+    layer ran its resident path (it cannot miss, and the manager has nothing to read or evict) reads back
+    its greedy token alone: its reports are packed and read with others, :data:`RESIDENT_REPORTS_BATCH` at
+    a time, each handed to its own ``manager.step`` in order and before any later token's report (all of
+    them before this function returns).
 
     With ``exact`` a token is kept only if it ran with every routed expert resident: when its reports
     show misses, the reads are waited for (``manager.drain``), the cache is put back as it was before the
@@ -1386,16 +1410,23 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
     tokens: list[int] = []
 
     def build(x):  # (input, greedy token, packed reports, the cache as it was before: exact only, whether
-        # every layer ran its resident path: the pass cannot miss)
+        # the pass cannot miss, and where every layer ran its resident path its layers' report fields,
+        # packed with other such passes' later in place of the packed reports)
         before = _CacheCheckpoint(cache) if exact else None
         token = mx.argmax(model(x, cache=cache)[0, -1], axis=-1)
-        resident = all(block._deferred is not None and block._deferred.miss is None
-                       and block._deferred.last is block.last for block in blocks)
-        return x, token, pack_reports(blocks), before, resident
+        if all(block._deferred is not None and block._deferred.miss is None and block._deferred.last is block.last
+               for block in blocks):
+            fields = [(block.last[0], block.last[1], block.last[2].miss_ids, block.last[2].miss_scores,
+                       block.last_mix) for block in blocks]
+            return x, token, None, before, True, fields
+        return x, token, pack_reports(blocks), before, False, None
+
+    def outputs(built):  # what evaluating a built pass evaluates
+        return [array for array in built[1:3] if array is not None]
 
     def dispatch(x):
         built = build(x)
-        mx.async_eval(*built[1:3])
+        mx.async_eval(*outputs(built))
         return built
 
     def run_layer_by_layer(x, credit):  # as dispatch, each layer's routed experts made resident before they run
@@ -1414,7 +1445,7 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
             if isinstance(error, PreloadError):
                 raise PreloadError(f"generate_greedy: {error}", error.failed, error.pending) from error
             raise
-        return (x, token, packed, before, True), bool(manager.lookahead_stats()["critical_reads"].sum() > reads)
+        return (x, token, packed, before, True, None), bool(manager.lookahead_stats()["critical_reads"].sum() > reads)
 
     # Exact without prefill runs the prompt a token a pass, as it decodes: a pass needs every expert it
     # routes resident.
@@ -1424,6 +1455,18 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
     # at once: credited by acquire, the token ended by manager.next_token()).
     current, kind = dispatch(mx.array([prompt[:1] if exact else prompt])), "graph"
     layered = False  # exact: the last token needed a read, so the next one runs layer by layer at once
+    # The report fields of resident passes not yet handed to the manager, oldest first. Such a pass cannot
+    # miss, and with every expert resident the manager has nothing to read or evict: its report changes
+    # the manager's counts alone, so the reports go RESIDENT_REPORTS_BATCH at a time (one packing, one
+    # readback), each to its own manager.step in order, and always before a later pass's.
+    unreported: list[list[tuple]] = []
+
+    def report_resident():
+        if unreported:
+            for resident_report in _resident_reports(unreported):
+                set_tables(blocks, manager.step(resident_report))
+            unreported.clear()
+
     while len(tokens) < max_tokens:
         more = bool(forced) or len(tokens) + 1 < max_tokens
         following_input = mx.array([forced[:1]]) if forced else current[1].reshape(1, 1)
@@ -1432,19 +1475,28 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
         following = build(following_input) if overlap and more and not layered else None
         early = following is not None and current[4]
         if early:  # this token cannot miss (every layer resident): the next one goes before it is read
-            mx.async_eval(*following[1:3])
-        token, packed = int(current[1].item()), np.array(current[2])
-        report = LayerReport.from_packed(packed)
-        missed = exact and bool((report.miss_ids >= 0).any())
+            mx.async_eval(*outputs(following))
+        token = _read_token(current[1])
+        report, missed = None, False
+        if current[5] is not None:  # resident: its report goes with others (above)
+            if unreported and unreported[0][0][0].shape != current[5][0][0].shape:
+                report_resident()  # a pass of other rows (the prompt's) is packed apart
+            unreported.append(current[5])
+            if len(unreported) == RESIDENT_REPORTS_BATCH:
+                report_resident()
+        else:
+            report_resident()
+            report = LayerReport.from_packed(np.array(current[2]))
+            missed = exact and bool((report.miss_ids >= 0).any())
         if missed and following is not None:
             # The token built on this one goes, its entries in the caches (there still once the caches are
             # cut back) computed first: left lazy, they kept its graph and the arenas' arrays it read, and
             # every slot write of the boundary and of the run again copied its array whole.
-            mx.eval(following[1:3])
+            mx.eval(outputs(following))
             following = None
         if following is not None and not missed and not early:
-            mx.async_eval(*following[1:3])
-        if kind == "graph":
+            mx.async_eval(*outputs(following))
+        if kind == "graph" and report is not None:
             tables = manager.step(report)
         elif kind == "layered":
             tables = manager.next_token()
@@ -1459,7 +1511,8 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
             kind, layered = "again", True
             tables = manager.snapshot()
             continue
-        set_tables(blocks, tables)
+        if report is not None or kind != "graph":
+            set_tables(blocks, tables)
         if forced:
             forced.pop(0)
         else:
@@ -1468,7 +1521,7 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
                 on_token(token)
             if token in stop_tokens:
                 if following is not None:
-                    mx.eval(following[1:3])  # dispatched ahead: let it finish before the caller goes on
+                    mx.eval(outputs(following))  # dispatched ahead: let it finish before the caller goes on
                 break
         if not more:
             continue
@@ -1479,4 +1532,5 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
             kind = "layered"
         else:
             current, kind = dispatch(following_input), "graph"
+    report_resident()
     return tokens

@@ -201,15 +201,9 @@ def test_generate_greedy_dispatches_the_next_token_before_reading_one_that_canno
     manager = _manager_over(blocks, slots)
     for layer in range(LAYERS):
         manager.preload(layer, range(slots))
-    events, async_eval, from_packed = [], mx.async_eval, LayerReport.from_packed
-
-    class Recorded(LayerReport):
-        @staticmethod
-        def from_packed(packed):
-            events.append("read")
-            return from_packed(packed)
+    events, async_eval, read_token = [], mx.async_eval, adapter._read_token
     monkeypatch.setattr(adapter.mx, "async_eval", lambda *arrays: events.append("dispatch") or async_eval(*arrays))
-    monkeypatch.setattr(adapter, "LayerReport", Recorded)
+    monkeypatch.setattr(adapter, "_read_token", lambda token: events.append("read") or read_token(token))
     got = generate_greedy(model, blocks, manager, PROMPT[:4], 6, exact=exact, prefill_prompt=True)
     manager.close()
     assert events.count("read") == 6 and events.count("dispatch") == 6
@@ -271,3 +265,47 @@ def test_a_resident_token_packs_its_last_reports_where_one_launch_packs_them(mon
     got = np.array(pack_reports(blocks))
     assert len(packed) == 1 and got.dtype == want.dtype and got.shape == want.shape
     assert got.tobytes() == want.tobytes() and (want[2] == -1).all()
+
+
+def _preloaded_manager(blocks):
+    """A residency manager over ``blocks`` with every expert read into their arenas."""
+    manager = _manager_over(blocks, EXPERTS)
+    for layer in range(LAYERS):
+        manager.preload(layer, range(EXPERTS))
+    return manager
+
+
+@pytest.mark.parametrize("make_model, rule", [pytest.param(qwen3_model, "route_shed", id="qwen3_moe-route_shed"),
+                                              pytest.param(_quantized(mixtral_model), "tier", id="mixtral-q4-tier"),
+                                              pytest.param(deepseek_v3_model, "shed", id="deepseek_v3-seam-shed")])
+@pytest.mark.parametrize("tokens", [5, 21], ids=["fewer-than-a-batch", "a-batch-and-more"])
+def test_generate_greedy_hands_the_manager_each_resident_pass_report_in_order(make_model, rule, tokens):
+    """Passes that ran every layer resident have their reports packed and read back in batches: the manager
+    still gets one step a pass, in order, each with the bits pack_reports gives that pass alone (the prompt's
+    pass of other rows among them), and none is left out at the end or at a stop token."""
+    import kq_mlx.mlx_lm_adapter as adapter
+
+    prompt = PROMPT[:4]
+    model, blocks = _resident_model(make_model, 17, rule)
+    want_tokens = generate_greedy(model, blocks, _preloaded_manager(blocks), prompt, tokens, overlap=False)
+    model, blocks = _resident_model(make_model, 17, rule)  # the reports each pass alone gives, in order
+    manager = _preloaded_manager(blocks)
+    set_tables(blocks, manager.snapshot())
+    manager.close()
+    cache, want = make_prompt_cache(model), []
+    for x in [prompt] + [[token] for token in want_tokens[:-1]]:
+        mx.eval(model(mx.array([x]), cache=cache))
+        want.append(LayerReport.from_packed(np.array(pack_reports(blocks))))
+    for stop in (None, want_tokens[len(want_tokens) // 2]):
+        model, blocks = _resident_model(make_model, 17, rule)
+        manager = _preloaded_manager(blocks)
+        got, step = [], manager.step
+        manager.step = lambda report, **kwargs: got.append(report) or step(report, **kwargs)
+        out = generate_greedy(model, blocks, manager, prompt, tokens, stop_tokens=() if stop is None else (stop,))
+        manager.close()
+        assert out == want_tokens[:len(out)] and (stop is None or out[-1] == stop)
+        assert len(got) == len(out) and manager.token == len(out)
+        for have, expected in zip(got, want):
+            for name in ("indices", "scores", "miss_ids", "miss_scores", "served"):
+                assert np.asarray(getattr(have, name)).tobytes() == np.asarray(getattr(expected, name)).tobytes(), name
+    assert tokens < adapter.RESIDENT_REPORTS_BATCH or tokens > adapter.RESIDENT_REPORTS_BATCH + 1
