@@ -1274,12 +1274,10 @@ def _wide_qwen3_model():
     return qwen3_model(hidden_size=256, moe_intermediate_size=1024)
 
 
-def test_a_token_that_runs_again_lets_go_of_the_token_built_on_it_before_any_slot_is_written():
-    """The overlapped exact loop builds the next token on this one before reading it; when this one missed,
-    that token goes before the boundary's and the run again's slot writes (its entries in the caches, there
-    still once the caches are cut back, computed first), so the writes update the arenas' arrays in place:
-    MLX's peak memory within one layer's arena (24 MiB) of the serial loop's. Its graph kept made every
-    array written copy (57 against 24 MiB over the start)."""
+def _exact_loop_peaks() -> dict:
+    """MLX's peak memory over the start of the exact loop on wide-expert arenas of 8 slots, serial and
+    overlapped, its tokens, and one layer's arena bytes (run in a fresh process: what a write copies
+    depends on the arrays that earlier work in the process left)."""
     from kq_mlx.mlx_lm_adapter import generate_greedy
 
     peaks, outputs = {}, {}
@@ -1293,11 +1291,33 @@ def test_a_token_that_runs_again_lets_go_of_the_token_built_on_it_before_any_slo
         mx.synchronize()
         mx.reset_peak_memory()
         start = mx.get_active_memory()
-        outputs[overlap] = generate_greedy(model, blocks, manager, [2, 7, 1, 8], 24, overlap=overlap, exact=True)
+        outputs[str(overlap)] = generate_greedy(model, blocks, manager, [2, 7, 1, 8], 24, overlap=overlap, exact=True)
         mx.synchronize()
-        peaks[overlap] = mx.get_peak_memory() - start
+        peaks[str(overlap)] = mx.get_peak_memory() - start
         manager.close()
     arena_bytes = sum(array.nbytes for projection in blocks[0].arena.children().values()
                       for array in projection.values() if isinstance(array, mx.array))
-    assert outputs[True] == outputs[False]
-    assert peaks[True] <= peaks[False] + arena_bytes, (peaks, arena_bytes)
+    return dict(peaks=peaks, outputs=outputs, arena_bytes=arena_bytes)
+
+
+def test_a_token_that_runs_again_lets_go_of_the_token_built_on_it_before_any_slot_is_written():
+    """The overlapped exact loop builds the next token on this one before reading it; when this one missed,
+    that token goes before the boundary's and the run again's slot writes (its entries in the caches, there
+    still once the caches are cut back, computed first), so the writes update the arenas' arrays in place:
+    MLX's peak memory within one layer's arena (24 MiB) of the serial loop's. Its graph kept made every
+    array written copy (57 against 24 MiB over the start, in a fresh process)."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    here = pathlib.Path(__file__).parent
+    run = subprocess.run([sys.executable, "-c", "import json, test_mlx_lm; print(json.dumps(test_mlx_lm._exact_loop_peaks()))"],
+                         cwd=here, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": f"{here}:{here.parent}"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    peaks, arena_bytes = result["peaks"], result["arena_bytes"]
+    assert result["outputs"]["True"] == result["outputs"]["False"]
+    assert peaks["True"] <= peaks["False"] + arena_bytes, (peaks, arena_bytes)
