@@ -10,7 +10,8 @@ engine does, greedily and autoregressively, the next token's input kept on the d
 * ``per-layer``: the arena, each token evaluated, then each layer's ``report()`` read back on its own
   and ``manager.step`` (the adapter's loop before one readback per token);
 * ``packed``: :func:`kq_mlx.mlx_lm_adapter.generate_greedy` without overlap: one readback per token
-  (every layer's report packed with the token), then the boundary;
+  (every layer's report packed with the token; a pass that ran every layer resident, its token alone, the
+  reports of such passes read in batches), then the boundary;
 * ``dispatch-first``: the next token built and dispatched, then this token read back and its boundary
   run (a read may wait for the token in flight behind it as well);
 * ``overlapped``: ``generate_greedy``: the next token built, this token read back, the next token
@@ -368,8 +369,9 @@ def tok_s_of(stamps: list[float], tokens: int) -> float:
 
 def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, prompt: list[int], steps: int,
                phases: Phases):
-    """One arena loop on a freshly loaded model: its tokens, the time each token's boundary began (each
-    kept token's in the ``tier`` and ``exact`` loops), and the manager's counts."""
+    """One arena loop on a freshly loaded model: its tokens, the time each token arrived (through
+    ``generate_greedy``'s ``on_token``; each token's boundary in the loops written out here), and the
+    manager's counts."""
     from kq_mlx.tier import arena_tier
     from kq_mlx.mlx_lm_adapter import attach_arena, attach_tier, generate_greedy
 
@@ -390,18 +392,17 @@ def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, p
         got = _per_layer(model, blocks, manager, prompt, steps)
     elif mode == "dispatch-first":
         got = _dispatch_first(model, blocks, manager, prompt, steps)
-    elif mode in ("tier", "exact"):
+    else:  # generate_greedy's loops: each token's time is its arrival (a boundary may credit several)
+        stamps = []
         if mode == "tier":
             attach_tier(blocks, arena_tier(checkpoint))
             for block in blocks:
                 block.rule = "tier"
-        stamps = []
         # The exact loop feeds the prompt a token a pass (each pass's misses read on its critical path), as
         # its reference (unmodified_fed) does, not through prefill in mlx-lm's order.
-        got = generate_greedy(model, blocks, manager, prompt, steps, exact=mode == "exact", prefill_prompt=False,
+        got = generate_greedy(model, blocks, manager, prompt, steps, overlap=mode != "packed", exact=mode == "exact",
+                              prefill_prompt=False if mode == "exact" else None,
                               on_token=lambda token: stamps.append(time.perf_counter()))
-    else:
-        got = generate_greedy(model, blocks, manager, prompt, steps, overlap=mode == "overlapped")
     manager.close()
     stats = manager.stats()[1].since(preloaded)
     # Critical reads: the misses a run again waited for, and the experts a layer-by-layer pass read (acquire).
