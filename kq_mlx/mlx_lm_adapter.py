@@ -1185,10 +1185,11 @@ def _read_token(token: mx.array) -> int:
 def _resident_reports(passes: list[list[tuple]]) -> list[LayerReport]:
     """The reports of passes that ran every layer resident, each given as its layers' report fields
     (:data:`kq_mlx.report_pack.INPUT_FIELDS`, one shape), packed in one launch and read back in one transfer:
-    the bits :func:`pack_reports` gives each pass. The passes are padded to :data:`RESIDENT_REPORTS_BATCH`
-    with the last one, so the packing takes one form however many there are."""
+    the bits :func:`pack_reports` gives each pass. Passes of more than one are padded to
+    :data:`RESIDENT_REPORTS_BATCH` with the last one, so the packing takes one form however many there are;
+    a pass alone (a prompt's, of other rows) is packed alone."""
     layers = len(passes[0])
-    padded = passes + [passes[-1]] * (RESIDENT_REPORTS_BATCH - len(passes))
+    padded = passes + [passes[-1]] * (RESIDENT_REPORTS_BATCH - len(passes) if len(passes) > 1 else 0)
     packed = np.array(report_pack.pack({name: [fields[layer][i] for fields in padded for layer in range(layers)]
                                         for i, name in enumerate(report_pack.INPUT_FIELDS)}))
     packed = packed.reshape(packed.shape[0], len(padded), layers, *packed.shape[2:])
@@ -1321,8 +1322,9 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
     """Greedy decode through the arenas as an engine runs it: one readback per token, the host's boundary
     overlapped with the next token.
 
-    Each token's graph ends in its greedy token and :func:`pack_reports`, evaluated together with
-    ``mx.async_eval``; the next token's input is that token, on the device. With ``overlap`` the next
+    Each token's graph ends in its greedy token and :func:`pack_reports` (but where every layer ran its
+    resident path: below), evaluated together with ``mx.async_eval``; the next token's input is that
+    token, on the device. With ``overlap`` the next
     token's graph is built while this token runs, this token is read back, and the next token is
     dispatched (before the read where every layer of this token ran its resident path: it cannot miss)
     before this token's boundary (``manager.step`` on its reports, :func:`set_tables`), so it
@@ -1332,7 +1334,8 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
     layer ran its resident path (it cannot miss, and the manager has nothing to read or evict) reads back
     its greedy token alone: its reports are packed and read with others, :data:`RESIDENT_REPORTS_BATCH` at
     a time, each handed to its own ``manager.step`` in order and before any later token's report (all of
-    them before this function returns).
+    them before this function returns or raises): ``on_token`` may see such a token before the manager
+    has its report.
 
     With ``exact`` a token is kept only if it ran with every routed expert resident: when its reports
     show misses, the reads are waited for (``manager.drain``), the cache is put back as it was before the
@@ -1467,70 +1470,78 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
                 set_tables(blocks, manager.step(resident_report))
             unreported.clear()
 
-    while len(tokens) < max_tokens:
-        more = bool(forced) or len(tokens) + 1 < max_tokens
-        following_input = mx.array([forced[:1]]) if forced else current[1].reshape(1, 1)
-        # The next token is built while this one runs, and dispatched once this one is read: a read then
-        # waits for this token alone, wherever a read waits for the whole stream.
-        following = build(following_input) if overlap and more and not layered else None
-        early = following is not None and current[4]
-        if early:  # this token cannot miss (every layer resident): the next one goes before it is read
-            mx.async_eval(*outputs(following))
-        token = _read_token(current[1])
-        report, missed = None, False
-        if current[5] is not None:  # resident: its report goes with others (above)
-            if unreported and unreported[0][0][0].shape != current[5][0][0].shape:
-                report_resident()  # a pass of other rows (the prompt's) is packed apart
-            unreported.append(current[5])
-            if len(unreported) == RESIDENT_REPORTS_BATCH:
+    try:
+        while len(tokens) < max_tokens:
+            more = bool(forced) or len(tokens) + 1 < max_tokens
+            following_input = mx.array([forced[:1]]) if forced else current[1].reshape(1, 1)
+            # The next token is built while this one runs, and dispatched once this one is read: a read then
+            # waits for this token alone, wherever a read waits for the whole stream.
+            following = build(following_input) if overlap and more and not layered else None
+            early = following is not None and current[4]
+            if early:  # this token cannot miss (every layer resident): the next one goes before it is read
+                mx.async_eval(*outputs(following))
+            token = _read_token(current[1])
+            report, missed = None, False
+            if current[5] is not None:  # resident: its report goes with others (above)
+                if unreported and unreported[0][0][0].shape != current[5][0][0].shape:
+                    report_resident()  # a pass of other rows (the prompt's) is packed apart
+                unreported.append(current[5])
+                if len(unreported) == RESIDENT_REPORTS_BATCH:
+                    report_resident()
+            else:
                 report_resident()
-        else:
+                report = LayerReport.from_packed(np.array(current[2]))
+                missed = exact and bool((report.miss_ids >= 0).any())
+            if missed and following is not None:
+                # The token built on this one goes, its entries in the caches (there still once the caches are
+                # cut back) computed first: left lazy, they kept its graph and the arenas' arrays it read, and
+                # every slot write of the boundary and of the run again copied its array whole.
+                mx.eval(outputs(following))
+                following = None
+            if following is not None and not missed and not early:
+                mx.async_eval(*outputs(following))
+            if kind == "graph" and report is not None:
+                tables = manager.step(report)
+            elif kind == "layered":
+                tables = manager.next_token()
+            if missed:
+                out = manager.drain(timeout)
+                if out:
+                    still = ", ".join(f"layer {r.layer} expert {r.expert}" for r in out[:4])
+                    raise PreloadError(f"generate_greedy: {len(out)} read(s) still out after {timeout} s ({still})",
+                                       [], out)
+                _retry_failed_reads(manager, report, read_retries, timeout)
+                current[3].restore()  # the following token's entries, built on this one, go with it
+                current, _ = run_layer_by_layer(current[0], credit=False)
+                kind, layered = "again", True
+                tables = manager.snapshot()
+                continue
+            if report is not None or kind != "graph":
+                set_tables(blocks, tables)
+            if forced:
+                forced.pop(0)
+            else:
+                tokens.append(token)
+                if on_token is not None:
+                    on_token(token)
+                if token in stop_tokens:
+                    if following is not None:
+                        mx.eval(outputs(following))  # dispatched ahead: let it finish before the caller goes on
+                    break
+            if not more:
+                continue
+            if following is not None:
+                current, kind = following, "graph"
+            elif layered:
+                current, layered = run_layer_by_layer(following_input, credit=True)
+                kind = "layered"
+            else:
+                current, kind = dispatch(following_input), "graph"
+    except BaseException:
+        try:  # the passes kept before the error are credited; the error that ended the loop goes on
             report_resident()
-            report = LayerReport.from_packed(np.array(current[2]))
-            missed = exact and bool((report.miss_ids >= 0).any())
-        if missed and following is not None:
-            # The token built on this one goes, its entries in the caches (there still once the caches are
-            # cut back) computed first: left lazy, they kept its graph and the arenas' arrays it read, and
-            # every slot write of the boundary and of the run again copied its array whole.
-            mx.eval(outputs(following))
-            following = None
-        if following is not None and not missed and not early:
-            mx.async_eval(*outputs(following))
-        if kind == "graph" and report is not None:
-            tables = manager.step(report)
-        elif kind == "layered":
-            tables = manager.next_token()
-        if missed:
-            out = manager.drain(timeout)
-            if out:
-                raise PreloadError(f"generate_greedy: {len(out)} read(s) still out after {timeout} s ("
-                                   + ", ".join(f"layer {r.layer} expert {r.expert}" for r in out[:4]) + ")", [], out)
-            _retry_failed_reads(manager, report, read_retries, timeout)
-            current[3].restore()  # the following token's entries, built on this one, go with it
-            current, _ = run_layer_by_layer(current[0], credit=False)
-            kind, layered = "again", True
-            tables = manager.snapshot()
-            continue
-        if report is not None or kind != "graph":
-            set_tables(blocks, tables)
-        if forced:
-            forced.pop(0)
-        else:
-            tokens.append(token)
-            if on_token is not None:
-                on_token(token)
-            if token in stop_tokens:
-                if following is not None:
-                    mx.eval(outputs(following))  # dispatched ahead: let it finish before the caller goes on
-                break
-        if not more:
-            continue
-        if following is not None:
-            current, kind = following, "graph"
-        elif layered:
-            current, layered = run_layer_by_layer(following_input, credit=True)
-            kind = "layered"
-        else:
-            current, kind = dispatch(following_input), "graph"
+        except Exception:  # noqa: BLE001 - the manager failing again says less than the first error
+            pass
+        raise
     report_resident()
     return tokens

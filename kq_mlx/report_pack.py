@@ -21,6 +21,9 @@ from kq_mlx.route_shed_mlx import implementation_for
 # else +0.0, computed once over every layer.
 INPUT_FIELDS = ("ids", "scores", "miss_ids", "miss_scores", "mix")
 THREADS_PER_GROUP = 256
+# The inputs one packing takes: on MLX-CUDA each is a kernel parameter of 8 bytes, and 480 of them stay within
+# the 4 KB of parameters every CUDA version takes; more layers are packed in launches of this many inputs.
+MAX_INPUTS_PER_LAUNCH = 480
 
 
 def _input_name(field: str, layer: int) -> str:
@@ -67,12 +70,23 @@ def one_launch() -> bool:
 
 def pack(fields: dict[str, list[mx.array]]) -> mx.array:
     """``{field: one array per layer}`` (:data:`INPUT_FIELDS`, each ``[..., K]`` of one shape) -> int32
-    ``[F, L, T, K]`` (:mod:`kq_core.reports`' layout), ``T`` the rows of one array."""
+    ``[F, L, T, K]`` (:mod:`kq_core.reports`' layout), ``T`` the rows of one array: one launch on MLX-CUDA per
+    :data:`MAX_INPUTS_PER_LAUNCH` inputs."""
     arrays = [fields[field] for field in INPUT_FIELDS]
     layers, shape = len(arrays[0]), arrays[0][0].shape
     if any(len(field) != layers or any(a.shape != shape for a in field) for field in arrays):
         raise ValueError(f"pack_reports: every layer's report fields ({', '.join(INPUT_FIELDS)}) must have one "
                          f"shape, got { {name: [tuple(a.shape) for a in field] for name, field in zip(INPUT_FIELDS, arrays)} }")
+    per_launch = max(1, MAX_INPUTS_PER_LAUNCH // len(INPUT_FIELDS))
+    parts = [_pack_layers([field[first:first + per_launch] for field in arrays])
+             for first in range(0, layers, per_launch)]
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
+
+
+def _pack_layers(arrays: list[list[mx.array]]) -> mx.array:
+    """:func:`pack` of the layers given (each field's arrays, in :data:`INPUT_FIELDS` order), in one launch on
+    MLX-CUDA."""
+    layers, shape = len(arrays[0]), arrays[0][0].shape
     k, n = shape[-1], arrays[0][0].size
     out_shape = (len(REPORT_FIELDS), layers, n // k if k else 0, k)
     if n > 0 and one_launch():
@@ -81,7 +95,6 @@ def pack(fields: dict[str, list[mx.array]]) -> mx.array:
                            threadgroup=(min(THREADS_PER_GROUP, n), 1, 1), output_shapes=[out_shape],
                            output_dtypes=[mx.int32])
         return packed
-
     return pack_joined({name: mx.concatenate(field, axis=0) for name, field in zip(INPUT_FIELDS, arrays)}, layers)
 
 

@@ -567,10 +567,16 @@ def test_packed_reports_add_the_same_ops_however_many_layers():
 @pytest.mark.parametrize("layers, shape, score_dtype", [(3, (2, 3, 4), "bfloat16"), (16, (1, 1, 8), "float32"),
                                                         (1, (1, 5, 8), "float16")],
                          ids=["3x2x3x4-bf16", "16x1x1x8-f32", "1x1x5x8-f16"])
-def test_report_pack_is_each_fields_bits(layers, shape, score_dtype):
-    """kq_mlx.report_pack on every backend (one kernel on MLX-CUDA, concatenations elsewhere): ids as int32,
-    scores widened to float32 bits; ids sliced out of a wider array (not contiguous), as a router's are."""
+@pytest.mark.parametrize("max_inputs", [None, 10], ids=["default-launches", "two-layers-a-launch"])
+def test_report_pack_is_each_fields_bits(monkeypatch, layers, shape, score_dtype, max_inputs):
+    """kq_mlx.report_pack on every backend (one kernel on MLX-CUDA per launch's layers, concatenations
+    elsewhere): ids as int32, scores widened to float32 bits; ids sliced out of a wider array (not contiguous),
+    as a router's are; the same bits when the layers go in launches of two."""
+    from kq_mlx import report_pack
     from kq_mlx.report_pack import pack
+
+    if max_inputs is not None:
+        monkeypatch.setattr(report_pack, "MAX_INPUTS_PER_LAUNCH", max_inputs)
 
     rng = np.random.default_rng(layers)
     wide = rng.integers(0, 2**31 - 1, (layers, *shape[:-1], 2 * shape[-1])).astype(np.uint32)
@@ -1313,8 +1319,8 @@ def test_a_token_that_runs_again_lets_go_of_the_token_built_on_it_before_any_slo
     import sys
 
     here = pathlib.Path(__file__).parent
-    run = subprocess.run([sys.executable, "-c", "import json, test_mlx_lm; print(json.dumps(test_mlx_lm._exact_loop_peaks()))"],
-                         cwd=here, capture_output=True, text=True, timeout=600,
+    script = "import json, test_mlx_lm; print(json.dumps(test_mlx_lm._exact_loop_peaks()))"
+    run = subprocess.run([sys.executable, "-c", script], cwd=here, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "PYTHONPATH": f"{here}:{here.parent}"})
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])

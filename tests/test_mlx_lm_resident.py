@@ -309,3 +309,20 @@ def test_generate_greedy_hands_the_manager_each_resident_pass_report_in_order(ma
             for name in ("indices", "scores", "miss_ids", "miss_scores", "served"):
                 assert np.asarray(getattr(have, name)).tobytes() == np.asarray(getattr(expected, name)).tobytes(), name
     assert tokens < adapter.RESIDENT_REPORTS_BATCH or tokens > adapter.RESIDENT_REPORTS_BATCH + 1
+
+
+def test_generate_greedy_credits_the_resident_passes_read_before_an_error():
+    """An error that ends the loop (here the caller's on_token at the fifth token) goes on, and the manager has
+    had the report of every pass read before it, as one report a token would have given it."""
+    model, blocks = _resident_model(qwen3_model, 19, "route_shed")
+    manager = _preloaded_manager(blocks)
+    seen = []
+
+    def on_token(token):
+        seen.append(token)
+        if len(seen) == 5:
+            raise KeyboardInterrupt("the caller stops")
+    with pytest.raises(KeyboardInterrupt, match="the caller stops"):
+        generate_greedy(model, blocks, manager, PROMPT[:4], 20, on_token=on_token)
+    manager.close()
+    assert manager.token == 5

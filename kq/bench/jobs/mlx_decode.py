@@ -56,8 +56,9 @@ Each arena loop runs at 100% residency (every expert preloaded: the adapter's ow
 compared with the unmodified model's) and at 25% (experts read between tokens by the residency
 manager; host copies of the model's experts are the 'disk', :func:`host_loader`, so this is the arena's
 cost, not an SSD's). Steady
-state: the time between successive tokens over the last ``tokens`` of ``warmup + tokens``, each loop run
-``rounds`` times, the loops interleaved within a round, the median round reported with the range.
+state: the last ``tokens`` of ``warmup + tokens`` over the time they took (work done every few tokens, as
+reports credited in batches, counted), each loop run ``rounds`` times, the loops interleaved within a round,
+the median round reported with the range.
 
     python -m kq.bench.jobs mlx_decode --json out/mlx_decode.json [--residencies 1.0] [--variants 0 2]
 """
@@ -362,9 +363,9 @@ def arena_manager(blocks, slots: int, loader):
 
 
 def tok_s_of(stamps: list[float], tokens: int) -> float:
-    """Tokens per second over the last ``tokens`` of ``stamps`` (each token's arrival): one over the median gap."""
-    gaps = [b - a for a, b in zip(stamps[-tokens - 1:], stamps[-tokens:])]
-    return 1.0 / statistics.median(gaps)
+    """Tokens per second over the last ``tokens`` of ``stamps`` (each token's arrival): ``tokens`` over the
+    time they took, so work done every few tokens (reports credited in batches) counts as it is paid."""
+    return tokens / (stamps[-1] - stamps[-tokens - 1])
 
 
 def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, prompt: list[int], steps: int,
