@@ -1412,17 +1412,17 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
     set_tables(blocks, manager.snapshot())
     tokens: list[int] = []
 
-    def build(x):  # (input, greedy token, packed reports, the cache as it was before: exact only, whether
-        # the pass cannot miss, and where every layer ran its resident path its layers' report fields,
-        # packed with other such passes' later in place of the packed reports)
+    def build(x):  # (input, greedy token, packed reports, the cache as it was before: exact only, and where
+        # every layer ran its resident path (the pass cannot miss) its layers' report fields, packed with
+        # other such passes' later in place of the packed reports)
         before = _CacheCheckpoint(cache) if exact else None
         token = mx.argmax(model(x, cache=cache)[0, -1], axis=-1)
         if all(block._deferred is not None and block._deferred.miss is None and block._deferred.last is block.last
                for block in blocks):
             fields = [(block.last[0], block.last[1], block.last[2].miss_ids, block.last[2].miss_scores,
                        block.last_mix) for block in blocks]
-            return x, token, None, before, True, fields
-        return x, token, pack_reports(blocks), before, False, None
+            return x, token, None, before, fields
+        return x, token, pack_reports(blocks), before, None
 
     def outputs(built):  # what evaluating a built pass evaluates
         return [array for array in built[1:3] if array is not None]
@@ -1448,7 +1448,7 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
             if isinstance(error, PreloadError):
                 raise PreloadError(f"generate_greedy: {error}", error.failed, error.pending) from error
             raise
-        return (x, token, packed, before, True, None), bool(manager.lookahead_stats()["critical_reads"].sum() > reads)
+        return (x, token, packed, before, None), bool(manager.lookahead_stats()["critical_reads"].sum() > reads)
 
     # Exact without prefill runs the prompt a token a pass, as it decodes: a pass needs every expert it
     # routes resident.
@@ -1477,15 +1477,15 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
             # The next token is built while this one runs, and dispatched once this one is read: a read then
             # waits for this token alone, wherever a read waits for the whole stream.
             following = build(following_input) if overlap and more and not layered else None
-            early = following is not None and current[4]
+            early = following is not None and current[4] is not None
             if early:  # this token cannot miss (every layer resident): the next one goes before it is read
                 mx.async_eval(*outputs(following))
             token = _read_token(current[1])
             report, missed = None, False
-            if current[5] is not None:  # resident: its report goes with others (above)
-                if unreported and unreported[0][0][0].shape != current[5][0][0].shape:
+            if current[4] is not None:  # resident: its report goes with others (above)
+                if unreported and unreported[0][0][0].shape != current[4][0][0].shape:
                     report_resident()  # a pass of other rows (the prompt's) is packed apart
-                unreported.append(current[5])
+                unreported.append(current[4])
                 if len(unreported) == RESIDENT_REPORTS_BATCH:
                     report_resident()
             else:
