@@ -336,6 +336,11 @@ def load_model(checkpoint: Path, quantized: bool):
     return model, tokenizer
 
 
+def num_experts_of(model) -> int:
+    """The routed experts a layer of the job's models has (Qwen3-MoE: ``mlp.switch_mlp``)."""
+    return model.layers[0].mlp.switch_mlp.gate_proj.weight.shape[0]
+
+
 def host_loader(blocks):
     """A residency manager's loader over host copies of every expert, made once
     (:meth:`~kq_mlx.mlx_lm_adapter.ArenaLayer.stacked_expert_weights`): an in-memory 'disk' as the page
@@ -377,7 +382,7 @@ def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, p
     from kq_mlx.mlx_lm_adapter import attach_arena, attach_tier, generate_greedy
 
     model, _ = load_model(checkpoint, quantized)
-    num_experts = model.layers[0].mlp.switch_mlp.gate_proj.weight.shape[0]
+    num_experts = num_experts_of(model)
     slots = max(1, int(round(residency * num_experts)))
     blocks = attach_arena(model, slots)
     manager = _Stamped(arena_manager(blocks, slots, host_loader(blocks)))

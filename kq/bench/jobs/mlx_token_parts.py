@@ -42,7 +42,8 @@ import time
 
 from kq.bench.common import run_header, write_json
 from kq.bench.jobs.mlx_decode import (PROMPT, VARIANTS, Phases, arena_manager, fixed_tables_loop, host_loader,
-                                      load_model, tok_s_of, unmodified_fed, unmodified_loop)
+                                      load_model, num_experts_of, tok_s_of, unmodified_fed,
+                                      unmodified_loop)
 
 GRAPHS = ("unmodified", "arena", "arena-uncompiled", "arena-unflushed", "block-on-arena", "block-on-arena-compiled")
 
@@ -71,7 +72,7 @@ def _graph(checkpoint, quantized: bool, graph: str, prompt: list[int]):
     model, _ = load_model(checkpoint, quantized)
     if graph == "unmodified":
         return lambda steps: unmodified_loop(model, prompt, steps, Phases())
-    num_experts = model.layers[0].mlp.switch_mlp.gate_proj.weight.shape[0]
+    num_experts = num_experts_of(model)
     blocks = attach_arena(model, num_experts)
     manager = arena_manager(blocks, num_experts, host_loader(blocks))
     manager.close()  # every expert preloaded: the loop reads nothing, and only the tables are used
@@ -122,7 +123,7 @@ def _exact_loop(checkpoint, residency: float, prompt: list[int], steps: int, pro
     from kq_mlx.mlx_lm_adapter import attach_arena, generate_greedy
 
     model, _ = load_model(checkpoint, False)
-    num_experts = model.layers[0].mlp.switch_mlp.gate_proj.weight.shape[0]
+    num_experts = num_experts_of(model)
     slots = max(1, int(round(residency * num_experts)))
     blocks = attach_arena(model, slots)
     manager = arena_manager(blocks, slots, host_loader(blocks))
@@ -147,7 +148,7 @@ def _layer_by_layer_loop(checkpoint, prompt: list[int], steps: int):
     from kq_mlx.mlx_lm_adapter import attach_arena, attach_exact
 
     model, _ = load_model(checkpoint, False)
-    num_experts = model.layers[0].mlp.switch_mlp.gate_proj.weight.shape[0]
+    num_experts = num_experts_of(model)
     blocks = attach_arena(model, num_experts)
     manager = arena_manager(blocks, num_experts, host_loader(blocks))
     attach_exact(model, blocks, manager, lookahead=False)
