@@ -3,6 +3,8 @@ greedy generation; the figures it reports; bad arguments refused by name."""
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -240,11 +242,18 @@ def test_the_experts_are_never_in_memory_beyond_the_arena(tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(STDLIB / name, tmp_path / name)
     del model
-    result = generate(GenerateConfig(tmp_path, PROMPT, max_tokens=8, residency=0.25))
-    assert result.experts_mib == 192 and result.arena_mib == 48
-    assert result.prefill_reads == result.prompt_routed_pairs > 16
+    # In a fresh process, as a user runs it: MLX's peak counts every array the process holds, and a test
+    # worker holds arrays earlier tests left (a peak 1.7 MiB over the bound in one suite run).
+    figures = tmp_path / "figures.json"
+    run = subprocess.run([sys.executable, "-m", "kq", "generate", "--model", str(tmp_path), "--prompt", PROMPT,
+                          "--max-tokens", "8", "--residency", "0.25", "--json", str(figures)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(figures.read_text())
+    assert result["experts_mib"] == 192 and result["arena_mib"] == 48
+    assert result["prefill_reads"] == result["prompt_routed_pairs"] > 16
     # 64 MiB for the rest: the prompt's activations, a chunk's gathered rows, the allocator's slack
-    assert result.mlx_peak_mib < result.arena_mib + result.other_weights_mib + 64 < result.experts_mib
+    assert result["mlx_peak_mib"] < result["arena_mib"] + result["other_weights_mib"] + 64 < result["experts_mib"]
 
 
 def test_the_mlx_decode_jobs_exact_loop_feeds_the_prompt_as_its_reference_does(monkeypatch):
