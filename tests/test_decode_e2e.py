@@ -247,6 +247,25 @@ def test_every_row_of_a_run_has_consistent_floor_columns(monkeypatch):
                                      row.read_gib_per_s)
 
 
+def test_run_model_runs_the_modes_given_in_their_order(monkeypatch):
+    """``modes`` picks the arena modes and their order (a mode's place in a run is then a variable of its
+    own); a mode the model lacks, a repeat or none is refused by name before anything runs."""
+    rng = np.random.default_rng(6)
+    experts, steps = 64, 6
+    indices = np.stack([[rng.permutation(experts)[:TOP_K] for _ in range(LAYERS)] for _ in range(steps)])
+    scores = np.sort(rng.random((steps, LAYERS, TOP_K), dtype=np.float32), axis=-1)[..., ::-1].copy()
+    monkeypatch.setitem(decode_e2e.RECORDED_MODELS, "tiny", ("stdlib-moe", LAYERS, HIDDEN, FFN))
+    routing = (indices.astype(np.int32), scores)
+    rows = decode_e2e.run_model("tiny", tokens=3, warmup=3, routing=routing, residencies=(1.0,),
+                                modes=("exact-fetch", "tier", "lossy"))
+    assert [r.mode for r in rows] == ["resident", "exact-fetch", "tier", "lossy"]
+    for modes in ((), ("lossy", "lossy"), ("resident",), ("shed",)):
+        with pytest.raises(ValueError, match="modes"):
+            decode_e2e.run_model("tiny", tokens=3, warmup=3, routing=routing, residencies=(1.0,), modes=modes)
+    with pytest.raises(ValueError, match="modes"):  # the random models have no tier
+        decode_e2e.run_model("random-8x64-512", tokens=3, warmup=3, modes=("tier",))
+
+
 def test_the_mlx_decode_job_reads_the_shipped_checkpoints():
     from kq.bench.jobs import mlx_decode
 

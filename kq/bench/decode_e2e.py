@@ -504,17 +504,23 @@ def record(checkpoint: str, tokens: int, warmup: int):
 
 
 def run_model(model: str, *, tokens: int = 64, warmup: int = 16, seed: int = 0, routing=None,
-              residencies=None, log=None) -> list[DecodeResult]:
+              residencies=None, modes=None, log=None) -> list[DecodeResult]:
     """Every mode and residency on one model of :data:`RECORDED_MODELS` or :data:`RANDOM_MODELS`.
 
     Args:
         residencies: default :data:`RESIDENCIES`.
+        modes: the arena modes, run in this order at each residency (default: every mode of :data:`MODES`
+            after ``resident``; a random model has no ``tier`` mode).
         routing: the recorded routing for a recorded model (default: :func:`record` of its checkpoint).
     """
     from kq.study import SHIPPED_MODEL, checkpoint_config
     from kq_host.expert_store import ExpertStore
 
     recorded = model in RECORDED_MODELS
+    available = MODES[1:] if recorded else ("lossy", "exact", "exact-fetch")
+    modes = available if modes is None else tuple(modes)
+    if not modes or len(set(modes)) != len(modes) or not set(modes) <= set(available):
+        raise ValueError(f"run_model: modes must be distinct modes of {available} for {model}, got {modes}")
     steps = warmup + tokens
     rng = np.random.default_rng(seed)
     if recorded:
@@ -578,7 +584,7 @@ def run_model(model: str, *, tokens: int = 64, warmup: int = 16, seed: int = 0, 
             if log:
                 log(f"{model}: the misses' path reads {read_gib_per_s:.2f} GiB/s")
             for residency in residencies or RESIDENCIES:
-                for mode in MODES[1:] if recorded else ("lossy", "exact", "exact-fetch"):
+                for mode in modes:
                     time_resident()
                     run = run_streamed(engine, store, residency=residency, mode=mode, warmup=warmup, experts=experts)
                     arena_runs.append((mode, residency, run))
@@ -616,7 +622,6 @@ def _on_gpu() -> bool:
 
 def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
-
 
 
 def run(models=None, *, tokens: int = 64, warmup: int = 16, progress: bool = True,

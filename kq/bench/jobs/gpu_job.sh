@@ -22,7 +22,7 @@
 # the arena, `python -m kq.bench.jobs mlx_decode`, extra arguments in MLX_DECODE_ARGS), mlx_chunk_bits (a
 # prompt chunk's gather_mm bits against the whole pass's, `python -m kq.bench.jobs chunk_bits`), mlx_token_parts (a decode
 # token taken apart: `python -m kq.bench.jobs mlx_token_parts`, extra arguments in MLX_TOKEN_PARTS_ARGS); TAG ends the
-# names of mlx_decode's and mlx_token_parts' log and JSON (one job run twice, e.g. MLX_USE_CUDA_GRAPHS=0). Each part's log and
+# names of decode_full's, mlx_decode's and mlx_token_parts' log and JSON (one job run twice, e.g. MLX_USE_CUDA_GRAPHS=0). Each part's log and
 # JSON go under $OUT, with the device and versions in device.txt and one line per part in
 # summary.txt; a part is cut at PART_TIMEOUT seconds (default 500). Exits non-zero if a part failed.
 # Wheels in WHEELS (default .whl, e.g. Numba's for the host side: `pip download numba`) are installed
@@ -79,10 +79,13 @@ for name in ${PARTS:-tests check memcheck}; do
                 tests/test_expert_parallel.py ;;
     decode_e2e) part decode_e2e python3 -m kq bench --sets decode-e2e ${DECODE_MODELS:+--models $DECODE_MODELS} \
                   --no-progress --json "$OUT/decode_e2e.json" ;;
-    decode_full) # decode-e2e's modes at full residency only, on DECODE_MODELS (default olmoe-size)
-                 part decode_full python3 -c "import sys; from kq.bench import decode_e2e as d
-results = [r for model in sys.argv[2:] for r in d.run_model(model, residencies=(1.0,))]
-print(d.format_table(results)); d.write_json(results, sys.argv[1])" "$OUT/decode_full.json" ${DECODE_MODELS:-olmoe-size} ;;
+    decode_full) # decode-e2e's modes at full residency only, on DECODE_MODELS (default olmoe-size), in the
+                 # order DECODE_MODES gives (default every mode)
+                 part "decode_full${TAG:-}" python3 -c "import os, sys; from kq.bench import decode_e2e as d
+modes = os.environ.get('DECODE_MODES', '').split() or None
+results = [r for model in sys.argv[2:] for r in d.run_model(model, residencies=(1.0,), modes=modes)]
+print(d.format_table(results)); d.write_json(results, sys.argv[1])" "$OUT/decode_full${TAG:-}.json" \
+                   ${DECODE_MODELS:-olmoe-size} ;;
     host) part host python3 -m kq bench --sets host --no-progress --json "$OUT/host.json" ;;
     h2d) part h2d python3 -m kq.bench.jobs h2d_staging --json "$OUT/h2d_staging.json" ;;
     experts_fence) part experts_fence python3 -m kq.bench.jobs experts_fence --json "$OUT/experts_fence.json" ;;
