@@ -284,11 +284,20 @@ def _study(args, parser) -> int:
     return 0
 
 
+class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default after its help, except a default of None or False (the help says what then)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kq", description="route_shed kernels, checked against one spec.")
     sub = parser.add_subparsers(dest="command", required=True)
     names = [b.name for b in all_backends()]
-    defaults = argparse.ArgumentDefaultsHelpFormatter
+    defaults = _DefaultsHelpFormatter
     check = sub.add_parser("check", help="run every golden case and random rows through every backend",
                            formatter_class=defaults)
     check.add_argument("--backends", nargs="+", metavar="NAME", choices=names,
@@ -375,8 +384,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="expert reads per step (default: no limit)")
     demo.add_argument("--seed", type=int, default=argparse.SUPPRESS, help="seed of weights and inputs (default 0)")
     demo.add_argument("--plot", metavar="PATH", type=_output_path, default=argparse.SUPPRESS,
-                      help="where to write the PNG of hit rate and shed mass per step (default kq_demo.png; "
-                           "'' for none)")
+                      help="with --random: where to write the PNG of hit rate and shed mass per step (default "
+                           "kq_demo.png; '' for none)")
     demo.set_defaults(func=lambda args: _demo(args, demo))
 
     generate_parser = sub.add_parser(

@@ -307,8 +307,8 @@ def generate(config: GenerateConfig, on_text: Callable[[str], None] | None = Non
         :class:`GenerateResult`.
 
     Raises:
-        GenerateError: a bad option, a directory mlx-lm cannot load, a model with no MoE layer, an arena
-            too small for one token's experts (``--residency``), a tier that does not fit the model.
+        GenerateError: a bad option, a directory mlx-lm cannot load, a model with no MoE layer, a tier that
+            does not fit the model.
         kq_host.residency.PreloadError: reads failed or ran past ``config.timeout``.
     """
     import contextlib
