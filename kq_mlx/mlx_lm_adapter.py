@@ -154,7 +154,6 @@ class ArenaLayer(nn.Module):
         self.tier = None  # a copy of the arena holding every expert at low precision (attach_tier)
         self.manager, self.layer, self.timeout = None, None, None  # rule "exact" (attach_exact)
         self.read_retries = 0  # rule "exact": times a failed read is read again before the error (prefill)
-        self.credit_routing = True  # rule "exact": hand the manager each pass's routing (False: already handed)
         self.last = None
         self.last_mix = None
         self.compiled = True
@@ -280,7 +279,7 @@ class ArenaLayer(nn.Module):
         for attempt in range(self.read_retries + 1):
             try:
                 return self.manager.acquire(self.layer, ids, scores, timeout=self.timeout,
-                                            credit=self.credit_routing and attempt == 0)
+                                            credit=attempt == 0)
             except PreloadError as error:
                 if error.pending or attempt == self.read_retries:
                     raise
@@ -1196,46 +1195,6 @@ def _resident_reports(passes: list[list[tuple]]) -> list[LayerReport]:
     return [LayerReport.from_packed(packed[:, p]) for p in range(len(passes))]
 
 
-def _retry_failed_reads(manager, report: LayerReport, read_retries: int, timeout: float | None) -> None:
-    """Reads again, ignoring the manager's back-off, the experts a pass missed whose reads failed
-    (``manager.acquire`` of the layer's routed set, its routing not credited again, up to ``read_retries``
-    times a layer).
-
-    Raises:
-        PreloadError: a layer's reads still failed after ``read_retries`` tries (the message names each expert
-            and its last error), or a read again was out past ``timeout`` (the message says it timed out).
-    """
-    tables = manager.snapshot()
-    for layer in range(manager.num_layers):
-        missed = report.miss_ids[layer]
-        unread = [e for e in np.unique(missed[missed >= 0]).tolist()
-                  if tables[layer, e] < 0 and (layer, e) in manager.failures]
-        if not unread:
-            continue
-        error = None
-        for _ in range(read_retries):
-            try:
-                manager.acquire(layer, report.indices[layer], report.scores[layer], timeout=timeout, credit=False)
-                error = None
-                break
-            except PreloadError as caught:
-                error = caught
-                if caught.pending:
-                    break
-        if error is None and read_retries:
-            continue
-        failed = error.failed if error is not None else [manager.failures[(layer, e)] for e in unread]
-        pending = error.pending if error is not None else []
-        details = "; ".join(f"expert {r.expert}: {r.error_type}: {r.message}, {r.count} failures in a row"
-                            for r in failed)
-        if pending:
-            last = f" (the last failures: {details})" if failed else ""
-            raise PreloadError(f"generate_greedy: layer {layer}: reading experts {sorted(r.expert for r in pending)} "
-                               f"again timed out: still out after {timeout} s{last}", failed, pending) from error
-        raise PreloadError(f"generate_greedy: layer {layer}: the reads of experts {sorted(r.expert for r in failed)} "
-                           f"failed after {read_retries} retries ({details})", failed, pending) from error
-
-
 def prefill(model: nn.Module, blocks: list[ArenaLayer], manager, prompt, cache, *, timeout: float | None = None,
             read_retries: int = 2, step_size: int = 2048) -> mx.array:
     """Runs a prompt through the arenas exactly, layer by layer, each routed expert read once.
@@ -1277,35 +1236,44 @@ def prefill(model: nn.Module, blocks: list[ArenaLayer], manager, prompt, cache, 
     _check_manager_shape("prefill", manager, blocks)
     with _layer_by_layer(blocks, manager, timeout=timeout, read_retries=read_retries):
         for start in range(0, len(tokens), step_size):
-            checkpoint = _CacheCheckpoint(cache)
-            try:
+            with _cache_restored_on_error("prefill", cache, read_retries):
                 logits = model(mx.array([tokens[start:start + step_size]]), cache=cache)[0, -1]
                 mx.eval(logits, [c.state for c in cache])
-            except BaseException as error:
-                try:
-                    checkpoint.restore()
-                except RuntimeError as stuck:
-                    raise stuck from error
-                if isinstance(error, PreloadError):
-                    retried = f" (each failed read retried {read_retries} times)" if error.failed else ""
-                    raise PreloadError(f"prefill: {error}{retried}", error.failed, error.pending) from error
-                raise
             manager.next_token()
     return logits
 
 
 @contextlib.contextmanager
-def _layer_by_layer(blocks: list[ArenaLayer], manager, *, timeout: float | None, read_retries: int,
-                    credit: bool = True):
+def _cache_restored_on_error(caller: str, cache, read_retries: int):
+    """Yields the caches' checkpoint (:class:`_CacheCheckpoint`) for a pass run inside; on any error the caches
+    go back to it (a RuntimeError says so where one cannot be cut back), and a PreloadError goes on named by
+    ``caller``, saying how many times each failed read was retried (unless a read again was still out)."""
+    checkpoint = _CacheCheckpoint(cache)
+    try:
+        yield checkpoint
+    except BaseException as error:
+        try:
+            checkpoint.restore()
+        except RuntimeError as stuck:
+            raise stuck from error
+        if isinstance(error, PreloadError):
+            retried = (f" (each failed read retried {read_retries} times)" if error.failed and not error.pending
+                       else "")
+            raise PreloadError(f"{caller}: {error}{retried}", error.failed, error.pending) from error
+        raise
+
+
+@contextlib.contextmanager
+def _layer_by_layer(blocks: list[ArenaLayer], manager, *, timeout: float | None, read_retries: int):
     """The blocks under rule ``"exact"``, bound to ``manager`` (layer by layer, each routed expert made
-    resident before it runs), ``credit`` saying whether their routing is handed to the manager; on leaving,
-    their rules and exact settings as before and their tables the manager's."""
-    settings = ("rule", "manager", "layer", "timeout", "read_retries", "credit_routing")
+    resident before it runs, its routing credited); on leaving, their rules and exact settings as before and
+    their tables the manager's."""
+    settings = ("rule", "manager", "layer", "timeout", "read_retries")
     saved = [tuple(getattr(block, name) for name in settings) for block in blocks]
     try:
         for layer, block in enumerate(blocks):
             block.rule, block.manager, block.layer, block.timeout = "exact", manager, layer, timeout
-            block.read_retries, block.credit_routing = read_retries, credit
+            block.read_retries = read_retries
         yield
     finally:
         for block, values in zip(blocks, saved):
@@ -1338,11 +1306,12 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
     has its report.
 
     With ``exact`` a token is kept only if it ran with every routed expert resident: when its reports
-    show misses, the reads are waited for (``manager.drain``), the cache is put back as it was before the
-    token (the next token's entries, built on it, with it) and the token runs again layer by layer, as
-    :func:`prefill` runs a prompt: each layer's routing evaluated and its routed experts made resident
-    (``manager.acquire``, the routing not credited again) before they run, so a token runs at most twice,
-    and an arena too small for one token's experts runs them in chunks that fit. While tokens need reads
+    show misses, the pass goes with its report (the layers after its first miss ran on a wrong input, so
+    their routing is not the token's: nothing of it is credited or read), the cache is put back as it was
+    before the token (the next token's entries, built on it, with it) and the token runs again layer by
+    layer, as :func:`prefill` runs a prompt: each layer's routing evaluated, credited and its routed experts
+    made resident (``manager.acquire``) before they run, so a token runs at most twice, and an arena too
+    small for one token's experts runs them in chunks that fit. While tokens need reads
     (the last one missed, or read experts running layer by layer), the next one runs layer by layer at
     once, not overlapped (its routing credited by ``acquire``, the token ended by ``manager.next_token()``);
     the first token that reads nothing goes back to the overlapped graph. The
@@ -1365,8 +1334,7 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
         overlap: dispatch the next token before this token's boundary.
         exact: run a token again until it misses nothing (needs caches that can be put back: trimmable
             KV caches, or the arrays caches of linear-attention and state-space layers).
-        timeout: with ``exact``, seconds each wait for reads (``drain``, ``acquire``) may take (None: no
-            limit).
+        timeout: with ``exact``, seconds each wait for reads (``acquire``) may take (None: no limit).
         read_retries: with ``exact``, times a missed expert whose read failed is read again before the
             error (0: the first failure raises).
         on_token: called with each generated id as it is kept (to stream the output).
@@ -1432,30 +1400,20 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
         mx.async_eval(*outputs(built))
         return built
 
-    def run_layer_by_layer(x, credit):  # as dispatch, each layer's routed experts made resident before they run
-        before = _CacheCheckpoint(cache)
+    def run_layer_by_layer(x):  # as dispatch, each layer's routed experts made resident before they run
         reads = manager.lookahead_stats()["critical_reads"].sum()
-        try:
-            with _layer_by_layer(blocks, manager, timeout=timeout, read_retries=read_retries, credit=credit):
+        with _cache_restored_on_error("generate_greedy", cache, read_retries) as before:
+            with _layer_by_layer(blocks, manager, timeout=timeout, read_retries=read_retries):
                 token = mx.argmax(model(x, cache=cache)[0, -1], axis=-1)
                 packed = pack_reports(blocks)
                 mx.eval(token, packed)
-        except BaseException as error:
-            try:
-                before.restore()
-            except RuntimeError as stuck:
-                raise stuck from error
-            if isinstance(error, PreloadError):
-                raise PreloadError(f"generate_greedy: {error}", error.failed, error.pending) from error
-            raise
         return (x, token, packed, before, None), bool(manager.lookahead_stats()["critical_reads"].sum() > reads)
 
     # Exact without prefill runs the prompt a token a pass, as it decodes: a pass needs every expert it
     # routes resident.
     forced = list(prompt[1:]) if exact else []
-    # How the current pass ran: "graph" (the rule's graph, dispatched; its report goes to manager.step),
-    # "again" (layer by layer after the graph missed: credited with that report) or "layered" (layer by layer
-    # at once: credited by acquire, the token ended by manager.next_token()).
+    # How the current pass ran: "graph" (the rule's graph, dispatched; its report goes to manager.step) or
+    # "layered" (layer by layer: credited by acquire, the token ended by manager.next_token()).
     current, kind = dispatch(mx.array([prompt[:1] if exact else prompt])), "graph"
     layered = False  # exact: the last token needed a read, so the next one runs layer by layer at once
     # The report fields of resident passes not yet handed to the manager, oldest first. Such a pass cannot
@@ -1500,22 +1458,18 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
                 following = None
             if following is not None and not missed and not early:
                 mx.async_eval(*outputs(following))
+            if missed:
+                # The layers after its first miss ran on a wrong input: the pass and its report go (nothing
+                # credited, nothing read for it), and the token runs again layer by layer, its routing credited
+                # and its misses read by acquire.
+                current[3].restore()  # the following token's entries, built on this one, go with it
+                current, _ = run_layer_by_layer(current[0])
+                kind, layered = "layered", True
+                continue
             if kind == "graph" and report is not None:
                 tables = manager.step(report)
             elif kind == "layered":
                 tables = manager.next_token()
-            if missed:
-                out = manager.drain(timeout)
-                if out:
-                    still = ", ".join(f"layer {r.layer} expert {r.expert}" for r in out[:4])
-                    raise PreloadError(f"generate_greedy: {len(out)} read(s) still out after {timeout} s ({still})",
-                                       [], out)
-                _retry_failed_reads(manager, report, read_retries, timeout)
-                current[3].restore()  # the following token's entries, built on this one, go with it
-                current, _ = run_layer_by_layer(current[0], credit=False)
-                kind, layered = "again", True
-                tables = manager.snapshot()
-                continue
             if report is not None or kind != "graph":
                 set_tables(blocks, tables)
             if forced:
@@ -1533,7 +1487,7 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
             if following is not None:
                 current, kind = following, "graph"
             elif layered:
-                current, layered = run_layer_by_layer(following_input, credit=True)
+                current, layered = run_layer_by_layer(following_input)
                 kind = "layered"
             else:
                 current, kind = dispatch(following_input), "graph"

@@ -531,10 +531,14 @@ def test_generate_greedy_exact_runs_a_token_again_once_and_in_chunks_where_its_e
     model = evaluated(qwen3_model, seed=7)
     blocks = attach_arena(model, num_slots=2)  # top-4 routing: 4 experts a row cannot fit 2 slots
     manager = _manager_over(blocks, 2, queue_depth=0)
-    drains, drain = [], manager.drain
-    manager.drain = lambda *args, **kwargs: drains.append(1) or drain(*args, **kwargs)
+    ends = []  # a pass kept from the graph ends its token by step, one run layer by layer by next_token
+    for name in ("step", "next_token"):
+        method = getattr(manager, name)
+        setattr(manager, name, lambda *args, _method=method, _name=name, **kwargs: ends.append(_name)
+                or _method(*args, **kwargs))
     assert generate_greedy(model, blocks, manager, [2, 7, 1, 8], 6, overlap=overlap, exact=True) == want
-    assert 0 < len(drains) <= 6  # one run again at most a token (the prompt prefilled)
+    # one run again at most a token: the prompt's prefill pass and each of the 6 tokens' passes end once
+    assert ends.count("next_token") > 1 and len(ends) == 1 + 6
     manager.close()
 
 
@@ -746,15 +750,14 @@ def test_generate_greedy_exact_names_a_persistent_read_failure_and_works_once_th
     if prefill_prompt:  # the prompt's layer 1 reads fail first
         message = (r"prefill: acquire: layer 1: the reads of experts \[(\d+, )*\d+\] failed \(expert \d+: OSError: "
                    r"read \d+ failed: input/output error.*\) \(each failed read retried 2 times\)")
-    else:
-        message = (r"generate_greedy: layer 1: the reads of experts? \[.*\] failed after 2 retries \(expert \d+: "
-                   r"OSError: read \d+ failed: input/output error, \d+ failures in a row")
+    else:  # a pass that missed runs again layer by layer: its reads are the layer's, as prefill's
+        message = (r"generate_greedy: acquire: layer 1: the reads of experts \[(\d+, )*\d+\] failed \(expert \d+: "
+                   r"OSError: read \d+ failed: input/output error.*\) \(each failed read retried 2 times\)")
     with pytest.raises(PreloadError, match=message) as caught:
         generate_greedy(model, blocks, manager, [2, 7, 1, 8], 10, exact=True, read_retries=2,
                         prefill_prompt=prefill_prompt)
     assert caught.value.failed and all(record.layer == 1 for record in caught.value.failed)
-    if prefill_prompt:
-        assert all(record.count == 3 for record in caught.value.failed)  # the read and 2 retries
+    assert all(record.count == 3 for record in caught.value.failed)  # the read and 2 retries
     loader.broken = None
     assert generate_greedy(model, blocks, manager, [2, 7, 1, 8], 10, exact=True, prefill_prompt=prefill_prompt) == want
     manager.close()
@@ -1039,9 +1042,9 @@ def test_a_retry_that_times_out_says_so():
         with pytest.raises(PreloadError) as caught:
             generate_greedy(model, blocks, manager, [2], 2, exact=True, timeout=0.2, read_retries=2)
         layer, expert = first[0]
-        assert str(caught.value) == (f"generate_greedy: layer {layer}: reading experts [{expert}] again timed out: "
-                                     f"still out after 0.2 s (the last failures: expert {expert}: OSError: "
-                                     f"input/output error, 1 failures in a row)")
+        assert str(caught.value) == (f"generate_greedy: acquire: layer {layer}: the reads of experts [{expert}] "
+                                     f"failed (expert {expert}: OSError: input/output error), the reads of experts "
+                                     f"[{expert}] still out after 0.2 s")
         assert [(read.layer, read.expert) for read in caught.value.pending] == [(layer, expert)]
     finally:
         release.set()
