@@ -114,6 +114,8 @@ def _output_path(text: str) -> Path | None:
     path = Path(text)
     if not path.parent.is_dir():
         raise argparse.ArgumentTypeError(f"{path.parent} is not a directory to write {path.name} into")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a directory, not a file to write")
     return path
 
 
@@ -234,10 +236,15 @@ def _generate(args, parser) -> int:
                             rule=args.rule, tier_bits=args.tier_bits, tier_group_size=args.tier_group_size,
                             tier_model=args.tier_model, queue_depth=args.queue_depth, timeout=args.timeout,
                             float32=args.float32, overlap=args.overlap, floor=args.floor)
+    from kq_host.residency import PreloadError
+
     try:
         result = generate(config, on_text=lambda text: print(text, end="", flush=True))
     except GenerateError as error:
         parser.error(str(error))
+    except PreloadError as error:  # the disk, not an argument: no usage line
+        print(f"\nkq generate: reading experts failed (--timeout {args.timeout}): {error}", file=sys.stderr)
+        return 1
     print()
     print(format_summary(result))
     if args.json is not None:
@@ -423,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     generate_parser.add_argument("--floor", action="store_true",
                                  help="also measure the time to first token's floor: the prompt's experts read "
                                       "again, and the model loaded whole (it must fit in memory) for its prefill")
-    generate_parser.add_argument("--json", type=Path, default=None, help="write the figures to this JSON file")
+    generate_parser.add_argument("--json", type=_output_path, default=None, help="write the figures to this JSON file")
     generate_parser.set_defaults(func=lambda args: _generate(args, generate_parser))
 
     study_parser = sub.add_parser(

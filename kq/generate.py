@@ -25,6 +25,9 @@ from typing import Callable
 
 import numpy as np
 
+from kq_host.checkpoint import MODEL_FILES, model_files
+from kq_host.residency import MAX_QUEUE_DEPTH
+
 RULES = ("exact", "tier", "shed")
 # Prompt tokens a prefill pass (mlx-lm's default prefill_step_size).
 PREFILL_STEP = 2048
@@ -116,7 +119,10 @@ class GenerateResult:
         return self.arena_mib + self.tier_mib + self.other_weights_mib + 1024.0
 
     def to_json(self) -> dict:
-        return {**asdict(self), "memory_bound_mib": self.memory_bound_mib}
+        """The figures as JSON values: a rate of one token (NaN) as null."""
+        figures = {**asdict(self), "memory_bound_mib": self.memory_bound_mib}
+        return {key: None if isinstance(value, float) and not math.isfinite(value) else value
+                for key, value in figures.items()}
 
 
 def _fail(argument: str, message: str) -> GenerateError:
@@ -130,19 +136,31 @@ def check_config(config: GenerateConfig) -> Path:
         GenerateError: naming the argument (``--model``, ``--residency``...) or the file.
     """
     model = Path(config.model)
-    if not model.is_dir():
-        raise _fail("--model", f"{model} is not a directory (an mlx-lm model directory: config.json, *.safetensors)")
-    if not (model / "config.json").is_file():
-        raise _fail("--model", f"{model} has no config.json: not an mlx-lm model directory")
-    if not any(model.glob("*.safetensors")):
-        raise _fail("--model", f"{model} holds no .safetensors file")
     try:
-        json.loads((model / "config.json").read_text())
+        if not model.is_dir():
+            raise _fail("--model", f"{model} is not a directory (an mlx-lm model directory: config.json, "
+                                   f"{MODEL_FILES})")
+        if not (model / "config.json").is_file():
+            raise _fail("--model", f"{model} has no config.json: not an mlx-lm model directory")
+        if not model_files(model):
+            raise _fail("--model", f"{model} holds no {MODEL_FILES} file (the weights files mlx-lm loads)")
+        settings = json.loads((model / "config.json").read_text())
     except (OSError, ValueError) as error:
-        raise _fail("--model", f"{model / 'config.json'} is unreadable ({error})") from None
+        if isinstance(error, GenerateError):
+            raise
+        raise _fail("--model", f"{model}: unreadable ({type(error).__name__}: {error})") from None
+    if not isinstance(settings, dict):
+        raise _fail("--model", f"{model / 'config.json'} holds {type(settings).__name__}, not a JSON object")
+    if config.rule == "tier" and "quantization" not in settings and "quantization_config" in settings:
+        method = settings["quantization_config"]
+        method = method.get("quant_method") if isinstance(method, dict) else method
+        raise _fail("--rule", f"tier: {model} is quantized by its quantization_config ({method!r}), which mlx-lm "
+                              f"converts on loading; kq builds a tier from float experts or mlx-community's "
+                              f"affine ones (\"quantization\" in config.json)")
     if not isinstance(config.prompt, str) or not config.prompt:
         raise _fail("--prompt", "must be a non-empty text")
-    if isinstance(config.max_tokens, bool) or not isinstance(config.max_tokens, int) or config.max_tokens < 1:
+    if (isinstance(config.max_tokens, bool) or not isinstance(config.max_tokens, (int, np.integer))
+            or config.max_tokens < 1):
         raise _fail("--max-tokens", f"must be an int >= 1, got {config.max_tokens!r}")
     residency = config.residency
     if isinstance(residency, bool) or not isinstance(residency, (int, float)) or not 0 < residency <= 1:
@@ -157,8 +175,9 @@ def check_config(config: GenerateConfig) -> Path:
         raise _fail("--tier-model", "reads the tier's bits from its checkpoint: give it or --tier-bits, not both")
     if config.tier_model is not None and not Path(config.tier_model).is_dir():
         raise _fail("--tier-model", f"{config.tier_model} is not a directory")
-    if isinstance(config.queue_depth, bool) or not isinstance(config.queue_depth, int) or config.queue_depth < 0:
-        raise _fail("--queue-depth", f"must be an int >= 0, got {config.queue_depth!r}")
+    if (isinstance(config.queue_depth, bool) or not isinstance(config.queue_depth, (int, np.integer))
+            or not 0 <= config.queue_depth <= MAX_QUEUE_DEPTH):
+        raise _fail("--queue-depth", f"must be an int in [0, {MAX_QUEUE_DEPTH}], got {config.queue_depth!r}")
     if config.timeout is not None and (isinstance(config.timeout, bool) or not isinstance(config.timeout, (int, float))
                                        or not config.timeout > 0):
         raise _fail("--timeout", f"must be a number of seconds > 0, got {config.timeout!r}")
@@ -219,10 +238,13 @@ def expert_tensor_names(model_dir: Path, blocks) -> dict[int, dict[str, str]]:
     Raises:
         GenerateError: a tensor is in neither layout (the message names both names and the files).
     """
-    from kq_host.expert_store import read_safetensors_header
+    from kq_host.expert_store import ExpertStoreError, read_safetensors_header
 
-    files = sorted(model_dir.glob("*.safetensors"))
-    present = {name for path in files for name in read_safetensors_header(path)}
+    files = model_files(model_dir)
+    try:
+        present = {name for path in files for name in read_safetensors_header(path)}
+    except ExpertStoreError as error:
+        raise _fail("--model", str(error)) from None
     names = {}
     for layer, block in enumerate(blocks):
         parent = block.module_path.rpartition(".")[0]
@@ -249,7 +271,7 @@ def _tier_source(model_dir: Path, blocks, names, quantization, stack):
     else:
         weights = {layer: {f"{p}.{a}": keys[f"{p}.{a}"] for p in blocks[layer].projections
                            for a in ("weight", "scales", "biases")} for layer, keys in names.items()}
-    store = stack(ExpertStore.for_tensors(model_dir, weights))
+    store = stack(ExpertStore.for_tensors(model_files(model_dir), weights))
     return store if quantization is None else _DequantizedTierSource(store, blocks, quantization)
 
 
@@ -326,9 +348,12 @@ def generate(config: GenerateConfig, on_text: Callable[[str], None] | None = Non
     mx.reset_peak_memory()  # MLX's peak from here: the load, the tier's build, the prompt and the tokens
     started = time.perf_counter()
     stages = {}
-    quantized = "quantization" in json.loads((model_dir / "config.json").read_text())
+    settings = json.loads((model_dir / "config.json").read_text())
+    # mlx-lm quantizes a model of a "quantization_config" (gpt-oss's mxfp4) on loading, as it reads one of a
+    # "quantization": neither is run in float32 on the CPU below
+    quantized = "quantization" in settings or "quantization_config" in settings
     quantization = None
-    if quantized and config.rule == "tier":  # the tier is built from the experts dequantized
+    if "quantization" in settings and config.rule == "tier":  # the tier is built from the experts dequantized
         try:
             quantization = Quantization.of(model_dir)
         except ExpertStoreError as error:
@@ -342,7 +367,7 @@ def generate(config: GenerateConfig, on_text: Callable[[str], None] | None = Non
     with contextlib.ExitStack() as stack:
         names = expert_tensor_names(model_dir, blocks)
         try:
-            store = stack.enter_context(ExpertStore.for_tensors(model_dir, names,
+            store = stack.enter_context(ExpertStore.for_tensors(model_files(model_dir), names,
                                                                 queue_depth=max(config.queue_depth, 1)))
         except ExpertStoreError as error:
             raise _fail("--model", f"the experts' tensors: {error}") from None
@@ -429,8 +454,9 @@ def generate(config: GenerateConfig, on_text: Callable[[str], None] | None = Non
     if config.floor:
         result.resident_prefill_s = _resident_prefill_seconds(model_dir, prompt,
                                                               config.float32 or not quantized)
-        result.floor_s = (result.prompt_routed_pairs * expert_bytes / (result.read_bandwidth_gbs * 1e9)
-                          + result.resident_prefill_s)
+        reads_s = (0.0 if result.read_bandwidth_gbs is None
+                   else result.prompt_routed_pairs * expert_bytes / (result.read_bandwidth_gbs * 1e9))
+        result.floor_s = reads_s + result.resident_prefill_s
     return result
 
 
@@ -454,20 +480,24 @@ def _encode(tokenizer, prompt: str) -> list[int]:
     """The prompt's ids as ``mlx_lm.generate`` encodes a text (the BOS token added unless the text starts with it)."""
     add_special_tokens = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
     ids = list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+    if not ids and getattr(tokenizer, "vocab_size", 2) <= 1:  # mlx-lm builds an empty one where there is none
+        raise _fail("--model", "its tokenizer has no vocabulary: the directory holds no tokenizer files "
+                               "(tokenizer.json, tokenizer_config.json)")
     if not ids:
         raise _fail("--prompt", "encodes to no token")
     return ids
 
 
-def _read_bandwidth(store, routed: list[set]) -> float:
-    """GB/s of reading the prompt's routed experts again through the store's reader pool."""
+def _read_bandwidth(store, routed: list[set]) -> float | None:
+    """GB/s of reading the prompt's routed experts again through the store's reader pool (None: the prompt
+    routed none, a prompt of one token)."""
     start = time.perf_counter()
     before = store.bytes_read
     futures = [store.submit(layer, expert) for layer, experts in enumerate(routed) for expert in sorted(experts)]
     for future in futures:
         future.result()
     seconds = time.perf_counter() - start
-    return (store.bytes_read - before) / seconds / 1e9 if futures else float("nan")
+    return (store.bytes_read - before) / seconds / 1e9 if futures else None
 
 
 def _resident_prefill_seconds(model_dir: Path, prompt: list[int], float32: bool) -> float:
@@ -498,8 +528,10 @@ def format_summary(result: GenerateResult) -> str:
         f"prompt: {result.prompt_tokens} tokens, {result.prompt_tps:.1f} tokens/s, first token after "
         f"{result.time_to_first_token_s:.3f} s; {result.prompt_reads} experts read "
         f"({result.prompt_routed_pairs} (layer, expert) pairs routed), {result.prompt_read_mib:.1f} MiB",
-        f"generation: {len(result.tokens)} tokens, {result.generation_tps:.1f} tokens/s, hit rate "
-        f"{result.hit_rate:.3f}, {result.mib_read_per_token:.2f} MiB read a token",
+        f"generation: {len(result.tokens)} tokens, "
+        + (f"{result.generation_tps:.1f} tokens/s, hit rate {result.hit_rate:.3f}, "
+           f"{result.mib_read_per_token:.2f} MiB read a token" if len(result.tokens) > 1
+           else "the first alone (no rate, nothing generated after it)"),
         f"arena: {result.slots} of {result.num_experts} experts x {result.num_layers} MoE layers, "
         f"{result.arena_mib:.1f} MiB (all experts {result.experts_mib:.1f} MiB); tier {result.tier_mib:.1f} MiB; "
         f"other weights {result.other_weights_mib:.1f} MiB",
@@ -507,7 +539,9 @@ def format_summary(result: GenerateResult) -> str:
         f"MLX {result.mlx_peak_mib:.0f} MiB ({result.device})",
     ]
     if result.floor_s is not None:
-        lines.append(f"time to first token's floor: {result.floor_s:.3f} s (read {result.read_bandwidth_gbs:.2f} GB/s, "
+        read = ("nothing to read" if result.read_bandwidth_gbs is None
+                else f"read {result.read_bandwidth_gbs:.2f} GB/s")
+        lines.append(f"time to first token's floor: {result.floor_s:.3f} s ({read}, "
                      f"resident prefill {result.resident_prefill_s:.3f} s): "
                      f"{result.time_to_first_token_s / result.floor_s:.2f}x")
     return "\n".join(lines)

@@ -16,7 +16,8 @@ class Arena(Protocol):
 
     An arena may also define ``write_slots(layers, slots, payloads)``: the landed experts of one
     boundary at once (one scatter per projection on a device), every payload checked first, the valid
-    ones written; it returns one exception (a refused payload) or None per write.
+    ones written; it returns one exception (a refused payload) or None per write. And ``shape``,
+    ``(layers, slots)``: a manager of another shape is then refused when it is made.
     """
 
     def write_slot(self, layer: int, slot: int, payload: Any) -> None: ...
@@ -49,6 +50,12 @@ def checked_payloads(layout, payloads: Sequence[Any]) -> list[BaseException | No
         except ExpertPayloadError as error:
             errors.append(error)
     return errors
+
+
+def stacked_shape(arrays: Mapping[str, Any]) -> tuple[int, int]:
+    """``(layers, slots)`` of an arena's ``{projection: [L, S, ...]}`` arrays."""
+    layers, slots = next(iter(arrays.values())).shape[:2]
+    return int(layers), int(slots)
 
 
 class ExpertPayloadError(ValueError):
@@ -105,6 +112,10 @@ class NumpyArena:
     def __init__(self, num_layers: int, num_slots: int, shapes: Mapping[str, tuple[tuple[int, ...], Any]]):
         self.arrays = {name: np.zeros((num_layers, num_slots, *shape), dtype=dtype)
                        for name, (shape, dtype) in shapes.items()}
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return stacked_shape(self.arrays)
 
     def write_slot(self, layer: int, slot: int, payload: Mapping[str, np.ndarray]) -> None:
         """Copies one expert into ``[layer, slot]``; :class:`ExpertPayloadError` (slot untouched) if it is not one."""

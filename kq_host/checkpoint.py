@@ -31,6 +31,15 @@ from kq_host.expert_store import PER_EXPERT_TEMPLATE, ExpertStore, ExpertStoreEr
 from kq_host.tier import QuantizedWeight, dequantize
 
 
+# A model directory's weights files as mlx-lm's loader finds them: a file of another name is not the model's.
+MODEL_FILES = "model*.safetensors"
+
+
+def model_files(directory: str | os.PathLike) -> list[Path]:
+    """The directory's weights files (:data:`MODEL_FILES`), sorted."""
+    return sorted(Path(directory).glob(MODEL_FILES))
+
+
 class CheckpointError(ValueError):
     """A checkpoint kq cannot run: a ``config.json`` that cannot be read or holds a value no model has, a
     weights file that cannot be read, or tensors that disagree with the model ``config.json`` describes.
@@ -158,7 +167,7 @@ def dense_tensors(checkpoint: str | os.PathLike, quantization: Quantization) -> 
     from safetensors.numpy import load_file
 
     tensors: dict[str, np.ndarray] = {}
-    for path in sorted(Path(checkpoint).glob("*.safetensors")):
+    for path in model_files(checkpoint):
         tensors.update(load_file(str(path)))
     for name in [n for n in tensors if n.endswith(".scales")]:
         module = name[: -len(".scales")]

@@ -60,6 +60,8 @@ from kq_host.arena import Arena, write_landed
 from kq_host.bookkeeping import SlotState, Tables
 from kq_host.expert_store import shared_memory_pairs
 
+# Loader threads a manager may run: reads in flight beyond a few dozen add nothing a disk serves faster.
+MAX_QUEUE_DEPTH = 256
 Loader = Callable[[int, int, int], Any]  # (layer, expert, slot) -> payload for the arena, or None
 
 __all__ = ["MAX_BACKOFF_DOUBLINGS", "MAX_BYTE_COUNT", "FailedRead", "LayerReport", "LayerStats", "Loader", "ManagerBase",
@@ -175,9 +177,15 @@ class _DaemonPool:
 
     def __init__(self, workers: int, name: str):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(workers)]
-        for thread in self._threads:
-            thread.start()
+        self._threads = []
+        try:
+            for i in range(workers):
+                self._threads.append(threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True))
+                self._threads[-1].start()
+        except BaseException:  # the threads started stop (a thread that never started is none of them)
+            self._threads.pop()
+            self.shutdown()
+            raise
 
     def submit(self, fn: Callable, *args) -> Future:
         future: Future = Future()
@@ -350,8 +358,15 @@ class ManagerBase:
                                      ("read_budget", 0 if read_budget is None else read_budget, 0)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
                 raise ValueError(f"ResidencyManager: {name} must be an int >= {minimum}, got {value!r}")
+        if queue_depth > MAX_QUEUE_DEPTH:
+            raise ValueError(f"ResidencyManager: queue_depth must be at most {MAX_QUEUE_DEPTH} (a loader thread "
+                             f"each), got {queue_depth}")
         if policy not in ("lfu", "lru"):
             raise ValueError(f"ResidencyManager: policy must be 'lfu' or 'lru', got {policy!r}")
+        shape = getattr(arena, "shape", None)
+        if shape is not None and tuple(shape) != (num_layers, num_slots):
+            raise ValueError(f"ResidencyManager: the arena holds {shape[0]} layers of {shape[1]} slots; the manager "
+                             f"has {num_layers} layers of {num_slots} slots")
         if not 0.0 <= keep_mass <= 1.0:
             raise ValueError(f"ResidencyManager: keep_mass must be in [0, 1], got {keep_mass}")
         self.num_layers, self.num_experts, self.num_slots = num_layers, num_experts, num_slots
@@ -426,7 +441,7 @@ class ManagerBase:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
-                self._landed.wait(remaining)
+                self._landed.wait(None if remaining is None else min(remaining, threading.TIMEOUT_MAX))
 
     def drain(self, timeout: float | None = None) -> list[PendingRead]:
         """Waits up to ``timeout`` seconds (None: no limit) for the reads in flight and publishes those done.

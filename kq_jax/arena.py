@@ -19,7 +19,7 @@ from jax import lax
 
 from kq_core.contract import TopkRouteShedResult
 from kq_core.reports import REPORT_FIELDS
-from kq_host.arena import check_payload, checked_payloads
+from kq_host.arena import check_payload, checked_payloads, stacked_shape
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -60,6 +60,10 @@ class JaxArena:
 
     def _host(self, value) -> np.ndarray:
         return np.array(value, copy=True) if self._copy_payloads else np.asarray(value)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return stacked_shape(self.arrays)
 
     @property
     def slot_layout(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:

@@ -589,7 +589,16 @@ class SwitchGLUArena:
     """The residency manager's arena adapter for :func:`attach_arena`'s layers (one per MoE layer)."""
 
     def __init__(self, blocks: list[ArenaLayer]):
+        slots = {block.num_slots for block in blocks}
+        if len(slots) > 1:
+            raise ValueError(f"SwitchGLUArena: the blocks hold {sorted(slots)} slots; one manager fills them all, "
+                             f"so they hold one number of slots")
         self.blocks = blocks
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(layers, slots)``: the blocks, and the slots each holds."""
+        return len(self.blocks), self.blocks[0].num_slots if self.blocks else 0
 
     def write_slot(self, layer: int, slot: int, payload: dict[str, np.ndarray]) -> None:
         """One expert into ``[layer, slot]`` (keys and shapes of :meth:`ArenaSwitch.slot_layout`); float
@@ -884,12 +893,17 @@ def _checked_read_retries(function: str, read_retries) -> int:
     return int(read_retries)
 
 
-def _check_cache(function: str, cache) -> None:
-    """ValueError naming ``cache`` where it is not a model's cache: a non-empty list of per-layer caches."""
-    if (not isinstance(cache, (list, tuple)) or not cache
+def _check_cache(function: str, cache, model: nn.Module) -> None:
+    """ValueError naming ``cache`` where it is not ``model``'s cache: a list of one cache a layer."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    layers = len(make_prompt_cache(model))
+    if (not isinstance(cache, (list, tuple)) or len(cache) != layers
             or not all(hasattr(layer_cache, "state") for layer_cache in cache)):
-        raise ValueError(f"{function}: cache must be the model's cache, a list of one cache a layer "
-                         f"(mlx_lm.models.cache.make_prompt_cache(model)), got {cache!r:.80}")
+        wrong_length = isinstance(cache, (list, tuple)) and len(cache) != layers
+        got = f"{len(cache)} caches" if wrong_length else f"{cache!r:.80}"
+        raise ValueError(f"{function}: cache must be the model's cache, a list of one cache a layer ({layers} "
+                         f"layers: mlx_lm.models.cache.make_prompt_cache(model)), got {got}")
 
 
 def _vocabulary_size(model: nn.Module) -> int | None:
@@ -1232,7 +1246,7 @@ def prefill(model: nn.Module, blocks: list[ArenaLayer], manager, prompt, cache, 
     if isinstance(step_size, bool) or not isinstance(step_size, (int, np.integer)) or step_size < 1:
         raise ValueError(f"prefill: step_size must be an int >= 1, got {step_size!r}")
     tokens = _token_ids("prefill", prompt, _vocabulary_size(model))
-    _check_cache("prefill", cache)
+    _check_cache("prefill", cache, model)
     _check_manager_shape("prefill", manager, blocks)
     with _layer_by_layer(blocks, manager, timeout=timeout, read_retries=read_retries):
         for start in range(0, len(tokens), step_size):
@@ -1361,14 +1375,17 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
         raise ValueError(f"generate_greedy: max_tokens must be an int >= 1, got {max_tokens!r}")
     deadline_of("generate_greedy", timeout)  # the manager's own check of a timeout
     read_retries = _checked_read_retries("generate_greedy", read_retries)
+    if isinstance(stop_tokens, Iterable) and not isinstance(stop_tokens, (str, bytes)):
+        stop_tokens = tuple(stop_tokens)  # an iterator read once, here
     if (isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, Iterable)
             or not all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in stop_tokens)):
         raise ValueError(f"generate_greedy: stop_tokens must be a collection of token ids (ints), got "
                          f"{stop_tokens!r:.80}")
     stop_tokens = frozenset(int(t) for t in stop_tokens)
+    _check_manager_shape("generate_greedy", manager, blocks)
     if cache is None:
         cache = make_prompt_cache(model)
-    _check_cache("generate_greedy", cache)
+    _check_cache("generate_greedy", cache, model)
     if exact and not _CacheCheckpoint(cache).restorable():
         raise ValueError("generate_greedy: exact=True runs a token again, which needs caches that can be put "
                          "back (trimmable KV caches or arrays caches); this model's cannot")

@@ -190,6 +190,7 @@ def test_jax_and_mlx_arenas_check_payloads_too():
 @pytest.mark.parametrize("kwargs, argument", [
     (dict(num_layers=0), "num_layers"), (dict(num_slots=-1), "num_slots"), (dict(num_experts=0), "num_experts"),
     (dict(read_budget=-1), "read_budget"), (dict(queue_depth=-2), "queue_depth"),
+    (dict(queue_depth=1_000_000), "queue_depth must be at most 256"),
     (dict(pinned={0: [9]}), "pinned"), (dict(pinned={3: [1]}), "pinned"), (dict(decay_interval=-1), "decay_interval"),
     (dict(impl="cython"), "impl"),
 ])
@@ -198,6 +199,39 @@ def test_manager_arguments_are_checked(kwargs, argument):
     with pytest.raises(ValueError, match=argument):
         ResidencyManager(args.pop("num_layers"), args.pop("num_experts"), args.pop("num_slots"),
                          loader=lambda *a: 0, **args)
+
+
+@pytest.mark.parametrize("module, name", [("kq_host.arena", "NumpyArena"), ("kq_jax.arena", "JaxArena"),
+                                          ("kq_mlx.arena", "MlxArena")])
+def test_a_manager_of_another_shape_than_its_arena_is_refused(module, name):
+    """A manager maps experts to slots of its own count: over an arena of other slots or layers, a slot past
+    the arena's was written nowhere (MLX) or a negative one into the last, and its tokens were wrong."""
+    arena = getattr(pytest.importorskip(module), name)(2, 3, SHAPES)
+    assert arena.shape == (2, 3)
+    for layers, slots in ((2, 4), (2, 2), (3, 3), (1, 3)):
+        with pytest.raises(ValueError, match=rf"ResidencyManager: the arena holds 2 layers of 3 slots; the manager "
+                                             rf"has {layers} layers of {slots} slots"):
+            ResidencyManager(layers, 8, slots, loader=lambda *a: payload(1.0), arena=arena, queue_depth=0)
+    ResidencyManager(2, 8, 3, loader=lambda *a: payload(1.0), arena=arena, queue_depth=0).close()
+
+
+def test_a_pool_that_cannot_start_its_threads_stops_those_it_started(monkeypatch):
+    """The threads a manager's loader pool started before one failed to start are stopped, not left behind."""
+    start, started = threading.Thread.start, []
+
+    def start_three(thread):
+        if len(started) == 3:
+            raise RuntimeError("can't start new thread")
+        started.append(thread)
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start_three)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        ResidencyManager(1, 8, 2, loader=lambda *a: 0, queue_depth=8)
+    monkeypatch.undo()
+    for thread in started:
+        thread.join(timeout=5)
+    assert len(started) == 3 and not any(thread.is_alive() for thread in started)
 
 
 @pytest.mark.parametrize("layer, experts, argument", [(0, [-2], "experts"), (0, [8], "experts"), (1, [0], "layer")])

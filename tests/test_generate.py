@@ -178,10 +178,25 @@ def test_bad_arguments_are_refused_by_name(tmp_path, capsys):
     (unknown / "config.json").write_text(json.dumps({"model_type": "no_such_family"}))
     shutil.copy(STDLIB / "model.safetensors", unknown / "model.safetensors")
     dense = write_dense_llama(tmp_path / "dense")
+    not_an_object = tmp_path / "not-an-object"
+    shutil.copytree(STDLIB, not_an_object)
+    (not_an_object / "config.json").write_text("null")
+    no_tokenizer = tmp_path / "no-tokenizer"
+    no_tokenizer.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(STDLIB / name, no_tokenizer / name)
+    mxfp4 = tmp_path / "mxfp4"
+    shutil.copytree(STDLIB, mxfp4)
+    settings = json.loads((STDLIB / "config.json").read_text())
+    (mxfp4 / "config.json").write_text(json.dumps({**settings, "quantization_config": {"quant_method": "mxfp4"}}))
     cases = [
         (dict(model=tmp_path / "missing"), r"--model: .*missing is not a directory"),
         (dict(model=empty), r"--model: .*empty has no config.json: not an mlx-lm model directory"),
-        (dict(model=tmp_path / "no-weights"), r"--model: .*no-weights holds no .safetensors file"),
+        (dict(model=tmp_path / "no-weights"), r"--model: .*no-weights holds no model\*.safetensors file"),
+        (dict(model=not_an_object), r"--model: .*config.json holds NoneType, not a JSON object"),
+        (dict(model=no_tokenizer), r"--model: its tokenizer has no vocabulary"),
+        (dict(model=mxfp4, rule="tier"), r"--rule: tier: .*quantization_config \('mxfp4'\)"),
+        (dict(queue_depth=1_000_000), r"--queue-depth: must be an int in \[0, 256\]"),
         (dict(model=unknown), r"--model: mlx-lm cannot load .*unknown"),
         (dict(model=dense), r"--model: .*dense is not an MoE model"),
         (dict(residency=0.0), r"--residency: must be a fraction in \(0, 1\]"),
@@ -205,6 +220,52 @@ def test_bad_arguments_are_refused_by_name(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--model", str(STDLIB), "--prompt", "x", "--max-tokens", "0"])
     assert "--max-tokens: must be at least 1" in capsys.readouterr().err
+    for where in (tmp_path, tmp_path / "missing" / "figures.json"):  # refused before anything runs
+        with pytest.raises(SystemExit) as exit_code:
+            main(["generate", "--model", str(STDLIB), "--prompt", "x", "--json", str(where)])
+        assert exit_code.value.code == 2 and "--json" in capsys.readouterr().err
+
+
+def test_a_failed_read_ends_kq_generate_with_its_message_and_no_traceback(monkeypatch, capsys):
+    import kq.generate
+    from kq_host.residency import PreloadError
+
+    def failing(config, on_text=None):
+        raise PreloadError("acquire: layer 0: the reads of experts [3] still out after 0.5 s", [], [])
+
+    monkeypatch.setattr(kq.generate, "generate", failing)
+    assert main(["generate", "--model", str(STDLIB), "--prompt", "x", "--timeout", "0.5"]) == 1
+    assert "kq generate: reading experts failed (--timeout 0.5): acquire: layer 0" in capsys.readouterr().err
+
+
+def test_figures_of_one_token_and_a_one_token_prompt_are_json(tmp_path, capsys):
+    """One token has no generation rate, and a prompt of one token reads no expert for its floor: null in the
+    JSON (NaN is no JSON), said in words in the summary."""
+    figures = tmp_path / "figures.json"
+    assert main(["generate", "--model", str(STDLIB), "--prompt", "def", "--max-tokens", "1", "--floor",
+                 "--json", str(figures)]) == 0
+    result = json.loads(figures.read_text(), parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
+    assert result["prompt_tokens"] == 1 and result["generation_tps"] is None
+    assert result["read_bandwidth_gbs"] is None and result["floor_s"] == result["resident_prefill_s"] > 0
+    out = capsys.readouterr().out
+    assert "the first alone (no rate" in out and "nothing to read" in out and "nan" not in out
+
+
+def test_only_the_files_mlx_lm_loads_hold_the_experts(tmp_path):
+    """A stray safetensors file beside the model's (zeroed stacked experts of the model's names) is not read:
+    mlx-lm loads model*.safetensors alone, and kq the same files."""
+    from safetensors.numpy import save_file
+
+    shutil.copytree(STDLIB, tmp_path / "model")
+    settings = json.loads((STDLIB / "config.json").read_text())
+    experts, hidden, ffn = settings["num_experts"], settings["hidden_size"], settings["moe_intermediate_size"]
+    save_file({f"model.layers.{layer}.mlp.switch_mlp.{name}.weight": np.zeros(shape, np.float32)
+               for layer in range(settings["num_hidden_layers"])
+               for name, shape in (("gate_proj", (experts, ffn, hidden)), ("up_proj", (experts, ffn, hidden)),
+                                   ("down_proj", (experts, hidden, ffn)))},
+              str(tmp_path / "model" / "zz_stacked_experts.safetensors"))
+    result = generate(GenerateConfig(tmp_path / "model", PROMPT, max_tokens=6, residency=1.0))
+    assert result.tokens == mlx_lm_tokens(tmp_path / "model", PROMPT, 6)
 
 
 def test_expert_tensor_names_take_the_stacked_or_the_per_expert_layout():

@@ -68,6 +68,19 @@ def test_acquire_applies_its_timeout_once():
         manager.close()
 
 
+def test_a_timeout_longer_than_a_lock_can_wait_waits_as_none():
+    """A finite timeout past ``threading.TIMEOUT_MAX`` (1e10 s) waits for the read as no limit does (a wait of
+    that length raised OverflowError from the lock)."""
+    gate = threading.Event()
+    manager = ResidencyManager(1, 8, 4, loader=gated_loader({(0, 3): gate}), queue_depth=2, impl="numpy")
+    try:
+        threading.Timer(0.2, gate.set).start()
+        assert manager.acquire(0, *routed(3), timeout=1e10)[3] >= 0
+    finally:
+        gate.set()
+        manager.close()
+
+
 @pytest.mark.parametrize("call", ["acquire", "preload"])
 def test_a_timeout_holds_with_inline_loads(call):
     """``queue_depth=0`` runs loads on the caller's thread; given a timeout, the load runs where the wait can

@@ -476,8 +476,10 @@ def test_attach_exact_refuses_a_manager_of_another_shape():
 
     model = evaluated(qwen3_model, seed=1)
     blocks = attach_arena(model, num_slots=4)
-    with pytest.raises(ValueError, match="attach_exact"):
-        attach_exact(model, blocks, _manager_over(blocks, 8, queue_depth=0))
+    with pytest.raises(ValueError, match="attach_exact: the manager has 2 layers of 8 slots"):
+        attach_exact(model, blocks, ResidencyManager(LAYERS, EXPERTS, 8, loader=lambda *a: 1, queue_depth=0))
+    with pytest.raises(ValueError, match="ResidencyManager: the arena holds 2 layers of 4 slots"):  # over the arenas
+        _manager_over(blocks, 8, queue_depth=0)
 
 
 def test_set_tables_sends_only_the_rows_that_changed():
@@ -991,9 +993,26 @@ def test_generate_greedy_and_prefill_name_each_bad_argument():
     for cache in (None, [None], "cache", 3):
         with pytest.raises(ValueError, match=r"prefill: cache must be the model's cache"):
             prefill(model, blocks, manager, [2, 7], cache)
-    for cache in ([None], "cache", 3):
+    for cache in ([None], "cache", 3, make_prompt_cache(model)[:1]):  # the last: one cache for two layers
         with pytest.raises(ValueError, match=r"generate_greedy: cache must be the model's cache"):
             generate_greedy(model, blocks, manager, [2, 7], 2, cache=cache)
+    with pytest.raises(ValueError, match=r"prefill: cache must be the model's cache, a list of one cache a layer "
+                                         r"\(2 layers"):
+        prefill(model, blocks, manager, [2, 7], make_prompt_cache(model)[:1])
+    # stop tokens given as an iterator: read once, kept (the checks once consumed it, and no token stopped)
+    assert generate_greedy(model, blocks, manager, [2, 7, 1, 8], 3, exact=True,
+                           stop_tokens=iter([want[0]])) == want[:1]
+    assert generate_greedy(model, blocks, manager, [2, 7, 1, 8], 3, exact=True,
+                           stop_tokens=(token for token in [want[0]])) == want[:1]
+    # a manager of other slots than the arenas' is refused however the loop starts (its slots past the
+    # arenas' were written nowhere and their tokens were wrong)
+    other = ResidencyManager(LAYERS, EXPERTS, 12, loader=lambda l, e, s: blocks[l].expert_weights(e), queue_depth=0)
+    for exact, prefill_prompt in ((False, None), (True, False), (True, True)):
+        with pytest.raises(ValueError, match=r"generate_greedy: the manager has 2 layers of 12 slots; the model 2 "
+                                             r"blocks of \[6\]"):
+            generate_greedy(model, blocks, other, [2, 7, 1, 8], 2, exact=exact, prefill_prompt=prefill_prompt)
+    assert other.stats()[1].lookups == 0
+    other.close()
     manager.close()
 
 
