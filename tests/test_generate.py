@@ -226,6 +226,25 @@ def test_bad_arguments_are_refused_by_name(tmp_path, capsys):
         assert exit_code.value.code == 2 and "--json" in capsys.readouterr().err
 
 
+def test_a_directory_that_cannot_be_read_is_refused_by_name(monkeypatch):
+    """A directory this process may not read (``Path.is_file`` raises PermissionError there; a test run as
+    root reads every directory, so the refusal is stood in for) is named, not a traceback."""
+    def refused(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(Path, "is_file", refused)
+    with pytest.raises(GenerateError, match=r"--model: .*stdlib-moe: unreadable \(PermissionError"):
+        generate(GenerateConfig(STDLIB, PROMPT, max_tokens=2))
+
+
+def test_max_tokens_may_be_a_numpy_int():
+    from kq.generate import check_config
+
+    assert check_config(GenerateConfig(STDLIB, PROMPT, max_tokens=np.int64(2))) == STDLIB
+    with pytest.raises(GenerateError, match="--max-tokens"):
+        check_config(GenerateConfig(STDLIB, PROMPT, max_tokens=np.float32(2)))
+
+
 def test_a_failed_read_ends_kq_generate_with_its_message_and_no_traceback(monkeypatch, capsys):
     import kq.generate
     from kq_host.residency import PreloadError
