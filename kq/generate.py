@@ -93,13 +93,13 @@ class GenerateResult:
     generation_s: float
     prompt_tps: float
     generation_tps: float
-    hit_rate: float  # routed entries of the generated tokens found resident (the prompt's excluded)
+    hit_rate: float  # routed entries of the generated tokens found resident (the prompt's excluded; NaN: one token)
     prompt_reads: int  # experts read from the start to the first token
     prompt_routed_pairs: int  # distinct (layer, expert) pairs the prompt's prefill routed
     prefill_reads: int  # experts read by the prefill (the prompt but its last token)
     prompt_read_mib: float
     generation_reads: int
-    mib_read_per_token: float  # generated tokens only
+    mib_read_per_token: float  # generated tokens only (NaN: one token)
     expert_mib: float  # one expert, as stored
     experts_mib: float  # every expert of the model, as stored
     arena_mib: float
@@ -360,6 +360,10 @@ def generate(config: GenerateConfig, on_text: Callable[[str], None] | None = Non
             raise _fail("--model", str(error)) from None
     model, tokenizer = _load(model_dir)
     num_experts = _expert_count(model, model_dir)
+    top_k = settings.get("num_experts_per_tok")  # the key of every family mlx-lm names a routing width for
+    if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > num_experts:
+        raise _fail("--model", f"{model_dir / 'config.json'}: num_experts_per_tok {top_k} routes more experts than "
+                               f"the {num_experts} of a layer")
     slots = min(num_experts, max(1, round(config.residency * num_experts)))
     blocks = attach_arena(model, slots, keep_experts=False)
     if config.float32 or (mx.default_device() == mx.cpu and not quantized):
@@ -440,11 +444,13 @@ def generate(config: GenerateConfig, on_text: Callable[[str], None] | None = Non
             time_to_first_token_s=first_token_at - clock, generation_s=ended - first_token_at,
             prompt_tps=len(prompt) / (first_token_at - clock),
             generation_tps=(len(tokens) - 1) / (ended - first_token_at) if len(tokens) > 1 else float("nan"),
-            hit_rate=generated.hit_rate, prompt_reads=first.reads_landed, prompt_routed_pairs=routed_pairs,
+            hit_rate=generated.hit_rate if generated.lookups else math.nan,  # one token: none generated after it
+            prompt_reads=first.reads_landed, prompt_routed_pairs=routed_pairs,
             prefill_reads=prefill_reads,
             prompt_read_mib=first.reads_landed * expert_bytes / 2**20,
             generation_reads=generated.reads_landed,
-            mib_read_per_token=generated.reads_landed * expert_bytes / 2**20 / max(len(tokens) - 1, 1),
+            mib_read_per_token=(generated.reads_landed * expert_bytes / 2**20 / (len(tokens) - 1) if len(tokens) > 1
+                                else math.nan),
             expert_mib=expert_bytes / 2**20, experts_mib=len(blocks) * num_experts * expert_bytes / 2**20,
             arena_mib=arena_bytes / 2**20, tier_mib=tier_bytes / 2**20,
             other_weights_mib=(all_bytes - arena_bytes - tier_bytes) / 2**20, peak_rss_mib=_peak_rss_mib(),

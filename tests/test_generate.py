@@ -185,6 +185,10 @@ def test_bad_arguments_are_refused_by_name(tmp_path, capsys):
     no_tokenizer.mkdir()
     for name in ("config.json", "model.safetensors"):
         shutil.copy(STDLIB / name, no_tokenizer / name)
+    too_wide = tmp_path / "too-wide"
+    shutil.copytree(STDLIB, too_wide)
+    settings = json.loads((STDLIB / "config.json").read_text())
+    (too_wide / "config.json").write_text(json.dumps({**settings, "num_experts_per_tok": 80}))
     mxfp4 = tmp_path / "mxfp4"
     shutil.copytree(STDLIB, mxfp4)
     settings = json.loads((STDLIB / "config.json").read_text())
@@ -196,6 +200,7 @@ def test_bad_arguments_are_refused_by_name(tmp_path, capsys):
         (dict(model=not_an_object), r"--model: .*config.json holds NoneType, not a JSON object"),
         (dict(model=no_tokenizer), r"--model: its tokenizer has no vocabulary"),
         (dict(model=mxfp4, rule="tier"), r"--rule: tier: .*quantization_config \('mxfp4'\)"),
+        (dict(model=too_wide), r"--model: .*num_experts_per_tok 80 routes more experts than the 64 of a layer"),
         (dict(queue_depth=1_000_000), r"--queue-depth: must be an int in \[0, 256\]"),
         (dict(model=unknown), r"--model: mlx-lm cannot load .*unknown"),
         (dict(model=dense), r"--model: .*dense is not an MoE model"),
@@ -265,6 +270,7 @@ def test_figures_of_one_token_and_a_one_token_prompt_are_json(tmp_path, capsys):
                  "--json", str(figures)]) == 0
     result = json.loads(figures.read_text(), parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
     assert result["prompt_tokens"] == 1 and result["generation_tps"] is None
+    assert result["hit_rate"] is None and result["mib_read_per_token"] is None  # nothing generated after it
     assert result["read_bandwidth_gbs"] is None and result["floor_s"] == result["resident_prefill_s"] > 0
     out = capsys.readouterr().out
     assert "the first alone (no rate" in out and "nothing to read" in out and "nan" not in out
