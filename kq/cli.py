@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -480,7 +481,11 @@ def main(argv: list[str] | None = None) -> int:
                               help="print no progress on stderr (a bar on a terminal; elsewhere a line now and then)")
     study_parser.set_defaults(func=lambda args: _study(args, study_parser))
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # the reader went (`kq generate ... | head`): stop quietly, as a pipe's writer does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush goes nowhere
+        return 1
 
 
 if __name__ == "__main__":

@@ -250,6 +250,13 @@ def test_max_tokens_may_be_a_numpy_int():
         check_config(GenerateConfig(STDLIB, PROMPT, max_tokens=np.float32(2)))
 
 
+def test_a_reader_that_goes_ends_kq_generate_quietly():
+    """``kq generate ... | head -c 5``: the pipe closes under the streamed text; no traceback follows."""
+    run = subprocess.run(f"{sys.executable} -m kq generate --model {STDLIB} --prompt 'def f' --max-tokens 16 "
+                         f"| head -c 5", shell=True, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert len(run.stdout) == 5 and "Traceback" not in run.stderr and "BrokenPipeError" not in run.stderr
+
+
 def test_a_failed_read_ends_kq_generate_with_its_message_and_no_traceback(monkeypatch, capsys):
     import kq.generate
     from kq_host.residency import PreloadError
