@@ -244,7 +244,8 @@ def _generate(args, parser) -> int:
     except GenerateError as error:
         parser.error(str(error))
     except PreloadError as error:  # the disk, not an argument: no usage line
-        print(f"\nkq generate: reading experts failed (--timeout {args.timeout}): {error}", file=sys.stderr)
+        waited = f" (--timeout {args.timeout} s)" if args.timeout is not None else ""
+        print(f"\nkq generate: reading experts failed{waited}: {error}", file=sys.stderr)
         return 1
     print()
     print(format_summary(result))
@@ -418,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
                                  help="--rule tier: the quantization's group size (default 32)")
     generate_parser.add_argument("--tier-model", type=Path, default=None,
                                  help="--rule tier: read the tier from this lower-bit mlx-lm conversion of the model")
-    generate_parser.add_argument("--queue-depth", type=_count(0), default=8, help="reads in flight (default 8)")
+    generate_parser.add_argument("--queue-depth", type=_count(0), default=8, help="reads in flight, at most 256 (default 8)")
     generate_parser.add_argument("--timeout", type=float, default=None,
                                  help="seconds a wait for reads may take before the run fails (default: no limit)")
     generate_parser.add_argument("--float32", action="store_true",

@@ -42,7 +42,7 @@ class GenerateConfig:
     """What :func:`generate` runs.
 
     Attributes:
-        model: an mlx-lm model directory (``config.json``, ``*.safetensors``, the tokenizer), float or quantized.
+        model: an mlx-lm model directory (``config.json``, ``model*.safetensors``, the tokenizer), float or quantized.
         prompt: the text to continue.
         max_tokens: tokens to generate (fewer if the model ends the sequence).
         residency: the fraction of each MoE layer's experts the arena holds, in ``(0, 1]``.
@@ -145,6 +145,8 @@ def check_config(config: GenerateConfig) -> Path:
         if not model_files(model):
             raise _fail("--model", f"{model} holds no {MODEL_FILES} file (the weights files mlx-lm loads)")
         settings = json.loads((model / "config.json").read_text())
+    except json.JSONDecodeError as error:
+        raise _fail("--model", f"{model / 'config.json'} is not JSON ({error})") from None
     except (OSError, ValueError) as error:
         if isinstance(error, GenerateError):
             raise
@@ -336,8 +338,10 @@ def generate(config: GenerateConfig, on_text: Callable[[str], None] | None = Non
     import contextlib
 
     import mlx.core as mx
+    import mlx.nn as nn
     from mlx.utils import tree_flatten
     from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
     from kq_host.expert_store import ExpertStore, ExpertStoreError
     from kq_host.checkpoint import Quantization
@@ -349,9 +353,6 @@ def generate(config: GenerateConfig, on_text: Callable[[str], None] | None = Non
     started = time.perf_counter()
     stages = {}
     settings = json.loads((model_dir / "config.json").read_text())
-    # mlx-lm quantizes a model of a "quantization_config" (gpt-oss's mxfp4) on loading, as it reads one of a
-    # "quantization": neither is run in float32 on the CPU below
-    quantized = "quantization" in settings or "quantization_config" in settings
     quantization = None
     if "quantization" in settings and config.rule == "tier":  # the tier is built from the experts dequantized
         try:
@@ -359,6 +360,9 @@ def generate(config: GenerateConfig, on_text: Callable[[str], None] | None = Non
         except ExpertStoreError as error:
             raise _fail("--model", str(error)) from None
     model, tokenizer = _load(model_dir)
+    # quantized as loaded: mlx-lm quantizes some "quantization_config" models (gpt-oss's mxfp4) on loading
+    # and dequantizes others (fp8) to float
+    quantized = any(isinstance(module, (nn.QuantizedLinear, QuantizedSwitchLinear)) for module in model.modules())
     num_experts = _expert_count(model, model_dir)
     top_k = settings.get("num_experts_per_tok")  # the key of every family mlx-lm names a routing width for
     if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > num_experts:

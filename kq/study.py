@@ -48,7 +48,8 @@ import numpy as np
 
 from kq.terminal import progress_bar, render_table
 from kq_core.contract import MAX_TOP_K
-from kq_host.checkpoint import CHECKPOINT_LAYOUTS, EXPERT_WIDTH_KEYS, CheckpointError, read_config, trained_length
+from kq_host.checkpoint import (CHECKPOINT_LAYOUTS, EXPERT_WIDTH_KEYS, MODEL_FILES, CheckpointError, model_files,
+                                 read_config, trained_length)
 
 RULES = ("route_shed", "shed", "renormalize", "substitute", "tier", "stall", "reroute", "prior", "uniform")
 JAX_ONLY_RULES = ("reroute", "prior", "uniform")
@@ -214,9 +215,9 @@ def _check_weights_files(directory: Path) -> None:
     one whose header cannot be read (truncated, corrupt)."""
     from safetensors import safe_open
 
-    files = sorted(directory.glob("*.safetensors"))
+    files = model_files(directory)
     if not files:
-        raise ValueError(f"--checkpoint: {directory} holds no *.safetensors weights file")
+        raise ValueError(f"--checkpoint: {directory} holds no {MODEL_FILES} weights file")
     for path in files:
         try:
             with safe_open(str(path), "numpy"):  # checks the header against the file's size

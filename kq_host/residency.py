@@ -160,6 +160,14 @@ def deadline_of(method: str, timeout) -> float | None:
     return None if math.isinf(timeout) else time.monotonic() + float(timeout)
 
 
+def _lock_timeout(deadline: float | None) -> float:
+    """A lock's or condition's wait until ``deadline`` (:func:`deadline_of`): -1 (no limit) for None, at most
+    ``threading.TIMEOUT_MAX`` (a longer one raises OverflowError there), never below 0."""
+    if deadline is None:
+        return -1
+    return min(max(0.0, deadline - time.monotonic()), threading.TIMEOUT_MAX)
+
+
 def describe_error(error: BaseException) -> str:
     """``str(error)``, or a stand-in when the exception's own ``__str__`` raises."""
     try:
@@ -177,13 +185,13 @@ class _DaemonPool:
 
     def __init__(self, workers: int, name: str):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = []
+        self._threads: list[threading.Thread] = []  # those started
         try:
             for i in range(workers):
-                self._threads.append(threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True))
-                self._threads[-1].start()
-        except BaseException:  # the threads started stop (a thread that never started is none of them)
-            self._threads.pop()
+                thread = threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
+        except BaseException:  # the threads started stop
             self.shutdown()
             raise
 
@@ -438,10 +446,9 @@ class ManagerBase:
                                         f"waited for reads (close ran on another thread); its reads stay pending")
                 if ready():
                     return True
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
+                if deadline is not None and deadline <= time.monotonic():
                     return False
-                self._landed.wait(None if remaining is None else min(remaining, threading.TIMEOUT_MAX))
+                self._landed.wait(None if deadline is None else _lock_timeout(deadline))
 
     def drain(self, timeout: float | None = None) -> list[PendingRead]:
         """Waits up to ``timeout`` seconds (None: no limit) for the reads in flight and publishes those done.
@@ -488,8 +495,7 @@ class ManagerBase:
             self._landed.notify_all()  # a wait of another thread ends with ManagerClosed
         if closed_before:
             return self.pending()
-        remaining = -1 if deadline is None else max(0.0, deadline - time.monotonic())
-        entered = self._busy.acquire(timeout=remaining)
+        entered = self._busy.acquire(timeout=_lock_timeout(deadline))
         try:
             if entered:
                 self._wait("close", self._all_landed, deadline, interruptible=False)
@@ -564,7 +570,8 @@ class ResidencyManager(ManagerBase):
         keep_mass: the shed-mass budget; a layer whose shed mass in a token
             exceeds ``1 - keep_mass`` of its routed mass is counted in ``over_budget``.
         read_budget: reads submitted per token, over all layers (None: no limit).
-        queue_depth: concurrent loader threads; 0 runs loads inline (deterministic tests).
+        queue_depth: concurrent loader threads, at most :data:`MAX_QUEUE_DEPTH`; 0 runs loads inline
+            (deterministic tests).
         bytes_per_expert: added to ``bytes_read`` per landed read when the loader
             returns no byte count (an int return value is taken as bytes read).
         impl: who keeps the tables: ``"numpy"`` (array operations), ``"numba"`` (the
@@ -870,8 +877,8 @@ class ResidencyManager(ManagerBase):
             layer: the layer; indices: int ``[T, K]`` its routed ids; scores: ``[T, K]`` their scores.
             timeout: seconds this call may wait for reads, in all (None: no limit).
             credit: count the routing (lookups, hits, misses, masses, LFU popularity or LRU recency).
-                ``False`` for a routing already credited: reading a failed miss again, or the experts
-                of a pass that runs again, counts the layer's routing once.
+                ``False`` for a routing already credited: reading a failed miss again counts the layer's
+                routing once.
 
         Returns:
             ``int32 [E]``: the layer's table, every routed expert in it.

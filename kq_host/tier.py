@@ -564,7 +564,7 @@ def tier_from_checkpoint(directory: str | os.PathLike, store, num_layers: int, n
         ExpertStoreError: ``directory`` holds no readable ``config.json`` or safetensors file.
     """
     from kq_host.expert_store import read_safetensors_header
-    from kq_host.checkpoint import Quantization
+    from kq_host.checkpoint import MODEL_FILES, Quantization, model_files
 
     directory = Path(directory)
     for name, value in (("num_layers", num_layers), ("num_experts", num_experts)):
@@ -581,9 +581,9 @@ def tier_from_checkpoint(directory: str | os.PathLike, store, num_layers: int, n
     if quantization is None:
         raise TierOptionError(f"tier_from_checkpoint: {config} has no \"quantization\": {directory} is not a "
                               f"quantized conversion")
-    files = sorted(directory.glob("*.safetensors"))
+    files = model_files(directory)
     if not files:
-        raise ExpertStoreError(f"tier_from_checkpoint: {directory} holds no .safetensors file")
+        raise ExpertStoreError(f"tier_from_checkpoint: {directory} holds no {MODEL_FILES} file")
     entries = {name: entry for path in files for name, entry in read_safetensors_header(path).items()}
     layers = _stacked_modules(entries, tuple(shapes), directory)
     if len(layers) != num_layers:

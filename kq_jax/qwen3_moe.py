@@ -167,15 +167,15 @@ def load_params(directory: str | Path, cfg: Qwen3MoeConfig, *, experts: bool = T
             (the message names the file and the tensor), or ``cfg`` unties the output projection from
             the embedding (this model reads it from the embedding).
     """
-    from kq_host.checkpoint import Quantization, dense_tensors
+    from kq_host.checkpoint import MODEL_FILES, Quantization, dense_tensors, model_files
 
     directory = Path(directory)
     if not cfg.tie_word_embeddings:
         raise CheckpointError(f"{directory / 'config.json'}: tie_word_embeddings false; this JAX model reads its "
                               f"output projection from the embedding")
-    files = sorted(directory.glob("*.safetensors"))
+    files = model_files(directory)
     if not files:
-        raise CheckpointError(f"{directory}: holds no *.safetensors weights file")
+        raise CheckpointError(f"{directory}: holds no {MODEL_FILES} weights file")
     sources = _tensor_files(files)
     quantization = Quantization.of(directory)
     try:

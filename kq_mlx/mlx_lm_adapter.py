@@ -153,7 +153,7 @@ class ArenaLayer(nn.Module):
         self._rule = self.RULES[0]
         self.tier = None  # a copy of the arena holding every expert at low precision (attach_tier)
         self.manager, self.layer, self.timeout = None, None, None  # rule "exact" (attach_exact)
-        self.read_retries = 0  # rule "exact": times a failed read is read again before the error (prefill)
+        self.read_retries = 0  # rule "exact": times a failed read is read again before the error
         self.last = None
         self.last_mix = None
         self.compiled = True
@@ -1366,7 +1366,8 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
             ``timeout``, ``read_retries``, ``stop_tokens`` or ``cache``, or ``exact`` with a cache that cannot be
             put back.
         PreloadError: with ``exact``, a read failed ``read_retries`` more times, or reads were out past
-            ``timeout`` (``.failed`` and ``.pending`` list them).
+            ``timeout`` (``.failed`` and ``.pending`` list them). The cache is then as before the pass that
+            failed; the layers that pass acquired before the failure keep their credits.
     """
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -1470,7 +1471,7 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
             if missed and following is not None:
                 # The token built on this one goes, its entries in the caches (there still once the caches are
                 # cut back) computed first: left lazy, they kept its graph and the arenas' arrays it read, and
-                # every slot write of the boundary and of the run again copied its array whole.
+                # every slot write of the run again copied its array whole.
                 mx.eval(outputs(following))
                 following = None
             if following is not None and not missed and not early:

@@ -215,23 +215,33 @@ def test_a_manager_of_another_shape_than_its_arena_is_refused(module, name):
     ResidencyManager(2, 8, 3, loader=lambda *a: payload(1.0), arena=arena, queue_depth=0).close()
 
 
-def test_a_pool_that_cannot_start_its_threads_stops_those_it_started(monkeypatch):
-    """The threads a manager's loader pool started before one failed to start are stopped, not left behind."""
-    start, started = threading.Thread.start, []
+@pytest.mark.parametrize("fails", ["start", "construction"])
+@pytest.mark.parametrize("after", [0, 3])
+def test_a_pool_that_cannot_start_its_threads_stops_those_it_started(monkeypatch, fails, after):
+    """The threads a manager's loader pool started before one failed to start (or to be made) are stopped,
+    not left behind, and the error is the one that stopped it."""
+    start, init, started, made = threading.Thread.start, threading.Thread.__init__, [], []
 
-    def start_three(thread):
-        if len(started) == 3:
+    def start_some(thread):
+        if fails == "start" and len(started) == after:
             raise RuntimeError("can't start new thread")
         started.append(thread)
         start(thread)
 
-    monkeypatch.setattr(threading.Thread, "start", start_three)
-    with pytest.raises(RuntimeError, match="can't start new thread"):
+    def make_some(thread, *args, **kwargs):
+        if fails == "construction" and len(made) == after:
+            raise MemoryError("no thread object")
+        made.append(thread)
+        init(thread, *args, **kwargs)
+
+    monkeypatch.setattr(threading.Thread, "start", start_some)
+    monkeypatch.setattr(threading.Thread, "__init__", make_some)
+    with pytest.raises(RuntimeError if fails == "start" else MemoryError):
         ResidencyManager(1, 8, 2, loader=lambda *a: 0, queue_depth=8)
     monkeypatch.undo()
     for thread in started:
         thread.join(timeout=5)
-    assert len(started) == 3 and not any(thread.is_alive() for thread in started)
+    assert len(started) == after and not any(thread.is_alive() for thread in started)
 
 
 @pytest.mark.parametrize("layer, experts, argument", [(0, [-2], "experts"), (0, [8], "experts"), (1, [0], "layer")])

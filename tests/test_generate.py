@@ -123,6 +123,19 @@ def test_a_deepseek_v3_directory_runs_exact_at_a_quarter_and_its_first_layer_is_
     assert result.prompt_reads > 0 and result.arena_mib < result.experts_mib / 3
 
 
+def test_a_quantization_config_that_mlx_lm_loads_as_float_runs_as_float(tmp_path):
+    """Whether a model is quantized is read from the model mlx-lm loads: fp8 checkpoints' quantization_config
+    is dequantized on loading (a bfloat16 model, nothing to dequantize, stands in), so the model runs in
+    float32 on MLX's CPU backend as a float model does (MLX's CPU gather_mm takes float32 only)."""
+    directory = write_deepseek_v3(tmp_path / "bf16", bfloat16=True)
+    want = generate(GenerateConfig(directory, PROMPT, max_tokens=3, residency=0.5))
+    settings = json.loads((directory / "config.json").read_text())
+    settings["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3"}
+    (directory / "config.json").write_text(json.dumps(settings))
+    got = generate(GenerateConfig(directory, PROMPT, max_tokens=3, residency=0.5))
+    assert not got.quantized and got.tokens == want.tokens
+
+
 def test_the_tier_and_shed_rules_run_on_a_quantized_deepseek_v3_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("KQ_CACHE_DIR", str(tmp_path / "cache"))
     directory = write_deepseek_v3(tmp_path / "deepseek-q4", quantized=True)
@@ -138,8 +151,14 @@ def test_the_tier_and_shed_rules_run_on_a_quantized_deepseek_v3_directory(tmp_pa
 
 def test_the_tier_read_from_a_lower_bit_conversion_of_the_model(tmp_path):
     """--tier-model: a 2-bit conversion of the same weights serves the misses of the 4-bit model."""
+    from safetensors.numpy import load_file, save_file
+
     directory = write_deepseek_v3(tmp_path / "q4", quantized=True, bfloat16=True)
     lower = write_deepseek_v3(tmp_path / "q2", quantized=True, bits=2, bfloat16=True)
+    # a file mlx-lm does not load, holding another layer's stacked experts: not read for the tier either
+    stray = load_file(str(lower / "model.safetensors"))
+    save_file({name.replace("layers.1.", "layers.7."): array for name, array in stray.items() if "switch_mlp" in name},
+              str(lower / "zz_stray.safetensors"))
     run = generate(GenerateConfig(directory, PROMPT, max_tokens=6, residency=0.25, rule="tier", tier_model=lower))
     assert len(run.tokens) == 6 and run.hit_rate < 1.0 and all(0 <= t < 4096 for t in run.tokens)
     # the conversion's 2-bit experts: 2 MoE layers x 16 experts x 3 projections of 32 x 64 (scales and biases of
@@ -266,7 +285,7 @@ def test_a_failed_read_ends_kq_generate_with_its_message_and_no_traceback(monkey
 
     monkeypatch.setattr(kq.generate, "generate", failing)
     assert main(["generate", "--model", str(STDLIB), "--prompt", "x", "--timeout", "0.5"]) == 1
-    assert "kq generate: reading experts failed (--timeout 0.5): acquire: layer 0" in capsys.readouterr().err
+    assert "kq generate: reading experts failed (--timeout 0.5 s): acquire: layer 0" in capsys.readouterr().err
 
 
 def test_figures_of_one_token_and_a_one_token_prompt_are_json(tmp_path, capsys):
@@ -363,5 +382,6 @@ def test_the_mlx_decode_jobs_exact_loop_feeds_the_prompt_as_its_reference_does(m
     want = mlx_decode.unmodified_fed(model, prompt, 6)
     got, stamps, counts = mlx_decode._arena_run(STDLIB, False, 0.25, "exact", prompt, 6, mlx_decode.Phases())
     assert prefilled == [] and got == want and len(stamps) == 6
-    # every prompt token missed from a cold arena: run again, or run layer by layer while tokens read
-    assert (counts["reruns_per_token"] + counts["layered_per_token"]) * 6 >= len(prompt)
+    # every prompt token missed from a cold arena: the first graph pass was dropped and run again layer by
+    # layer, and the tokens after it ran layer by layer while they read
+    assert counts["reruns_per_token"] * 6 >= 1 and counts["layered_per_token"] * 6 >= len(prompt)

@@ -73,12 +73,17 @@ def test_a_timeout_longer_than_a_lock_can_wait_waits_as_none():
     that length raised OverflowError from the lock)."""
     gate = threading.Event()
     manager = ResidencyManager(1, 8, 4, loader=gated_loader({(0, 3): gate}), queue_depth=2, impl="numpy")
+    loaders = list(manager._pool._threads)
     try:
         threading.Timer(0.2, gate.set).start()
         assert manager.acquire(0, *routed(3), timeout=1e10)[3] >= 0
+        manager.prefetch(0, *routed(5))
     finally:
         gate.set()
-        manager.close()
+        assert manager.close(timeout=1e10) == []  # close waits for its reads the same way
+    for thread in loaders:
+        thread.join(timeout=5)
+    assert not any(thread.is_alive() for thread in loaders)
 
 
 @pytest.mark.parametrize("call", ["acquire", "preload"])

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from kq.bench.common import run_header, write_json
+from kq_host.checkpoint import model_files
 
 ROOT = Path(__file__).resolve().parents[3]
 TOKENIZER = ROOT / "models" / "stdlib-moe"
@@ -201,8 +202,8 @@ def main() -> int:
             config = json.loads((directory / "config.json").read_text())
             payload["written"] = {"reused": True, "family": config["model_type"],
                                   "layers": config["num_hidden_layers"],
-                                  "bytes": sum(f.stat().st_size for f in directory.glob("*.safetensors"))}
-            for path in directory.glob("*.safetensors"):  # out of the page cache, as when written
+                                  "bytes": sum(f.stat().st_size for f in model_files(directory))}
+            for path in model_files(directory):  # out of the page cache, as when written
                 descriptor = os.open(path, os.O_RDONLY)
                 try:
                     os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)

@@ -23,10 +23,10 @@ engine does, greedily and autoregressively, the next token's input kept on the d
   once; the prompt fed a token a pass; its tokens are checked against the unmodified model fed the same
   way, at every residency.
 
-Each arena row also has the hit rate, the experts read on the critical path (a run again's misses and
-the reads of the layer-by-layer passes), the runs again and the tokens run layer by layer at once per
-token (exact), and the MiB the manager read per token (after the preload), over all ``warmup +
-tokens``.
+Each arena row also has the hit rate, the experts read on the critical path (the reads of the
+layer-by-layer passes, before their layers ran), the runs again (passes dropped for missing) and the
+passes run layer by layer (a run again's and those run so at once) per token (exact), and the MiB the
+manager read per token (after the preload), over all ``warmup + tokens``.
 
 The token taken apart, at 100% only (the slot tables never change, so every expert must be resident):
 
@@ -251,13 +251,11 @@ def fixed_tables_loop(model, blocks, manager, prompt: list[int], steps: int, pha
 
 
 class _Stamped:
-    """A residency manager whose ``step`` notes when each token's boundary began, and which counts the
-    misses read on a token's critical path (a ``drain`` after a step: the exact loop's runs again) and the
-    tokens the exact loop ran layer by layer at once (``next_token``)."""
+    """A residency manager whose ``step`` notes when each token's boundary began, and which counts the passes
+    the exact loop ran layer by layer (``next_token``: a token run again, or run so at once)."""
 
     def __init__(self, manager):
-        self.manager, self.stamps, self.critical, self.reruns, self.layered = manager, [], 0, 0, 0
-        self._missed = 0
+        self.manager, self.stamps, self.layered = manager, [], 0
 
     def next_token(self):
         self.layered += 1
@@ -268,12 +266,7 @@ class _Stamped:
 
     def step(self, reports):
         self.stamps.append(time.perf_counter())
-        self._missed = int((reports.miss_ids >= 0).sum()) if hasattr(reports, "miss_ids") else 0
         return self.manager.step(reports)
-
-    def drain(self, *args, **kwargs):
-        self.critical, self.reruns = self.critical + self._missed, self.reruns + 1
-        return self.manager.drain(*args, **kwargs)
 
 
 def checkpoint_store(checkpoint: Path):
@@ -378,6 +371,7 @@ def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, p
     """One arena loop on a freshly loaded model: its tokens, the time each token arrived (through
     ``generate_greedy``'s ``on_token``; each token's boundary in the loops written out here), and the
     manager's counts."""
+    import kq_mlx.mlx_lm_adapter as adapter
     from kq_mlx.tier import arena_tier
     from kq_mlx.mlx_lm_adapter import attach_arena, attach_tier, generate_greedy
 
@@ -388,7 +382,7 @@ def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, p
     manager = _Stamped(arena_manager(blocks, slots, host_loader(blocks)))
     expert_bytes = manager.bytes_per_expert
     preloaded = manager.stats()[1]
-    stamps = manager.stamps
+    stamps, reruns = manager.stamps, 0
     if mode in FIXED_TABLE_MODES:
         got, stamps = fixed_tables_loop(model, blocks, manager, prompt, steps, phases,
                                     read_reports=mode.endswith("readback"))
@@ -405,18 +399,26 @@ def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, p
             for block in blocks:
                 block.rule = "tier"
         # The exact loop feeds the prompt a token a pass (each pass's misses read on its critical path), as
-        # its reference (unmodified_fed) does, not through prefill in mlx-lm's order.
-        got = generate_greedy(model, blocks, manager, prompt, steps, overlap=mode != "packed", exact=mode == "exact",
-                              prefill_prompt=False if mode == "exact" else None,
-                              on_token=lambda token: stamps.append(time.perf_counter()))
+        # its reference (unmodified_fed) does, not through prefill in mlx-lm's order. Every pass it reads is
+        # kept from the graph (a step), run layer by layer (next_token) or dropped for missing: the last
+        # are the runs again.
+        passes_read, read_token = [0], adapter._read_token
+        adapter._read_token = lambda token: passes_read.__setitem__(0, passes_read[0] + 1) or read_token(token)
+        try:
+            got = generate_greedy(model, blocks, manager, prompt, steps, overlap=mode != "packed",
+                                  exact=mode == "exact", prefill_prompt=False if mode == "exact" else None,
+                                  on_token=lambda token: stamps.append(time.perf_counter()))
+        finally:
+            adapter._read_token = read_token
+        reruns = passes_read[0] - len(manager.stamps) - manager.layered
     manager.close()
     stats = manager.stats()[1].since(preloaded)
-    # Critical reads: the misses a run again waited for, and the experts a layer-by-layer pass read (acquire).
-    critical = manager.critical + int(manager.lookahead_stats()["critical_reads"].sum())
+    # Critical reads: the experts the layer-by-layer passes read before their layers ran (acquire).
+    critical = int(manager.lookahead_stats()["critical_reads"].sum())
     counts = dict(hit_rate=stats.hit_rate, critical_per_token=critical / steps,
                   critical_mib_per_token=critical / steps * expert_bytes / 2**20,
-                  reruns_per_token=manager.reruns / steps, layered_per_token=manager.layered / steps,
-                  mib_per_token=stats.bytes_read / steps / 2**20)
+                  reruns_per_token=reruns / steps,
+                  layered_per_token=manager.layered / steps, mib_per_token=stats.bytes_read / steps / 2**20)
     return got, stamps, counts
 
 
