@@ -6,7 +6,7 @@ The JAX and MLX arenas live with their frameworks (``kq_jax.arena``,
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -40,16 +40,40 @@ def write_landed(arena: Arena, layers: np.ndarray, slots: np.ndarray,
     return errors
 
 
-def checked_payloads(layout, payloads: Sequence[Any]) -> list[BaseException | None]:
-    """:func:`check_payload` over a batch: one :class:`ExpertPayloadError` or None per payload."""
+def check_write(shape: tuple[int, int], layer, slot, payload, layout_of: Callable[[int], Mapping]) -> None:
+    """Raises unless ``[layer, slot]`` is a slot of an arena of ``shape`` (``(layers, slots)``) and ``payload``
+    one expert of the layer's slot layout (``layout_of(layer)``): ValueError naming the index (an int in
+    range: a negative one would write from the end, one past it nowhere), or :class:`ExpertPayloadError`."""
+    for name, value, count in (("layer", layer, shape[0]), ("slot", slot, shape[1])):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not 0 <= value < count:
+            raise ValueError(f"write_slot: {name} must be an int in [0, {count}), got {value!r}")
+    check_payload(payload, layout_of(layer))
+
+
+def checked_writes(shape: tuple[int, int], layers, slots, payloads: Sequence[Any],
+                   layout_of: Callable[[int], Mapping]) -> tuple[list, list, list[BaseException | None]]:
+    """A batch of writes checked as :func:`check_write` checks one: ``(layers, slots, errors)`` as lists, one
+    exception (that write not to be made) or None per write; ``layout_of(layer)`` is the layer's slot layout.
+
+    Raises:
+        ValueError: ``layers`` and ``slots`` are not 1-D integer arrays of one write each, as many as
+            ``payloads`` (nothing is written then).
+    """
+    layers, slots, payloads = np.asarray(layers), np.asarray(slots), list(payloads)
+    if (layers.ndim != 1 or slots.ndim != 1 or not len(layers) == len(slots) == len(payloads)
+            or (len(layers) and not (np.issubdtype(layers.dtype, np.integer)
+                                     and np.issubdtype(slots.dtype, np.integer)))):
+        raise ValueError(f"write_slots: layers and slots must be 1-D integer arrays of one write each, as many as "
+                         f"the payloads; got {layers.dtype} {list(layers.shape)}, {slots.dtype} "
+                         f"{list(slots.shape)} and {len(payloads)} payloads")
     errors: list[BaseException | None] = []
-    for payload in payloads:
+    for layer, slot, payload in zip(layers.tolist(), slots.tolist(), payloads):
         try:
-            check_payload(payload, layout)
+            check_write(shape, layer, slot, payload, layout_of)
             errors.append(None)
-        except ExpertPayloadError as error:
+        except ValueError as error:  # ExpertPayloadError is one
             errors.append(error)
-    return errors
+    return layers.tolist(), slots.tolist(), errors
 
 
 def stacked_shape(arrays: Mapping[str, Any]) -> tuple[int, int]:
@@ -118,8 +142,9 @@ class NumpyArena:
         return stacked_shape(self.arrays)
 
     def write_slot(self, layer: int, slot: int, payload: Mapping[str, np.ndarray]) -> None:
-        """Copies one expert into ``[layer, slot]``; :class:`ExpertPayloadError` (slot untouched) if it is not one."""
-        check_payload(payload, self.slot_layout)
+        """Copies one expert into ``[layer, slot]``; :class:`ExpertPayloadError` (slot untouched) if it is not one,
+        ValueError if ``[layer, slot]`` is not a slot of the arena."""
+        check_write(self.shape, layer, slot, payload, lambda layer: self.slot_layout)
         for name, value in payload.items():
             self.arrays[name][layer, slot] = value
 

@@ -19,7 +19,7 @@ from jax import lax
 
 from kq_core.contract import TopkRouteShedResult
 from kq_core.reports import REPORT_FIELDS
-from kq_host.arena import check_payload, checked_payloads, stacked_shape
+from kq_host.arena import check_write, checked_writes, stacked_shape
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -74,8 +74,9 @@ class JaxArena:
 
         Raises:
             ExpertPayloadError: the payload is not one expert of the arena's layout (nothing written).
+            ValueError: ``[layer, slot]`` is not a slot of the arena (nothing written).
         """
-        check_payload(payload, self.slot_layout)
+        check_write(self.shape, layer, slot, payload, lambda layer: self.slot_layout)
         # Host arrays and indices go to the jitted write as they are: one transfer each, no eager ops.
         self.arrays = _write_slot(self.arrays, np.int32(layer), np.int32(slot),
                                   {name: self._host(payload[name]) for name in self.arrays})
@@ -89,10 +90,9 @@ class JaxArena:
             layers, slots: int ``[n]``; payloads: n mappings as for :meth:`write_slot`.
 
         Returns:
-            One :class:`ExpertPayloadError` (that expert not written) or None per write.
+            One error (:func:`kq_host.arena.checked_writes`: that expert not written) or None per write.
         """
-        errors = checked_payloads(self.slot_layout, payloads)
-        layers, slots = np.asarray(layers).tolist(), np.asarray(slots).tolist()
+        layers, slots, errors = checked_writes(self.shape, layers, slots, payloads, lambda layer: self.slot_layout)
         # A slot written twice keeps its last write: which of a scatter's duplicate indices lands is
         # unspecified (on a GPU the first could: docs/benchmarks.md), so only the last goes in.
         last = {(layers[i], slots[i]): i for i, error in enumerate(errors) if error is None}

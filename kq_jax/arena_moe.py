@@ -28,8 +28,9 @@ from jax import lax
 import kq_jax
 from kq_core.contract import RouteShedResult
 from kq_jax.miss_fetch import gather_with_misses
-from kq_jax.moe import Experts, TierExperts, apply_gathered, combine, experts_apply, router_probs, tiered_apply
-from kq_jax.reference import bounded_table, normalize_topk_ref
+from kq_jax.moe import (Experts, TierExperts, apply_gathered, check_tier, combine, experts_apply, router_probs,
+                        tiered_apply)
+from kq_jax.reference import bounded_table, lookup_slots, normalize_topk_ref
 
 FUSED_RULES = ("route_shed", "tier", "uniform")  # routed and shed by one topk_route_shed launch in moe_layer
 RULES = ("route_shed", "shed", "renormalize", "substitute", "tier", "uniform", "stall", "exact", "reroute",
@@ -90,7 +91,7 @@ def serve(rule: str, indices, scores, probs, slot_table, shed, *, normalize: boo
         slot_table: int32 ``[E]``; shed: ``route_shed(indices, scores, slot_table, num_slots=num_slots)``;
         normalize: whether the router renormalises its top-k; num_slots: the arena's S.
     """
-    kept = bounded_table(slot_table, num_slots)[indices] >= 0
+    kept = resident_entries(indices, slot_table, num_slots)
     if rule == "route_shed":
         return shed.slots, shed.mix
     if rule == "shed":
@@ -106,6 +107,13 @@ def serve(rule: str, indices, scores, probs, slot_table, shed, *, normalize: boo
         return routed.shed.slots, routed.shed.mix
     raise ValueError(f"serve: rule must be one of {[r for r in RULES if r not in (*TIER_RULES, 'stall')]}, "
                      f"got {rule!r}")
+
+
+def resident_entries(indices, slot_table, num_slots: int | None):
+    """bool ``[T, k]``: the routed entries ``route_shed`` keeps, an expert id in ``[0, E)`` whose table entry is a
+    slot below ``num_slots`` (an id outside that range is shed, never looked up: JAX's indexing would clamp
+    or wrap it onto another expert)."""
+    return lookup_slots(indices, bounded_table(slot_table, num_slots))[0] >= 0
 
 
 def _cache_aware(rule: str, indices, probs, table, *, normalize: bool):
@@ -145,7 +153,7 @@ def full_table_moe(x, indices, scores, slot_table, *, weights: Experts):
     Returns:
         ``(out [T, D], report)`` as :func:`arena_moe`: no misses (ids -1, scores +0.0), every entry served.
     """
-    y = experts_apply(x, weights, slot_table[indices])
+    y = experts_apply(x, weights, jnp.asarray(slot_table)[indices])
     report = (indices, scores, jnp.full_like(indices, -1), jnp.zeros_like(scores), scores)
     return combine(y, scores), report
 
@@ -180,9 +188,12 @@ def arena_moe(x, indices, scores, slot_table, *, rule: str, weights: Experts, nu
     """
     if rule not in RULES:
         raise ValueError(f"arena_moe: rule must be one of {RULES}, got {rule!r}")
+    _check_layer_arguments(x, indices, scores, slot_table, rule, weights, num_slots, probs, slot_rows)
     on_miss = "tier" if rule in TIER_RULES else "shed"
     if on_miss == "tier" and tier is None:
         raise ValueError(f"arena_moe: rule {rule!r} needs the tier's experts (tier=...)")
+    if on_miss == "tier":
+        check_tier(tier, weights, num_experts=jnp.shape(slot_table)[-1], where="arena_moe: tier")
     if (rule == "exact") != (fetch is not None):
         raise ValueError(f"arena_moe: fetch= is for rule 'exact' and needed there, got rule {rule!r} with "
                          f"fetch={fetch!r}")
@@ -192,12 +203,16 @@ def arena_moe(x, indices, scores, slot_table, *, rule: str, weights: Experts, nu
     def rows(slots):
         return slots if slot_rows is None else slot_rows[slots]
 
+    # An id outside [0, E) is no expert: shed under every rule, as route_shed sheds it (weight 0, not a miss).
+    valid = lookup_slots(indices, jnp.asarray(slot_table))[1]
     if rule == "stall":
-        y, mix = experts_apply(x, weights, indices), scores
+        y, mix = experts_apply(x, weights, jnp.where(valid, indices, 0)), jnp.where(valid, scores, 0.0)
     elif rule == "exact":
-        hit = bounded_table(slot_table, num_slots)[indices] >= 0
-        gathered = gather_with_misses(weights, rows(jnp.where(hit, shed.slots, 0)), hit, indices, fetch, layer)
-        y, mix = apply_gathered(x, gathered), scores
+        hit = resident_entries(indices, slot_table, num_slots)
+        # an invalid entry reads nothing: gathered from any row, weighted 0
+        gathered = gather_with_misses(weights, rows(jnp.where(hit, shed.slots, 0)), hit | ~valid,
+                                      jnp.where(valid, indices, 0), fetch, layer)
+        y, mix = apply_gathered(x, gathered), jnp.where(valid, scores, 0.0)
     elif on_miss == "tier":
         hit = shed.slots < num_slots
         stacked = weights.gate.shape[0]  # tiered_apply reads entry r >= N as the tier's expert r - N
@@ -207,5 +222,27 @@ def arena_moe(x, indices, scores, slot_table, *, rule: str, weights: Experts, nu
         slots, mix = serve(rule, indices, scores, probs, slot_table, shed, normalize=normalize,
                            num_slots=num_slots)
         y = experts_apply(x, weights, rows(slots))
-    served = scores if rule in ("stall", "exact") else jnp.where(mix > 0, scores, 0.0)
+    served = jnp.where(valid, scores, 0.0) if rule in ("stall", "exact") else jnp.where(mix > 0, scores, 0.0)
     return combine(y, mix), (indices, scores, shed.miss_ids, shed.miss_scores, served)
+
+
+def _check_layer_arguments(x, indices, scores, slot_table, rule, weights, num_slots, probs, slot_rows) -> None:
+    """:func:`arena_moe`'s shapes, each refused by name (static shapes: once, at trace time, under ``jax.jit``)."""
+    x_shape, index_shape, score_shape = jnp.shape(x), jnp.shape(indices), jnp.shape(scores)
+    if len(index_shape) != 2 or score_shape != index_shape:
+        raise ValueError(f"arena_moe: indices and scores must be [T, k] of one shape, got {list(index_shape)} and "
+                         f"{list(score_shape)}")
+    hidden = jnp.shape(weights.gate)[-1]
+    if len(x_shape) != 2 or x_shape != (index_shape[0], hidden):
+        raise ValueError(f"arena_moe: x must be [T, D] = [{index_shape[0]}, {hidden}] (the routing's rows, the "
+                         f"experts' width), got {list(x_shape)}")
+    if len(jnp.shape(slot_table)) != 1:
+        raise ValueError(f"arena_moe: slot_table must be [E], got {list(jnp.shape(slot_table))}")
+    if rule in ("substitute", "reroute", "prior") and probs is None:
+        raise ValueError(f"arena_moe: rule {rule!r} routes with the router's probabilities: give probs=[T, E]")
+    if rule != "stall":  # stall gathers all E experts by id
+        rows = jnp.shape(weights.gate)[0] if slot_rows is None else jnp.shape(slot_rows)[0]
+        if not isinstance(num_slots, int) or isinstance(num_slots, bool) or not 1 <= num_slots <= rows:
+            held = "weights holds" if slot_rows is None else "slot_rows maps"
+            raise ValueError(f"arena_moe: num_slots must be an int in [1, {rows}] (the {held} {rows} slots), got "
+                             f"{num_slots!r}")

@@ -74,7 +74,7 @@ def gather_with_misses(weights: Experts, rows, hit, indices, fetch: Fetch, layer
         weights: the arena, :class:`~kq_jax.moe.Experts` ``[N, ...]``.
         rows: int32 ``[T, k]``, the row of ``weights`` each hit's expert is in (any valid row for a miss).
         hit: bool ``[T, k]``, whether the entry's expert is resident.
-        indices: int32 ``[T, k]``, the routed expert ids.
+        indices: int32 ``[T, k]``, the routed expert ids (a miss's an expert of ``[0, E)``).
         fetch: the host's reader, called inside the program when the layer misses: ``fetch(layer, ids)``
             with the missed experts' ids (int32 ``[m]``, in top-k order, repeats kept), returning each
             projection's ``[m, out, in]`` in ``weights``' dtypes.
@@ -86,7 +86,7 @@ def gather_with_misses(weights: Experts, rows, hit, indices, fetch: Fetch, layer
     Raises:
         ValueError: under ``jax.vmap`` with ``layer`` batched (one layer per call).
     """
-    gathered = Experts(*(w[rows] for w in weights))
+    gathered = Experts(*(jnp.asarray(w)[rows] for w in weights))
     return _fill_misses(fetch)(gathered, hit, indices, jnp.asarray(layer, jnp.int32))
 
 

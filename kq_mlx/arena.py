@@ -9,7 +9,7 @@ import numpy as np
 
 from kq_core.contract import NUMPY_DTYPES
 from kq_core.validate import dtype_name
-from kq_host.arena import check_payload, checked_payloads, stacked_shape
+from kq_host.arena import check_write, checked_writes, stacked_shape
 from kq_mlx.route_shed_mlx import MX_DTYPES, from_numpy
 
 NUMPY_DTYPES_OF_MX = {mx_dtype: NUMPY_DTYPES.get(name, np.dtype(name)) for name, mx_dtype in MX_DTYPES.items()}
@@ -40,18 +40,19 @@ class MlxArena:
 
         Raises:
             ExpertPayloadError: the payload is not one expert of the arena's layout (nothing written).
+            ValueError: ``[layer, slot]`` is not a slot of the arena (nothing written).
         """
-        check_payload(payload, self.slot_layout)
+        check_write(self.shape, layer, slot, payload, lambda layer: self.slot_layout)
         self._assign(layer, slot, payload)
         # Evaluated before it returns: the slot holds the expert before its table entry is published, and the
         # next write updates this one's output in place (built while this one was queued, it copied the array).
         mx.eval(*self.arrays.values())
 
     def write_slots(self, layers, slots, payloads) -> list[BaseException | None]:
-        """Writes n experts, evaluated once; one ExpertPayloadError (not written) or None per write."""
-        errors = checked_payloads(self.slot_layout, payloads)
-        for layer, slot, payload, error in zip(np.asarray(layers).tolist(), np.asarray(slots).tolist(), payloads,
-                                               errors):
+        """Writes n experts, evaluated once; one error (:func:`kq_host.arena.checked_writes`: that expert not
+        written) or None per write."""
+        layers, slots, errors = checked_writes(self.shape, layers, slots, payloads, lambda layer: self.slot_layout)
+        for layer, slot, payload, error in zip(layers, slots, payloads, errors):
             if error is None:
                 self._assign(layer, slot, payload)
         mx.eval(*self.arrays.values())

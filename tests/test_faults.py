@@ -215,6 +215,27 @@ def test_a_manager_of_another_shape_than_its_arena_is_refused(module, name):
     ResidencyManager(2, 8, 3, loader=lambda *a: payload(1.0), arena=arena, queue_depth=0).close()
 
 
+@pytest.mark.parametrize("module, name", [("kq_host.arena", "NumpyArena"), ("kq_jax.arena", "JaxArena"),
+                                          ("kq_mlx.arena", "MlxArena")])
+def test_a_write_outside_the_arena_is_refused_by_name(module, name):
+    """A slot past the arena was written nowhere (JAX, MLX), -1 wrote the last slot, 1.9 slot 1: each is
+    refused naming the index, alone in a batch (the others written), and a batch of unequal lengths whole."""
+    arena = getattr(pytest.importorskip(module), name)(2, 3, SHAPES)
+    for layer, slot, argument in ((0, 3, "slot"), (0, -1, "slot"), (2, 0, "layer"), (-1, 0, "layer"),
+                                  (0, 1.9, "slot"), (0, "1", "slot"), (True, 0, "layer")):
+        with pytest.raises(ValueError, match=rf"write_slot: {argument} must be an int in \[0, [23]\)"):
+            arena.write_slot(layer, slot, payload(5.0))
+    if name != "NumpyArena":  # the host arena is written slot by slot
+        errors = arena.write_slots(np.array([0, 1, 1]), np.array([3, 2, -1]), [payload(6.0)] * 3)
+        assert errors[1] is None and all(isinstance(errors[i], ValueError) for i in (0, 2))
+        for layers, slots, count in (([0, 1], [0], 1), ([0], [0], 2), (0, 0, 1), ([[0]], [[0]], 1), ([0.0], [0.0], 1)):
+            with pytest.raises(ValueError, match="write_slots: layers and slots must be 1-D integer arrays"):
+                arena.write_slots(layers, slots, [payload(7.0)] * count)
+    gate = np.asarray(arena.arrays["gate_proj"], np.float32)
+    assert (gate[1, 2] == (6.0 if name != "NumpyArena" else 0.0)).all()
+    assert (np.delete(gate.reshape(6, -1), 5, axis=0) == 0.0).all()  # nothing else written
+
+
 @pytest.mark.parametrize("fails", ["start", "construction"])
 @pytest.mark.parametrize("after", [0, 3])
 def test_a_pool_that_cannot_start_its_threads_stops_those_it_started(monkeypatch, fails, after):

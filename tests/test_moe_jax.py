@@ -144,3 +144,90 @@ def test_a_table_holding_every_expert_runs_without_route_shed_in_the_rules_bits(
         assert np.asarray(g).dtype == np.asarray(w).dtype and np.asarray(g).tobytes() == np.asarray(w).tobytes(), name
     resident = jax.jit(lambda x: combine(experts_apply(x, experts, indices), scores))(x)
     assert np.asarray(got[0]).tobytes() == np.asarray(resident).tobytes()
+
+
+# ---- ids outside the router's experts, and arguments ------------------------------------------------------
+
+def _layer(seed=1, experts=4, slots=2, hidden=8, ffn=8):
+    rng = np.random.default_rng(seed)
+    full = Experts(*(rng.normal(size=s).astype(np.float32)
+                     for s in [(experts, ffn, hidden), (experts, ffn, hidden), (experts, hidden, ffn)]))
+    arena = Experts(*(jnp.asarray(w[:slots]) for w in full))
+    x = rng.normal(size=(2, hidden)).astype(np.float32)
+    return full, arena, x
+
+
+@pytest.mark.parametrize("rule", ["route_shed", "shed", "renormalize", "stall", "exact"])
+@pytest.mark.parametrize("bad", [7, -1])
+def test_an_id_outside_the_experts_is_shed_under_every_rule(rule, bad):
+    """An id outside [0, E) is no expert: route_shed sheds it (weight 0, not a miss), and so does every rule;
+    JAX's indexing had clamped or wrapped it onto another expert, served at its score (exact: a negative id
+    shifted every later miss's weights by one). Each row is the layer's output for its valid entries alone."""
+    from kq_jax.arena_moe import arena_moe
+
+    full, arena, x = _layer()
+    table = np.array([0, 1, -1, -1], np.int32)
+    scores = np.array([[0.5, 0.5], [0.25, 0.75]], np.float32)
+    fetched = []
+
+    def fetch(layer, ids):
+        fetched.append(np.asarray(ids).tolist())
+        return tuple(w[np.asarray(ids)] for w in full)
+
+    indices = np.array([[bad, 2], [1, 3]], np.int32)
+    arguments = dict(weights=full if rule == "stall" else arena, num_slots=2,
+                     fetch=fetch if rule == "exact" else None)
+    y, report = arena_moe(x, indices, scores, table, rule=rule, **arguments)
+    kept = np.array([[0.0, 1.0], [1.0, 1.0]], np.float32)  # the valid entries
+    same = np.where(kept > 0, indices, 0)
+    want, want_report = arena_moe(x, same, scores * kept, table, rule=rule, **arguments)
+    assert_same_bits(np.asarray(y), np.asarray(want))
+    assert float(np.asarray(report[4])[0, 0]) == 0.0  # not served
+    if rule == "exact":
+        assert all(bad not in ids for ids in fetched) and fetched[0] == [2, 3]
+
+
+def test_arena_moe_names_each_bad_argument():
+    from kq_jax.arena_moe import arena_moe
+    from kq_jax.moe import TierExperts, TierWeights
+
+    full, arena, x = _layer()
+    table = np.array([0, 1, -1, -1], np.int32)
+    indices, scores = np.array([[0, 2], [1, 3]], np.int32), np.full((2, 2), 0.5, np.float32)
+    full, arena, x = _layer(hidden=32, ffn=32)  # a tier's groups are 32 wide at least
+    short = TierExperts(*(TierWeights(np.zeros((2, w.shape[1], w.shape[2] * 4 // 32), np.uint32),
+                                      np.ones((2, w.shape[1], w.shape[2] // 32), np.float32),
+                                      np.zeros((2, w.shape[1], w.shape[2] // 32), np.float32)) for w in full),
+                        bits=4, group_size=32)
+    cases = [
+        (dict(num_slots=3), r"num_slots must be an int in \[1, 2\]"),
+        (dict(num_slots=2, slot_rows=np.array([0], np.int32)), r"num_slots must be an int in \[1, 1\]"),
+        (dict(x=x[:1]), r"x must be \[T, D\] = \[2, 32\]"),
+        (dict(x=x[:, :4]), r"x must be \[T, D\]"),
+        (dict(indices=indices[0]), r"indices and scores must be \[T, k\]"),
+        (dict(rule="reroute"), r"rule 'reroute' routes with the router's probabilities"),
+        (dict(rule="tier", tier=short), r"arena_moe: tier holds 2 experts, the router routes among 4"),
+    ]
+    for change, message in cases:
+        arguments = dict(x=x, indices=indices, scores=scores, rule="shed", num_slots=2) | change
+        with pytest.raises(ValueError, match=message):
+            arena_moe(arguments.pop("x"), arguments.pop("indices"), arguments.pop("scores"), table, weights=arena,
+                      **arguments)
+
+
+def test_numpy_tables_and_weights_are_taken_under_jit():
+    """The manager's snapshot (a NumPy table) and NumPy weights, closed over in a jitted step."""
+    import jax
+
+    from kq_jax.arena_moe import arena_moe, full_table_moe
+
+    full, arena, x = _layer(slots=4)
+    table = np.array([0, 1, 2, 3], np.int32)
+    indices, scores = np.array([[0, 2], [1, 3]], np.int32), np.full((2, 2), 0.5, np.float32)
+    numpy_arena = Experts(*(np.asarray(w) for w in arena))
+    got = jax.jit(lambda x, i, s: full_table_moe(x, i, s, table, weights=numpy_arena)[0])(x, indices, scores)
+    exact = jax.jit(lambda x, i, s: arena_moe(x, i, s, table, rule="exact", weights=numpy_arena, num_slots=4,
+                                              fetch=lambda layer, ids: tuple(w[ids] for w in full))[0])
+    want = combine(experts_apply(x, full, indices), scores)
+    assert_same_bits(np.asarray(got), np.asarray(want))
+    assert_same_bits(np.asarray(exact(x, indices, scores)), np.asarray(want))
