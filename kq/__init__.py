@@ -60,9 +60,17 @@ def route_shed(indices, scores, slot_table, **options):
 
     Returns:
         ``(slots, mix, miss_ids, miss_scores)`` as a NamedTuple of arrays of
-        the input's framework.
+        the inputs' framework: JAX's or MLX's where any input is one of its
+        arrays (the others, NumPy arrays, taken as they are), else NumPy's.
+
+    Raises:
+        TypeError: the inputs mix JAX and MLX arrays.
     """
-    framework = _framework(indices)
+    frameworks = {_framework(array) for array in (indices, scores, slot_table)} - {"numpy"}
+    if len(frameworks) > 1:
+        raise TypeError(f"route_shed: indices, scores and slot_table mix {' and '.join(sorted(frameworks))} "
+                        f"arrays; give one framework's (NumPy arrays go with either)")
+    framework = frameworks.pop() if frameworks else "numpy"
     if framework == "jax":
         import kq_jax
 

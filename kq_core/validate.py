@@ -82,11 +82,11 @@ def _check_dtype(name: str, array, allowed: tuple[str, ...], op: str = "route_sh
         raise RouteShedDtypeError(name, f"{op}: {name} must have dtype {' or '.join(allowed)}, got {got}")
 
 
-def check_num_slots(num_slots) -> None:
-    """``num_slots`` is None or an int in ``[1, 2**31 - 1]``."""
+def check_num_slots(num_slots, op: str = "route_shed") -> None:
+    """``num_slots`` is None or an int in ``[1, 2**31 - 1]``; the error names ``op``."""
     if num_slots is not None and not (isinstance(num_slots, (int, np.integer)) and not isinstance(num_slots, bool)
                                       and 1 <= num_slots <= np.iinfo(np.int32).max):
-        raise RouteShedArgumentError("num_slots", f"route_shed: num_slots must be None or an int in [1, 2**31 - 1], "
+        raise RouteShedArgumentError("num_slots", f"{op}: num_slots must be None or an int in [1, 2**31 - 1], "
                                                   f"got {num_slots!r}")
 
 
@@ -148,7 +148,7 @@ def check_topk_route_shed_args(probs, slot_table, top_k: int, *, normalize: bool
         on_miss: one of :data:`~kq_core.contract.ON_MISS`.
         num_slots: None, or the arena's slot count S; required with ``on_miss="tier"``.
     """
-    check_num_slots(num_slots)
+    check_num_slots(num_slots, "topk_route_shed")
     if not isinstance(normalize, (bool, np.bool_)):
         raise RouteShedDtypeError("normalize", f"topk_route_shed: normalize must be a bool, got {normalize!r}")
     if not isinstance(on_miss, str) or on_miss not in ON_MISS:

@@ -76,6 +76,25 @@ def checked_writes(shape: tuple[int, int], layers, slots, payloads: Sequence[Any
     return layers.tolist(), slots.tolist(), errors
 
 
+def check_arena_arguments(kind: str, num_layers, num_slots, shapes) -> None:
+    """An arena's constructor arguments: ``num_layers`` and ``num_slots`` ints >= 1, ``shapes`` a non-empty
+    ``{projection: (shape, dtype)}`` of non-negative int dimensions; ValueError naming the argument."""
+    for name, value in (("num_layers", num_layers), ("num_slots", num_slots)):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{kind}: {name} must be an int >= 1, got {value!r}")
+    if not isinstance(shapes, Mapping) or not shapes:
+        raise ValueError(f"{kind}: shapes must be a non-empty mapping projection -> (shape, dtype), got {shapes!r}")
+    for name, entry in shapes.items():
+        try:
+            shape, dtype = entry
+            np.dtype(dtype)
+            ok = all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in shape)
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"{kind}: shapes[{name!r}] must be (shape of ints >= 0, dtype), got {entry!r}")
+
+
 def stacked_shape(arrays: Mapping[str, Any]) -> tuple[int, int]:
     """``(layers, slots)`` of an arena's ``{projection: [L, S, ...]}`` arrays."""
     layers, slots = next(iter(arrays.values())).shape[:2]
@@ -134,6 +153,7 @@ class NumpyArena:
     """
 
     def __init__(self, num_layers: int, num_slots: int, shapes: Mapping[str, tuple[tuple[int, ...], Any]]):
+        check_arena_arguments("NumpyArena", num_layers, num_slots, shapes)
         self.arrays = {name: np.zeros((num_layers, num_slots, *shape), dtype=dtype)
                        for name, (shape, dtype) in shapes.items()}
 

@@ -19,7 +19,7 @@ from jax import lax
 
 from kq_core.contract import TopkRouteShedResult
 from kq_core.reports import REPORT_FIELDS
-from kq_host.arena import check_write, checked_writes, stacked_shape
+from kq_host.arena import check_arena_arguments, check_write, checked_writes, stacked_shape
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -49,6 +49,12 @@ class JaxArena:
     """
 
     def __init__(self, num_layers: int, num_slots: int, shapes: Mapping[str, tuple[tuple[int, ...], Any]]):
+        check_arena_arguments("JaxArena", num_layers, num_slots, shapes)
+        for name, (_, dtype) in shapes.items():  # float64 becomes float32 unless JAX runs with x64 enabled
+            held = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+            if held != np.dtype(dtype):
+                raise ValueError(f"JaxArena: shapes[{name!r}]'s dtype {np.dtype(dtype).name} is not one JAX holds "
+                                 f"here (it would hold {held.name}: enable jax_enable_x64, or give that dtype)")
         self.arrays = {name: jnp.zeros((num_layers, num_slots, *shape), dtype=dtype)
                        for name, (shape, dtype) in shapes.items()}
         # On the CPU, XLA takes a host array into the write without a copy and runs the write after the

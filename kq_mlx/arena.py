@@ -9,7 +9,7 @@ import numpy as np
 
 from kq_core.contract import NUMPY_DTYPES
 from kq_core.validate import dtype_name
-from kq_host.arena import check_write, checked_writes, stacked_shape
+from kq_host.arena import check_arena_arguments, check_write, checked_writes, stacked_shape
 from kq_mlx.route_shed_mlx import MX_DTYPES, from_numpy
 
 NUMPY_DTYPES_OF_MX = {mx_dtype: NUMPY_DTYPES.get(name, np.dtype(name)) for name, mx_dtype in MX_DTYPES.items()}
@@ -24,6 +24,7 @@ class MlxArena:
     """
 
     def __init__(self, num_layers: int, num_slots: int, shapes: Mapping[str, tuple[tuple[int, ...], Any]]):
+        check_arena_arguments("MlxArena", num_layers, num_slots, shapes)
         self.arrays = {name: mx.zeros((num_layers, num_slots, *shape), dtype=MX_DTYPES[dtype_name(np.empty(0, dtype))])
                        for name, (shape, dtype) in shapes.items()}
 

@@ -83,3 +83,23 @@ BAD_OPTIONS = [
 def test_bad_options_name_the_argument(entry_name, entry, case, options, argument):
     with pytest.raises(ValueError, match=argument):
         entry(IDS, SCORES, TABLE, **options)
+
+
+def test_topk_route_shed_names_itself_for_a_bad_num_slots():
+    kq_jax = pytest.importorskip("kq_jax")
+    probs = np.full((1, 8), 1.0 / 8, np.float32)
+    with pytest.raises(ValueError, match=r"^topk_route_shed: num_slots must be None or an int"):
+        kq_jax.topk_route_shed(probs, TABLE, top_k=2, num_slots=0)
+
+
+def test_route_shed_takes_the_framework_of_any_input():
+    """NumPy indices beside JAX scores under jit go to JAX (the NumPy oracle cannot read a tracer); JAX and MLX
+    arrays together are refused by name."""
+    jax = pytest.importorskip("jax")
+    got = jax.jit(lambda scores: kq.route_shed(IDS, scores, TABLE))(jax.numpy.asarray(SCORES))
+    want = kq.route_shed(IDS, SCORES, TABLE)
+    for a, b in zip(got, want):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    mx = pytest.importorskip("mlx.core")
+    with pytest.raises(TypeError, match="route_shed: indices, scores and slot_table mix jax and mlx arrays"):
+        kq.route_shed(jax.numpy.asarray(IDS), mx.array(SCORES), TABLE)

@@ -217,6 +217,24 @@ def test_a_manager_of_another_shape_than_its_arena_is_refused(module, name):
 
 @pytest.mark.parametrize("module, name", [("kq_host.arena", "NumpyArena"), ("kq_jax.arena", "JaxArena"),
                                           ("kq_mlx.arena", "MlxArena")])
+def test_an_arena_of_no_slots_or_no_shape_is_refused_by_name(module, name):
+    arena_class = getattr(pytest.importorskip(module), name)
+    for arguments, argument in (((2, 0, SHAPES), "num_slots"), ((0, 3, SHAPES), "num_layers"),
+                                ((2, 1.5, SHAPES), "num_slots"), ((2, 3, {}), "shapes"),
+                                ((2, 3, {"gate_proj": ((-1, 3), np.float32)}), r"shapes\['gate_proj'\]"),
+                                ((2, 3, {"gate_proj": ((4, 3.0), np.float32)}), r"shapes\['gate_proj'\]")):
+        with pytest.raises(ValueError, match=rf"{name}: {argument}"):
+            arena_class(*arguments)
+    if name == "JaxArena":
+        import jax
+
+        if not jax.config.jax_enable_x64:
+            with pytest.raises(ValueError, match=r"JaxArena: shapes\['gate_proj'\]'s dtype float64 is not one JAX"):
+                arena_class(2, 3, {"gate_proj": ((4, 3), np.float64)})
+
+
+@pytest.mark.parametrize("module, name", [("kq_host.arena", "NumpyArena"), ("kq_jax.arena", "JaxArena"),
+                                          ("kq_mlx.arena", "MlxArena")])
 def test_a_write_outside_the_arena_is_refused_by_name(module, name):
     """A slot past the arena was written nowhere (JAX, MLX), -1 wrote the last slot, 1.9 slot 1: each is
     refused naming the index, alone in a batch (the others written), and a batch of unequal lengths whole."""

@@ -90,7 +90,7 @@ def test_load_params_still_reads_the_shipped_model_and_its_4bit_copy():
 
 
 @pytest.mark.parametrize("weights, message", [
-    (b"", r"holds no \*\.safetensors"),
+    (b"", r"holds no model\*\.safetensors"),
     ("half", r"model\.safetensors.*cannot be read"),
     ("header", r"model\.safetensors.*cannot be read"),
 ])
@@ -125,7 +125,7 @@ STUDY_FAULTS = [
     ({"num_hidden_layers": 2}, None, r"not in the model.*model\.layers\.2\."),
     ({"num_experts_per_tok": 0}, None, r"config\.json.*num_experts_per_tok"),
     ({"num_experts_per_tok": 100}, None, r"config\.json.*num_experts_per_tok"),
-    ({}, b"", r"holds no \*\.safetensors"),
+    ({}, b"", r"holds no model\*\.safetensors"),
     ({}, "half", r"model\.safetensors.*cannot be read"),
     ({}, "header", r"model\.safetensors.*cannot be read"),
 ]
