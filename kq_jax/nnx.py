@@ -343,6 +343,9 @@ class ArenaMoE(nnx.Module):
             bounds = np.iinfo(np.int32)
             if table.size and (table.min() < bounds.min or table.max() > bounds.max):
                 raise ValueError("ArenaMoE.set_residency: slot_table holds values outside int32")
+        elif np.dtype(table.dtype).itemsize >= 4 and table.dtype != jnp.int32:  # its values stay on the device
+            raise ValueError(f"ArenaMoE.set_residency: a JAX slot_table must be int32 (or a narrower int), got "
+                             f"{table.dtype}: its values past int32 would wrap")
         variables = dict(zip(EXPERT_PROJECTIONS, (self.arena_gating_SFD, self.arena_up_proj_SFD,
                                                  self.arena_down_proj_SDF)))
         if arena is not None:

@@ -338,6 +338,8 @@ def test_bad_residency_is_refused_by_name_and_changes_nothing(dense):
             (lambda: module.set_residency(np.zeros(E + 1, np.int32)), "slot_table"),
             (lambda: module.set_residency(np.zeros(E, np.float32)), "slot_table"),
             (lambda: module.set_residency(np.full(E, 2**40)), "int32"),
+            # a JAX uint32 table's 2**31 + 1 wrapped to -2**31 + 1 (its values are not read back to check)
+            (lambda: module.set_residency(jnp.full(E, 2**31 + 1, jnp.uint32)), "a JAX slot_table must be int32"),
             (lambda: module.set_residency(table, {**good, "gate_proj": good["gate_proj"].astype(jnp.bfloat16)}),
              "gate_proj"),
             (lambda: module.set_residency(table, {**good, "up_proj": np.zeros((S, F, D), np.float64)}), "up_proj"),
