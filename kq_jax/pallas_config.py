@@ -92,7 +92,7 @@ def block_config(rows: int, top_k: int, config: KernelConfig | None = None, *,
         ValueError: ``config`` asks for two kernels at once, tiled I/O past
             K = 16, a block that is not a power of two, or PTX in the interpreter.
     """
-    config = config or KernelConfig()
+    config = _checked_config("route_shed_pallas", config)
     entry_lanes = config.entry_lanes
     if entry_lanes is None:
         entry_lanes = (rows <= _LANES_MAX_ROWS or top_k > MAX_UNROLLED_K) and not config.tiled_io
@@ -130,7 +130,7 @@ def topk_block_config(rows: int, num_experts: int, config: KernelConfig | None =
     Raises:
         ValueError: ``config`` asks for tiled I/O or entry lanes, or as for :func:`block_config`.
     """
-    config = config or KernelConfig()
+    config = _checked_config("topk_route_shed_pallas", config)
     if config.tiled_io or config.entry_lanes:
         raise ValueError("topk_route_shed_pallas: tiled_io and entry_lanes are route_shed's kernels, not this one's")
     ptx_arith = _resolve_ptx_arith("topk_route_shed_pallas", config, interpret)
@@ -138,6 +138,25 @@ def topk_block_config(rows: int, num_experts: int, config: KernelConfig | None =
     row_warps = block_rows * next_power_of_two(num_experts) // _TOPK_EXPERTS_PER_WARP
     num_warps = config.num_warps or max(1, min(4, row_warps))
     return KernelConfig(block_rows, num_warps, False, ptx_arith, False, config.row_buckets is not False)
+
+
+def _checked_config(op: str, config) -> KernelConfig:
+    """``config`` (None: every field chosen) as a :class:`KernelConfig` whose given fields are of their kind:
+    ``block_rows`` and ``num_warps`` powers of two >= 1, the rest bools; ValueError naming the field."""
+    if config is None:
+        return KernelConfig()
+    if not isinstance(config, KernelConfig):
+        raise ValueError(f"{op}: config must be a kq_jax.pallas_config.KernelConfig or None, got "
+                         f"{type(config).__name__}")
+    for name in ("block_rows", "num_warps"):
+        value = getattr(config, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1
+                                  or value & (value - 1)):
+            raise ValueError(f"{op}: config.{name} must be None or a power of two >= 1, got {value!r}")
+    for name in ("tiled_io", "ptx_arith", "entry_lanes", "row_buckets"):
+        if getattr(config, name) not in (None, True, False):
+            raise ValueError(f"{op}: config.{name} must be None or a bool, got {getattr(config, name)!r}")
+    return config
 
 
 def _resolve_ptx_arith(op: str, config: KernelConfig, interpret: bool) -> bool:

@@ -276,10 +276,17 @@ def test_pallas_tiled_io_is_for_k_up_to_16():
 
 
 def test_pallas_block_rows_must_be_a_power_of_two():
-    from kq_jax.pallas_config import KernelConfig, block_config
+    from kq_jax.pallas_config import KernelConfig, block_config, topk_block_config
 
     with pytest.raises(ValueError, match="power of two"):
         block_config(100, 8, KernelConfig(block_rows=48))
+    # 0 and a warp count of 0 were taken for "choose"; a dict read its fields as attributes
+    for config, field in ((KernelConfig(block_rows=0), "block_rows"), (KernelConfig(block_rows=-4), "block_rows"),
+                          (KernelConfig(num_warps=0), "num_warps"), (KernelConfig(num_warps=3), "num_warps"),
+                          (KernelConfig(tiled_io="yes"), "tiled_io"), ({"block_rows": 4}, "config must be")):
+        for resolve, op in ((block_config, "route_shed_pallas"), (topk_block_config, "topk_route_shed_pallas")):
+            with pytest.raises(ValueError, match=f"{op}: (config.)?{field}"):
+                resolve(100, 8, config)
 
 
 def test_jit_narrows_64_bit_inputs_before_the_op_sees_them(rng):
