@@ -80,6 +80,8 @@ def _rows(where: str, inputs, hidden_size: int):
     if jnp.ndim(inputs) < 1 or jnp.shape(inputs)[-1] != hidden_size:
         raise ValueError(f"{where}: inputs must be [..., {hidden_size}] (the hidden size), got shape "
                          f"{list(jnp.shape(inputs))}")
+    if not jnp.issubdtype(jnp.result_type(inputs), jnp.floating):
+        raise ValueError(f"{where}: inputs must be floating point (hidden states), got {jnp.result_type(inputs)}")
     return jnp.reshape(inputs, (-1, hidden_size))
 
 
@@ -119,6 +121,8 @@ class Router(nnx.Module):
         if top_k > min(num_experts, 64):
             raise ValueError(f"Router: top_k must be at most min(num_experts, 64) = {min(num_experts, 64)}, "
                              f"got {top_k}")
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"Router: dtype must be a floating-point dtype (the weights'), got {np.dtype(dtype)}")
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
         self.normalize = _check_flag("Router", "normalize", normalize)
         self.kernel_ED = nnx.Param(_normal(rngs, (num_experts, hidden_size), hidden_size, dtype))

@@ -323,11 +323,20 @@ def test_no_rows_give_empty_outputs_and_reports(dense, on_miss):
     (dict(impl="cuda"), "impl"), (dict(on_miss="tier", tier_bits=5), "tier_bits"),
     (dict(on_miss="tier", tier_group_size=16), "tier_group_size"),
     (dict(on_miss="tier", hidden_size=48), "hidden_size"), (dict(normalize="yes"), "normalize"),
+    (dict(dtype=jnp.int32), "dtype must be a floating-point dtype"),
 ])
 def test_a_layer_it_cannot_build_is_refused_by_name(options, argument):
     sizes = dict(hidden_size=D, intermediate_size=F, num_experts=E, num_slots=S, top_k=K)
     with pytest.raises(ValueError, match=argument):
         ArenaMoE(**{**sizes, **options}, rngs=nnx.Rngs(0))
+
+
+def test_integer_inputs_are_refused_by_name(dense):
+    """Token ids handed where hidden states go: refused, not routed as numbers."""
+    module, _ = _partial(dense, "shed")
+    for layer in (module, dense):
+        with pytest.raises(ValueError, match="inputs must be floating point"):
+            layer(np.ones((2, D), np.int32))
 
 
 def test_bad_residency_is_refused_by_name_and_changes_nothing(dense):
