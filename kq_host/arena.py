@@ -40,20 +40,19 @@ def write_landed(arena: Arena, layers: np.ndarray, slots: np.ndarray,
     return errors
 
 
-def check_write(shape: tuple[int, int], layer, slot, payload, layout_of: Callable[[int], Mapping]) -> None:
-    """Raises unless ``[layer, slot]`` is a slot of an arena of ``shape`` (``(layers, slots)``) and ``payload``
-    one expert of the layer's slot layout (``layout_of(layer)``): ValueError naming the index (an int in
-    range: a negative one would write from the end, one past it nowhere), or :class:`ExpertPayloadError`."""
+def check_slot(shape: tuple[int, int], layer, slot) -> None:
+    """ValueError naming the index unless ``[layer, slot]`` is a slot of an arena of ``shape``
+    (``(layers, slots)``): ints in range (a negative one would write from the end, one past it nowhere)."""
     for name, value, count in (("layer", layer, shape[0]), ("slot", slot, shape[1])):
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not 0 <= value < count:
             raise ValueError(f"write_slot: {name} must be an int in [0, {count}), got {value!r}")
-    check_payload(payload, layout_of(layer))
 
 
 def checked_writes(shape: tuple[int, int], layers, slots, payloads: Sequence[Any],
                    layout_of: Callable[[int], Mapping]) -> tuple[list, list, list[BaseException | None]]:
-    """A batch of writes checked as :func:`check_write` checks one: ``(layers, slots, errors)`` as lists, one
-    exception (that write not to be made) or None per write; ``layout_of(layer)`` is the layer's slot layout.
+    """A batch of writes checked as a write of one is (:func:`check_slot`, then :func:`check_payload` against
+    ``layout_of(layer)``, the layer's slot layout): ``(layers, slots, errors)`` as lists, one exception (that
+    write not to be made) or None per write.
 
     Raises:
         ValueError: ``layers`` and ``slots`` are not 1-D integer arrays of one write each, as many as
@@ -69,7 +68,8 @@ def checked_writes(shape: tuple[int, int], layers, slots, payloads: Sequence[Any
     errors: list[BaseException | None] = []
     for layer, slot, payload in zip(layers.tolist(), slots.tolist(), payloads):
         try:
-            check_write(shape, layer, slot, payload, layout_of)
+            check_slot(shape, layer, slot)
+            check_payload(payload, layout_of(layer))
             errors.append(None)
         except ValueError as error:  # ExpertPayloadError is one
             errors.append(error)
@@ -164,7 +164,8 @@ class NumpyArena:
     def write_slot(self, layer: int, slot: int, payload: Mapping[str, np.ndarray]) -> None:
         """Copies one expert into ``[layer, slot]``; :class:`ExpertPayloadError` (slot untouched) if it is not one,
         ValueError if ``[layer, slot]`` is not a slot of the arena."""
-        check_write(self.shape, layer, slot, payload, lambda layer: self.slot_layout)
+        check_slot(self.shape, layer, slot)
+        check_payload(payload, self.slot_layout)
         for name, value in payload.items():
             self.arrays[name][layer, slot] = value
 

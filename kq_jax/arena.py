@@ -19,7 +19,7 @@ from jax import lax
 
 from kq_core.contract import TopkRouteShedResult
 from kq_core.reports import REPORT_FIELDS
-from kq_host.arena import check_arena_arguments, check_write, checked_writes, stacked_shape
+from kq_host.arena import check_arena_arguments, check_payload, check_slot, checked_writes, stacked_shape
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -82,7 +82,8 @@ class JaxArena:
             ExpertPayloadError: the payload is not one expert of the arena's layout (nothing written).
             ValueError: ``[layer, slot]`` is not a slot of the arena (nothing written).
         """
-        check_write(self.shape, layer, slot, payload, lambda layer: self.slot_layout)
+        check_slot(self.shape, layer, slot)
+        check_payload(payload, self.slot_layout)
         # Host arrays and indices go to the jitted write as they are: one transfer each, no eager ops.
         self.arrays = _write_slot(self.arrays, np.int32(layer), np.int32(slot),
                                   {name: self._host(payload[name]) for name in self.arrays})

@@ -9,7 +9,7 @@ import numpy as np
 
 from kq_core.contract import NUMPY_DTYPES
 from kq_core.validate import dtype_name
-from kq_host.arena import check_arena_arguments, check_write, checked_writes, stacked_shape
+from kq_host.arena import check_arena_arguments, check_payload, check_slot, checked_writes, stacked_shape
 from kq_mlx.route_shed_mlx import MX_DTYPES, from_numpy
 
 NUMPY_DTYPES_OF_MX = {mx_dtype: NUMPY_DTYPES.get(name, np.dtype(name)) for name, mx_dtype in MX_DTYPES.items()}
@@ -43,7 +43,8 @@ class MlxArena:
             ExpertPayloadError: the payload is not one expert of the arena's layout (nothing written).
             ValueError: ``[layer, slot]`` is not a slot of the arena (nothing written).
         """
-        check_write(self.shape, layer, slot, payload, lambda layer: self.slot_layout)
+        check_slot(self.shape, layer, slot)
+        check_payload(payload, self.slot_layout)
         self._assign(layer, slot, payload)
         # Evaluated before it returns: the slot holds the expert before its table entry is published, and the
         # next write updates this one's output in place (built while this one was queued, it copied the array).

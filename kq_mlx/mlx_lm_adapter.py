@@ -45,7 +45,7 @@ import kq_mlx
 from kq_mlx import report_pack, route_shed_columns
 from kq_mlx.route_shed_mlx import from_numpy
 from kq_core.contract import holds_every_expert
-from kq_host.arena import check_write, checked_writes
+from kq_host.arena import check_payload, check_slot, checked_writes
 from kq_host.residency import LayerReport, PreloadError, deadline_of
 
 # SwitchGLU's projections (a SwitchMLP has fc1 and fc2): the names a tier's weights carry.
@@ -611,8 +611,10 @@ class SwitchGLUArena:
             ExpertPayloadError: the payload is not one expert of the layer's shapes (nothing written).
             ValueError: ``[layer, slot]`` is not a slot of the arenas (nothing written).
         """
-        check_write(self.shape, layer, slot, payload, lambda layer: self.blocks[layer].slot_layout())
-        mx.eval(*self._assign(layer, slot, payload, self.blocks[layer].slot_layout()))
+        check_slot(self.shape, layer, slot)
+        layout = self.blocks[layer].slot_layout()
+        check_payload(payload, layout)
+        mx.eval(*self._assign(layer, slot, payload, layout))
 
     def write_slots(self, layers, slots, payloads) -> list[BaseException | None]:
         """n experts, evaluated once; one error (:func:`kq_host.arena.checked_writes`: that expert not written)
