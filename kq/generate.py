@@ -135,6 +135,11 @@ def check_config(config: GenerateConfig) -> Path:
     Raises:
         GenerateError: naming the argument (``--model``, ``--residency``...) or the file.
     """
+    return _checked(config)[0]
+
+
+def _checked(config: GenerateConfig) -> tuple[Path, dict]:
+    """:func:`check_config`'s checks: ``(the model directory, its config.json as read)``."""
     model = Path(config.model)
     try:
         if not model.is_dir():
@@ -183,7 +188,7 @@ def check_config(config: GenerateConfig) -> Path:
     if config.timeout is not None and (isinstance(config.timeout, bool) or not isinstance(config.timeout, (int, float))
                                        or not config.timeout > 0):
         raise _fail("--timeout", f"must be a number of seconds > 0, got {config.timeout!r}")
-    return model
+    return model, settings
 
 
 def _load(model_dir: Path):
@@ -348,11 +353,10 @@ def generate(config: GenerateConfig, on_text: Callable[[str], None] | None = Non
     from kq_host.residency import ResidencyManager
     from kq_mlx.mlx_lm_adapter import SwitchGLUArena, attach_arena, generate_greedy, prefill
 
-    model_dir = check_config(config)
+    model_dir, settings = _checked(config)
     mx.reset_peak_memory()  # MLX's peak from here: the load, the tier's build, the prompt and the tokens
     started = time.perf_counter()
     stages = {}
-    settings = json.loads((model_dir / "config.json").read_text())
     quantization = None
     if "quantization" in settings and config.rule == "tier":  # the tier is built from the experts dequantized
         try:
