@@ -204,11 +204,11 @@ def arena_moe(x, indices, scores, slot_table, *, rule: str, weights: Experts, nu
         return slots if slot_rows is None else slot_rows[slots]
 
     # An id outside [0, E) is no expert: shed under every rule, as route_shed sheds it (weight 0, not a miss).
-    valid = lookup_slots(indices, jnp.asarray(slot_table))[1]
+    looked_up, valid = lookup_slots(indices, bounded_table(slot_table, num_slots))
     if rule == "stall":
         y, mix = experts_apply(x, weights, jnp.where(valid, indices, 0)), jnp.where(valid, scores, 0.0)
     elif rule == "exact":
-        hit = resident_entries(indices, slot_table, num_slots)
+        hit = looked_up >= 0  # resident_entries's
         # an invalid entry reads nothing: gathered from any row, weighted 0
         gathered = gather_with_misses(weights, rows(jnp.where(hit, shed.slots, 0)), hit | ~valid,
                                       jnp.where(valid, indices, 0), fetch, layer)

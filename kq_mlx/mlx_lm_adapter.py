@@ -1388,7 +1388,8 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
     _check_manager_shape("generate_greedy", manager, blocks)
     if cache is None:
         cache = make_prompt_cache(model)
-    _check_cache("generate_greedy", cache, model)
+    else:
+        _check_cache("generate_greedy", cache, model)
     if exact and not _CacheCheckpoint(cache).restorable():
         raise ValueError("generate_greedy: exact=True runs a token again, which needs caches that can be put "
                          "back (trimmable KV caches or arrays caches); this model's cannot")
