@@ -9,8 +9,6 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
-
 from kq.backends import all_backends, backend
 
 DEMO_COLUMNS = """\
