@@ -16,6 +16,7 @@ exactly 1).
 
 from __future__ import annotations
 
+import functools
 from numbers import Integral
 from typing import NamedTuple
 
@@ -118,10 +119,9 @@ def check_tier(tier: TierExperts, arena: Experts, *, num_experts: int | None = N
                          f"router can pick needs its copy in the tier")
 
 
-def _unpack_rows(weights: TierWeights, rows, *, bits: int):
-    """The q of the experts ``rows`` ``[...]`` of one tier projection: float32 ``[..., out, in]``, read out of
-    the gathered words as the little-endian bit stream they were packed in."""
-    packed = weights.packed[rows]  # [..., out, words]
+def _unpack(packed, *, bits: int):
+    """The q of gathered tier words ``[..., out, words]``: float32 ``[..., out, in]``, read out of the words
+    as the little-endian bit stream they were packed in."""
     words = packed.shape[-1]
     values = words * 32 // bits
     position = jnp.arange(values, dtype=jnp.uint32) * bits  # each value's first bit in the row's stream
@@ -142,7 +142,7 @@ def dequantize_rows(weights: TierWeights, rows, *, bits: int, group_size: int, d
         ValueError: ``bits`` or ``group_size`` disagrees with the arrays.
     """
     _check_format(weights, bits=bits, group_size=group_size, where="dequantize_rows: weights")
-    q = _unpack_rows(weights, rows, bits=bits)
+    q = _unpack(weights.packed[rows], bits=bits)
     groups = q.reshape(*q.shape[:-1], q.shape[-1] // group_size, group_size)  # no -1: rows may be none
     scales = weights.scales[rows].astype(jnp.float32)[..., None]
     biases = weights.biases[rows].astype(jnp.float32)[..., None]
@@ -157,18 +157,27 @@ def quantized_apply(weights: TierWeights, rows, v, *, bits: int, group_size: int
 
     Per group, ``scale * sum(q * v) + bias * sum(v)``: a reduction over the gathered words that XLA fuses
     with their unpacking, so a miss reads its packed bits and scales, not a float copy of the expert.
+    One compiled program, fenced (``lax.optimization_barrier``) at the gathered entries and at the
+    output, so it gives the same bits called eagerly or inside any jitted program (XLA's CPU backend
+    otherwise contracts its multiplies and adds into FMAs or not depending on the fusion around it).
 
     Raises:
         ValueError: ``bits`` or ``group_size`` disagrees with the arrays.
     """
     _check_format(weights, bits=bits, group_size=group_size, where="quantized_apply: weights")
-    q = _unpack_rows(weights, rows, bits=bits)  # [T, k, out, in]
+    return _quantized_apply(weights, rows, v, bits=bits, group_size=group_size)
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "group_size"))
+def _quantized_apply(weights: TierWeights, rows, v, *, bits: int, group_size: int):
+    gathered = TierWeights(*(a[rows] for a in weights))  # [T, k, out, ...]
+    gathered, v = lax.optimization_barrier((gathered, v))
+    q = _unpack(gathered.packed, bits=bits)  # [T, k, out, in]
     groups = q.reshape(*q.shape[:-1], q.shape[-1] // group_size, group_size)  # [T, k, out, G, g]
     v = v.astype(jnp.float32).reshape(*v.shape[:-1], 1, v.shape[-1] // group_size, group_size)  # [T, k, 1, G, g]
     partial = jnp.sum(groups * v, axis=-1)  # [T, k, out, G]
-    scales = weights.scales[rows].astype(jnp.float32)
-    biases = weights.biases[rows].astype(jnp.float32)
-    return jnp.sum(partial * scales + biases * jnp.sum(v, axis=-1), axis=-1)
+    scales, biases = gathered.scales.astype(jnp.float32), gathered.biases.astype(jnp.float32)
+    return lax.optimization_barrier(jnp.sum(partial * scales + biases * jnp.sum(v, axis=-1), axis=-1))
 
 
 class Experts(NamedTuple):

@@ -205,3 +205,32 @@ def test_tiered_layer_serves_misses_with_their_dequantized_copy(rng, bits):
     assert error < 1e-6
     dropped, _ = jax.jit(lambda x: moe_ffn_arena(x, router, arena, table, top_k=4))(x)
     assert np.abs(np.asarray(dropped) - want).max() / np.abs(want).max() > 1e-3
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_tiered_layer_gives_the_same_bits_eagerly_and_in_any_jitted_program(rng, bits):
+    """A miss's tier entry is one fenced program: eager, jitted with the tier an argument or a constant of
+    the program, and inside a larger program, the same bits (unfenced, XLA's CPU backend contracted its
+    multiplies and adds into FMAs in some of these and not others)."""
+    jax = pytest.importorskip("jax")
+    from kq_jax.moe import Experts, moe_ffn_tiered
+
+    x, router, full = _layer(rng)
+    x = x * 37.0  # outputs far from 1, where a rounding difference shows in the last bits
+    _, tier = _tier_of(full, bits, 32)
+    resident = np.array([1, 4, 6, 9, 11], np.int32)
+    table = np.full(16, -1, np.int32)
+    table[resident] = np.arange(resident.size, dtype=np.int32)
+    arena = Experts(*(w[resident] for w in full))
+
+    def layer(x, arena, tier):
+        return moe_ffn_tiered(x, router, arena, tier, table, top_k=4)
+
+    eager, routing = layer(x, arena, tier)
+    assert (np.asarray(routing.shed.miss_ids) >= 0).sum() >= 8, "the case must have misses"
+    bits_of = lambda y: np.asarray(y).view(np.uint32)
+    as_arguments = jax.jit(lambda x, arena, packed: layer(x, arena, tier._replace(gate=packed)))(x, arena, tier.gate)[0]
+    as_constants = jax.jit(lambda x: layer(x, arena, tier))(x)[0]
+    inside = jax.jit(lambda x: layer(x, arena, tier)[0] * 2.0)(x) / 2.0  # exact: a power of two
+    for got in (as_arguments, as_constants, inside):
+        np.testing.assert_array_equal(bits_of(got), bits_of(eager))
