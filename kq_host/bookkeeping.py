@@ -94,8 +94,8 @@ def credit(tables: Tables, ids: np.ndarray, scores: np.ndarray, snapshot: np.nda
 
     Args:
         ids: int64 ``[L, n]`` routed expert ids (ids outside ``[0, E)`` count as shed, nothing else).
-        scores: float64 ``[L, n]`` their scores (NaN counts as no mass).
-        snapshot: int32 ``[L, E]`` the tables the token ran with.
+        scores: float64 ``[L, n]`` their scores (NaN or an infinity counts as no mass).
+        snapshot: int32 ``[L, E]`` the tables the token ran with (an expert >= 0 there counts as a hit).
         keep_mass: a layer whose shed mass exceeds ``1 - keep_mass`` of its routed mass is over budget.
 
     Returns:
@@ -117,7 +117,7 @@ def credit(tables: Tables, ids: np.ndarray, scores: np.ndarray, snapshot: np.nda
     counts["hits"] += kept.sum(axis=1)
     counts["misses"] += (valid & ~kept).sum(axis=1)
     counts["shed_count"] += (~kept).sum(axis=1)
-    numbers = np.where(np.isnan(scores), 0.0, scores)
+    numbers = np.where(np.isfinite(scores), scores, 0.0)
     shed_mass = np.where(kept, 0.0, numbers).sum(axis=1)
     routed_mass = numbers.sum(axis=1)
     counts["shed_mass"] += shed_mass

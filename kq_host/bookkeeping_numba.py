@@ -81,7 +81,7 @@ def _credit(ids, scores, snapshot, token, lfu, keep_mass, priority, routed, look
     for layer in range(num_layers):
         for j in range(entries):
             score = scores[layer, j]
-            numbers[j] = 0.0 if np.isnan(score) else score
+            numbers[j] = score if np.isfinite(score) else 0.0
             shed_numbers[j] = numbers[j]
             expert = ids[layer, j]
             if expert < 0 or expert >= num_experts:

@@ -21,8 +21,8 @@ in (3) only after the read (and the write, if the loader writes) completed.
 A read that fails leaves its slot free and its expert unpublished; :attr:`ResidencyManager.failures`
 keeps one record per expert (a count and the last error's text), and the expert is not read
 again for 2, 4, 8, ... tokens (up to 1024) after each failure in a row. A read fails when the
-loader raises, returns an int that is no byte count (negative, or 2**62 and more), or returns a
-payload the arena refuses or whose arrays share memory with another payload not yet published
+loader raises, returns an int that is no byte count (negative, or more than :data:`MAX_BYTE_COUNT`), returns
+a payload with no arena to write it into, or returns a payload the arena refuses or whose arrays share memory with another payload not yet published
 (a staging buffer reused before its expert was written), or when the arena's write raises.
 Publishing is all or nothing per read: whatever raises, every slot ends free, loading or
 resident for exactly one expert, and the tables point only at resident slots.
@@ -68,15 +68,22 @@ __all__ = ["MAX_BACKOFF_DOUBLINGS", "MAX_BYTE_COUNT", "FailedRead", "LayerReport
            "ManagerClosed", "PendingRead", "PreloadError", "ResidencyManager", "SlotState"]
 
 # The largest int a loader may return as the bytes it read.
-MAX_BYTE_COUNT = 2**62 - 1
+MAX_BYTE_COUNT = 2**40  # 1 TiB: bytes_read (int64) cannot wrap before 2**23 reads of it
+_MAX_READ_BUDGET = 2**62  # read_budget is kept as an int64
+
+
+def _is_int(value) -> bool:
+    """An int or NumPy integer, not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
 
 @dataclass
 class LayerStats:
     """Counters of one layer (or of all layers, summed)."""
 
     lookups: int = 0  # routed entries with a valid expert id
-    hits: int = 0  # of those, resident in the token's snapshot
-    misses: int = 0  # valid and not resident: shed and reported
+    hits: int = 0  # of those, served from the arena: not among the token's reported misses (step), resident (acquire)
+    misses: int = 0  # valid and reported missed (step) or not resident (acquire)
     shed_count: int = 0  # every shed entry (misses plus out-of-range ids)
     shed_mass: float = 0.0  # sum of the shed entries' scores
     routed_mass: float = 0.0  # sum of all routed scores
@@ -360,12 +367,14 @@ class ManagerBase:
     def __init__(self, num_layers: int, num_experts: int, num_slots: int, *, loader: Loader,
                  arena: Arena | None, policy: str, pinned: Mapping[int, Iterable[int]] | None, keep_mass: float,
                  read_budget: int | None, decay_interval: int, queue_depth: int, bytes_per_expert: int):
-        for name, value, minimum in (("num_layers", num_layers, 1), ("num_experts", num_experts, 1),
-                                     ("num_slots", num_slots, 1), ("queue_depth", queue_depth, 0),
-                                     ("decay_interval", decay_interval, 0), ("bytes_per_expert", bytes_per_expert, 0),
-                                     ("read_budget", 0 if read_budget is None else read_budget, 0)):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < minimum:
-                raise ValueError(f"ResidencyManager: {name} must be an int >= {minimum}, got {value!r}")
+        for name, value, minimum, maximum in (
+                ("num_layers", num_layers, 1, None), ("num_experts", num_experts, 1, None),
+                ("num_slots", num_slots, 1, None), ("queue_depth", queue_depth, 0, None),
+                ("decay_interval", decay_interval, 0, None), ("bytes_per_expert", bytes_per_expert, 0, MAX_BYTE_COUNT),
+                ("read_budget", 0 if read_budget is None else read_budget, 0, _MAX_READ_BUDGET)):
+            if not _is_int(value) or value < minimum or (maximum is not None and value > maximum):
+                raise ValueError(f"ResidencyManager: {name} must be an int >= {minimum}"
+                                 f"{'' if maximum is None else f' and <= {maximum}'}, got {value!r}")
         if queue_depth > MAX_QUEUE_DEPTH:
             raise ValueError(f"ResidencyManager: queue_depth must be at most {MAX_QUEUE_DEPTH} (a loader thread "
                              f"each), got {queue_depth}")
@@ -375,22 +384,25 @@ class ManagerBase:
         if shape is not None and tuple(shape) != (num_layers, num_slots):
             raise ValueError(f"ResidencyManager: the arena holds {shape[0]} layers of {shape[1]} slots; the manager "
                              f"has {num_layers} layers of {num_slots} slots")
-        if not 0.0 <= keep_mass <= 1.0:
-            raise ValueError(f"ResidencyManager: keep_mass must be in [0, 1], got {keep_mass}")
+        if not isinstance(keep_mass, numbers.Real) or isinstance(keep_mass, (bool, np.bool_)) or not 0.0 <= keep_mass <= 1.0:
+            raise ValueError(f"ResidencyManager: keep_mass must be a number in [0, 1], got {keep_mass!r}")
+        if pinned is not None and not isinstance(pinned, Mapping):
+            raise ValueError(f"ResidencyManager: pinned must map layers to expert ids, got {type(pinned).__name__}")
         self.num_layers, self.num_experts, self.num_slots = num_layers, num_experts, num_slots
         self.loader, self.arena, self.policy = loader, arena, policy
         self.keep_mass, self.read_budget, self.decay_interval = keep_mass, read_budget, decay_interval
         self.bytes_per_expert, self.queue_depth = bytes_per_expert, queue_depth
         self.pinned_experts: dict[int, set[int]] = {}
         for layer, experts in (pinned or {}).items():
-            experts = [int(e) for e in experts]
-            if not 0 <= layer < num_layers or any(not 0 <= e < num_experts for e in experts):
+            experts = list(experts) if isinstance(experts, Iterable) else [experts]
+            if (not _is_int(layer) or not 0 <= layer < num_layers
+                    or any(not _is_int(e) or not 0 <= e < num_experts for e in experts)):
                 raise ValueError(f"ResidencyManager: pinned maps layers in [0, {num_layers}) to expert ids in "
                                  f"[0, {num_experts}), got layer {layer}: {experts}")
             if len(set(experts)) > num_slots:
                 raise ValueError(f"ResidencyManager: layer {layer} pins {len(set(experts))} experts into "
                                  f"{num_slots} slots")
-            self.pinned_experts[layer] = set(experts)
+            self.pinned_experts[int(layer)] = {int(e) for e in experts}
         self._pool = _DaemonPool(queue_depth, "kq-prestage") if queue_depth else None
         self._pending: list = []
         self._cancelled = threading.Event()  # set by close: pooled workers start no further read
@@ -401,15 +413,20 @@ class ManagerBase:
         self._busy_owner: int | None = None  # the thread inside step, acquire, preload, ... (None: none)
         self.token = 0
 
+    def _checked_layer(self, method: str, layer) -> int:
+        """``layer`` as an int, or ValueError naming it unless it is an int in ``[0, num_layers)``."""
+        if not _is_int(layer) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"{method}: layer must be an int in [0, {self.num_layers}), got {layer!r}")
+        return int(layer)
+
     def _preload_experts(self, layer: int, experts: Iterable[int]) -> list[int]:
         """``preload``'s arguments, checked: the expert ids as ints."""
-        experts = [int(e) for e in experts]
-        if not 0 <= layer < self.num_layers:
-            raise ValueError(f"preload: layer must be in [0, {self.num_layers}), got {layer}")
-        bad = [e for e in experts if not 0 <= e < self.num_experts]
+        self._checked_layer("preload", layer)
+        experts = list(experts)
+        bad = [e for e in experts if not _is_int(e) or not 0 <= e < self.num_experts]
         if bad:
-            raise ValueError(f"preload: experts must be ids in [0, {self.num_experts}), got {bad}")
-        return experts
+            raise ValueError(f"preload: experts must be int ids in [0, {self.num_experts}), got {bad}")
+        return [int(e) for e in experts]
 
     def _exclusive(self, method: str) -> "_Exclusive":
         return _Exclusive(self, method)
@@ -563,7 +580,9 @@ class ResidencyManager(ManagerBase):
             into the slot itself and returns None, or returns a payload that
             ``arena.write_slot`` writes at publish time on the caller's thread
             (JAX and MLX arenas). An exception marks the read failed.
-        arena: optional :class:`Arena` for payload-returning loaders.
+        arena: the :class:`Arena` a payload-returning loader's payloads are written into (a payload with no
+            arena fails its read); a loader that writes the arena itself may pass it too, for the shape
+            check: a read that returns None or a byte count is not written again.
         policy: ``"lfu"`` (default; popularity credited from each token's
             routed set, halved every ``decay_interval`` tokens) or ``"lru"``.
         pinned: ``{layer: expert ids}`` never evicted (load them with :meth:`preload`).
@@ -606,12 +625,12 @@ class ResidencyManager(ManagerBase):
 
     def resident(self, layer: int) -> dict[int, int]:
         """``{expert: slot}`` published in ``layer``."""
-        table = self._tables.table[layer]
+        table = self._tables.table[self._checked_layer("resident", layer)]
         return {int(e): int(table[e]) for e in np.flatnonzero(table >= 0)}
 
     def slot_owner(self, layer: int) -> np.ndarray:
         """``int32 [S]``: the expert resident in or loading into each slot, -1 free."""
-        return self._tables.owner[layer].copy()
+        return self._tables.owner[self._checked_layer("slot_owner", layer)].copy()
 
     # ---- loading ------------------------------------------------------------------------
 
@@ -695,9 +714,18 @@ class ResidencyManager(ManagerBase):
                 failed = batch.failed[ready]
                 layers, experts, slots = batch.layers[ready], batch.experts[ready], batch.slots[ready]
             nbytes = self._byte_counts(picked, failed)
-            if self.arena is not None and not failed.all():
-                _refuse_shared_buffers(picked, failed)
-                self._write(layers, slots, picked, failed)
+            carried = np.array([not gone and outcome is not None and not isinstance(outcome, numbers.Integral)
+                                for gone, outcome in zip(failed.tolist(), picked)], bool)  # payloads to write
+            if carried.any():
+                if self.arena is None:
+                    for j in np.flatnonzero(carried).tolist():
+                        failed[j], picked[j] = True, ValueError(
+                            f"the loader returned a {type(picked[j]).__name__} to write, and the manager has no "
+                            f"arena to write it into: pass arena=, or have the loader write the expert and "
+                            f"return None or its byte count")
+                else:
+                    _refuse_shared_buffers(picked, failed)
+                    self._write(layers, slots, picked, failed, carried & ~failed)
             # Settled: close the reads, then the bookkeeping (neither raises).
             if ready is None:
                 batch.open[:] = False
@@ -740,9 +768,11 @@ class ResidencyManager(ManagerBase):
                     f"[0, {MAX_BYTE_COUNT}]"), 0
         return counts
 
-    def _write(self, layers: np.ndarray, slots: np.ndarray, picked: list, failed: np.ndarray) -> None:
-        """Writes the landed payloads into the arena; a refused or raising write makes its read failed."""
-        written = np.flatnonzero(~failed)
+    def _write(self, layers: np.ndarray, slots: np.ndarray, picked: list, failed: np.ndarray,
+               payloads: np.ndarray) -> None:
+        """Writes the landed payloads (where ``payloads``) into the arena; a refused or raising write makes its
+        read failed."""
+        written = np.flatnonzero(payloads)
         try:
             refused = write_landed(self.arena, layers[written], slots[written], [picked[j] for j in written.tolist()])
             if len(refused) != written.size:
@@ -845,7 +875,7 @@ class ResidencyManager(ManagerBase):
                 fence()  # (1)
                 if self._closed:  # by another thread, while the fence waited: nothing credited, no read
                     raise self._closed_meanwhile("step")
-            shielded = self._ops.credit(tables, ids, scores, self._snapshot, self.token, self.keep_mass)  # (2)
+            shielded = self._ops.credit(tables, ids, scores, self._served(miss_ids), self.token, self.keep_mass)  # (2)
             self._publish_landed()  # (3)
             reads = self._ops.place(tables, miss_ids, miss_scores, shielded, token=self.token,  # (4)
                                     read_budget=self.read_budget, backing_off=bool(self.failures))
@@ -1047,8 +1077,7 @@ class ResidencyManager(ManagerBase):
 
     def _layer_routing(self, method: str, layer, ids, scores, *, allow_padding: bool = False):
         """One layer's ids and scores as ``[1, n]`` int64 and float64, checked."""
-        if not isinstance(layer, (int, np.integer)) or isinstance(layer, bool) or not 0 <= layer < self.num_layers:
-            raise ValueError(f"{method}: layer must be an int in [0, {self.num_layers}), got {layer!r}")
+        self._checked_layer(method, layer)
         ids, scores = np.asarray(ids), np.asarray(scores)
         if ids.dtype.kind not in "iu" or ids.shape != scores.shape or scores.dtype.kind not in "fiu":
             raise ValueError(f"{method}: ids must be integers and scores numbers of the same shape, got "
@@ -1067,14 +1096,26 @@ class ResidencyManager(ManagerBase):
             del self._unused_prefetches[key]
             self._lookahead["prefetch_wasted"][layer] += 1
 
+    def _served(self, miss_ids: np.ndarray) -> np.ndarray:
+        """int32 ``[L, E]``: the tables as a token's report shows them, -1 for each expert it reported missed.
+        A pipelined loop runs a token on tables older than the last snapshot: its report says what it was served."""
+        served = np.zeros((self.num_layers, self.num_experts), np.int32)
+        layers = np.broadcast_to(np.arange(self.num_layers)[:, None], miss_ids.shape)
+        missed = miss_ids >= 0
+        served[layers[missed], miss_ids[missed]] = -1
+        return served
+
     def _gather(self, reports: Sequence[LayerReport] | LayerReport):
         """The reports as ``[L, n]`` arrays (ids, scores, miss ids, miss scores), checked."""
         stacked_report = isinstance(reports, LayerReport)
         if stacked_report:
             shape = np.shape(reports.indices)
             count = shape[0] if shape else 0
-        else:
+        elif isinstance(reports, Sequence) and all(isinstance(r, LayerReport) for r in reports):
             count = len(reports)
+        else:
+            raise ValueError(f"step: reports must be a LayerReport per layer or one LayerReport of [L, ...] arrays, "
+                             f"got {type(reports).__name__}")
         if count != self.num_layers:
             raise ValueError(f"step: expected {self.num_layers} layer reports (or one report of [L, ...] "
                              f"arrays), got {count}")

@@ -219,12 +219,14 @@ class ReferenceManager(ManagerBase):
         scores = np.asarray(report.scores, dtype=np.float64).reshape(-1)
         valid = (ids >= 0) & (ids < self.num_experts)
         kept = np.zeros(ids.shape, bool)
-        kept[valid] = self._snapshot[layer, ids[valid]] >= 0
+        missed = np.asarray(report.miss_ids).reshape(-1)
+        kept[valid] = ~np.isin(ids[valid], missed[missed >= 0])  # served: not among the report's misses
         routed = ids[valid]
         np.add.at(state.popularity, routed, 1.0)
         state.last_used[routed] = self.token
-        shed_mass = float(np.nansum(np.where(kept, 0.0, scores)))
-        routed_mass = float(np.nansum(scores))
+        scores = np.where(np.isfinite(scores), scores, 0.0)
+        shed_mass = float(np.sum(np.where(kept, 0.0, scores)))
+        routed_mass = float(np.sum(scores))
         stats = state.stats
         stats.lookups += int(valid.sum())
         stats.hits += int(kept.sum())

@@ -1,6 +1,7 @@
 """The host side on a bad day: failing and hanging loaders, wrong payloads, bad arguments, two threads."""
 
 import gc
+import importlib.util
 import threading
 import time
 
@@ -9,7 +10,7 @@ import pytest
 
 from kq import route_shed
 from kq_host.arena import ExpertPayloadError, NumpyArena
-from kq_host.residency import LayerReport, ResidencyManager
+from kq_host.residency import MAX_BYTE_COUNT, LayerReport, ResidencyManager
 
 SHAPES = {"gate_proj": ((4, 3), np.float32), "down_proj": ((3, 4), np.float32)}
 
@@ -192,7 +193,10 @@ def test_jax_and_mlx_arenas_check_payloads_too():
     (dict(read_budget=-1), "read_budget"), (dict(queue_depth=-2), "queue_depth"),
     (dict(queue_depth=1_000_000), "queue_depth must be at most 256"),
     (dict(pinned={0: [9]}), "pinned"), (dict(pinned={3: [1]}), "pinned"), (dict(decay_interval=-1), "decay_interval"),
-    (dict(impl="cython"), "impl"),
+    (dict(impl="cython"), "impl"), (dict(bytes_per_expert=2**63), "bytes_per_expert"),
+    (dict(bytes_per_expert=MAX_BYTE_COUNT + 1), "bytes_per_expert"), (dict(read_budget=2**70), "read_budget"),
+    (dict(keep_mass="x"), "keep_mass"), (dict(keep_mass=float("nan")), "keep_mass"),
+    (dict(pinned={"0": [1]}), "pinned"), (dict(pinned={0: [1.5]}), "pinned"), (dict(pinned=[1]), "pinned"),
 ])
 def test_manager_arguments_are_checked(kwargs, argument):
     args = dict(num_layers=1, num_experts=8, num_slots=2) | kwargs
@@ -299,6 +303,50 @@ def test_out_of_range_misses_are_refused_before_anything_is_credited():
         manager.step([bad])
     _, total = manager.stats()
     assert total.lookups == 0 and manager.token == 0
+
+
+IMPLS = [pytest.param("numpy"), pytest.param("numba", marks=pytest.mark.skipif(
+    importlib.util.find_spec("numba") is None, reason="needs Numba"))]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_hits_and_misses_are_what_the_token_was_served_on_whatever_tables_it_ran(impl):
+    """A pipelined loop runs token t + 1 on tables older than the manager's last snapshot: its hits and
+    misses, and its shed mass, are the report's (the misses route_shed gave it), not a later table's."""
+    manager = ResidencyManager(1, 4, 2, loader=lambda *a: None, queue_depth=0, impl=impl)
+    ran = {0: manager.snapshot(), 1: manager.snapshot()}
+    missed = 0
+    for token in range(4):
+        ids = np.array([[1]], np.int32)
+        scores = np.ones((1, 1), np.float32)
+        shed = route_shed(ids, scores, ran[token][0])
+        missed += int((np.asarray(shed.miss_ids) >= 0).sum())
+        ran[token + 2] = manager.step([LayerReport(ids, scores, shed.miss_ids, shed.miss_scores)])
+    _, total = manager.stats()
+    assert missed == 3
+    assert (total.misses, total.hits, total.shed_mass) == (3, 1, 3.0)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_score_that_is_no_number_counts_as_no_mass(impl):
+    manager = ResidencyManager(1, 8, 3, loader=lambda *a: None, queue_depth=0, impl=impl)
+    for score in (np.inf, -np.inf, np.nan, 0.5):
+        manager.step([LayerReport(np.array([[1]]), np.array([[score]]), np.array([[1]]), np.array([[1.0]]))])
+    _, total = manager.stats()
+    assert total.routed_mass == 0.5 and total.shed_mass == 0.5 and total.lookups == 4
+
+
+@pytest.mark.parametrize("call, argument", [
+    (lambda m: m.preload(0.5, [1]), "layer"), (lambda m: m.preload("0", [1]), "layer"),
+    (lambda m: m.preload(0, [1.5]), "experts"), (lambda m: m.resident(9), "layer"), (lambda m: m.resident(-1), "layer"),
+    (lambda m: m.slot_owner(9), "layer"), (lambda m: m.step(5), "reports"), (lambda m: m.step([1, 2]), "reports"),
+], ids=["preload-float-layer", "preload-str-layer", "preload-float-expert", "resident-past", "resident-negative",
+        "slot_owner-past", "step-int", "step-list-of-ints"])
+def test_a_layer_or_report_of_the_wrong_kind_is_refused_by_name(call, argument):
+    manager = ResidencyManager(2, 8, 3, loader=lambda *a: None, queue_depth=0)
+    with pytest.raises(ValueError, match=argument):
+        call(manager)
+    assert manager.stats()[1].lookups == 0 and manager.token == 0
 
 
 @pytest.mark.parametrize("shape, message", [((3, 1, 2), "expected 2 layer reports"),

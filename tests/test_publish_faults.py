@@ -116,6 +116,40 @@ def test_a_byte_count_that_is_no_byte_count_fails_its_read(count, landed):
         assert total.bytes_read == 0
 
 
+@pytest.mark.parametrize("impl", ["numpy", "numba"])
+def test_a_payload_with_no_arena_to_write_it_fails_its_read(impl):
+    if impl == "numba":
+        pytest.importorskip("numba")
+    manager = ResidencyManager(1, 8, 4, loader=lambda l, e, s: payload(e), queue_depth=0, impl=impl)
+    manager.step(reports(manager, [[1]]))
+    manager.drain()
+    check_invariants(manager)
+    assert manager.resident(0) == {}  # nothing was written: the expert must not be served from the slot
+    record = manager.failures[(0, 1)]
+    assert record.error_type == "ValueError" and "arena" in record.message
+    assert manager.stats()[1].reads_landed == 0
+
+
+@pytest.mark.parametrize("returns", ["byte count", "None"])
+def test_a_loader_that_writes_into_the_arena_itself_is_published_beside_one(returns):
+    """NumpyArena may be written by the loader (its slot is never mapped while loading); the manager, given
+    that arena for its shape check, writes nothing more for a read that returned no payload."""
+    arena = NumpyArena(1, 4, SHAPES)
+
+    def loader(layer, expert, slot):
+        for name, value in payload(expert).items():
+            arena.arrays[name][layer, slot] = value
+        return 48 if returns == "byte count" else None
+
+    manager = ResidencyManager(1, 8, 4, loader=loader, arena=arena, queue_depth=0, bytes_per_expert=5, impl="numpy")
+    manager.step(reports(manager, [[1, 2]]))
+    manager.drain()
+    check_invariants(manager)
+    assert sorted(manager.resident(0)) == [1, 2] and not manager.failures
+    assert all((arena.arrays["gate_proj"][0, slot] == expert).all() for expert, slot in manager.resident(0).items())
+    assert manager.stats()[1].bytes_read == (96 if returns == "byte count" else 10)
+
+
 class Unprintable(Exception):
     def __str__(self):
         raise RuntimeError("no message")
