@@ -138,19 +138,29 @@ class Quantization:
         """The checkpoint's quantization, or ``None`` for a float checkpoint.
 
         Raises:
-            ExpertStoreError: a mode other than ``affine``, or options that are not ints.
+            ExpertStoreError: a mode other than ``affine``, or options that are no ints in range (naming them).
+            CheckpointError: ``config.json`` is not a JSON object.
         """
         path = Path(checkpoint) / "config.json"
-        raw = json.loads(path.read_text()).get("quantization") if path.is_file() else None
+        raw = read_config(checkpoint).get("quantization") if path.is_file() else None
         if raw is None:
             return None
+        if not isinstance(raw, dict):
+            raise ExpertStoreError(f"{path}: quantization must be a JSON object, got {raw!r}")
         if raw.get("mode", "affine") != "affine":
             raise ExpertStoreError(f"{path}: quantization mode {raw['mode']!r}; kq reads the affine mode only")
-        try:
-            modules = {name: (int(v["bits"]), int(v["group_size"])) for name, v in raw.items() if isinstance(v, dict)}
-            return cls(int(raw["bits"]), int(raw["group_size"]), modules)
-        except (KeyError, TypeError, ValueError) as error:
-            raise ExpertStoreError(f"{path}: unreadable quantization options {raw!r} ({error})") from None
+
+        def options(where: str, value: dict) -> tuple[int, int]:
+            bits, group_size = value.get("bits"), value.get("group_size")
+            for name, number, low, high in (("bits", bits, 1, 8), ("group_size", group_size, 1, None)):
+                if (not isinstance(number, int) or isinstance(number, bool) or number < low
+                        or (high is not None and number > high)):
+                    bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+                    raise ExpertStoreError(f"{path}: quantization{where}'s {name} must be an int {bound}, got {number!r}")
+            return bits, group_size
+
+        modules = {name: options(f"[{name!r}]", v) for name, v in raw.items() if isinstance(v, dict)}
+        return cls(*options("", raw), modules)
 
     def options(self, module: str) -> tuple[int, int]:
         """``(bits, group_size)`` of one module (its name without ``.weight``)."""
@@ -208,7 +218,7 @@ class DequantizedExperts:
         return out
 
     def submit(self, layer: int, expert: int):
-        return self.packed._pool.submit(self.read_expert, layer, expert)
+        return self.packed.submit_read(self.read_expert, layer, expert)
 
     def expert_shapes(self, layer: int, expert: int = 0) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         shapes = self.packed.expert_shapes(layer, expert)

@@ -20,12 +20,14 @@ import itertools
 import json
 import math
 import os
+import stat as stat_kinds
 import struct
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Literal, Mapping, NamedTuple, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -53,21 +55,38 @@ class ExpertStoreClosed(RuntimeError):
 
 # The safetensors format caps the header at 100 MB.
 MAX_HEADER_BYTES = 100_000_000
+# What NumPy can hold: at most 32 dimensions (NumPy 1's limit), each an int64
+MAX_DIMENSIONS, MAX_EXTENT = 32, 2**62
 
 
 class FileIdentity(NamedTuple):
     """What tells a file apart from one saved again at its path: a replacement has another inode (or
-    device), a rewrite in place another size or modification time."""
+    device), a rewrite in place another size, modification time or change time (a rewrite whose
+    modification time was set back still moves its change time, which no user can set)."""
 
     device: int
     inode: int
     size: int
     mtime_ns: int
+    ctime_ns: int
 
 
 def file_identity(stat: os.stat_result) -> FileIdentity:
     """The :class:`FileIdentity` of an ``os.stat`` / ``os.fstat`` result."""
-    return FileIdentity(stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    return FileIdentity(stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+
+
+def open_regular(path: Path) -> int:
+    """A read-only descriptor of ``path``, a regular file; ExpertStoreError naming it otherwise (a FIFO is
+    opened without waiting for a writer, then refused)."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as error:  # a directory, a dangling link, a link loop, no permission, gone
+        raise ExpertStoreError(f"{path}: cannot be opened as a safetensors file ({error.strerror or error})") from None
+    if not stat_kinds.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise ExpertStoreError(f"{path}: cannot be opened as a safetensors file (not a regular file)")
+    return descriptor
 
 
 def shared_memory_pairs(arrays: Sequence[Any]) -> list[tuple[int, int]]:
@@ -131,11 +150,7 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorEntry]:
         ExpertStoreError: naming the file, and the tensor where there is one.
     """
     path = Path(path)
-    try:
-        handle = open(path, "rb")
-    except OSError as error:  # a directory, a dangling link, a link loop, no permission
-        raise ExpertStoreError(f"{path}: cannot be opened as a safetensors file ({error.strerror or error})") from None
-    with handle:
+    with open(open_regular(path), "rb") as handle:
         identity = file_identity(os.fstat(handle.fileno()))
         size = identity.size
         raw = handle.read(8)
@@ -148,8 +163,9 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorEntry]:
         try:
             # The format's header is UTF-8 JSON (json.loads would also take UTF-16 and UTF-32 bytes).
             header = json.loads(handle.read(length).decode("utf-8"), object_pairs_hook=_unique_keys)
-        except ValueError as error:
-            raise ExpertStoreError(f"{path}: unreadable safetensors header ({error})") from error
+        except (ValueError, RecursionError) as error:  # RecursionError: arrays nested past Python's stack
+            raise ExpertStoreError(f"{path}: unreadable safetensors header ({type(error).__name__}: "
+                                   f"{str(error)[:200]})") from None
     if not isinstance(header, dict):
         raise ExpertStoreError(f"{path}: the header must be a JSON object, got {type(header).__name__}")
     data_size = size - 8 - length
@@ -172,8 +188,10 @@ def _entry(path: Path, name: str, info, data_start: int, data_size: int, identit
     if info["dtype"] not in SAFETENSORS_DTYPES:
         raise ExpertStoreError(f"{where} has dtype {info['dtype']!r}, which kq cannot read")
     shape, offsets = info["shape"], info["data_offsets"]
-    if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
-        raise ExpertStoreError(f"{where}: shape must be a list of non-negative ints, got {shape!r}")
+    if not (isinstance(shape, list) and len(shape) <= MAX_DIMENSIONS
+            and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_EXTENT for d in shape)):
+        raise ExpertStoreError(f"{where}: shape must be a list of at most {MAX_DIMENSIONS} ints in [0, {MAX_EXTENT}], "
+                               f"got {shape!r}"[:400])
     if not (isinstance(offsets, list) and len(offsets) == 2
             and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
             and 0 <= offsets[0] <= offsets[1]):
@@ -187,6 +205,18 @@ def _entry(path: Path, name: str, info, data_start: int, data_size: int, identit
         raise ExpertStoreError(f"{where}: {info['dtype']}{shape} takes {want} bytes, its data_offsets span "
                                f"{end - begin}")
     return TensorEntry(path, dtype, tuple(shape), data_start + begin, end - begin, identity)
+
+
+def _release(descriptors: dict, pool: ThreadPoolExecutor) -> None:
+    """What a store dropped without ``close()`` holds, let go: its reader threads and its files."""
+    pool.shutdown(wait=False)
+    _close_files(descriptors)
+
+
+def _close_files(descriptors: dict) -> None:
+    for descriptor in descriptors.values():
+        os.close(descriptor)
+    descriptors.clear()
 
 
 def _checked_ids(method: str, layer, expert) -> tuple[int, int]:
@@ -227,6 +257,11 @@ class ExpertStore:
                  template: str | None = None, queue_depth: int = 8, host_allocator=None):
         if layout not in ("per_expert", "stacked"):
             raise ValueError(f"ExpertStore: layout must be 'per_expert' or 'stacked', got {layout!r}")
+        if not isinstance(queue_depth, (int, np.integer)) or isinstance(queue_depth, bool) or queue_depth < 1:
+            raise ValueError(f"ExpertStore: queue_depth must be an int >= 1 (reader threads), got {queue_depth!r}")
+        if isinstance(projections, str) or not projections or not all(isinstance(p, str) for p in projections):
+            raise ValueError(f"ExpertStore: projections must name at least one projection (strings), got "
+                             f"{projections!r}")
         if host_allocator is not None and not callable(host_allocator):
             raise ValueError(f"ExpertStore: host_allocator must be a callable (shape, dtype) -> array, got "
                              f"{host_allocator!r}")
@@ -239,6 +274,11 @@ class ExpertStore:
         if missing:
             raise ValueError(f"ExpertStore: a {layout} template must name {', '.join(fields)}; "
                              f"{self.template!r} lacks {', '.join(missing)}")
+        try:
+            self.template.format(layer=0, expert=0, projection=self.projections[0])
+        except (KeyError, IndexError, ValueError) as error:
+            raise ValueError(f"ExpertStore: the template {self.template!r} names a field other than "
+                             f"{', '.join(fields)} or is malformed ({type(error).__name__}: {error})") from None
         files = self._files(paths)
         self._names: dict[int, dict[str, str]] | None = None  # for_tensors: layer -> {payload key: tensor}
         self.tensors: dict[str, TensorEntry] = {}
@@ -250,6 +290,8 @@ class ExpertStore:
                 self.tensors[name] = entry
         self._pool = ThreadPoolExecutor(max_workers=queue_depth, thread_name_prefix="kq-expert-read")
         self._descriptors: dict[Path, int] = {}
+        # A store dropped without close() closes its files (no read holds it then: a read keeps it alive).
+        weakref.finalize(self, _release, self._descriptors, self._pool)
         self._lock = threading.Lock()
         self._closing = self._closed = False  # closing: no submission taken; closed: no read either
         self._reads_running = 0  # reads holding descriptors: close closes the files once none is left
@@ -382,7 +424,10 @@ class ExpertStore:
         counted in ``_reads_running``: a read running when :meth:`close` ran goes on, its files closed after it)."""
         with self._lock:
             if entry.path not in self._descriptors:
-                self._descriptors[entry.path] = os.open(entry.path, os.O_RDONLY)
+                try:
+                    self._descriptors[entry.path] = open_regular(entry.path)
+                except ExpertStoreError as error:
+                    raise ExpertStoreError(f"{error} since its header was read; open a new ExpertStore") from None
             descriptor = self._descriptors[entry.path]
         try:
             # The open file, and the file now at its path (a checkpoint saved again replaces the file).
@@ -391,8 +436,8 @@ class ExpertStore:
         except OSError:
             changed = True
         if changed:
-            raise ExpertStoreError(f"{entry.path} changed after its header was read (device, inode, size or "
-                                   f"modification time differ, or the file is gone); open a new ExpertStore on the new file")
+            raise ExpertStoreError(f"{entry.path} changed after its header was read (device, inode, size, "
+                                   f"modification or change time differ, or the file is gone); open a new ExpertStore on the new file")
         return descriptor
 
     def _locate(self, layer: int, expert: int, projection: str) -> tuple[TensorEntry, int, int, tuple[int, ...]]:
@@ -461,7 +506,7 @@ class ExpertStore:
             with self._lock:
                 self._reads_running -= 1
                 if self._closed and not self._reads_running:
-                    self._close_descriptors()
+                    _close_files(self._descriptors)  # with _lock held
 
     def _read_projections(self, layer: int, expert: int, expected) -> dict[str, np.ndarray]:
         """:meth:`read_expert`'s reads, one ``pread`` per projection."""
@@ -530,11 +575,16 @@ class ExpertStore:
             ExpertStoreClosed: the store was closed.
             ValueError: ``layer`` or ``expert`` is no int >= 0.
         """
+        return self.submit_read(self.read_expert, layer, expert, **kwargs)
+
+    def submit_read(self, read: Callable[..., Any], layer: int, expert: int, **kwargs) -> Future:
+        """Queues ``read(layer, expert, **kwargs)`` on the reader pool, as :meth:`submit` queues its own read:
+        for a reader over this store (its reads waited for by :meth:`close`, refused after it)."""
         layer, expert = _checked_ids("submit", layer, expert)
         with self._lock:
             if self._closing:
                 raise ExpertStoreClosed(self._closed_message("submit"))
-            return self._pool.submit(self.read_expert, layer, expert, **kwargs)
+            return self._pool.submit(read, layer, expert, **kwargs)
 
     def close(self) -> None:
         """Waits for the submitted reads and closes the files; later reads and submissions raise
@@ -545,13 +595,8 @@ class ExpertStore:
         with self._lock:
             self._closed = True
             if not self._reads_running:
-                self._close_descriptors()
+                _close_files(self._descriptors)  # with _lock held
 
-    def _close_descriptors(self) -> None:
-        """Closes every open file (with ``_lock`` held)."""
-        for descriptor in self._descriptors.values():
-            os.close(descriptor)
-        self._descriptors.clear()
 
     @staticmethod
     def _closed_message(method: str) -> str:

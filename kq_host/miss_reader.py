@@ -105,6 +105,9 @@ class MissReader:
         except Exception as error:
             raise RuntimeError(f"MissReader: reading expert {expert} of layer {layer} failed: "
                                f"{type(error).__name__}: {error}") from error
+        if not isinstance(payload, Mapping):
+            raise ValueError(f"MissReader: expert {expert} of layer {layer}: the store's read_expert returned "
+                             f"{type(payload).__name__}, not a mapping of projection to array")
         missing = [name for name in self._projections if name not in payload]
         if missing:
             raise ValueError(f"MissReader: expert {expert} of layer {layer}: the store's payload lacks "

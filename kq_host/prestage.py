@@ -7,6 +7,17 @@ from typing import NamedTuple
 import numpy as np
 
 
+def int64_ids(where: str, name: str, values) -> np.ndarray:
+    """``values`` (expert ids) as an int64 array; ValueError naming ``name`` unless they are integers that
+    int64 holds (float ids would be truncated, a uint64 past 2**63 - 1 would wrap to a negative one)."""
+    array = np.asarray(values)
+    if array.dtype.kind not in "iu":
+        raise ValueError(f"{where}: {name} must be integers, got dtype {array.dtype}")
+    if array.dtype == np.uint64 and array.size and array.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"{where}: {name} holds {int(array.max())}, past int64")
+    return array.astype(np.int64, copy=False)
+
+
 class PrestageOrder(NamedTuple):
     """Deduplicated misses of a batch.
 
@@ -39,9 +50,9 @@ def prestage_order(miss_ids, miss_scores, num_experts: int) -> PrestageOrder:
         :class:`PrestageOrder`.
 
     Raises:
-        ValueError: shapes differ, or an id is outside ``[-1, E)``.
+        ValueError: shapes differ, the ids are no integers, or an id is outside ``[-1, E)``.
     """
-    ids = np.asarray(miss_ids).reshape(-1).astype(np.int64)
+    ids = int64_ids("prestage_order", "miss_ids", miss_ids).reshape(-1)
     scores = np.asarray(miss_scores).reshape(-1).astype(np.float32)
     if np.asarray(miss_ids).shape != np.asarray(miss_scores).shape:
         raise ValueError(f"prestage_order: miss_scores must have the shape of miss_ids "

@@ -47,6 +47,7 @@ import numbers
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Mapping as MappingABC
 from concurrent.futures import Future
 from dataclasses import dataclass, fields
@@ -59,6 +60,7 @@ from kq_host import bookkeeping
 from kq_host.arena import Arena, write_landed
 from kq_host.bookkeeping import SlotState, Tables
 from kq_host.expert_store import shared_memory_pairs
+from kq_host.prestage import int64_ids
 
 # Loader threads a manager may run: reads in flight beyond a few dozen add nothing a disk serves faster.
 MAX_QUEUE_DEPTH = 256
@@ -244,7 +246,8 @@ class _DaemonPool:
         for _ in self._threads:
             self._queue.put(None)
         for thread in self._threads:
-            thread.join(wait_seconds)
+            if thread is not threading.current_thread():  # a manager may be dropped on its own loader thread
+                thread.join(wait_seconds)
 
 
 class _ReadBatch:
@@ -325,7 +328,14 @@ class LayerReport:
     @classmethod
     def stacked(cls, layers: Sequence["LayerReport"]) -> "LayerReport":
         """One report of ``[L, T, K]`` arrays from one report per layer (what :meth:`ResidencyManager.step`
-        takes in one piece)."""
+        takes in one piece).
+
+        Raises:
+            ValueError: no layer's report is given.
+        """
+        layers = list(layers)
+        if not layers:
+            raise ValueError("LayerReport.stacked: layers must hold one report per layer, got none")
         return cls(*(None if any(getattr(r, f.name) is None for r in layers)
                      else np.stack([getattr(r, f.name) for r in layers]) for f in fields(cls)))
 
@@ -404,6 +414,8 @@ class ManagerBase:
                                  f"{num_slots} slots")
             self.pinned_experts[int(layer)] = {int(e) for e in experts}
         self._pool = _DaemonPool(queue_depth, "kq-prestage") if queue_depth else None
+        if self._pool is not None:  # a manager dropped without close() stops its loader threads
+            weakref.finalize(self, self._pool.shutdown)
         self._pending: list = []
         self._cancelled = threading.Event()  # set by close: pooled workers start no further read
         self._landed = threading.Condition()  # notified when a read finishes, and by close
@@ -1078,11 +1090,11 @@ class ResidencyManager(ManagerBase):
     def _layer_routing(self, method: str, layer, ids, scores, *, allow_padding: bool = False):
         """One layer's ids and scores as ``[1, n]`` int64 and float64, checked."""
         self._checked_layer(method, layer)
-        ids, scores = np.asarray(ids), np.asarray(scores)
-        if ids.dtype.kind not in "iu" or ids.shape != scores.shape or scores.dtype.kind not in "fiu":
+        ids, scores = int64_ids(method, "ids", ids), np.asarray(scores)
+        if ids.shape != scores.shape or scores.dtype.kind not in "fiu":
             raise ValueError(f"{method}: ids must be integers and scores numbers of the same shape, got "
                              f"{ids.dtype} {ids.shape} and {scores.dtype} {scores.shape}")
-        ids = ids.reshape(1, -1).astype(np.int64)
+        ids = ids.reshape(1, -1)
         low = -1 if allow_padding else 0
         if ids.size and (ids.min() < low or ids.max() >= self.num_experts):
             raise ValueError(f"{method}: layer {layer}'s ids must lie in [{low}, {self.num_experts}), got "
@@ -1129,11 +1141,10 @@ class ResidencyManager(ManagerBase):
                 stacked = None
             if stacked is None or stacked.dtype == object or stacked.ndim == 0 or stacked.shape[0] != self.num_layers:
                 raise ValueError(f"step: every layer's {field_name} must have one shape")
-            integers = field_name.endswith(("indices", "ids"))
-            kinds = "iu" if integers else "fiu"
-            if stacked.dtype.kind not in kinds and not (not integers and stacked.dtype.name == "bfloat16"):
-                raise ValueError(f"step: {field_name} must be {'integers' if integers else 'numbers'}, got "
-                                 f"dtype {stacked.dtype}")
+            if field_name.endswith(("indices", "ids")):
+                stacked = int64_ids("step", field_name, stacked)
+            elif stacked.dtype.kind not in "fiu" and stacked.dtype.name != "bfloat16":
+                raise ValueError(f"step: {field_name} must be numbers, got dtype {stacked.dtype}")
             arrays.append(stacked.reshape(self.num_layers, -1).astype(dtype, copy=False))
         ids, scores, miss_ids, miss_scores = arrays
         if ids.shape != scores.shape or miss_ids.shape != miss_scores.shape:

@@ -120,7 +120,7 @@ def quantize(weight: np.ndarray, *, bits: int, group_size: int) -> QuantizedWeig
     if not np.all(np.isfinite(weight)):
         raise TierOptionError(f"tier: a weight to quantize holds inf or NaN, or values beyond {dtype.name}'s range "
                               f"(the tier stores {dtype.name} scales and biases)")
-    groups = weight.astype(np.float32).reshape(*weight.shape[:-1], -1, group_size)
+    groups = weight.astype(np.float32).reshape(*weight.shape[:-1], weight.shape[-1] // group_size, group_size)
     levels = np.float32((1 << bits) - 1)
     low, high = groups.min(axis=-1), groups.max(axis=-1)
     edge_is_low = np.abs(low) > np.abs(high)
@@ -170,17 +170,28 @@ def bits_per_weight(bits: int, group_size: int) -> float:
 def pack(q: np.ndarray, bits: int) -> np.ndarray:
     """uint32 ``[..., n * bits / 32]``: ``q`` ``[..., n]`` (each < 2**bits) as a little-endian bit stream."""
     stream = ((q[..., None] >> np.arange(bits, dtype=np.uint32)) & 1).astype(np.uint8)  # [..., n, bits]
-    packed = np.packbits(stream.reshape(*q.shape[:-1], -1), axis=-1, bitorder="little")
+    packed = np.packbits(stream.reshape(*q.shape[:-1], q.shape[-1] * bits), axis=-1, bitorder="little")
     return np.ascontiguousarray(packed).view("<u4").astype(np.uint32)
 
 
+def _check_read_bits(bits) -> None:
+    """TierOptionError naming ``bits`` unless a stored weight can have them (MLX packs 1 to 8 bits)."""
+    if not (isinstance(bits, (int, np.integer)) and not isinstance(bits, (bool, np.bool_)) and 1 <= bits <= 8):
+        raise TierOptionError(f"tier: bits must be an int in [1, 8], got {bits!r}")
+
+
 def unpack(packed: np.ndarray, bits: int) -> np.ndarray:
-    """Inverse of :func:`pack`: uint32 ``[..., n]`` values."""
+    """Inverse of :func:`pack`: uint32 ``[..., n]`` values.
+
+    Raises:
+        TierOptionError: ``bits`` is no int in [1, 8].
+    """
+    _check_read_bits(bits)
     packed = np.asarray(packed, dtype=np.uint32)
     mask = np.uint32((1 << bits) - 1)
     if 32 % bits == 0:  # whole values per word: shift each word
         shifts = np.arange(0, 32, bits, dtype=np.uint32)
-        return ((packed[..., None] >> shifts) & mask).reshape(*packed.shape[:-1], -1)
+        return ((packed[..., None] >> shifts) & mask).reshape(*packed.shape[:-1], packed.shape[-1] * shifts.size)
     # a value may straddle two words: read each value from the 64 bits of its word and the next
     start = np.arange(packed.shape[-1] * 32 // bits, dtype=np.int64) * bits
     word, offset = start // 32, (start % 32).astype(np.uint64)
@@ -190,10 +201,26 @@ def unpack(packed: np.ndarray, bits: int) -> np.ndarray:
 
 
 def dequantize(weight: QuantizedWeight, *, bits: int, group_size: int) -> np.ndarray:
-    """float32 ``[..., in]``: ``scale * q + bias`` per group, in float32 (the reference of the layers)."""
-    q = unpack(weight.packed, bits).astype(np.float32)
-    groups = q.reshape(*q.shape[:-1], -1, group_size)
-    values = groups * weight.scales.astype(np.float32)[..., None] + weight.biases.astype(np.float32)[..., None]
+    """float32 ``[..., in]``: ``scale * q + bias`` per group, in float32 (the reference of the layers).
+
+    Raises:
+        TierOptionError: ``bits`` or ``group_size`` is no option a weight can have, or disagrees with the
+            shapes of ``weight``'s arrays (naming them).
+    """
+    _check_read_bits(bits)
+    if not (isinstance(group_size, (int, np.integer)) and not isinstance(group_size, (bool, np.bool_))
+            and group_size >= 1):
+        raise TierOptionError(f"tier: group_size must be an int >= 1, got {group_size!r}")
+    packed, scales, biases = (np.asarray(a) for a in weight)
+    width = packed.shape[-1] * WORD_BITS // bits if packed.ndim else 0
+    if (packed.ndim < 1 or width % group_size or scales.shape != biases.shape
+            or scales.shape != (*packed.shape[:-1], width // group_size)):
+        raise TierOptionError(f"tier: a weight of {bits} bits in groups of {group_size} packs [..., in * {bits} / "
+                              f"32] words beside [..., in / {group_size}] scales and biases; got packed "
+                              f"{list(packed.shape)}, scales {list(scales.shape)}, biases {list(biases.shape)}")
+    q = unpack(packed, bits).astype(np.float32)
+    groups = q.reshape(*q.shape[:-1], q.shape[-1] // group_size, group_size)
+    values = groups * scales.astype(np.float32)[..., None] + biases.astype(np.float32)[..., None]
     return values.reshape(q.shape)
 
 
@@ -209,6 +236,11 @@ class Tier:
     weights: Mapping[str, QuantizedWeight]
     bits: int
     group_size: int
+
+    def __post_init__(self):
+        if not isinstance(self.weights, Mapping) or not self.weights:
+            raise TierOptionError(f"tier: weights must map each projection to its QuantizedWeight, got "
+                                  f"{self.weights!r}"[:300])
 
     @property
     def nbytes(self) -> int:
@@ -394,11 +426,11 @@ def _content_digest(store) -> str:
         with handle:
             stat = os.fstat(handle.fileno())
             if file_identity(stat) != identity:
-                raise ExpertStoreError(f"{path} changed after its header was read (device, inode, size or "
-                                       f"modification time differ); open a new store on the new file")
+                raise ExpertStoreError(f"{path} changed after its header was read (device, inode, size, "
+                                       f"modification or change time differ); open a new store on the new file")
             length = handle.read(_HEADER_LENGTH_BYTES)
             header = handle.read(int.from_bytes(length, "little")) if len(length) == _HEADER_LENGTH_BYTES else b""
-        digest.update("".join(f"{field}\0" for field in (Path(path).name, *identity, stat.st_ctime_ns)).encode())
+        digest.update("".join(f"{field}\0" for field in (Path(path).name, *identity)).encode())
         digest.update(hashlib.sha256(length + header).digest())
     return digest.hexdigest()
 
@@ -465,7 +497,7 @@ def _load(path: Path, meta: Mapping, shapes: Mapping[str, tuple[tuple[int, ...],
     if not path.is_file():
         return None
     try:
-        with np.load(path, allow_pickle=False) as cached:
+        with open(path, "rb") as handle, np.load(handle, allow_pickle=False) as cached:  # closed if np.load raises
             if json.loads(str(cached["meta"][()])) != json.loads(json.dumps(meta)):
                 return None  # another checkpoint content's entry: rebuilt in place
             tier = _from_arrays(cached, meta["projections"], meta["bits"], meta["group_size"])

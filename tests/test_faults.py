@@ -349,6 +349,24 @@ def test_a_layer_or_report_of_the_wrong_kind_is_refused_by_name(call, argument):
     assert manager.stats()[1].lookups == 0 and manager.token == 0
 
 
+@pytest.mark.parametrize("ids", [np.array([[3.7, 1.2]]), np.array([[2**64 - 1, 1]], np.uint64)],
+                         ids=["float-ids", "uint64-past-int64"])
+def test_ids_that_are_no_int64_ids_are_refused_not_coerced(ids):
+    from kq_host.prestage import prestage_order
+
+    scores = np.full(ids.shape, 0.5, np.float32)
+    with pytest.raises(ValueError, match="miss_ids"):
+        prestage_order(ids, scores, 8)
+    manager = ResidencyManager(1, 8, 3, loader=lambda *a: None, queue_depth=0)
+    with pytest.raises(ValueError, match="miss_ids"):
+        manager.step([LayerReport(np.array([[1, 2]]), scores, ids, scores)])
+    with pytest.raises(ValueError, match="indices"):
+        manager.step([LayerReport(ids, scores, np.full((1, 2), -1), scores)])
+    assert manager.stats()[1].lookups == 0 and manager.token == 0
+    with pytest.raises(ValueError, match="layers must hold one report"):
+        LayerReport.stacked([])
+
+
 @pytest.mark.parametrize("shape, message", [((3, 1, 2), "expected 2 layer reports"),
                                             ((2, 1, 2), "scores must have the shape"), ((), "expected 2")])
 def test_a_stacked_report_must_carry_every_layer(shape, message):
@@ -412,13 +430,16 @@ F32_4 = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
      b'{"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}', bytes(16), None, "twice"),
     ({"t": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}}, bytes(16), None, "shape"),
     ({"t": {"dtype": "F32", "shape": [2**62, 4], "data_offsets": [0, 0]}}, bytes(16), None, "takes"),
-    ({"t": {"dtype": "F32", "shape": [10**30], "data_offsets": [0, 16]}}, bytes(16), None, "takes"),
+    ({"t": {"dtype": "F32", "shape": [10**30], "data_offsets": [0, 16]}}, bytes(16), None, "shape"),
     ({"t": {"dtype": "F32", "shape": [0], "data_offsets": [False, False]}}, bytes(16), None, "data_offsets"),
     ('{"t": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}'.encode("utf-16"), bytes(16), None,
      "unreadable"),
+    (b"[" * 200_000 + b"]" * 200_000, b"", None, "unreadable"),
+    ({"t": {"dtype": "F32", "shape": [0, 10**30], "data_offsets": [0, 0]}}, bytes(16), None, "shape"),
+    ({"t": {"dtype": "F32", "shape": [1] * 70, "data_offsets": [0, 4]}}, bytes(16), None, "shape"),
 ], ids=["length-2^63", "length-2^40", "json-list", "no-dtype", "begin-after-end", "negative-offset",
         "f16-over-f32-bytes", "past-the-end", "overlap", "duplicate-key", "negative-shape", "shape-wraps-int64",
-        "shape-past-int64", "boolean-offsets", "utf16-header"])
+        "shape-past-int64", "boolean-offsets", "utf16-header", "nested-json", "empty-dim-past-int64", "70-dims"])
 def test_store_refuses_a_malformed_header_naming_the_file(tmp_path, header, data, length, message):
     from kq_host.expert_store import ExpertStoreError, read_safetensors_header
 
@@ -477,6 +498,85 @@ def test_store_refuses_what_is_no_file_with_its_own_error(tmp_path, make):
         bad.symlink_to(bad)
     with pytest.raises(ExpertStoreError, match="bad.safetensors: cannot be opened"):
         ExpertStore(tmp_path)
+
+
+def test_store_refuses_a_fifo_instead_of_waiting_for_a_writer(tmp_path):
+    import os
+
+    from kq_host.expert_store import ExpertStore, ExpertStoreError
+
+    expert_file(tmp_path / "good.safetensors")
+    os.mkfifo(tmp_path / "pipe.safetensors")
+    outcome = []
+    worker = threading.Thread(target=lambda: outcome.append(pytest.raises(ExpertStoreError, ExpertStore, tmp_path)),
+                              daemon=True)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive(), "ExpertStore blocked on a FIFO"
+    assert "pipe.safetensors" in str(outcome[0].value) and "regular file" in str(outcome[0].value)
+
+
+def test_store_notices_a_same_size_rewrite_whose_modification_time_was_set_back(tmp_path):
+    import os
+
+    from kq_host.expert_store import ExpertStore, ExpertStoreError
+
+    path = expert_file(tmp_path / "experts.safetensors")
+    before = os.stat(path)
+    store = ExpertStore(tmp_path)
+    store.read_expert(0, 1)
+    time.sleep(0.05)  # past the kernel's change-time tick
+    data = bytearray(path.read_bytes())
+    data[-4:] = np.float32(99).tobytes()
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    with pytest.raises(ExpertStoreError, match="changed"):
+        store.read_expert(0, 1)
+    store.close()
+
+
+def test_a_file_deleted_before_its_first_read_is_named(tmp_path):
+    from kq_host.expert_store import ExpertStore, ExpertStoreError
+
+    path = expert_file(tmp_path / "experts.safetensors")
+    with ExpertStore(tmp_path) as store:
+        path.unlink()
+        with pytest.raises(ExpertStoreError, match="experts.safetensors"):
+            store.read_expert(0, 1)
+
+
+@pytest.mark.parametrize("kwargs, argument", [
+    (dict(template="model.layers.{layer}.{expert}.{projection}.{x}"), "template"),
+    (dict(template="model.layers.{layer}.{expert}.{projection}.{0}"), "template"),
+    (dict(queue_depth=0), "queue_depth"), (dict(queue_depth="8"), "queue_depth"), (dict(projections=()), "projections"),
+], ids=["template-unknown-field", "template-positional", "queue-depth-0", "queue-depth-str", "no-projections"])
+def test_store_arguments_are_checked_by_name(tmp_path, kwargs, argument):
+    from kq_host.expert_store import ExpertStore
+
+    expert_file(tmp_path / "experts.safetensors")
+    with pytest.raises(ValueError, match=argument):
+        ExpertStore(tmp_path, **kwargs)
+
+
+def test_a_store_or_a_manager_dropped_without_close_leaks_no_file_or_thread(tmp_path):
+    import os
+
+    from kq_host.expert_store import ExpertStore
+
+    expert_file(tmp_path / "experts.safetensors")
+    gc.collect()
+    descriptors, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
+    for _ in range(10):
+        store = ExpertStore(tmp_path)
+        store.read_expert(0, 1)
+        manager = ResidencyManager(1, 4, 2, loader=lambda *a: None, queue_depth=4)
+        del store, manager
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while threading.active_count() > threads and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(os.listdir("/proc/self/fd")) == descriptors
+    assert threading.active_count() == threads
 
 
 def test_store_notices_a_file_replaced_after_its_first_read(tmp_path):

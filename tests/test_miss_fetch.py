@@ -244,6 +244,17 @@ def test_an_expert_the_store_does_not_hold_is_named():
     reader.close()
 
 
+def test_a_store_read_that_is_no_payload_is_named():
+    class NoPayloads(ArrayStore):
+        def read_expert(self, layer, expert):
+            return None
+
+    reader = MissReader(NoPayloads(random_weights(np.random.default_rng(11), np.float32)), PROJECTIONS)
+    with pytest.raises(ValueError, match="expert 3 of layer 0: the store's read_expert returned NoneType"):
+        reader(0, np.array([3], np.int32))
+    reader.close()
+
+
 def test_the_reader_keeps_at_most_keep_reads_each_handed_out_once():
     store = ArrayStore(random_weights(np.random.default_rng(11), np.float32, layers=2))
     reader = MissReader(store, PROJECTIONS, workers=2, keep=3)

@@ -123,3 +123,36 @@ def test_the_jax_model_reads_the_shipped_4bit_checkpoint_as_mlx_lm_computes_it(r
     mlx_logits = np.array(model(mx.array(tokens)))
     assert np.abs(jax_logits - mlx_logits).max() < 1e-3
     assert (jax_logits.argmax(-1) == mlx_logits.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("quantization, message", [
+    (4, "must be a JSON object"), ({"bits": 2.9, "group_size": 64}, "bits must be an int in \\[1, 8\\]"),
+    ({"bits": True, "group_size": 64}, "bits"), ({"bits": 0, "group_size": 64}, "bits"),
+    ({"bits": 4, "group_size": 0}, "group_size must be an int >= 1"),
+    ({"bits": 4, "group_size": 64, "model.layers.0.mlp.gate": {"bits": 4}}, "model.layers.0.mlp.gate.*group_size"),
+], ids=["not-an-object", "float-bits", "bool-bits", "zero-bits", "zero-group", "module-without-group"])
+def test_quantization_options_that_are_no_options_are_refused_by_name(tmp_path, quantization, message):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "quantization": quantization}))
+    with pytest.raises(ExpertStoreError, match=message):
+        Quantization.of(tmp_path)
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "{not json"], ids=["list", "bad-json"])
+def test_a_config_that_is_no_json_object_is_named(tmp_path, text):
+    from kq_host.checkpoint import CheckpointError
+
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(CheckpointError, match="config.json"):
+        Quantization.of(tmp_path)
+
+
+def test_a_dequantizing_store_refuses_a_read_after_close_as_the_store_does(tmp_path, rng):
+    from kq_host.expert_store import ExpertStoreClosed
+
+    _write(tmp_path / "ckpt", rng)
+    store = open_experts(tmp_path / "ckpt")
+    assert isinstance(store, DequantizedExperts)
+    assert set(store.submit(0, 1).result()) == {"gate_proj", "up_proj", "down_proj"}
+    store.close()
+    with pytest.raises(ExpertStoreClosed):
+        store.submit(0, 1)

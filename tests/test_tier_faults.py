@@ -532,3 +532,30 @@ def test_dequantize_rows_and_quantized_apply_name_a_format_that_disagrees(rng):
         quantized_apply(tier.gate, rows, jnp.ones((1, 2, 64)), bits=3, group_size=64)
     with pytest.raises(ValueError, match="bits"):
         quantized_apply(tier.gate, rows, jnp.ones((1, 2, 64)), bits=5, group_size=32)
+
+
+def test_a_weight_of_no_rows_quantizes_and_dequantizes_to_no_rows():
+    from kq_host.tier import dequantize
+
+    weight = quantize(np.zeros((0, 64), np.float32), bits=3, group_size=32)
+    assert weight.packed.shape == (0, 6) and weight.scales.shape == (0, 2)
+    assert dequantize(weight, bits=3, group_size=32).shape == (0, 64)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(bits=0, group_size=32), "bits must be an int in \\[1, 8\\]"), (dict(bits=3, group_size=32), "packs"),
+    (dict(bits=4, group_size=0), "group_size"), (dict(bits=4, group_size=48), "packs"),
+], ids=["zero-bits", "bits-disagree", "zero-group", "group-disagrees"])
+def test_dequantize_names_options_that_disagree_with_the_weight(options, message):
+    from kq_host.tier import dequantize
+
+    weight = quantize(np.ones((2, 64), np.float32), bits=4, group_size=32)
+    with pytest.raises(TierOptionError, match=message):
+        dequantize(weight, **options)
+    with pytest.raises(TierOptionError, match="bits"):
+        tier_module.unpack(weight.packed, 0)
+
+
+def test_a_tier_of_no_projections_is_refused():
+    with pytest.raises(TierOptionError, match="weights"):
+        tier_module.Tier({}, 4, 32)
