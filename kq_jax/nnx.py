@@ -261,6 +261,7 @@ class ArenaMoE(nnx.Module):
                     raise ValueError(f"ArenaMoE: {name} {width} is not a multiple of tier_group_size "
                                      f"{tier_group_size}; the tier quantizes each row in groups of that many")
             self.tier_bits, self.tier_group_size = int(tier_bits), int(tier_group_size)
+            self.tier_loaded = False  # set_tier: until then a miss would run from zeros
             scales = jnp.dtype(scale_dtype(jnp.dtype(dtype)))  # the tier's 16-bit scales for weights of dtype
             for projection, (out, width) in zip(("gating", "up_proj", "down_proj"), ((f, d), (f, d), (d, f))):
                 words, groups = width * tier_bits // 32, width // tier_group_size
@@ -309,6 +310,9 @@ class ArenaMoE(nnx.Module):
         rows = _rows("ArenaMoE", inputs, self.router.hidden_size)
         arena, table, tier = self.arena(), self.slot_table_E[...], None
         if self.on_miss == "tier":
+            if not self.tier_loaded:
+                raise ValueError("ArenaMoE: on_miss='tier' serves misses from the tier: load it with set_tier "
+                                 "(or build the module with from_dense) before the first step")
             tier = self.tier()
             check_tier(tier, arena, num_experts=self.router.num_experts, where="ArenaMoE: tier")
         # The library's one step (kq_jax.qwen3_moe_arena.make_step's layers run it too): topk_route_shed
@@ -335,8 +339,9 @@ class ArenaMoE(nnx.Module):
                 when it writes a slot, so after every write hand the module its new ``arrays``.
 
         Raises:
-            ValueError: a shape, dtype or projection name that is not the module's, naming the argument
-                (nothing is changed then).
+            ValueError: a shape, dtype or projection name that is not the module's, or a NumPy table that maps
+                two experts to one slot, naming the argument (nothing is changed then). A JAX table's values
+                are taken as they are.
         """
         table_variable = self.slot_table_E
         table = np.asarray(slot_table) if not isinstance(slot_table, jax.Array) else slot_table
@@ -347,6 +352,15 @@ class ArenaMoE(nnx.Module):
             bounds = np.iinfo(np.int32)
             if table.size and (table.min() < bounds.min or table.max() > bounds.max):
                 raise ValueError("ArenaMoE.set_residency: slot_table holds values outside int32")
+            rows = table.reshape(-1, table.shape[-1])
+            held = np.where((rows >= 0) & (rows < self.num_slots), rows, -1)
+            ordered = np.sort(held, axis=-1)
+            shared = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+            if shared.any():
+                row = int(np.argwhere(shared)[0, 0])
+                raise ValueError(f"ArenaMoE.set_residency: slot_table{'' if table.ndim == 1 else f'[{row}]'} maps "
+                                 f"two experts to slot {int(ordered[row, 1:][shared[row]][0])}; a slot holds one "
+                                 f"expert")
         elif np.dtype(table.dtype).itemsize >= 4 and table.dtype != jnp.int32:  # its values stay on the device
             raise ValueError(f"ArenaMoE.set_residency: a JAX slot_table must be int32 (or a narrower int), got "
                              f"{table.dtype}: its values past int32 would wrap")
@@ -386,6 +400,7 @@ class ArenaMoE(nnx.Module):
             _check_array("ArenaMoE.set_tier", f"tier.{name}", given, variable[...])
         for variable, given, _ in pairs:
             variable.set_value(jnp.asarray(given))
+        self.tier_loaded = True
 
     @classmethod
     def from_dense(cls, dense: DenseMoE, *, resident: Sequence[int] | None = None, num_slots: int | None = None,
@@ -410,7 +425,10 @@ class ArenaMoE(nnx.Module):
             raise ValueError(f"ArenaMoE.from_dense: dense must be a DenseMoE, got {type(dense).__name__}")
         router, experts = dense.router, dense.experts()
         e = router.num_experts
-        ids = np.arange(e) if resident is None else np.asarray(resident, np.int64).reshape(-1)
+        ids = np.arange(e) if resident is None else np.asarray(resident).reshape(-1)
+        if ids.size and ids.dtype.kind not in "iu":
+            raise ValueError(f"ArenaMoE.from_dense: resident must be int expert ids, got {ids.dtype} {ids.tolist()}")
+        ids = ids.astype(np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= e or np.unique(ids).size != ids.size):
             raise ValueError(f"ArenaMoE.from_dense: resident must be distinct expert ids in [0, {e}), got "
                              f"{ids.tolist()}")

@@ -358,12 +358,25 @@ def test_bad_residency_is_refused_by_name_and_changes_nothing(dense):
             (lambda: module(jnp.ones((3, D + 1))), "inputs"),
             (lambda: ArenaMoE.from_dense(dense, resident=[1, 1]), "resident"),
             (lambda: ArenaMoE.from_dense(dense, resident=[E]), "resident"),
-            (lambda: ArenaMoE.from_dense(dense, resident=[0, 1], num_slots=1), "num_slots")):
+            (lambda: ArenaMoE.from_dense(dense, resident=[0, 1], num_slots=1), "num_slots"),
+            (lambda: ArenaMoE.from_dense(dense, resident=[1.7, 2.2]), "resident must be int"),
+            (lambda: ArenaMoE.from_dense(dense, resident=[True, False]), "resident must be int"),
+            (lambda: module.set_residency(np.array([0, 0, 1, 2, 3, -1, -1, -1], np.int32)), "two experts to slot 0"),
+            (lambda: module.set_residency(np.array([4, -1, 1, 2, 3, -1, 4, 0], np.int32)), "two experts to slot 4")):
         with pytest.raises(ValueError, match=argument):
             call()
     after = {name: bits(v[...]) for name, v in (("table", module.slot_table_E), ("gate", module.arena_gating_SFD))}
     for name in before:
         np.testing.assert_array_equal(before[name], after[name])
+
+
+def test_a_tier_module_refuses_to_step_before_its_tier_is_loaded(dense, inputs):
+    module = ArenaMoE(D, F, E, S, K, on_miss="tier", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="set_tier"):
+        module(inputs)
+    module.set_tier(ArenaMoE.from_dense(dense, on_miss="tier").tier())
+    outputs, _ = _call(module, inputs)  # an empty arena: every entry from the tier, none zero
+    assert np.abs(np.asarray(outputs)).min() > 0
 
 
 def test_a_tier_of_another_format_is_refused(dense):
