@@ -96,6 +96,15 @@ class ExactLoop:
             raise ValueError(f"ExactLoop: lookahead must be 0, 1, 2 or a bool, got {lookahead!r}")
         if not isinstance(length, int) or isinstance(length, bool) or length < 1:
             raise ValueError(f"ExactLoop: length must be an int >= 1, got {length!r}")
+        if prefetch_budget is not None and (not isinstance(prefetch_budget, (int, np.integer))
+                                            or isinstance(prefetch_budget, bool) or prefetch_budget < 0):
+            raise ValueError(f"ExactLoop: prefetch_budget must be an int >= 0 or None, got {prefetch_budget!r}")
+        if not isinstance(getattr(arena, "arrays", None), dict) or (manager.arena is not None and arena is not manager.arena):
+            raise ValueError(f"ExactLoop: arena must be the JaxArena the manager writes (manager.arena), got "
+                             f"{type(arena).__name__}")
+        if tuple(getattr(arena, "shape", ())) != (manager.num_layers, manager.num_slots):
+            raise ValueError(f"ExactLoop: arena holds {getattr(arena, 'shape', None)} layers and slots; the manager "
+                             f"{manager.num_layers} of {manager.num_slots}")
         if timeout is not None and (not isinstance(timeout, (int, float, np.integer, np.floating))
                                     or isinstance(timeout, bool) or not 0 < timeout < math.inf):
             raise ValueError(f"ExactLoop: timeout must be seconds > 0 (finite) or None to wait forever, "

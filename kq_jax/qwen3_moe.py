@@ -12,6 +12,7 @@ layer can stand in for the resident one.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -38,7 +39,8 @@ class Qwen3MoeConfig:
     """The ``config.json`` fields this implementation reads (Hugging Face names).
 
     Raises:
-        ValueError: a size is not an int >= 1, ``num_experts_per_tok`` exceeds ``num_experts``,
+        ValueError: a size is not an int >= 1, a flag not a bool, ``rms_norm_eps`` or ``rope_theta`` not a
+            finite number > 0, ``num_experts_per_tok`` exceeds ``num_experts``,
             ``num_attention_heads`` is not a multiple of ``num_key_value_heads`` or ``head_dim`` is odd
             (the rotary embedding splits it in halves).
     """
@@ -70,6 +72,17 @@ class Qwen3MoeConfig:
                              f"num_key_value_heads {self.num_key_value_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even (the rotary embedding splits it in halves), got {self.head_dim}")
+        for name in ("norm_topk_prob", "tie_word_embeddings"):  # a string "false" would be taken as true
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if (not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, (bool, np.bool_))
+                    or not 0 < value < math.inf):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        if (not isinstance(self.max_position_embeddings, (int, np.integer)) or isinstance(self.max_position_embeddings, bool)
+                or self.max_position_embeddings < 1):
+            raise ValueError(f"max_position_embeddings must be an int >= 1, got {self.max_position_embeddings!r}")
 
     @classmethod
     def load(cls, directory: str | Path) -> "Qwen3MoeConfig":

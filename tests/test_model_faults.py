@@ -68,6 +68,9 @@ def test_load_params_refuses_a_config_the_weights_do_not_match_naming_file_and_t
     ({"num_experts_per_tok": 0}, "num_experts_per_tok"), ({"num_experts_per_tok": 100}, "num_experts_per_tok"),
     ({"num_attention_heads": 3}, "num_key_value_heads"), ({"num_hidden_layers": 0}, "num_hidden_layers"),
     ({"head_dim": 31}, "head_dim"), ({"vocab_size": "4096"}, "vocab_size"),
+    ({"norm_topk_prob": "false"}, "norm_topk_prob"), ({"rms_norm_eps": -1.0}, "rms_norm_eps"),
+    ({"rope_theta": None}, "rope_theta"), ({"tie_word_embeddings": 1}, "tie_word_embeddings"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings"),
 ])
 def test_the_config_refuses_values_no_model_has_naming_the_key_and_file(tmp_path, changes, message):
     from kq_jax import qwen3_moe
@@ -228,6 +231,32 @@ def test_the_exact_loop_refuses_a_position_outside_its_length_by_name(exact_mode
 def test_the_exact_loop_refuses_a_timeout_it_cannot_wait_by_name(exact_model, store, timeout):
     with pytest.raises(ValueError, match="timeout"):
         _loop(exact_model, store, timeout=timeout)
+
+
+@pytest.mark.parametrize("budget", [-1, 1.5, "2", True])
+def test_the_exact_loop_refuses_a_prefetch_budget_it_cannot_keep_by_name(exact_model, store, budget):
+    with pytest.raises(ValueError, match="prefetch_budget"):
+        _loop(exact_model, store, prefetch_budget=budget)
+
+
+@pytest.mark.parametrize("which", ["another-arena", "no-arena", "fewer-slots"])
+def test_the_exact_loop_refuses_an_arena_that_is_not_the_managers(exact_model, store, which):
+    """The manager writes its own arena: a loop over another one would run experts nobody wrote."""
+    from kq_host.residency import ResidencyManager
+    from kq_jax.arena import JaxArena
+    from kq_jax.exact_loop import ExactLoop
+
+    cfg, params = exact_model
+    shapes = {name: (shape, np.float32) for name, (shape, _) in store.expert_shapes(0).items()}
+    layers = cfg.num_hidden_layers
+    owned = JaxArena(layers, 16, shapes)
+    manager = ResidencyManager(layers, cfg.num_experts, 16, arena=owned if which != "fewer-slots" else None,
+                               queue_depth=0, loader=lambda layer, expert, slot: store.read_expert(layer, expert))
+    given = {"another-arena": JaxArena(layers, 16, shapes), "no-arena": None,
+             "fewer-slots": JaxArena(layers, 8, shapes)}[which]
+    with pytest.raises(ValueError, match="arena"):
+        ExactLoop(params, cfg, manager, given, length=4)
+    manager.close()
 
 
 @pytest.mark.parametrize("timeout", [None, 2.5])
