@@ -23,6 +23,7 @@ from typing import Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kq_jax import qwen3_moe
 from kq_jax.moe import TierExperts
@@ -31,6 +32,14 @@ from kq_jax.nnx import ArenaMoE  # first: its ImportError says how to install Fl
 from flax import nnx  # noqa: E402  (isort: after kq_jax.nnx)
 
 _MOE_ARRAYS = ("router", *qwen3_moe.PROJECTIONS)  # a checkpoint layer's arrays the MoE stack holds
+
+
+def _concrete(value) -> np.ndarray | None:
+    """``value`` as a NumPy array, or None where it is traced (its values unknown until it runs)."""
+    try:
+        return np.asarray(value)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
 
 
 class Qwen3MoeDecoder(nnx.Module):
@@ -104,13 +113,20 @@ class Qwen3MoeDecoder(nnx.Module):
             :func:`kq_jax.arena.pack_reports`' layout, what ``LayerReport.from_packed`` reads.
 
         Raises:
-            ValueError: ``tokens`` is no integer ``[B]`` or ``cache`` no pair of ``[L, B, length, Hkv, hd]``
-                arrays, naming it (at trace time under ``nnx.jit``).
+            ValueError: ``tokens`` is no integer ``[B]`` (B >= 1), ``position`` no integer scalar, or
+                ``cache`` no pair of float32 ``[L, B, length, Hkv, hd]`` arrays, naming it (at trace time
+                under ``nnx.jit``); and where they are concrete (not traced), a token outside the vocabulary
+                or a position outside ``[0, length)``. Traced values are taken as they are: a token outside
+                the vocabulary reads a clamped row, a position outside the cache writes nowhere.
         """
         cfg = self.cfg
-        if jnp.ndim(tokens) != 1 or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer):
-            raise ValueError(f"Qwen3MoeDecoder: tokens must be integer [B], one token a sequence, got "
+        if (jnp.ndim(tokens) != 1 or jnp.shape(tokens)[0] == 0
+                or not jnp.issubdtype(jnp.result_type(tokens), jnp.integer)):
+            raise ValueError(f"Qwen3MoeDecoder: tokens must be integer [B], B >= 1, one token a sequence, got "
                              f"{jnp.result_type(tokens)} {list(jnp.shape(tokens))}")
+        if jnp.ndim(position) != 0 or not jnp.issubdtype(jnp.result_type(position), jnp.integer):
+            raise ValueError(f"Qwen3MoeDecoder: position must be an integer scalar, got "
+                             f"{jnp.result_type(position)} {list(jnp.shape(position))}")
         layout = (cfg.num_hidden_layers, jnp.shape(tokens)[0], cfg.num_key_value_heads, cfg.head_dim)
         if (not isinstance(cache, (tuple, list)) or len(cache) != 2
                 or any(jnp.ndim(part) != 5 or tuple(jnp.shape(part)[:2]) + tuple(jnp.shape(part)[3:]) != layout
@@ -118,6 +134,14 @@ class Qwen3MoeDecoder(nnx.Module):
             shapes = [list(jnp.shape(part)) for part in cache] if isinstance(cache, (tuple, list)) else type(cache)
             raise ValueError(f"Qwen3MoeDecoder: cache must be (keys, values), each [{layout[0]}, {layout[1]}, "
                              f"length, {layout[2]}, {layout[3]}] (kq_jax.qwen3_moe.empty_cache), got {shapes}")
+        if any(jnp.result_type(part) != jnp.float32 for part in cache):
+            raise ValueError(f"Qwen3MoeDecoder: cache must be float32 (kq_jax.qwen3_moe.empty_cache), got "
+                             f"{[str(jnp.result_type(part)) for part in cache]}")
+        length = jnp.shape(cache[0])[2]
+        for name, value, bound in (("tokens", tokens, cfg.vocab_size), ("position", position, length)):
+            concrete = _concrete(value)
+            if concrete is not None and concrete.size and (concrete.min() < 0 or concrete.max() >= bound):
+                raise ValueError(f"Qwen3MoeDecoder: {name} must lie in [0, {bound}), got {concrete.tolist()}")
         graphdef, state = nnx.split(self.moe)
 
         def moe(layer, _, x):  # the stack's layer `layer`, its variables sliced inside the traced step

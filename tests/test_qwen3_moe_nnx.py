@@ -251,3 +251,20 @@ def test_a_step_it_cannot_take_is_refused_by_name(model):
                                         (jnp.array([3], jnp.int32), cache[0], "cache")):
         with pytest.raises(ValueError, match=argument):
             _decode(decoder, tokens, 0, bad_cache)
+
+
+@pytest.mark.parametrize("tokens, position, cache_dtype, argument", [
+    ([5], 4, jnp.float32, "position must lie in \\[0, 4\\)"), ([5], -1, jnp.float32, "position"),
+    ("vocab", 0, jnp.float32, "tokens must lie"), ([-1], 0, jnp.float32, "tokens must lie"),
+    ([], 0, jnp.float32, "B >= 1"), ([5], 0, jnp.int32, "float32"), ([5], 1.0, jnp.float32, "position"),
+], ids=["position-past-cache", "negative-position", "token-past-vocab", "negative-token", "no-sequence",
+        "int-cache", "float-position"])
+def test_an_eager_step_outside_the_vocabulary_or_the_cache_is_refused_by_name(model, tokens, position,
+                                                                             cache_dtype, argument):
+    cfg, params = model
+    decoder = Qwen3MoeDecoder(params, cfg, SLOTS)
+    batch = max(len(tokens), 1) if tokens != "vocab" else 1
+    cache = tuple(part.astype(cache_dtype) for part in qwen3_moe.empty_cache(cfg, batch, 4))
+    tokens = jnp.array([cfg.vocab_size] if tokens == "vocab" else tokens, jnp.int32)
+    with pytest.raises(ValueError, match=argument):
+        decoder(tokens, position, cache)
