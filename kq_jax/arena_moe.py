@@ -22,7 +22,9 @@ Rules for a routed expert that is not resident (:data:`RULES`):
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 import kq_jax
@@ -197,6 +199,8 @@ def arena_moe(x, indices, scores, slot_table, *, rule: str, weights: Experts, nu
     if (rule == "exact") != (fetch is not None):
         raise ValueError(f"arena_moe: fetch= is for rule 'exact' and needed there, got rule {rule!r} with "
                          f"fetch={fetch!r}")
+    if rule == "exact":
+        _check_fetch_layer(layer)
     if shed is None:
         shed = kq_jax.route_shed(indices, scores, slot_table, num_slots=num_slots, on_miss=on_miss, impl=impl)
 
@@ -224,6 +228,20 @@ def arena_moe(x, indices, scores, slot_table, *, rule: str, weights: Experts, nu
         y = experts_apply(x, weights, rows(slots))
     served = jnp.where(valid, scores, 0.0) if rule in ("stall", "exact") else jnp.where(mix > 0, scores, 0.0)
     return combine(y, mix), (indices, scores, shed.miss_ids, shed.miss_scores, served)
+
+
+def _check_fetch_layer(layer) -> None:
+    """ValueError naming ``layer`` unless it is an int >= 0 or an integer scalar array (>= 0 where its value
+    is known): the layer ``fetch`` is told it reads for."""
+    integer = isinstance(layer, (int, np.integer, np.ndarray, jax.Array)) and not isinstance(layer, (bool, np.bool_))
+    if not integer or jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.result_type(layer), jnp.integer):
+        raise ValueError(f"arena_moe: layer must be an int >= 0 or an integer scalar, got {layer!r}")
+    try:
+        negative = int(np.asarray(layer)) < 0
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return  # traced: its value is the caller's
+    if negative:
+        raise ValueError(f"arena_moe: layer must be >= 0, got {layer!r}")
 
 
 def _check_layer_arguments(x, indices, scores, slot_table, rule, weights, num_slots, probs, slot_rows) -> None:

@@ -128,6 +128,8 @@ def _fill_misses_once(gathered: Experts, hit, indices, layer, *, fetch: Fetch) -
     """:func:`_fill_misses` for one batch of routing."""
     tokens, k = indices.shape
     entries = tokens * k
+    if entries == 0:  # no rows: nothing can miss
+        return gathered
     flat_hit = hit.reshape(entries)
     order = jnp.argsort(flat_hit, stable=True)  # the misses first, in top-k order
     misses = entries - jnp.sum(flat_hit.astype(jnp.int32))

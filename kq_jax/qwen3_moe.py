@@ -385,7 +385,13 @@ def decode_step(params, token, position, cache, cfg: Qwen3MoeConfig, moe: MoeFn,
     With ``lookahead`` = n > 0, after each layer l the routers of layers l+1 .. l+n are applied to its
     output (normalised as each of those layers normalises its MoE input, their attention skipped), and a
     fourth output holds those predictions: ``(ids int32 [L, n, B, k], scores float32 [L, n, B, k])``,
-    ids -1 and scores 0 past the last layer."""
+    ids -1 and scores 0 past the last layer.
+
+    Raises:
+        ValueError: ``lookahead`` is no int >= 0.
+    """
+    if not isinstance(lookahead, (int, np.integer)) or isinstance(lookahead, bool) or lookahead < 0:
+        raise ValueError(f"decode_step: lookahead must be an int >= 0 (layers predicted ahead), got {lookahead!r}")
     keys, values = cache
     h = params["embed"][token][:, None]  # [B, 1, D]
     reports, predictions = [], []

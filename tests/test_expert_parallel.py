@@ -77,3 +77,11 @@ def test_slots_must_split_over_the_expert_axis(layer):
     arena = Experts(*(w[:6] for w in experts))
     with pytest.raises(ValueError, match="6 slots do not split over the 4 devices of mesh axis 'expert'"):
         moe_ffn_arena_sharded(x, router, arena, np.zeros(E, np.int32), top_k=K, mesh=_mesh((2, 4)))
+
+
+@pytest.mark.parametrize("axes, argument", [(dict(expert_axis="bogus"), "expert_axis 'bogus'"),
+                                            (dict(data_axis="rows"), "data_axis 'rows'")])
+def test_an_axis_the_mesh_lacks_is_refused_by_name(layer, axes, argument):
+    _, experts, router, x = layer
+    with pytest.raises(ValueError, match=argument):
+        moe_ffn_arena_sharded(x, router, experts, np.zeros(E, np.int32), top_k=K, mesh=_mesh((2, 4)), **axes)

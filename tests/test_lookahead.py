@@ -89,3 +89,16 @@ def test_the_models_look_ahead_leaves_its_output_alone():
     assert ids.shape == (layers, 2, 1, k) and scores.shape == ids.shape
     assert (np.asarray(ids)[-1] == -1).all() and (np.asarray(ids)[-2, 1] == -1).all()
     assert ((np.asarray(ids)[0] >= 0) & (np.asarray(ids)[0] < cfg.num_experts)).all()
+
+
+@pytest.mark.parametrize("lookahead", [-1, 1.5, True], ids=["negative", "float", "bool"])
+def test_a_look_ahead_the_step_cannot_take_is_refused_by_name(lookahead):
+    pytest.importorskip("jax")
+    from kq_jax import qwen3_moe
+
+    cfg = qwen3_moe.Qwen3MoeConfig(vocab_size=8, hidden_size=4, num_hidden_layers=1, num_attention_heads=1,
+                                   num_key_value_heads=1, head_dim=4, num_experts=2, num_experts_per_tok=1,
+                                   moe_intermediate_size=4)
+    with pytest.raises(ValueError, match="lookahead"):
+        qwen3_moe.decode_step({}, np.zeros(1, np.int32), 0, qwen3_moe.empty_cache(cfg, 1, 2), cfg, None,
+                              lookahead=lookahead)

@@ -314,6 +314,20 @@ def test_no_rows_give_empty_outputs_and_reports(dense, on_miss):
     assert out.shape == (2, 0, D) and reports.shape == (len(REPORT_FIELDS), 0, K)
 
 
+def test_no_rows_fetch_nothing(inputs):
+    calls = []
+    module = ArenaMoE(D, F, E, S, K, on_miss="fetch", fetch=lambda layer, ids: calls.append(ids), rngs=nnx.Rngs(0))
+    out, reports = _call(module, jnp.zeros((2, 0, D), jnp.float32))
+    assert out.shape == (2, 0, D) and reports.shape == (len(REPORT_FIELDS), 0, K) and calls == []
+
+
+@pytest.mark.parametrize("layer", [1.5, -1, "a", True], ids=["float", "negative", "str", "bool"])
+def test_a_layer_fetch_cannot_be_told_is_refused_by_name(inputs, layer):
+    module = ArenaMoE(D, F, E, S, K, on_miss="fetch", fetch=lambda layer, ids: None, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="layer"):
+        module(inputs, layer=layer)
+
+
 # ---- bad arguments ------------------------------------------------------------------------------------
 
 
