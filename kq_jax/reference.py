@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -71,6 +72,40 @@ def bounded_table(slot_table, num_slots: int | None):
     return slot_table if num_slots is None else jnp.where(slot_table >= num_slots, -1, slot_table)
 
 
+def _mix_scale(s, keep):
+    """``(scale, kept)`` of each row: its total mass over its kept mass, summed in top-k order (0 where
+    nothing with mass is kept)."""
+    total = jnp.zeros(s.shape[:1], jnp.float32)
+    kept = jnp.zeros(s.shape[:1], jnp.float32)
+    for k in range(s.shape[1]):
+        total = flush(total + s[:, k])
+        kept = jnp.where(keep[:, k], flush(kept + s[:, k]), kept)
+    has_mass = kept > 0.0
+    return jnp.where(has_mass, div_flush(total, jnp.where(has_mass, kept, 1.0)), 0.0), kept
+
+
+@jax.custom_jvp
+def _kept_mix(s, keep):
+    """The kept entries' weights ``[rows, k]``: each kept score times its row's total / kept mass, 0 shed."""
+    scale, _ = _mix_scale(s, keep)
+    return jnp.where(keep, mul_flush(s, scale[:, None]), 0.0)
+
+
+@_kept_mix.defjvp
+def _kept_mix_jvp(primals, tangents):
+    # d scale / d s_i = (1 - scale * keep_i) / kept: one sum whose weights are exactly 0 when nothing is
+    # shed (scale 1), so the mix's gradient is then the scores' own, bit for bit (written as d total / kept -
+    # scale * d kept / kept, the two terms cancel only up to rounding).
+    s, keep = primals
+    ds, _ = tangents
+    scale, kept = _mix_scale(s, keep)
+    weights = jnp.where(kept[:, None] > 0.0, (1.0 - scale[:, None] * keep) / jnp.where(kept > 0.0, kept, 1.0)[:, None],
+                        0.0)
+    d_scale = jnp.sum(weights * ds, axis=1)
+    mix = jnp.where(keep, mul_flush(s, scale[:, None]), 0.0)
+    return mix, jnp.where(keep, ds * scale[:, None] + s * d_scale[:, None], 0.0)
+
+
 def route_shed_ref(indices, scores, slot_table, num_slots: int | None = None,
                    on_miss: str = "shed") -> RouteShedResult:
     """Remaps routed experts to arena slots and sheds the non-resident ones (or serves them from the tier).
@@ -95,14 +130,7 @@ def route_shed_ref(indices, scores, slot_table, num_slots: int | None = None,
     slot, valid = lookup_slots(ids, slot_table)
     keep = slot >= 0
 
-    total = jnp.zeros(ids.shape[:1], jnp.float32)
-    kept = jnp.zeros(ids.shape[:1], jnp.float32)
-    for k in range(top_k):
-        total = flush(total + s[:, k])
-        kept = jnp.where(keep[:, k], flush(kept + s[:, k]), kept)
-    has_mass = kept > 0.0
-    scale = jnp.where(has_mass, div_flush(total, jnp.where(has_mass, kept, 1.0)), 0.0)
-    mix = jnp.where(keep, mul_flush(s, scale[:, None]), 0.0)
+    mix = _kept_mix(s, keep)
 
     first_kept = jnp.argmax(keep, axis=1)
     fallback = jnp.where(keep.any(axis=1), jnp.take_along_axis(slot, first_kept[:, None], axis=1)[:, 0], 0)

@@ -281,6 +281,26 @@ def test_gradients_through_the_mix_are_the_functional_layers(dense, inputs, on_m
     assert_same_bits(want, got)
 
 
+@pytest.mark.parametrize("on_miss", ["shed", "tier"])
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+def test_every_expert_resident_gives_the_dense_modules_gradients_bit_for_bit(on_miss, jitted):
+    """The shed rule's weights are the router's scores times total / kept mass, 1 when nothing is shed: its
+    derivative is written so that it is exactly 0 then, and the gradients are the dense module's bits."""
+    dense = DenseMoE(64, F, E, K, rngs=nnx.Rngs(0))
+    inputs = jax.random.normal(jax.random.key(1), (6, 64), jnp.float32)
+    module = ArenaMoE.from_dense(dense, on_miss=on_miss)
+
+    def loss(module):
+        y = module(inputs)
+        return jnp.sum(y[0] if isinstance(y, tuple) else y)
+
+    grad = nnx.jit(nnx.grad(loss)) if jitted else nnx.grad(loss)
+    want = grad(dense)["router"]["kernel_ED"][...]
+    got = grad(module)["router"]["kernel_ED"][...]
+    assert np.abs(np.asarray(want)).max() > 0
+    assert_same_bits(want, got)
+
+
 # ---- sharded rows -------------------------------------------------------------------------------
 
 
