@@ -164,7 +164,8 @@ def test_a_cache_hit_reads_the_checkpoints_headers_not_its_weights(tmp_path, rng
     _assert_tier_is(_build(checkpoint, cache, experts=16), tensors, experts=16)
     file = checkpoint / "model.safetensors"
     header = 8 + int.from_bytes(file.read_bytes()[:8], "little")
-    assert counts == {str(file): header} and header * 20 < file.stat().st_size
+    read_of_the_checkpoint = {name: count for name, count in counts.items() if not name.startswith(str(cache))}
+    assert read_of_the_checkpoint == {str(file): header} and header * 20 < file.stat().st_size
 
 
 def test_a_same_size_rewrite_of_a_tensors_bytes_is_not_served_the_old_tier_though_its_header_is_the_same(
