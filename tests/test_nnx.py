@@ -300,6 +300,11 @@ def test_every_expert_resident_gives_the_dense_modules_gradients_bit_for_bit(on_
     assert np.abs(np.asarray(want)).max() > 0
     assert_same_bits(want, got)
 
+    def input_grad(layer):  # the gradient a layer below receives
+        step = jax.grad(lambda x: jnp.sum(jnp.asarray(layer(x)[0] if isinstance(layer, ArenaMoE) else layer(x))))
+        return (jax.jit(step) if jitted else step)(inputs)
+    assert_same_bits(input_grad(dense), input_grad(module))
+
 
 # ---- sharded rows -------------------------------------------------------------------------------
 
