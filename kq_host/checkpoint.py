@@ -151,7 +151,9 @@ class Quantization:
             raise ExpertStoreError(f"{path}: quantization mode {raw['mode']!r}; kq reads the affine mode only")
 
         def options(where: str, value: dict) -> tuple[int, int]:
-            bits, group_size = value.get("bits"), value.get("group_size")
+            numbers = [value.get("bits"), value.get("group_size")]
+            numbers = [int(n) if isinstance(n, float) and n.is_integer() else n for n in numbers]  # 4.0 is 4
+            bits, group_size = numbers
             for name, number, low, high in (("bits", bits, 1, 8), ("group_size", group_size, 1, None)):
                 if (not isinstance(number, int) or isinstance(number, bool) or number < low
                         or (high is not None and number > high)):

@@ -61,19 +61,19 @@ MAX_DIMENSIONS, MAX_EXTENT = 32, 2**62
 
 class FileIdentity(NamedTuple):
     """What tells a file apart from one saved again at its path: a replacement has another inode (or
-    device), a rewrite in place another size, modification time or change time (a rewrite whose
-    modification time was set back still moves its change time, which no user can set)."""
+    device), a rewrite in place another size or modification time. Not the change time: a chmod, a
+    hardlink or a backup tool's atime reset moves it, and an open store would refuse every read after.
+    What this misses: a same-size rewrite in place whose modification time was set back."""
 
     device: int
     inode: int
     size: int
     mtime_ns: int
-    ctime_ns: int
 
 
 def file_identity(stat: os.stat_result) -> FileIdentity:
     """The :class:`FileIdentity` of an ``os.stat`` / ``os.fstat`` result."""
-    return FileIdentity(stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+    return FileIdentity(stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
 
 def open_regular(path: Path) -> int:
@@ -436,8 +436,8 @@ class ExpertStore:
         except OSError:
             changed = True
         if changed:
-            raise ExpertStoreError(f"{entry.path} changed after its header was read (device, inode, size, "
-                                   f"modification or change time differ, or the file is gone); open a new ExpertStore on the new file")
+            raise ExpertStoreError(f"{entry.path} changed after its header was read (device, inode, size or "
+                                   f"modification time differ, or the file is gone); open a new ExpertStore on the new file")
         return descriptor
 
     def _locate(self, layer: int, expert: int, projection: str) -> tuple[TensorEntry, int, int, tuple[int, ...]]:

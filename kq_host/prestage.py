@@ -11,6 +11,8 @@ def int64_ids(where: str, name: str, values) -> np.ndarray:
     """``values`` (expert ids) as an int64 array; ValueError naming ``name`` unless they are integers that
     int64 holds (float ids would be truncated, a uint64 past 2**63 - 1 would wrap to a negative one)."""
     array = np.asarray(values)
+    if array.size == 0:  # no ids (an empty list is float64 to NumPy)
+        return array.astype(np.int64)
     if array.dtype.kind not in "iu":
         raise ValueError(f"{where}: {name} must be integers, got dtype {array.dtype}")
     if array.dtype == np.uint64 and array.size and array.max() > np.iinfo(np.int64).max:

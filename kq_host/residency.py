@@ -44,6 +44,7 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
+import operator
 import queue
 import threading
 import time
@@ -75,8 +76,17 @@ _MAX_READ_BUDGET = 2**62  # read_budget is kept as an int64
 
 
 def _is_int(value) -> bool:
-    """An int or NumPy integer, not a bool."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+    """An integer scalar: an int, a NumPy or JAX integer, a 0-d integer array; not a bool."""
+    if isinstance(value, (bool, np.bool_)):
+        return False
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None and (np.dtype(dtype).kind not in "iu" or np.ndim(value) != 0):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 @dataclass
@@ -394,8 +404,10 @@ class ManagerBase:
         if shape is not None and tuple(shape) != (num_layers, num_slots):
             raise ValueError(f"ResidencyManager: the arena holds {shape[0]} layers of {shape[1]} slots; the manager "
                              f"has {num_layers} layers of {num_slots} slots")
-        if not isinstance(keep_mass, numbers.Real) or isinstance(keep_mass, (bool, np.bool_)) or not 0.0 <= keep_mass <= 1.0:
+        if (isinstance(keep_mass, (str, bytes, bool, np.bool_)) or np.ndim(keep_mass) != 0
+                or np.asarray(keep_mass).dtype.kind not in "fiu" or not 0.0 <= float(keep_mass) <= 1.0):
             raise ValueError(f"ResidencyManager: keep_mass must be a number in [0, 1], got {keep_mass!r}")
+        keep_mass = float(keep_mass)
         if pinned is not None and not isinstance(pinned, Mapping):
             raise ValueError(f"ResidencyManager: pinned must map layers to expert ids, got {type(pinned).__name__}")
         self.num_layers, self.num_experts, self.num_slots = num_layers, num_experts, num_slots
@@ -409,10 +421,10 @@ class ManagerBase:
                     or any(not _is_int(e) or not 0 <= e < num_experts for e in experts)):
                 raise ValueError(f"ResidencyManager: pinned maps layers in [0, {num_layers}) to expert ids in "
                                  f"[0, {num_experts}), got layer {layer}: {experts}")
-            if len(set(experts)) > num_slots:
-                raise ValueError(f"ResidencyManager: layer {layer} pins {len(set(experts))} experts into "
-                                 f"{num_slots} slots")
-            self.pinned_experts[int(layer)] = {int(e) for e in experts}
+            experts = {int(e) for e in experts}
+            if len(experts) > num_slots:
+                raise ValueError(f"ResidencyManager: layer {layer} pins {len(experts)} experts into {num_slots} slots")
+            self.pinned_experts[int(layer)] = experts
         self._pool = _DaemonPool(queue_depth, "kq-prestage") if queue_depth else None
         if self._pool is not None:  # a manager dropped without close() stops its loader threads
             weakref.finalize(self, self._pool.shutdown)
@@ -823,6 +835,7 @@ class ResidencyManager(ManagerBase):
         deadline = deadline_of("preload", timeout)
         self._check_open("preload")
         experts = self._preload_experts(layer, experts)
+        layer = int(layer)
         tables = self._tables
         with self._exclusive("preload"):
             failures_before = {key: record.count for key, record in self.failures.items()}
@@ -938,6 +951,7 @@ class ResidencyManager(ManagerBase):
             raise ValueError(f"acquire: credit must be a bool, got {credit!r}")
         self._check_open("acquire")
         ids, scores = self._layer_routing("acquire", layer, indices, scores)
+        layer = int(layer)
         tables, view = self._tables, self._layer_view(layer)
         with self._exclusive("acquire"):
             self._publish_landed()
@@ -1040,6 +1054,7 @@ class ResidencyManager(ManagerBase):
                                    or budget < 0):
             raise ValueError(f"prefetch: budget must be an int >= 0 or None, got {budget!r}")
         ids, scores = self._layer_routing("prefetch", layer, ids, scores, allow_padding=True)
+        layer = int(layer)
         view = self._layer_view(layer)
         with self._exclusive("prefetch"):
             predicted = np.zeros((1, self.num_experts), bool)

@@ -426,11 +426,11 @@ def _content_digest(store) -> str:
         with handle:
             stat = os.fstat(handle.fileno())
             if file_identity(stat) != identity:
-                raise ExpertStoreError(f"{path} changed after its header was read (device, inode, size, "
-                                       f"modification or change time differ); open a new store on the new file")
+                raise ExpertStoreError(f"{path} changed after its header was read (device, inode, size or "
+                                       f"modification time differ); open a new store on the new file")
             length = handle.read(_HEADER_LENGTH_BYTES)
             header = handle.read(int.from_bytes(length, "little")) if len(length) == _HEADER_LENGTH_BYTES else b""
-        digest.update("".join(f"{field}\0" for field in (Path(path).name, *identity)).encode())
+        digest.update("".join(f"{field}\0" for field in (Path(path).name, *identity, stat.st_ctime_ns)).encode())
         digest.update(hashlib.sha256(length + header).digest())
     return digest.hexdigest()
 

@@ -65,9 +65,10 @@ def moe_ffn_arena_sharded(x, router_w, arena: Experts, slot_table, *, top_k: int
         ``(y [T, D], TopkRouteShedResult)``, rows sharded as ``x``.
     """
     for name, axis in (("expert_axis", expert_axis), ("data_axis", data_axis)):
-        if axis is not None and axis not in mesh.shape:
-            raise ValueError(f"moe_ffn_arena_sharded: {name} {axis!r} is not an axis of the mesh "
-                             f"{tuple(mesh.shape)}")
+        names = () if axis is None else axis if isinstance(axis, tuple) and name == "data_axis" else (axis,)
+        if any(part not in mesh.shape for part in names):
+            raise ValueError(f"moe_ffn_arena_sharded: {name} {axis!r} is not an axis (or a tuple of axes, for "
+                             f"data_axis) of the mesh {tuple(mesh.shape)}")
     num_slots = arena.gate.shape[0]
     if num_slots % mesh.shape[expert_axis]:
         raise ValueError(f"arena: {num_slots} slots do not split over the {mesh.shape[expert_axis]} devices "

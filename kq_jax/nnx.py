@@ -205,7 +205,8 @@ class ArenaMoE(nnx.Module):
     low-precision copy of every expert.
 
     The arena starts empty (zeros, every table entry -1); :meth:`set_residency` fills it, or
-    :meth:`from_dense` builds it from a :class:`DenseMoE`'s weights. ``__call__`` works under ``nnx.jit``,
+    :meth:`from_dense` builds it from a :class:`DenseMoE`'s weights. The tier starts as zeros too (a miss
+    served from it before :meth:`set_tier`, or a restored state, loads it contributes zeros). ``__call__`` works under ``nnx.jit``,
     ``nnx.vmap`` / ``nnx.scan`` over a stack of layers and ``nnx.grad`` (the output is differentiable in the
     router's kernel through the renormalised gate weights), and with its input rows sharded: the router's
     ``topk_route_shed`` keeps each device on its own rows (:mod:`kq_jax.partition`), the variables replicated.
@@ -261,7 +262,6 @@ class ArenaMoE(nnx.Module):
                     raise ValueError(f"ArenaMoE: {name} {width} is not a multiple of tier_group_size "
                                      f"{tier_group_size}; the tier quantizes each row in groups of that many")
             self.tier_bits, self.tier_group_size = int(tier_bits), int(tier_group_size)
-            self.tier_loaded = False  # set_tier: until then a miss would run from zeros
             scales = jnp.dtype(scale_dtype(jnp.dtype(dtype)))  # the tier's 16-bit scales for weights of dtype
             for projection, (out, width) in zip(("gating", "up_proj", "down_proj"), ((f, d), (f, d), (d, f))):
                 words, groups = width * tier_bits // 32, width // tier_group_size
@@ -310,9 +310,6 @@ class ArenaMoE(nnx.Module):
         rows = _rows("ArenaMoE", inputs, self.router.hidden_size)
         arena, table, tier = self.arena(), self.slot_table_E[...], None
         if self.on_miss == "tier":
-            if not self.tier_loaded:
-                raise ValueError("ArenaMoE: on_miss='tier' serves misses from the tier: load it with set_tier "
-                                 "(or build the module with from_dense) before the first step")
             tier = self.tier()
             check_tier(tier, arena, num_experts=self.router.num_experts, where="ArenaMoE: tier")
         # The library's one step (kq_jax.qwen3_moe_arena.make_step's layers run it too): topk_route_shed
@@ -400,7 +397,6 @@ class ArenaMoE(nnx.Module):
             _check_array("ArenaMoE.set_tier", f"tier.{name}", given, variable[...])
         for variable, given, _ in pairs:
             variable.set_value(jnp.asarray(given))
-        self.tier_loaded = True
 
     @classmethod
     def from_dense(cls, dense: DenseMoE, *, resident: Sequence[int] | None = None, num_slots: int | None = None,

@@ -114,7 +114,7 @@ class Qwen3MoeDecoder(nnx.Module):
 
         Raises:
             ValueError: ``tokens`` is no integer ``[B]`` (B >= 1), ``position`` no integer scalar, or
-                ``cache`` no pair of float32 ``[L, B, length, Hkv, hd]`` arrays, naming it (at trace time
+                ``cache`` no pair of floating-point ``[L, B, length, Hkv, hd]`` arrays, naming it (at trace time
                 under ``nnx.jit``); and where they are concrete (not traced), a token outside the vocabulary
                 or a position outside ``[0, length)``. Traced values are taken as they are: a token outside
                 the vocabulary reads a clamped row, a position outside the cache writes nowhere.
@@ -134,9 +134,9 @@ class Qwen3MoeDecoder(nnx.Module):
             shapes = [list(jnp.shape(part)) for part in cache] if isinstance(cache, (tuple, list)) else type(cache)
             raise ValueError(f"Qwen3MoeDecoder: cache must be (keys, values), each [{layout[0]}, {layout[1]}, "
                              f"length, {layout[2]}, {layout[3]}] (kq_jax.qwen3_moe.empty_cache), got {shapes}")
-        if any(jnp.result_type(part) != jnp.float32 for part in cache):
-            raise ValueError(f"Qwen3MoeDecoder: cache must be float32 (kq_jax.qwen3_moe.empty_cache), got "
-                             f"{[str(jnp.result_type(part)) for part in cache]}")
+        if not all(jnp.issubdtype(jnp.result_type(part), jnp.floating) for part in cache):
+            raise ValueError(f"Qwen3MoeDecoder: cache must be floating point (kq_jax.qwen3_moe.empty_cache's "
+                             f"float32), got {[str(jnp.result_type(part)) for part in cache]}")
         length = jnp.shape(cache[0])[2]
         for name, value, bound in (("tokens", tokens, cfg.vocab_size), ("position", position, length)):
             concrete = _concrete(value)

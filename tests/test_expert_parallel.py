@@ -85,3 +85,12 @@ def test_an_axis_the_mesh_lacks_is_refused_by_name(layer, axes, argument):
     _, experts, router, x = layer
     with pytest.raises(ValueError, match=argument):
         moe_ffn_arena_sharded(x, router, experts, np.zeros(E, np.int32), top_k=K, mesh=_mesh((2, 4)), **axes)
+
+
+def test_a_tuple_of_mesh_axes_holds_the_rows(layer):
+    _, experts, router, x = layer
+    mesh = _mesh((2, 4))
+    rows_axes = tuple(name for name in mesh.axis_names if name != "expert")
+    y, _ = moe_ffn_arena_sharded(x, router, experts, np.arange(E, dtype=np.int32), top_k=K, mesh=mesh,
+                                 data_axis=rows_axes)
+    assert y.shape == x.shape

@@ -409,13 +409,16 @@ def test_bad_residency_is_refused_by_name_and_changes_nothing(dense):
         np.testing.assert_array_equal(before[name], after[name])
 
 
-def test_a_tier_module_refuses_to_step_before_its_tier_is_loaded(dense, inputs):
-    module = ArenaMoE(D, F, E, S, K, on_miss="tier", rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="set_tier"):
-        module(inputs)
-    module.set_tier(ArenaMoE.from_dense(dense, on_miss="tier").tier())
-    outputs, _ = _call(module, inputs)  # an empty arena: every entry from the tier, none zero
-    assert np.abs(np.asarray(outputs)).min() > 0
+def test_a_tier_modules_state_restored_into_a_new_module_steps_with_the_same_bits(dense, inputs):
+    """The tier is state like the arena: a fresh module updated with a saved module's state (as a checkpoint
+    restore does) serves its misses from the restored tier."""
+    module, _ = _partial(dense, "tier")
+    want, _ = _call(module, inputs)
+    fresh = ArenaMoE(D, F, E, S, K, on_miss="tier", rngs=nnx.Rngs(3))
+    nnx.update(fresh, nnx.state(module))
+    got, _ = _call(fresh, inputs)
+    assert np.abs(np.asarray(want)).min() > 0
+    assert_same_bits(want, got)
 
 
 def test_a_tier_of_another_format_is_refused(dense):

@@ -156,3 +156,10 @@ def test_a_dequantizing_store_refuses_a_read_after_close_as_the_store_does(tmp_p
     store.close()
     with pytest.raises(ExpertStoreClosed):
         store.submit(0, 1)
+
+
+def test_whole_numbers_written_as_floats_are_options(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"quantization": {"bits": 4.0, "group_size": 64.0,
+                                                                       "model.embed": False}}))
+    quantization = Quantization.of(tmp_path)
+    assert (quantization.bits, quantization.group_size, quantization.modules) == (4, 64, {})

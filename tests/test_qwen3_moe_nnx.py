@@ -256,7 +256,7 @@ def test_a_step_it_cannot_take_is_refused_by_name(model):
 @pytest.mark.parametrize("tokens, position, cache_dtype, argument", [
     ([5], 4, jnp.float32, "position must lie in \\[0, 4\\)"), ([5], -1, jnp.float32, "position"),
     ("vocab", 0, jnp.float32, "tokens must lie"), ([-1], 0, jnp.float32, "tokens must lie"),
-    ([], 0, jnp.float32, "B >= 1"), ([5], 0, jnp.int32, "float32"), ([5], 1.0, jnp.float32, "position"),
+    ([], 0, jnp.float32, "B >= 1"), ([5], 0, jnp.int32, "floating point"), ([5], 1.0, jnp.float32, "position"),
 ], ids=["position-past-cache", "negative-position", "token-past-vocab", "negative-token", "no-sequence",
         "int-cache", "float-position"])
 def test_an_eager_step_outside_the_vocabulary_or_the_cache_is_refused_by_name(model, tokens, position,
