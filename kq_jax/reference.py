@@ -103,7 +103,8 @@ def _kept_mix_jvp(primals, tangents):
                         0.0)
     d_scale = jnp.sum(weights * ds, axis=1)
     mix = jnp.where(keep, mul_flush(s, scale[:, None]), 0.0)
-    return mix, jnp.where(keep, ds * scale[:, None] + s * d_scale[:, None], 0.0)
+    finite = jnp.where(jnp.isfinite(s), s, 0.0)  # a NaN score's row: its other entries' derivatives stay 0
+    return mix, jnp.where(keep, ds * scale[:, None] + finite * d_scale[:, None], 0.0)
 
 
 def route_shed_ref(indices, scores, slot_table, num_slots: int | None = None,

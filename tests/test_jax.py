@@ -97,6 +97,19 @@ def test_mix_gradient_passes_check_grads(impl, rng):
                 atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+def test_the_mix_of_a_row_with_nothing_shed_passes_its_gradient_on_exactly_and_a_nan_row_gives_zeros(impl, rng):
+    """Nothing shed: the mix is the scores, and so is its gradient, bit for bit. A row whose mass is NaN
+    (its mix 0 but for the NaN entry) passes back zeros, not NaN to its other entries."""
+    ids = jnp.asarray(np.array([[0, 1, 2], [0, 1, 2]], np.int32))
+    table = jnp.asarray(np.array([2, 0, 1, -1], np.int32))
+    scores = jnp.asarray(np.array([[0.3, 0.45, 0.25], [np.nan, 0.5, 0.25]], np.float32))
+    weights = jnp.asarray(rng.normal(size=(2, 3)).astype(np.float32))
+    grad = np.asarray(jax.grad(_mix_loss(impl, ids, table, weights))(scores))
+    np.testing.assert_array_equal(grad[0].view(np.uint32), np.asarray(weights)[0].view(np.uint32))
+    assert (grad[1] == 0).all()
+
+
 @pytest.mark.parametrize("impl", [KERNEL_IMPL])
 def test_kernel_gradient_matches_reference_within_one_ulp(impl, rng):
     ids, scores, table = router_inputs(rng, 64, 8, 64, resident_fraction=0.6)
