@@ -15,7 +15,7 @@ def int64_ids(where: str, name: str, values) -> np.ndarray:
         return array.astype(np.int64)
     if array.dtype.kind not in "iu":
         raise ValueError(f"{where}: {name} must be integers, got dtype {array.dtype}")
-    if array.dtype == np.uint64 and array.size and array.max() > np.iinfo(np.int64).max:
+    if array.dtype == np.uint64 and array.max() > np.iinfo(np.int64).max:
         raise ValueError(f"{where}: {name} holds {int(array.max())}, past int64")
     return array.astype(np.int64, copy=False)
 

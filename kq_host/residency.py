@@ -443,14 +443,14 @@ class ManagerBase:
             raise ValueError(f"{method}: layer must be an int in [0, {self.num_layers}), got {layer!r}")
         return int(layer)
 
-    def _preload_experts(self, layer: int, experts: Iterable[int]) -> list[int]:
-        """``preload``'s arguments, checked: the expert ids as ints."""
-        self._checked_layer("preload", layer)
+    def _preload_experts(self, layer: int, experts: Iterable[int]) -> tuple[int, list[int]]:
+        """``preload``'s arguments, checked: the layer and the expert ids as ints."""
+        layer = self._checked_layer("preload", layer)
         experts = list(experts)
         bad = [e for e in experts if not _is_int(e) or not 0 <= e < self.num_experts]
         if bad:
             raise ValueError(f"preload: experts must be int ids in [0, {self.num_experts}), got {bad}")
-        return [int(e) for e in experts]
+        return layer, [int(e) for e in experts]
 
     def _exclusive(self, method: str) -> "_Exclusive":
         return _Exclusive(self, method)
@@ -834,8 +834,7 @@ class ResidencyManager(ManagerBase):
         """
         deadline = deadline_of("preload", timeout)
         self._check_open("preload")
-        experts = self._preload_experts(layer, experts)
-        layer = int(layer)
+        layer, experts = self._preload_experts(layer, experts)
         tables = self._tables
         with self._exclusive("preload"):
             failures_before = {key: record.count for key, record in self.failures.items()}
@@ -950,8 +949,7 @@ class ResidencyManager(ManagerBase):
         if not isinstance(credit, (bool, np.bool_)):
             raise ValueError(f"acquire: credit must be a bool, got {credit!r}")
         self._check_open("acquire")
-        ids, scores = self._layer_routing("acquire", layer, indices, scores)
-        layer = int(layer)
+        layer, ids, scores = self._layer_routing("acquire", layer, indices, scores)
         tables, view = self._tables, self._layer_view(layer)
         with self._exclusive("acquire"):
             self._publish_landed()
@@ -1053,8 +1051,7 @@ class ResidencyManager(ManagerBase):
         if budget is not None and (not isinstance(budget, (int, np.integer)) or isinstance(budget, bool)
                                    or budget < 0):
             raise ValueError(f"prefetch: budget must be an int >= 0 or None, got {budget!r}")
-        ids, scores = self._layer_routing("prefetch", layer, ids, scores, allow_padding=True)
-        layer = int(layer)
+        layer, ids, scores = self._layer_routing("prefetch", layer, ids, scores, allow_padding=True)
         view = self._layer_view(layer)
         with self._exclusive("prefetch"):
             predicted = np.zeros((1, self.num_experts), bool)
@@ -1103,8 +1100,8 @@ class ResidencyManager(ManagerBase):
                       counts={name: values[rows] for name, values in tables.counts.items()})
 
     def _layer_routing(self, method: str, layer, ids, scores, *, allow_padding: bool = False):
-        """One layer's ids and scores as ``[1, n]`` int64 and float64, checked."""
-        self._checked_layer(method, layer)
+        """The layer as an int, and its ids and scores as ``[1, n]`` int64 and float64, checked."""
+        layer = self._checked_layer(method, layer)
         ids, scores = int64_ids(method, "ids", ids), np.asarray(scores)
         if ids.shape != scores.shape or scores.dtype.kind not in "fiu":
             raise ValueError(f"{method}: ids must be integers and scores numbers of the same shape, got "
@@ -1114,7 +1111,7 @@ class ResidencyManager(ManagerBase):
         if ids.size and (ids.min() < low or ids.max() >= self.num_experts):
             raise ValueError(f"{method}: layer {layer}'s ids must lie in [{low}, {self.num_experts}), got "
                              f"{int(ids.min())}..{int(ids.max())}")
-        return ids, scores.reshape(1, -1).astype(np.float64)
+        return layer, ids, scores.reshape(1, -1).astype(np.float64)
 
     def _note_evicted_prefetches(self, layer: int) -> None:
         """Prefetched experts of ``layer`` that lost their slot before any use: wasted."""

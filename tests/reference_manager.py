@@ -147,7 +147,7 @@ class ReferenceManager(ManagerBase):
             ValueError: ``layer``, an id of ``experts`` or ``timeout`` is out of range, or no slot is free.
         """
         deadline = deadline_of("preload", timeout)
-        experts = self._preload_experts(layer, experts)
+        layer, experts = self._preload_experts(layer, experts)
         with self._exclusive("preload"):
             for expert in experts:
                 state = self.layers[layer]
