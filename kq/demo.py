@@ -27,6 +27,7 @@ import numpy as np
 
 from kq.study import SHIPPED_MODEL, RunResult, StudyConfig, checkpoint_config, make_study
 from kq_core.contract import EXPERT_PROJECTIONS
+from kq_core.validate import is_int
 
 DEMO_RULES = ("tier", "route_shed", "shed", "exact")
 FRAMEWORK_PACKAGES = {"mlx": "mlx_lm", "jax": "jax"}  # each framework and the package it needs, MLX first
@@ -62,7 +63,7 @@ class ModelDemoConfig:
         if not self.frameworks or not set(self.frameworks) <= set(FRAMEWORK_PACKAGES):
             raise ValueError(f"--frameworks must be one or more of {sorted(FRAMEWORK_PACKAGES)}, "
                              f"got {self.frameworks}")
-        if not (isinstance(self.tokens, int) and not isinstance(self.tokens, bool) and self.tokens >= 1):
+        if not (is_int(self.tokens) and self.tokens >= 1):
             raise ValueError(f"--tokens must be an int >= 1, got {self.tokens!r}")
         for name, value, known in (("--policy", self.policy, ("lfu", "lru")), ("--rule", self.rule, DEMO_RULES),
                                    ("--tier-bits", self.tier_bits, BITS)):

@@ -25,6 +25,7 @@ from typing import Callable
 
 import numpy as np
 
+from kq_core.validate import is_int
 from kq_host.checkpoint import MODEL_FILES, model_files
 from kq_host.residency import MAX_QUEUE_DEPTH
 
@@ -166,7 +167,7 @@ def _checked(config: GenerateConfig) -> tuple[Path, dict]:
                               f"affine ones (\"quantization\" in config.json)")
     if not isinstance(config.prompt, str) or not config.prompt:
         raise _fail("--prompt", "must be a non-empty text")
-    if (isinstance(config.max_tokens, bool) or not isinstance(config.max_tokens, (int, np.integer))
+    if (not is_int(config.max_tokens)
             or config.max_tokens < 1):
         raise _fail("--max-tokens", f"must be an int >= 1, got {config.max_tokens!r}")
     residency = config.residency
@@ -182,7 +183,7 @@ def _checked(config: GenerateConfig) -> tuple[Path, dict]:
         raise _fail("--tier-model", "reads the tier's bits from its checkpoint: give it or --tier-bits, not both")
     if config.tier_model is not None and not Path(config.tier_model).is_dir():
         raise _fail("--tier-model", f"{config.tier_model} is not a directory")
-    if (isinstance(config.queue_depth, bool) or not isinstance(config.queue_depth, (int, np.integer))
+    if (not is_int(config.queue_depth)
             or not 0 <= config.queue_depth <= MAX_QUEUE_DEPTH):
         raise _fail("--queue-depth", f"must be an int in [0, {MAX_QUEUE_DEPTH}], got {config.queue_depth!r}")
     if config.timeout is not None and (isinstance(config.timeout, bool) or not isinstance(config.timeout, (int, float))
@@ -369,7 +370,7 @@ def generate(config: GenerateConfig, on_text: Callable[[str], None] | None = Non
     quantized = any(isinstance(module, (nn.QuantizedLinear, QuantizedSwitchLinear)) for module in model.modules())
     num_experts = _expert_count(model, model_dir)
     top_k = settings.get("num_experts_per_tok")  # the key of every family mlx-lm names a routing width for
-    if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > num_experts:
+    if is_int(top_k) and top_k > num_experts:
         raise _fail("--model", f"{model_dir / 'config.json'}: num_experts_per_tok {top_k} routes more experts than "
                                f"the {num_experts} of a layer")
     slots = min(num_experts, max(1, round(config.residency * num_experts)))

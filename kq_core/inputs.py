@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from kq_core.contract import NUMPY_DTYPES
+from kq_core.validate import is_int
 
 _SPECIAL_SCORE_BITS = np.array(
     [
@@ -181,7 +182,7 @@ def split_rows(total: int, weights) -> list[int]:
 
 def _count(name: str, value) -> int:
     """``value`` as an int >= 0, or a ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+    if not is_int(value) or value < 0:
         raise ValueError(f"random_cases: {name} must be an int >= 0, got {value!r}")
     return int(value)
 

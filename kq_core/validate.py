@@ -13,6 +13,8 @@ argument; a wrong dtype is a :class:`RouteShedDtypeError`, also a ``TypeError``.
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from kq_core.contract import INDEX_DTYPES, MAX_TOP_K, ON_MISS, ROUTE_SHED_ON_MISS, SCORE_DTYPES, SLOT_TABLE_DTYPES
@@ -53,6 +55,28 @@ class RouteShedInputError(RouteShedArgumentError):
 _DTYPE_NAMES: dict = {}  # dtype object -> name: a graph-building call names the same few dtypes again and again
 
 
+def is_int(value) -> bool:
+    """An int or a NumPy integer scalar, not a bool: the one test of every integer argument kq takes."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def is_int_scalar(value) -> bool:
+    """An integer scalar of any framework: an int, a NumPy integer, or a 0-d integer array (NumPy, JAX);
+    not a bool."""
+    if is_int(value):
+        return True
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or isinstance(value, np.bool_) or np.ndim(value) != 0:
+        return False
+    try:
+        if np.dtype(dtype).kind not in "iu":
+            return False
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
 def dtype_name(array) -> str:
     """Framework-neutral dtype name: 'int32', 'bfloat16', ... (NumPy, JAX, MLX)."""
     dtype = array.dtype
@@ -84,7 +108,7 @@ def _check_dtype(name: str, array, allowed: tuple[str, ...], op: str = "route_sh
 
 def check_num_slots(num_slots, op: str = "route_shed") -> None:
     """``num_slots`` is None or an int in ``[1, 2**31 - 1]``; the error names ``op``."""
-    if num_slots is not None and not (isinstance(num_slots, (int, np.integer)) and not isinstance(num_slots, bool)
+    if num_slots is not None and not (is_int(num_slots)
                                       and 1 <= num_slots <= np.iinfo(np.int32).max):
         raise RouteShedArgumentError("num_slots", f"{op}: num_slots must be None or an int in [1, 2**31 - 1], "
                                                   f"got {num_slots!r}")
@@ -162,7 +186,7 @@ def check_topk_route_shed_args(probs, slot_table, top_k: int, *, normalize: bool
     if tshape != pshape[-1:]:
         raise RouteShedArgumentError("slot_table", f"topk_route_shed: slot_table must have shape [E] = "
                                                    f"{pshape[-1:]}, got {tshape}")
-    if not (isinstance(top_k, (int, np.integer)) and not isinstance(top_k, bool)
+    if not (is_int(top_k)
             and 1 <= top_k <= min(pshape[-1], MAX_TOP_K)):
         raise RouteShedArgumentError("top_k", f"topk_route_shed: top_k must be an int in [1, min(E, {MAX_TOP_K})] "
                          f"with E = {pshape[-1]}, got {top_k!r}")

@@ -10,6 +10,8 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from kq_core.validate import is_int
+
 
 class Arena(Protocol):
     """Anything that can take a landed expert into a slot (NumPy, JAX and MLX adapters).
@@ -44,7 +46,7 @@ def check_slot(shape: tuple[int, int], layer, slot) -> None:
     """ValueError naming the index unless ``[layer, slot]`` is a slot of an arena of ``shape``
     (``(layers, slots)``): ints in range (a negative one would write from the end, one past it nowhere)."""
     for name, value, count in (("layer", layer, shape[0]), ("slot", slot, shape[1])):
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or not 0 <= value < count:
+        if not is_int(value) or not 0 <= value < count:
             raise ValueError(f"write_slot: {name} must be an int in [0, {count}), got {value!r}")
 
 
@@ -80,7 +82,7 @@ def check_arena_arguments(kind: str, num_layers, num_slots, shapes) -> None:
     """An arena's constructor arguments: ``num_layers`` and ``num_slots`` ints >= 1, ``shapes`` a non-empty
     ``{projection: (shape, dtype)}`` of non-negative int dimensions; ValueError naming the argument."""
     for name, value in (("num_layers", num_layers), ("num_slots", num_slots)):
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"{kind}: {name} must be an int >= 1, got {value!r}")
     if not isinstance(shapes, Mapping) or not shapes:
         raise ValueError(f"{kind}: shapes must be a non-empty mapping projection -> (shape, dtype), got {shapes!r}")
@@ -88,7 +90,7 @@ def check_arena_arguments(kind: str, num_layers, num_slots, shapes) -> None:
         try:
             shape, dtype = entry
             np.dtype(dtype)
-            ok = all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in shape)
+            ok = all(is_int(d) and d >= 0 for d in shape)
         except (TypeError, ValueError):
             ok = False
         if not ok:

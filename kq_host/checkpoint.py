@@ -27,6 +27,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from kq_core.contract import EXPERT_PROJECTIONS
+from kq_core.validate import is_int
 from kq_host.expert_store import PER_EXPERT_TEMPLATE, ExpertStore, ExpertStoreError
 from kq_host.tier import QuantizedWeight, dequantize
 
@@ -92,7 +93,7 @@ def expert_count(config: Mapping) -> int:
                               f"{', '.join(sorted(CHECKPOINT_LAYOUTS))}")
     key = CHECKPOINT_LAYOUTS[model_type][2]
     count = config.get(key)
-    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+    if not is_int(count) or count < 1:
         raise CheckpointError(f"config.json: {key} (the {model_type} expert count) must be an int >= 1, "
                               f"got {count!r}")
     return count
@@ -110,7 +111,7 @@ def trained_length(checkpoint) -> int | None:
                 value = value[key]
         except (OSError, ValueError, KeyError, TypeError):  # absent, not JSON, or without the key
             continue
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        if is_int(value) and value >= 1:
             return value
     return None
 
@@ -155,7 +156,7 @@ class Quantization:
             numbers = [int(n) if isinstance(n, float) and n.is_integer() else n for n in numbers]  # 4.0 is 4
             bits, group_size = numbers
             for name, number, low, high in (("bits", bits, 1, 8), ("group_size", group_size, 1, None)):
-                if (not isinstance(number, int) or isinstance(number, bool) or number < low
+                if (not is_int(number) or number < low
                         or (high is not None and number > high)):
                     bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
                     raise ExpertStoreError(f"{path}: quantization{where}'s {name} must be an int {bound}, got {number!r}")

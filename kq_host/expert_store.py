@@ -32,6 +32,8 @@ from typing import Any, Callable, Literal, Mapping, NamedTuple, Sequence
 import ml_dtypes
 import numpy as np
 
+from kq_core.validate import is_int
+
 SAFETENSORS_DTYPES = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
@@ -189,11 +191,11 @@ def _entry(path: Path, name: str, info, data_start: int, data_size: int, identit
         raise ExpertStoreError(f"{where} has dtype {info['dtype']!r}, which kq cannot read")
     shape, offsets = info["shape"], info["data_offsets"]
     if not (isinstance(shape, list) and len(shape) <= MAX_DIMENSIONS
-            and all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_EXTENT for d in shape)):
+            and all(is_int(d) and 0 <= d <= MAX_EXTENT for d in shape)):
         raise ExpertStoreError(f"{where}: shape must be a list of at most {MAX_DIMENSIONS} ints in [0, {MAX_EXTENT}], "
                                f"got {shape!r}"[:400])
     if not (isinstance(offsets, list) and len(offsets) == 2
-            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            and all(is_int(o) for o in offsets)
             and 0 <= offsets[0] <= offsets[1]):
         raise ExpertStoreError(f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, got {offsets!r}")
     begin, end = offsets
@@ -223,7 +225,7 @@ def _checked_ids(method: str, layer, expert) -> tuple[int, int]:
     """``(layer, expert)`` as Python ints; ValueError naming the one that is no int >= 0 (NumPy ints count,
     bools do not)."""
     for name, value in (("layer", layer), ("expert", expert)):
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 0:
+        if not is_int(value) or value < 0:
             raise ValueError(f"ExpertStore.{method}: {name} must be an int >= 0, got {value!r}")
     return int(layer), int(expert)
 
@@ -257,7 +259,7 @@ class ExpertStore:
                  template: str | None = None, queue_depth: int = 8, host_allocator=None):
         if layout not in ("per_expert", "stacked"):
             raise ValueError(f"ExpertStore: layout must be 'per_expert' or 'stacked', got {layout!r}")
-        if not isinstance(queue_depth, (int, np.integer)) or isinstance(queue_depth, bool) or queue_depth < 1:
+        if not is_int(queue_depth) or queue_depth < 1:
             raise ValueError(f"ExpertStore: queue_depth must be an int >= 1 (reader threads), got {queue_depth!r}")
         if isinstance(projections, str) or not projections or not all(isinstance(p, str) for p in projections):
             raise ValueError(f"ExpertStore: projections must name at least one projection (strings), got "
@@ -330,7 +332,7 @@ class ExpertStore:
                              f"{{payload key: tensor name}}, got {names!r}")
         checked = {}
         for layer, keys in names.items():
-            if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) or layer < 0:
+            if not is_int(layer) or layer < 0:
                 raise ValueError(f"ExpertStore.for_tensors: names' layers must be ints >= 0, got {layer!r}")
             if (not isinstance(keys, Mapping) or not keys
                     or not all(isinstance(k, str) and isinstance(v, str) for k, v in keys.items())):

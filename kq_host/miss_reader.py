@@ -15,6 +15,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from kq_core.validate import is_int
+
 
 class MissReader:
     """Reads the experts a layer missed, for a program waiting on them, and keeps them for the arena.
@@ -41,7 +43,7 @@ class MissReader:
         if not projections:
             raise ValueError("MissReader: projections must name at least one payload key")
         for name, value in (("workers", workers), ("keep", keep)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"MissReader: {name} must be an int >= 1, got {value!r}")
         self._store, self._projections, self._keep = store, tuple(projections), keep
         self._dtype = None if dtype is None else np.dtype(dtype)
@@ -66,7 +68,7 @@ class MissReader:
                 shape or dtype from the call's other experts (naming the expert and layer).
             RuntimeError: the reader is closed; the store's read failed (naming the expert and layer).
         """
-        if not isinstance(layer, (int, np.integer)) or isinstance(layer, bool) or layer < 0:
+        if not is_int(layer) or layer < 0:
             raise ValueError(f"MissReader: layer must be an int >= 0, got {layer!r}")
         layer = int(layer)
         array = np.asarray(ids)

@@ -44,7 +44,6 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
-import operator
 import queue
 import threading
 import time
@@ -57,6 +56,7 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 import numpy as np
 
 from kq_core import reports as report_layout
+from kq_core.validate import is_int, is_int_scalar
 from kq_host import bookkeeping
 from kq_host.arena import Arena, write_landed
 from kq_host.bookkeeping import SlotState, Tables
@@ -73,20 +73,6 @@ __all__ = ["MAX_BACKOFF_DOUBLINGS", "MAX_BYTE_COUNT", "FailedRead", "LayerReport
 # The largest int a loader may return as the bytes it read.
 MAX_BYTE_COUNT = 2**40  # 1 TiB: bytes_read (int64) cannot wrap before 2**23 reads of it
 _MAX_READ_BUDGET = 2**62  # read_budget is kept as an int64
-
-
-def _is_int(value) -> bool:
-    """An integer scalar: an int, a NumPy or JAX integer, a 0-d integer array; not a bool."""
-    if isinstance(value, (bool, np.bool_)):
-        return False
-    dtype = getattr(value, "dtype", None)
-    if dtype is not None and (np.dtype(dtype).kind not in "iu" or np.ndim(value) != 0):
-        return False
-    try:
-        operator.index(value)
-    except TypeError:
-        return False
-    return True
 
 
 @dataclass
@@ -392,7 +378,7 @@ class ManagerBase:
                 ("num_slots", num_slots, 1, None), ("queue_depth", queue_depth, 0, None),
                 ("decay_interval", decay_interval, 0, None), ("bytes_per_expert", bytes_per_expert, 0, MAX_BYTE_COUNT),
                 ("read_budget", 0 if read_budget is None else read_budget, 0, _MAX_READ_BUDGET)):
-            if not _is_int(value) or value < minimum or (maximum is not None and value > maximum):
+            if not is_int_scalar(value) or value < minimum or (maximum is not None and value > maximum):
                 raise ValueError(f"ResidencyManager: {name} must be an int >= {minimum}"
                                  f"{'' if maximum is None else f' and <= {maximum}'}, got {value!r}")
         if queue_depth > MAX_QUEUE_DEPTH:
@@ -417,8 +403,8 @@ class ManagerBase:
         self.pinned_experts: dict[int, set[int]] = {}
         for layer, experts in (pinned or {}).items():
             experts = list(experts) if isinstance(experts, Iterable) else [experts]
-            if (not _is_int(layer) or not 0 <= layer < num_layers
-                    or any(not _is_int(e) or not 0 <= e < num_experts for e in experts)):
+            if (not is_int_scalar(layer) or not 0 <= layer < num_layers
+                    or any(not is_int_scalar(e) or not 0 <= e < num_experts for e in experts)):
                 raise ValueError(f"ResidencyManager: pinned maps layers in [0, {num_layers}) to expert ids in "
                                  f"[0, {num_experts}), got layer {layer}: {experts}")
             experts = {int(e) for e in experts}
@@ -439,7 +425,7 @@ class ManagerBase:
 
     def _checked_layer(self, method: str, layer) -> int:
         """``layer`` as an int, or ValueError naming it unless it is an int in ``[0, num_layers)``."""
-        if not _is_int(layer) or not 0 <= layer < self.num_layers:
+        if not is_int_scalar(layer) or not 0 <= layer < self.num_layers:
             raise ValueError(f"{method}: layer must be an int in [0, {self.num_layers}), got {layer!r}")
         return int(layer)
 
@@ -447,7 +433,7 @@ class ManagerBase:
         """``preload``'s arguments, checked: the layer and the expert ids as ints."""
         layer = self._checked_layer("preload", layer)
         experts = list(experts)
-        bad = [e for e in experts if not _is_int(e) or not 0 <= e < self.num_experts]
+        bad = [e for e in experts if not is_int_scalar(e) or not 0 <= e < self.num_experts]
         if bad:
             raise ValueError(f"preload: experts must be int ids in [0, {self.num_experts}), got {bad}")
         return layer, [int(e) for e in experts]
@@ -782,7 +768,7 @@ class ResidencyManager(ManagerBase):
                 return np.array(picked, np.int64)
         counts = np.full(len(picked), self.bytes_per_expert, np.int64)
         for j, outcome in enumerate(picked):
-            if failed[j] or not isinstance(outcome, numbers.Integral) or isinstance(outcome, (bool, np.bool_)):
+            if failed[j] or not is_int(outcome):
                 continue
             if 0 <= outcome <= MAX_BYTE_COUNT:
                 counts[j] = int(outcome)
@@ -1048,7 +1034,7 @@ class ResidencyManager(ManagerBase):
         """
         deadline = deadline_of("prefetch", timeout)
         self._check_open("prefetch")
-        if budget is not None and (not isinstance(budget, (int, np.integer)) or isinstance(budget, bool)
+        if budget is not None and (not is_int(budget)
                                    or budget < 0):
             raise ValueError(f"prefetch: budget must be an int >= 0 or None, got {budget!r}")
         layer, ids, scores = self._layer_routing("prefetch", layer, ids, scores, allow_padding=True)

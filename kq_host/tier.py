@@ -31,6 +31,7 @@ from typing import Mapping, NamedTuple
 import ml_dtypes
 import numpy as np
 
+from kq_core.validate import is_int
 from kq_host.expert_store import ExpertStoreError, FileIdentity, file_identity, shared_memory_pairs
 
 BITS = (2, 3, 4, 8)
@@ -70,9 +71,9 @@ class QuantizedWeight(NamedTuple):
 
 def check_options(bits: int, group_size: int) -> None:
     """Raises :class:`TierOptionError` naming ``bits`` or ``group_size`` if the format does not take it."""
-    if not (isinstance(bits, (int, np.integer)) and not isinstance(bits, bool) and bits in BITS):
+    if not (is_int(bits) and bits in BITS):
         raise TierOptionError(f"tier: bits must be one of {BITS}, got {bits!r}")
-    if not (isinstance(group_size, (int, np.integer)) and not isinstance(group_size, bool)
+    if not (is_int(group_size)
             and group_size in GROUP_SIZES):
         raise TierOptionError(f"tier: group_size must be one of {GROUP_SIZES}, got {group_size!r}")
 
@@ -176,7 +177,7 @@ def pack(q: np.ndarray, bits: int) -> np.ndarray:
 
 def _check_read_bits(bits) -> None:
     """TierOptionError naming ``bits`` unless a stored weight can have them (MLX packs 1 to 8 bits)."""
-    if not (isinstance(bits, (int, np.integer)) and not isinstance(bits, (bool, np.bool_)) and 1 <= bits <= 8):
+    if not (is_int(bits) and 1 <= bits <= 8):
         raise TierOptionError(f"tier: bits must be an int in [1, 8], got {bits!r}")
 
 
@@ -208,7 +209,7 @@ def dequantize(weight: QuantizedWeight, *, bits: int, group_size: int) -> np.nda
             shapes of ``weight``'s arrays (naming them).
     """
     _check_read_bits(bits)
-    if not (isinstance(group_size, (int, np.integer)) and not isinstance(group_size, (bool, np.bool_))
+    if not (is_int(group_size)
             and group_size >= 1):
         raise TierOptionError(f"tier: group_size must be an int >= 1, got {group_size!r}")
     packed, scales, biases = (np.asarray(a) for a in weight)
@@ -291,7 +292,7 @@ def build_tier(store, num_layers: int, num_experts: int, *, bits: int = 3, group
     """
     check_options(bits, group_size)
     for name, value in (("num_layers", num_layers), ("num_experts", num_experts)):
-        if not (isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1):
+        if not (is_int(value) and value >= 1):
             raise TierOptionError(f"tier: {name} must be an int >= 1, got {value!r}")
     num_layers, num_experts = int(num_layers), int(num_experts)
     shapes = _expert_shapes(store, num_layers, num_experts)
@@ -600,7 +601,7 @@ def tier_from_checkpoint(directory: str | os.PathLike, store, num_layers: int, n
 
     directory = Path(directory)
     for name, value in (("num_layers", num_layers), ("num_experts", num_experts)):
-        if not (isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1):
+        if not (is_int(value) and value >= 1):
             raise TierOptionError(f"tier_from_checkpoint: {name} must be an int >= 1, got {value!r}")
     shapes = {name: shape for name, (shape, _) in _expert_shapes(store, int(num_layers), int(num_experts)).items()}
     config = directory / "config.json"

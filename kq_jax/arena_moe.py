@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from kq_core.validate import is_int
 import kq_jax
 from kq_core.contract import RouteShedResult
 from kq_jax.miss_fetch import gather_with_misses
@@ -260,7 +261,7 @@ def _check_layer_arguments(x, indices, scores, slot_table, rule, weights, num_sl
         raise ValueError(f"arena_moe: rule {rule!r} routes with the router's probabilities: give probs=[T, E]")
     if rule != "stall":  # stall gathers all E experts by id
         rows = jnp.shape(weights.gate)[0] if slot_rows is None else jnp.shape(slot_rows)[0]
-        if not isinstance(num_slots, int) or isinstance(num_slots, bool) or not 1 <= num_slots <= rows:
+        if not is_int(num_slots) or not 1 <= num_slots <= rows:
             held = "weights holds" if slot_rows is None else "slot_rows maps"
             raise ValueError(f"arena_moe: num_slots must be an int in [1, {rows}] (the {held} {rows} slots), got "
                              f"{num_slots!r}")

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kq_core.validate import is_int
 from kq_jax import qwen3_moe
 from kq_jax.moe import Experts, combine, experts_apply
 
@@ -94,10 +95,9 @@ class ExactLoop:
                              f"{cfg.num_experts_per_tok}")
         if not isinstance(lookahead, (int, np.integer)) or not 0 <= lookahead <= 2:
             raise ValueError(f"ExactLoop: lookahead must be 0, 1, 2 or a bool, got {lookahead!r}")
-        if not isinstance(length, int) or isinstance(length, bool) or length < 1:
+        if not is_int(length) or length < 1:
             raise ValueError(f"ExactLoop: length must be an int >= 1, got {length!r}")
-        if prefetch_budget is not None and (not isinstance(prefetch_budget, (int, np.integer))
-                                            or isinstance(prefetch_budget, bool) or prefetch_budget < 0):
+        if prefetch_budget is not None and (not is_int(prefetch_budget) or prefetch_budget < 0):
             raise ValueError(f"ExactLoop: prefetch_budget must be an int >= 0 or None, got {prefetch_budget!r}")
         if not isinstance(getattr(arena, "arrays", None), dict) or (manager.arena is not None and arena is not manager.arena):
             raise ValueError(f"ExactLoop: arena must be the JaxArena the manager writes (manager.arena), got "
@@ -125,7 +125,7 @@ class ExactLoop:
                 ``[0, length)``; nothing runs.
             kq_host.residency.PreloadError: a layer's read failed or was still out after ``timeout``.
         """
-        if not isinstance(position, (int, np.integer)) or isinstance(position, bool) or \
+        if not is_int(position) or \
                 not 0 <= position < self.length:
             raise ValueError(f"ExactLoop.step: position must be an int in [0, {self.length}), got {position!r}")
         token = self._token_id(token)
@@ -156,7 +156,7 @@ class ExactLoop:
                 raise ValueError(f"ExactLoop.step: token must be one integer (an int, or an integer array of "
                                  f"shape () or [1]), got {value.dtype} {value.shape}")
             value = value.reshape(()).item()
-        if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) or \
+        if not is_int(value) or \
                 not 0 <= value < vocab:
             raise ValueError(f"ExactLoop.step: token must be an int in [0, {vocab}) (the vocabulary), got {token!r}")
         return int(value)

@@ -17,7 +17,6 @@ exactly 1).
 from __future__ import annotations
 
 import functools
-from numbers import Integral
 from typing import NamedTuple
 
 import jax
@@ -25,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kq_core.contract import EXPERT_PROJECTIONS, TopkRouteShedResult
+from kq_core.validate import is_int
 from kq_host.tier import BITS, GROUP_SIZES
 from kq_jax.api import topk_route_shed
 from kq_jax.reference import normalize_topk_ref
@@ -60,9 +60,9 @@ def tier_experts(layer: dict, *, bits: int, group_size: int, names=EXPERT_PROJEC
 
 def _check_options(bits, group_size, where: str) -> None:
     """Raises ValueError naming ``bits`` or ``group_size`` if the tier's format does not take it."""
-    if not (isinstance(bits, Integral) and not isinstance(bits, bool) and bits in BITS):
+    if not (is_int(bits) and bits in BITS):
         raise ValueError(f"{where}: bits must be one of {BITS}, got {bits!r}")
-    if not (isinstance(group_size, Integral) and not isinstance(group_size, bool) and group_size in GROUP_SIZES):
+    if not (is_int(group_size) and group_size in GROUP_SIZES):
         raise ValueError(f"{where}: group_size must be one of {GROUP_SIZES}, got {group_size!r}")
 
 

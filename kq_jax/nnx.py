@@ -28,7 +28,6 @@ Needs Flax (``pip install 'kq[nnx]'``); the rest of :mod:`kq_jax` does not impor
 
 from __future__ import annotations
 
-from numbers import Integral
 from typing import Mapping, Sequence
 
 import jax
@@ -41,6 +40,7 @@ except ImportError as error:  # the one module of kq_jax that needs Flax
     raise ImportError("kq_jax.nnx needs Flax: pip install 'kq[nnx]'") from error
 
 from kq_core.contract import EXPERT_PROJECTIONS
+from kq_core.validate import is_int
 from kq_host.tier import BITS, GROUP_SIZES, quantize, scale_dtype
 from kq_jax.api import IMPLS
 from kq_jax.arena import pack_reports
@@ -66,7 +66,7 @@ class TierCopy(nnx.Variable):
 
 
 def _check_size(where: str, name: str, value, minimum: int = 1) -> int:
-    if not isinstance(value, Integral) or isinstance(value, bool) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise ValueError(f"{where}: {name} must be an int >= {minimum}, got {value!r}")
     return int(value)
 
@@ -255,7 +255,7 @@ class ArenaMoE(nnx.Module):
         if on_miss == "tier":
             for name, value, allowed in (("tier_bits", tier_bits, BITS), ("tier_group_size", tier_group_size,
                                                                           GROUP_SIZES)):
-                if not isinstance(value, Integral) or isinstance(value, bool) or value not in allowed:
+                if not is_int(value) or value not in allowed:
                     raise ValueError(f"ArenaMoE: {name} must be one of {allowed}, got {value!r}")
             for name, width in (("hidden_size", d), ("intermediate_size", f)):
                 if width % tier_group_size:

@@ -11,6 +11,8 @@ from typing import NamedTuple
 
 import jax
 
+from kq_core.validate import is_int
+
 # The largest K the kernels unroll over a row's entries: the row kernel's
 # second pass (a loop above it), tiled I/O (refused above it) and the topk
 # kernel (XLA's top-k above it).
@@ -150,7 +152,7 @@ def _checked_config(op: str, config) -> KernelConfig:
                          f"{type(config).__name__}")
     for name in ("block_rows", "num_warps"):
         value = getattr(config, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1
+        if value is not None and (not is_int(value) or value < 1
                                   or value & (value - 1)):
             raise ValueError(f"{op}: config.{name} must be None or a power of two >= 1, got {value!r}")
     for name in ("tiled_io", "ptx_arith", "entry_lanes", "row_buckets"):

@@ -23,6 +23,7 @@ import numpy as np
 from jax import lax
 
 from kq_core.contract import EXPERT_PROJECTIONS
+from kq_core.validate import is_int
 from kq_host.checkpoint import CheckpointError, read_config
 from kq_jax.arena_moe import router_topk
 from kq_jax.moe import Experts, combine, experts_apply, router_probs
@@ -63,7 +64,7 @@ class Qwen3MoeConfig:
     def __post_init__(self):
         for name in _POSITIVE_FIELDS:
             value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if self.num_experts_per_tok > self.num_experts:
             raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} exceeds num_experts {self.num_experts}")
@@ -80,7 +81,7 @@ class Qwen3MoeConfig:
             if (not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, (bool, np.bool_))
                     or not 0 < value < math.inf):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-        if (not isinstance(self.max_position_embeddings, (int, np.integer)) or isinstance(self.max_position_embeddings, bool)
+        if (not is_int(self.max_position_embeddings)
                 or self.max_position_embeddings < 1):
             raise ValueError(f"max_position_embeddings must be an int >= 1, got {self.max_position_embeddings!r}")
 
@@ -390,7 +391,7 @@ def decode_step(params, token, position, cache, cfg: Qwen3MoeConfig, moe: MoeFn,
     Raises:
         ValueError: ``lookahead`` is no int >= 0.
     """
-    if not isinstance(lookahead, (int, np.integer)) or isinstance(lookahead, bool) or lookahead < 0:
+    if not is_int(lookahead) or lookahead < 0:
         raise ValueError(f"decode_step: lookahead must be an int >= 0 (layers predicted ahead), got {lookahead!r}")
     keys, values = cache
     h = params["embed"][token][:, None]  # [B, 1, D]

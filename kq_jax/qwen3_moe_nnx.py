@@ -18,13 +18,13 @@ Needs Flax (``pip install 'kq[nnx]'``), as :mod:`kq_jax.nnx` does.
 
 from __future__ import annotations
 
-from numbers import Integral
 from typing import Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kq_core.validate import is_int
 from kq_jax import qwen3_moe
 from kq_jax.moe import TierExperts
 from kq_jax.nnx import ArenaMoE  # first: its ImportError says how to install Flax
@@ -68,7 +68,7 @@ class Qwen3MoeDecoder(nnx.Module):
         if not isinstance(cfg, qwen3_moe.Qwen3MoeConfig):
             raise ValueError(f"Qwen3MoeDecoder: cfg must be a kq_jax.qwen3_moe.Qwen3MoeConfig, got "
                              f"{type(cfg).__name__}")
-        if not isinstance(num_slots, Integral) or isinstance(num_slots, bool) or num_slots < 1:
+        if not is_int(num_slots) or num_slots < 1:
             raise ValueError(f"Qwen3MoeDecoder: num_slots must be an int >= 1, got {num_slots!r}")
         layers = _checked_layers(params, cfg)
         routers = jnp.stack([jnp.asarray(layer["router"]) for layer in layers])  # [L, E, D]

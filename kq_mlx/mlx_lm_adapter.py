@@ -41,6 +41,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from kq_core.validate import is_int
 import kq_mlx
 from kq_mlx import report_pack, route_shed_columns
 from kq_mlx.route_shed_mlx import from_numpy
@@ -134,7 +135,7 @@ class ArenaLayer(nn.Module):
 
     def __init__(self, switch: nn.Module, num_slots: int, keep_experts: bool, module_path: str):
         super().__init__()
-        if isinstance(num_slots, bool) or not isinstance(num_slots, (int, np.integer)) or num_slots < 1:
+        if not is_int(num_slots) or num_slots < 1:
             raise ValueError(f"attach_arena: num_slots must be an int >= 1, got {num_slots!r}")
         object.__setattr__(self, "projections", _projection_names(switch))  # names, not part of the module tree
         self.num_experts = switch[self.projections[0]]["weight"].shape[0]
@@ -890,7 +891,7 @@ def _check_manager_shape(function: str, manager, blocks: list[ArenaLayer]) -> No
 
 def _checked_read_retries(function: str, read_retries) -> int:
     """``read_retries`` as an int; ValueError naming it where it is no int >= 0."""
-    if isinstance(read_retries, bool) or not isinstance(read_retries, (int, np.integer)) or read_retries < 0:
+    if not is_int(read_retries) or read_retries < 0:
         raise ValueError(f"{function}: read_retries must be an int >= 0, got {read_retries!r}")
     return int(read_retries)
 
@@ -918,7 +919,7 @@ def _vocabulary_size(model: nn.Module) -> int | None:
                              if path.rpartition(".")[2] == "embed_tokens"), embeddings[0])
         return int(embedding.weight.shape[0])
     vocabulary = getattr(getattr(model, "args", None), "vocab_size", None)
-    if isinstance(vocabulary, (int, np.integer)) and not isinstance(vocabulary, bool) and vocabulary > 0:
+    if is_int(vocabulary) and vocabulary > 0:
         return int(vocabulary)
     return None
 
@@ -1245,7 +1246,7 @@ def prefill(model: nn.Module, blocks: list[ArenaLayer], manager, prompt, cache, 
     """
     deadline_of("prefill", timeout)  # the manager's own check of a timeout
     read_retries = _checked_read_retries("prefill", read_retries)
-    if isinstance(step_size, bool) or not isinstance(step_size, (int, np.integer)) or step_size < 1:
+    if not is_int(step_size) or step_size < 1:
         raise ValueError(f"prefill: step_size must be an int >= 1, got {step_size!r}")
     tokens = _token_ids("prefill", prompt, _vocabulary_size(model))
     _check_cache("prefill", cache, model)
@@ -1374,14 +1375,14 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
     from mlx_lm.models.cache import make_prompt_cache
 
     prompt = _token_ids("generate_greedy", prompt, _vocabulary_size(model))
-    if isinstance(max_tokens, (bool, np.bool_)) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
+    if not is_int(max_tokens) or max_tokens < 1:
         raise ValueError(f"generate_greedy: max_tokens must be an int >= 1, got {max_tokens!r}")
     deadline_of("generate_greedy", timeout)  # the manager's own check of a timeout
     read_retries = _checked_read_retries("generate_greedy", read_retries)
     if isinstance(stop_tokens, Iterable) and not isinstance(stop_tokens, (str, bytes)):
         stop_tokens = tuple(stop_tokens)  # an iterator read once, here
     if (isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, Iterable)
-            or not all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) for t in stop_tokens)):
+            or not all(is_int(t) for t in stop_tokens)):
         raise ValueError(f"generate_greedy: stop_tokens must be a collection of token ids (ints), got "
                          f"{stop_tokens!r:.80}")
     stop_tokens = frozenset(int(t) for t in stop_tokens)

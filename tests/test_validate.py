@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from kq import RouteShedInputError, validate
+from kq_core.validate import is_int, is_int_scalar
 
 TABLE = np.array([0, 1, -1, 2, -1], np.int32)
 
@@ -77,3 +78,24 @@ def test_two_experts_share_a_slot():
 
 def test_error_is_a_value_error():
     assert issubclass(RouteShedInputError, ValueError)
+
+
+INTEGERS = [("int", 3, True, True), ("numpy int64", np.int64(3), True, True),
+            ("numpy uint64 max", np.uint64(2**64 - 1), True, True), ("0-d numpy array", np.array(3), False, True),
+            ("bool", True, False, False), ("numpy bool", np.bool_(False), False, False),
+            ("0-d bool array", np.array(True), False, False), ("float", 3.0, False, False),
+            ("0-d float array", np.array(3.0), False, False), ("1-d array", np.array([3]), False, False),
+            ("str", "3", False, False), ("None", None, False, False)]
+
+
+@pytest.mark.parametrize("value,scalar_only,any_scalar", [row[1:] for row in INTEGERS], ids=[row[0] for row in INTEGERS])
+def test_integer_checks(value, scalar_only, any_scalar):
+    """is_int takes an int or NumPy integer; is_int_scalar a 0-d integer array too; neither a bool."""
+    assert is_int(value) is scalar_only
+    assert is_int_scalar(value) is any_scalar
+
+
+def test_integer_scalar_of_other_frameworks():
+    jnp = pytest.importorskip("jax.numpy")
+    assert is_int_scalar(jnp.int32(4)) and not is_int(jnp.int32(4))
+    assert not is_int_scalar(jnp.array([4])) and not is_int_scalar(jnp.array(True))

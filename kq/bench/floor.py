@@ -12,6 +12,8 @@ import time
 
 import numpy as np
 
+from kq_core.validate import is_int
+
 
 def miss_path_gib_per_s(store, layers: int, experts: int, *, to_device=None, workers: int = 8, passes: int = 3,
                         max_bytes: int = 2**30) -> float:
@@ -37,7 +39,7 @@ def miss_path_gib_per_s(store, layers: int, experts: int, *, to_device=None, wor
 
     for name, value in (("layers", layers), ("experts", experts), ("workers", workers), ("passes", passes),
                         ("max_bytes", max_bytes)):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"miss_path_gib_per_s: {name} must be an int >= 1, got {value!r}")
     chosen, total = [], 0
     for layer in range(layers):
