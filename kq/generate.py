@@ -288,7 +288,8 @@ def _attach_tier(config: GenerateConfig, model_dir: Path, blocks, names, quantiz
     from mlx.utils import tree_flatten
 
     from kq_host.expert_store import ExpertStoreError
-    from kq_host.tier import TierOptionError, build_tier, tier_from_checkpoint
+    from kq_host.checkpoint import tier_from_checkpoint
+    from kq_host.tier import TierOptionError, build_tier
     from kq_mlx.mlx_lm_adapter import attach_tier
 
     source = _tier_source(model_dir, blocks, names, quantization, stack)

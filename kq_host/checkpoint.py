@@ -13,13 +13,14 @@ experts are stacked per layer and projection, ``model.layers.{layer}.mlp.switch_
 ``[E, out, ...]``. :func:`dense_tensors` gives every tensor in float32 (the JAX model loads it);
 :func:`open_experts` reads one expert at a time, a quantized one's packed bytes from the file, dequantized
 on the reader's thread, so an arena of float slots can run a quantized checkpoint and the bytes read are
-the file's.
+the file's. :func:`tier_from_checkpoint` reads a lower-bit conversion's experts as the low-precision tier.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -28,8 +29,10 @@ import numpy as np
 
 from kq_core.contract import EXPERT_PROJECTIONS
 from kq_core.validate import is_int
-from kq_host.expert_store import PER_EXPERT_TEMPLATE, ExpertStore, ExpertStoreError
-from kq_host.tier import QuantizedWeight, dequantize
+from kq_host.expert_store import (PER_EXPERT_TEMPLATE, ExpertStore, ExpertStoreError, file_identity,
+                                  read_safetensors_header)
+from kq_host.tier import (SCALE_DTYPES, WORD_BITS, QuantizedWeight, Tier, TierOptionError, check_options, check_tier,
+                          checked_expert_shapes, dequantize)
 
 
 # A model directory's weights files as mlx-lm's loader finds them: a file of another name is not the model's.
@@ -269,3 +272,143 @@ def open_experts(checkpoint: str | os.PathLike, projections: Sequence[str] = EXP
     return ExpertStore(checkpoint, layout="stacked", projections=[f"{p}.{f}" for p in projections
                                                                   for f in QUANTIZED_FIELDS],
                        template=STACKED_QUANTIZED_TEMPLATE, **store_options)
+
+
+def tier_from_checkpoint(directory: str | os.PathLike, store, num_layers: int, num_experts: int) -> Tier:
+    """The tier read from a lower-bit mlx-lm conversion of the model ``store`` serves (``mlx_lm.convert -q
+    --q-bits 2`` of the same weights, say), instead of quantized by :func:`build_tier`.
+
+    Each MoE layer's experts are the checkpoint's stacked quantized tensors ``{...}.layers.{i}.{module}.
+    {projection}.{weight,scales,biases}`` (``weight`` uint32 ``[E, out, words]``), for every projection of
+    ``store``; the layers with such tensors, in order, are the tier's layers. Every layer and projection
+    must be quantized alike (the tier has one ``bits`` and ``group_size``).
+
+    Args:
+        directory: the conversion's directory (``config.json`` with ``"quantization"``, ``*.safetensors``).
+        store: the served model's store, as for :func:`build_tier` (its ``projections`` name the tier's
+            projections, its ``expert_shapes`` give each projection's ``[out, in]``).
+        num_layers, num_experts: L and E of the served model, as the store holds them.
+
+    Returns:
+        :class:`Tier` ``[num_layers, num_experts, ...]`` per projection, named as :func:`build_tier` names it.
+
+    Raises:
+        TierOptionError: the conversion's layers, experts, a projection's shape, its options (bits, group
+            size, mode) or its scales' dtype disagree with the served model or the format (the message
+            names the tensor or ``config.json``).
+        ExpertStoreError: ``directory`` holds no readable ``config.json`` or safetensors file.
+    """
+    directory = Path(directory)
+    for name, value in (("num_layers", num_layers), ("num_experts", num_experts)):
+        if not (is_int(value) and value >= 1):
+            raise TierOptionError(f"tier_from_checkpoint: {name} must be an int >= 1, got {value!r}")
+    shapes = {name: shape for name, (shape, _) in checked_expert_shapes(store, int(num_layers), int(num_experts)).items()}
+    config = directory / "config.json"
+    if not config.is_file():
+        raise ExpertStoreError(f"tier_from_checkpoint: {config} does not exist; give an mlx-lm model directory")
+    try:
+        quantization = Quantization.of(directory)
+    except (OSError, ValueError) as error:
+        raise ExpertStoreError(f"tier_from_checkpoint: {config} is unreadable ({error})") from None
+    if quantization is None:
+        raise TierOptionError(f"tier_from_checkpoint: {config} has no \"quantization\": {directory} is not a "
+                              f"quantized conversion")
+    files = model_files(directory)
+    if not files:
+        raise ExpertStoreError(f"tier_from_checkpoint: {directory} holds no {MODEL_FILES} file")
+    entries = {name: entry for path in files for name, entry in read_safetensors_header(path).items()}
+    layers = _stacked_modules(entries, tuple(shapes), directory)
+    if len(layers) != num_layers:
+        raise TierOptionError(f"tier_from_checkpoint: {directory} holds stacked experts in {len(layers)} layers "
+                              f"({sorted(layers)}); the served model has num_layers={num_layers}")
+    options = {module: quantization.options(module) for modules in layers.values() for module in modules.values()}
+    if len(set(options.values())) != 1:
+        raise TierOptionError(f"tier_from_checkpoint: {config} quantizes the experts with several (bits, group_size): "
+                              f"{sorted(set(options.values()))} ({', '.join(sorted(options)[:4])}...); a tier has one")
+    bits, group_size = next(iter(options.values()))
+    try:
+        check_options(bits, group_size)
+    except TierOptionError as error:
+        raise TierOptionError(f"tier_from_checkpoint: {config}: the experts' {error}") from None
+    stacks = {projection: [] for projection in shapes}
+    for layer in sorted(layers):
+        for projection, module in layers[layer].items():
+            out, width = shapes[projection]
+            groups = width // group_size
+            want = {"weight": (num_experts, out, width * bits // WORD_BITS), "scales": (num_experts, out, groups),
+                    "biases": (num_experts, out, groups)}
+            arrays = []
+            for part, want_shape in want.items():
+                entry = entries.get(f"{module}.{part}")
+                if entry is None:
+                    raise TierOptionError(f"tier_from_checkpoint: {directory} has {module}.weight but no "
+                                          f"{module}.{part}")
+                if entry.shape[:2] != want_shape[:2]:
+                    raise TierOptionError(f"tier_from_checkpoint: {entry.path}: {module}.{part} is "
+                                          f"{list(entry.shape)}; the served model's {projection} has "
+                                          f"num_experts={num_experts} experts of {out} rows")
+                if entry.shape != want_shape:
+                    raise TierOptionError(f"tier_from_checkpoint: {entry.path}: {module}.{part} is "
+                                          f"{list(entry.shape)}, not the served model's {projection} [{out}, {width}] "
+                                          f"at bits={bits}, group_size={group_size} ({list(want_shape)})")
+                if part == "weight" and entry.dtype != np.uint32:
+                    raise TierOptionError(f"tier_from_checkpoint: {entry.path}: {module}.weight is {entry.dtype}, "
+                                          f"not packed uint32 words")
+                if part != "weight" and entry.dtype not in SCALE_DTYPES.values():
+                    raise TierOptionError(f"tier_from_checkpoint: {entry.path}: {module}.{part} is {entry.dtype}; the "
+                                          f"tier stores 16-bit scales and biases (convert with --dtype bfloat16)")
+                arrays.append(_read_tensor(entry, f"{module}.{part}"))
+            stacks[projection].append(QuantizedWeight(*arrays))
+    dtypes = {array.dtype for stack in stacks.values() for weight in stack for array in weight[1:]}
+    if len(dtypes) != 1:
+        raise TierOptionError(f"tier_from_checkpoint: {directory} stores the experts' scales in several dtypes "
+                              f"({sorted(d.name for d in dtypes)}); the tier stores one")
+    tier = Tier({projection: QuantizedWeight(*(np.stack(stacked) for stacked in zip(*layer_weights)))
+                 for projection, layer_weights in stacks.items()}, bits, group_size)
+    check_tier(tier, "tier_from_checkpoint")
+    return tier
+
+
+def _stacked_modules(entries: Mapping, projections: tuple[str, ...], directory: Path) -> dict[int, dict[str, str]]:
+    """``{layer: {projection: module}}``: per layer index, the module of each projection's stacked experts
+    (a ``{module}.weight`` of 3 axes beside a ``{module}.scales``); a layer must hold every projection once."""
+    pattern = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(?:.+\.)?(" + "|".join(map(re.escape, projections))
+                         + r")\.scales$")
+    layers: dict[int, dict[str, str]] = {}
+    for name in sorted(entries):
+        match = pattern.match(name)
+        module = name[: -len(".scales")]
+        weight = entries.get(f"{module}.weight")
+        if match is None or weight is None or len(weight.shape) != 3:
+            continue  # not stacked experts (a dense MLP's or a shared expert's projection)
+        layer, projection = int(match.group(1)), match.group(2)
+        held = layers.setdefault(layer, {})
+        if projection in held:
+            raise TierOptionError(f"tier_from_checkpoint: {directory}: layer {layer} holds two stacks of "
+                                  f"{projection} experts ({held[projection]}, {module})")
+        held[projection] = module
+    for layer, held in layers.items():
+        if set(held) != set(projections):
+            raise TierOptionError(f"tier_from_checkpoint: {directory}: layer {layer}'s stacked experts have "
+                                  f"{sorted(held)}; the served model's projections are {list(projections)}")
+    return layers
+
+
+def _read_tensor(entry, name: str) -> np.ndarray:
+    """One whole tensor of a safetensors file, as its header describes it.
+
+    Raises:
+        ExpertStoreError: the file cannot be read, changed since its header was read, or ends early.
+    """
+    try:
+        with open(entry.path, "rb") as handle:
+            if file_identity(os.fstat(handle.fileno())) != entry.identity:
+                raise ExpertStoreError(f"{entry.path} changed after its header was read; read the tier again")
+            handle.seek(entry.offset)
+            data = bytearray(entry.nbytes)
+            count = handle.readinto(data)
+    except OSError as error:
+        raise ExpertStoreError(f"{entry.path}: {name} cannot be read ({error.strerror or error})") from None
+    if count != entry.nbytes:
+        raise ExpertStoreError(f"{entry.path}: {name} ends early ({count} of {entry.nbytes} bytes)")
+    return np.frombuffer(data, entry.dtype).reshape(entry.shape)

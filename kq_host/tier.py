@@ -8,9 +8,9 @@ bfloat16 (float16 for a float16 weight), and ``w ~= scale * q + bias`` with ``q`
 the q of a row packed as one little-endian bit stream into uint32 words: ``bits + 32 / group_size``
 bits a weight (:func:`bits_per_weight`). :func:`quantize` rounds as ``mx.quantize`` does, bit for bit.
 A JAX layer dequantizes the rows it gathers; an MLX layer hands the arrays to ``gather_qmm`` as they
-are. :func:`tier_from_checkpoint` reads the tier from a lower-bit mlx-lm conversion of the model instead. Built once from an :class:`~kq_host.expert_store.ExpertStore`
-and cached on disk: one entry per checkpoint and options, valid while the checkpoint's bytes are those
-it was built from.
+are. Built once from an :class:`~kq_host.expert_store.ExpertStore` (:func:`build_tier`) and cached on
+disk: one entry per checkpoint and options, valid while the checkpoint's bytes are those it was built
+from; or read from a lower-bit mlx-lm conversion of the model (:func:`kq_host.checkpoint.tier_from_checkpoint`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import struct
 import tempfile
 import warnings
@@ -295,7 +294,7 @@ def build_tier(store, num_layers: int, num_experts: int, *, bits: int = 3, group
         if not (is_int(value) and value >= 1):
             raise TierOptionError(f"tier: {name} must be an int >= 1, got {value!r}")
     num_layers, num_experts = int(num_layers), int(num_experts)
-    shapes = _expert_shapes(store, num_layers, num_experts)
+    shapes = checked_expert_shapes(store, num_layers, num_experts)
     path = _cache_path(store, num_layers, num_experts, bits, group_size, cache_dir)
     content = _content_digest(store)
     meta = {"version": _CACHE_VERSION, "content": content, "num_layers": num_layers, "num_experts": num_experts,
@@ -317,9 +316,14 @@ def build_tier(store, num_layers: int, num_experts: int, *, bits: int = 3, group
     return tier
 
 
-def _expert_shapes(store, num_layers: int, num_experts: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+def checked_expert_shapes(store, num_layers: int, num_experts: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """``{projection: (shape, dtype)}`` every expert shares, once the store is checked to hold exactly
-    ``num_layers`` layers of ``num_experts`` experts (from the headers alone)."""
+    ``num_layers`` layers of ``num_experts`` experts (from the headers alone).
+
+    Raises:
+        TierOptionError: the store holds other layers or experts than ``num_layers`` and ``num_experts``.
+        ExpertStoreError: its layers' experts differ in shape.
+    """
 
     def holds(layer: int, expert: int) -> bool:
         try:
@@ -570,146 +574,3 @@ def check_tier(tier: Tier, where: str = "tier") -> None:
             raise TierOptionError(f"{where}: {name}'s rows of {words} uint32 words at bits={tier.bits} do not hold "
                                   f"the {groups} groups of group_size={tier.group_size} its scales do; bits or "
                                   f"group_size disagrees with the arrays")
-
-
-def tier_from_checkpoint(directory: str | os.PathLike, store, num_layers: int, num_experts: int) -> Tier:
-    """The tier read from a lower-bit mlx-lm conversion of the model ``store`` serves (``mlx_lm.convert -q
-    --q-bits 2`` of the same weights, say), instead of quantized by :func:`build_tier`.
-
-    Each MoE layer's experts are the checkpoint's stacked quantized tensors ``{...}.layers.{i}.{module}.
-    {projection}.{weight,scales,biases}`` (``weight`` uint32 ``[E, out, words]``), for every projection of
-    ``store``; the layers with such tensors, in order, are the tier's layers. Every layer and projection
-    must be quantized alike (the tier has one ``bits`` and ``group_size``).
-
-    Args:
-        directory: the conversion's directory (``config.json`` with ``"quantization"``, ``*.safetensors``).
-        store: the served model's store, as for :func:`build_tier` (its ``projections`` name the tier's
-            projections, its ``expert_shapes`` give each projection's ``[out, in]``).
-        num_layers, num_experts: L and E of the served model, as the store holds them.
-
-    Returns:
-        :class:`Tier` ``[num_layers, num_experts, ...]`` per projection, named as :func:`build_tier` names it.
-
-    Raises:
-        TierOptionError: the conversion's layers, experts, a projection's shape, its options (bits, group
-            size, mode) or its scales' dtype disagree with the served model or the format (the message
-            names the tensor or ``config.json``).
-        ExpertStoreError: ``directory`` holds no readable ``config.json`` or safetensors file.
-    """
-    from kq_host.expert_store import read_safetensors_header
-    from kq_host.checkpoint import MODEL_FILES, Quantization, model_files
-
-    directory = Path(directory)
-    for name, value in (("num_layers", num_layers), ("num_experts", num_experts)):
-        if not (is_int(value) and value >= 1):
-            raise TierOptionError(f"tier_from_checkpoint: {name} must be an int >= 1, got {value!r}")
-    shapes = {name: shape for name, (shape, _) in _expert_shapes(store, int(num_layers), int(num_experts)).items()}
-    config = directory / "config.json"
-    if not config.is_file():
-        raise ExpertStoreError(f"tier_from_checkpoint: {config} does not exist; give an mlx-lm model directory")
-    try:
-        quantization = Quantization.of(directory)
-    except (OSError, ValueError) as error:
-        raise ExpertStoreError(f"tier_from_checkpoint: {config} is unreadable ({error})") from None
-    if quantization is None:
-        raise TierOptionError(f"tier_from_checkpoint: {config} has no \"quantization\": {directory} is not a "
-                              f"quantized conversion")
-    files = model_files(directory)
-    if not files:
-        raise ExpertStoreError(f"tier_from_checkpoint: {directory} holds no {MODEL_FILES} file")
-    entries = {name: entry for path in files for name, entry in read_safetensors_header(path).items()}
-    layers = _stacked_modules(entries, tuple(shapes), directory)
-    if len(layers) != num_layers:
-        raise TierOptionError(f"tier_from_checkpoint: {directory} holds stacked experts in {len(layers)} layers "
-                              f"({sorted(layers)}); the served model has num_layers={num_layers}")
-    options = {module: quantization.options(module) for modules in layers.values() for module in modules.values()}
-    if len(set(options.values())) != 1:
-        raise TierOptionError(f"tier_from_checkpoint: {config} quantizes the experts with several (bits, group_size): "
-                              f"{sorted(set(options.values()))} ({', '.join(sorted(options)[:4])}...); a tier has one")
-    bits, group_size = next(iter(options.values()))
-    try:
-        check_options(bits, group_size)
-    except TierOptionError as error:
-        raise TierOptionError(f"tier_from_checkpoint: {config}: the experts' {error}") from None
-    stacks = {projection: [] for projection in shapes}
-    for layer in sorted(layers):
-        for projection, module in layers[layer].items():
-            out, width = shapes[projection]
-            groups = width // group_size
-            want = {"weight": (num_experts, out, width * bits // WORD_BITS), "scales": (num_experts, out, groups),
-                    "biases": (num_experts, out, groups)}
-            arrays = []
-            for field, want_shape in want.items():
-                entry = entries.get(f"{module}.{field}")
-                if entry is None:
-                    raise TierOptionError(f"tier_from_checkpoint: {directory} has {module}.weight but no "
-                                          f"{module}.{field}")
-                if entry.shape[:2] != want_shape[:2]:
-                    raise TierOptionError(f"tier_from_checkpoint: {entry.path}: {module}.{field} is "
-                                          f"{list(entry.shape)}; the served model's {projection} has "
-                                          f"num_experts={num_experts} experts of {out} rows")
-                if entry.shape != want_shape:
-                    raise TierOptionError(f"tier_from_checkpoint: {entry.path}: {module}.{field} is "
-                                          f"{list(entry.shape)}, not the served model's {projection} [{out}, {width}] "
-                                          f"at bits={bits}, group_size={group_size} ({list(want_shape)})")
-                if field == "weight" and entry.dtype != np.uint32:
-                    raise TierOptionError(f"tier_from_checkpoint: {entry.path}: {module}.weight is {entry.dtype}, "
-                                          f"not packed uint32 words")
-                if field != "weight" and entry.dtype not in SCALE_DTYPES.values():
-                    raise TierOptionError(f"tier_from_checkpoint: {entry.path}: {module}.{field} is {entry.dtype}; the "
-                                          f"tier stores 16-bit scales and biases (convert with --dtype bfloat16)")
-                arrays.append(_read_tensor(entry, f"{module}.{field}"))
-            stacks[projection].append(QuantizedWeight(*arrays))
-    dtypes = {array.dtype for stack in stacks.values() for weight in stack for array in weight[1:]}
-    if len(dtypes) != 1:
-        raise TierOptionError(f"tier_from_checkpoint: {directory} stores the experts' scales in several dtypes "
-                              f"({sorted(d.name for d in dtypes)}); the tier stores one")
-    tier = Tier({projection: QuantizedWeight(*(np.stack(field) for field in zip(*layer_weights)))
-                 for projection, layer_weights in stacks.items()}, bits, group_size)
-    check_tier(tier, "tier_from_checkpoint")
-    return tier
-
-
-def _stacked_modules(entries: Mapping, projections: tuple[str, ...], directory: Path) -> dict[int, dict[str, str]]:
-    """``{layer: {projection: module}}``: per layer index, the module of each projection's stacked experts
-    (a ``{module}.weight`` of 3 axes beside a ``{module}.scales``); a layer must hold every projection once."""
-    pattern = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(?:.+\.)?(" + "|".join(map(re.escape, projections))
-                         + r")\.scales$")
-    layers: dict[int, dict[str, str]] = {}
-    for name in sorted(entries):
-        match = pattern.match(name)
-        module = name[: -len(".scales")]
-        weight = entries.get(f"{module}.weight")
-        if match is None or weight is None or len(weight.shape) != 3:
-            continue  # not stacked experts (a dense MLP's or a shared expert's projection)
-        layer, projection = int(match.group(1)), match.group(2)
-        held = layers.setdefault(layer, {})
-        if projection in held:
-            raise TierOptionError(f"tier_from_checkpoint: {directory}: layer {layer} holds two stacks of "
-                                  f"{projection} experts ({held[projection]}, {module})")
-        held[projection] = module
-    for layer, held in layers.items():
-        if set(held) != set(projections):
-            raise TierOptionError(f"tier_from_checkpoint: {directory}: layer {layer}'s stacked experts have "
-                                  f"{sorted(held)}; the served model's projections are {list(projections)}")
-    return layers
-
-
-def _read_tensor(entry, name: str) -> np.ndarray:
-    """One whole tensor of a safetensors file, as its header describes it.
-
-    Raises:
-        ExpertStoreError: the file cannot be read, changed since its header was read, or ends early.
-    """
-    try:
-        with open(entry.path, "rb") as handle:
-            if file_identity(os.fstat(handle.fileno())) != entry.identity:
-                raise ExpertStoreError(f"{entry.path} changed after its header was read; read the tier again")
-            handle.seek(entry.offset)
-            data = bytearray(entry.nbytes)
-            count = handle.readinto(data)
-    except OSError as error:
-        raise ExpertStoreError(f"{entry.path}: {name} cannot be read ({error.strerror or error})") from None
-    if count != entry.nbytes:
-        raise ExpertStoreError(f"{entry.path}: {name} ends early ({count} of {entry.nbytes} bytes)")
-    return np.frombuffer(data, entry.dtype).reshape(entry.shape)

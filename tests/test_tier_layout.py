@@ -173,7 +173,8 @@ def _store(checkpoint):
 
 
 def test_a_tier_read_from_an_mlx_lm_conversion_is_the_tier_build_tier_makes(served, tmp_path):
-    from kq_host.tier import build_tier, tier_from_checkpoint
+    from kq_host.checkpoint import tier_from_checkpoint
+    from kq_host.tier import build_tier
 
     checkpoint, conversion = served
     with _store(checkpoint) as store:
@@ -193,7 +194,7 @@ def test_a_tier_read_from_an_mlx_lm_conversion_is_the_tier_build_tier_makes(serv
                                                ({"num_hidden_layers": 3}, "num_layers"),
                                                ({"moe_intermediate_size": 32}, "gate_proj")])
 def test_a_conversion_of_another_model_is_refused_by_name(served, tmp_path, changes, argument):
-    from kq_host.tier import tier_from_checkpoint
+    from kq_host.checkpoint import tier_from_checkpoint
 
     model, config = _model(1, **changes)
     other = _convert(model, config, tmp_path / "other", bits=2, group_size=64)
@@ -203,7 +204,7 @@ def test_a_conversion_of_another_model_is_refused_by_name(served, tmp_path, chan
 
 
 def test_a_float_checkpoint_or_float32_scales_or_mixed_options_are_refused_by_name(served, tmp_path):
-    from kq_host.tier import tier_from_checkpoint
+    from kq_host.checkpoint import tier_from_checkpoint
 
     model, config = _model(0, dtype="float32")
     float32_scales = _convert(model, config, tmp_path / "f32", bits=2, group_size=64)
@@ -242,7 +243,7 @@ def test_the_tier_read_from_a_conversion_serves_every_miss_as_the_converted_mode
     """Nothing resident: every expert from the tier. The conversion quantized the experts only, so the model
     with the tier attached is the converted model, to the bit (both in float32, MLX's CPU gather_mm's dtype:
     the bfloat16 weights, scales and biases widened exactly)."""
-    from kq_host.tier import tier_from_checkpoint
+    from kq_host.checkpoint import tier_from_checkpoint
     from kq_mlx.mlx_lm_adapter import attach_arena, attach_tier, set_tables
 
     model, config = _model(5)
@@ -271,7 +272,7 @@ def test_the_tier_read_from_a_conversion_serves_every_miss_as_the_converted_mode
 def test_attach_tier_names_bits_or_group_size_that_disagree_with_the_arrays(served, options, argument):
     import dataclasses
 
-    from kq_host.tier import tier_from_checkpoint
+    from kq_host.checkpoint import tier_from_checkpoint
     from kq_mlx.mlx_lm_adapter import attach_arena, attach_tier
 
     checkpoint, conversion = served
