@@ -115,6 +115,14 @@ def _output_path(text: str) -> Path | None:
         raise argparse.ArgumentTypeError(f"{path.parent} is not a directory to write {path.name} into")
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{path} is a directory, not a file to write")
+    try:  # opened for writing now, so a place no file can be made in is named before the run, not after it
+        if path.exists():
+            path.open("ab").close()
+        else:
+            path.open("xb").close()
+            path.unlink()
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"{path} cannot be written ({error.strerror or error})") from None
     return path
 
 
@@ -250,7 +258,11 @@ def _generate(args, parser) -> int:
     if args.json is not None:
         import json
 
-        args.json.write_text(json.dumps(result.to_json(), indent=1))
+        try:
+            args.json.write_text(json.dumps(result.to_json(), indent=1))
+        except OSError as error:
+            print(f"kq generate: --json: cannot write {args.json} ({error.strerror or error})", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
+import os
 import resource
 import sys
 import time
@@ -141,6 +143,9 @@ def check_config(config: GenerateConfig) -> Path:
 
 def _checked(config: GenerateConfig) -> tuple[Path, dict]:
     """:func:`check_config`'s checks: ``(the model directory, its config.json as read)``."""
+    for argument, value in (("--model", config.model), ("--tier-model", config.tier_model)):
+        if not isinstance(value, (str, os.PathLike)) and (argument == "--model" or value is not None):
+            raise _fail(argument, f"must be a directory path, got {value!r}")
     model = Path(config.model)
     try:
         if not model.is_dir():
@@ -150,6 +155,9 @@ def _checked(config: GenerateConfig) -> tuple[Path, dict]:
             raise _fail("--model", f"{model} has no config.json: not an mlx-lm model directory")
         if not model_files(model):
             raise _fail("--model", f"{model} holds no {MODEL_FILES} file (the weights files mlx-lm loads)")
+        for path in model_files(model):
+            if not path.is_file():  # a pipe or a device would block mlx-lm's load, a directory fail it
+                raise _fail("--model", f"{path} is not a regular file (mlx-lm loads every {MODEL_FILES} file)")
         settings = json.loads((model / "config.json").read_text())
     except json.JSONDecodeError as error:
         raise _fail("--model", f"{model / 'config.json'} is not JSON ({error})") from None
@@ -159,6 +167,10 @@ def _checked(config: GenerateConfig) -> tuple[Path, dict]:
         raise _fail("--model", f"{model}: unreadable ({type(error).__name__}: {error})") from None
     if not isinstance(settings, dict):
         raise _fail("--model", f"{model / 'config.json'} holds {type(settings).__name__}, not a JSON object")
+    top_k = settings.get("num_experts_per_tok")  # the key of every family mlx-lm names a routing width for
+    if top_k is not None and (not is_int(top_k) or top_k < 1):
+        raise _fail("--model", f"{model / 'config.json'}: num_experts_per_tok must be an int >= 1 (the experts a "
+                               f"token routes to), got {top_k!r}")
     if config.rule == "tier" and "quantization" not in settings and "quantization_config" in settings:
         method = settings["quantization_config"]
         method = method.get("quant_method") if isinstance(method, dict) else method
@@ -167,11 +179,16 @@ def _checked(config: GenerateConfig) -> tuple[Path, dict]:
                               f"affine ones (\"quantization\" in config.json)")
     if not isinstance(config.prompt, str) or not config.prompt:
         raise _fail("--prompt", "must be a non-empty text")
+    try:
+        config.prompt.encode("utf-8")
+    except UnicodeEncodeError as error:  # a lone surrogate: bytes of the command line that were not UTF-8
+        raise _fail("--prompt", f"is not valid text (a character UTF-8 cannot encode at {error.start}: "
+                                f"{config.prompt[error.start]!r}); give the prompt in UTF-8") from None
     if (not is_int(config.max_tokens)
             or config.max_tokens < 1):
         raise _fail("--max-tokens", f"must be an int >= 1, got {config.max_tokens!r}")
     residency = config.residency
-    if isinstance(residency, bool) or not isinstance(residency, (int, float)) or not 0 < residency <= 1:
+    if not _is_real(residency) or not 0 < residency <= 1:
         raise _fail("--residency", f"must be a fraction in (0, 1] of each layer's experts, got {residency!r}")
     if config.rule not in RULES:
         raise _fail("--rule", f"must be one of {', '.join(RULES)}, got {config.rule!r}")
@@ -186,10 +203,14 @@ def _checked(config: GenerateConfig) -> tuple[Path, dict]:
     if (not is_int(config.queue_depth)
             or not 0 <= config.queue_depth <= MAX_QUEUE_DEPTH):
         raise _fail("--queue-depth", f"must be an int in [0, {MAX_QUEUE_DEPTH}], got {config.queue_depth!r}")
-    if config.timeout is not None and (isinstance(config.timeout, bool) or not isinstance(config.timeout, (int, float))
-                                       or not config.timeout > 0):
+    if config.timeout is not None and (not _is_real(config.timeout) or not config.timeout > 0):
         raise _fail("--timeout", f"must be a number of seconds > 0, got {config.timeout!r}")
     return model, settings
+
+
+def _is_real(value) -> bool:
+    """A real number (Python's or NumPy's), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
 def _load(model_dir: Path):
@@ -218,14 +239,18 @@ class _DequantizedTierSource:
                          for block in blocks]
 
     def read_expert(self, layer: int, expert: int) -> dict[str, np.ndarray]:
-        from kq_host.tier import QuantizedWeight
+        from kq_host.tier import QuantizedWeight, TierOptionError
 
         read = self.packed.read_expert(layer, expert)
         out = {}
         for p in self.projections:
             bits, group_size = self._options[layer][p]
-            out[p] = self._dequantize(QuantizedWeight(read[f"{p}.weight"], read[f"{p}.scales"], read[f"{p}.biases"]),
-                                      bits=bits, group_size=group_size)
+            try:
+                out[p] = self._dequantize(QuantizedWeight(read[f"{p}.weight"], read[f"{p}.scales"],
+                                                          read[f"{p}.biases"]), bits=bits, group_size=group_size)
+            except TierOptionError as error:  # the stored arrays are not what config.json's options describe
+                raise _fail("--model", f"config.json's \"quantization\" disagrees with layer {layer}'s stored {p} "
+                                       f"experts ({error})") from None
         return out
 
     def expert_shapes(self, layer: int, expert: int = 0) -> dict:
@@ -306,7 +331,11 @@ def _attach_tier(config: GenerateConfig, model_dir: Path, blocks, names, quantiz
             tier = build_tier(source, layers, experts, **options)
         except TierOptionError as error:
             raise _fail("--tier-bits/--tier-group-size", str(error)) from None
-    attach_tier(blocks, tier)
+    try:
+        attach_tier(blocks, tier)
+    except ValueError as error:  # a tier whose widths are not the model's as loaded
+        raise _fail("--tier-model" if config.tier_model is not None else "--model",
+                    f"the tier does not fit the model as mlx-lm loads it ({error})") from None
     # What the tier takes on the device (attach_tier may widen its scales and biases to the arena's float dtype).
     return sum(_nbytes(a for _, a in tree_flatten(block.tier.parameters())) for block in blocks)
 
@@ -370,10 +399,10 @@ def generate(config: GenerateConfig, on_text: Callable[[str], None] | None = Non
     # and dequantizes others (fp8) to float
     quantized = any(isinstance(module, (nn.QuantizedLinear, QuantizedSwitchLinear)) for module in model.modules())
     num_experts = _expert_count(model, model_dir)
-    top_k = settings.get("num_experts_per_tok")  # the key of every family mlx-lm names a routing width for
-    if is_int(top_k) and top_k > num_experts:
-        raise _fail("--model", f"{model_dir / 'config.json'}: num_experts_per_tok {top_k} routes more experts than "
-                               f"the {num_experts} of a layer")
+    top_k = settings.get("num_experts_per_tok")  # an int >= 1 or absent (_checked)
+    if top_k is not None and top_k > num_experts:
+        raise _fail("--model", f"{model_dir / 'config.json'}: num_experts_per_tok must be an int in [1, {num_experts}] "
+                               f"(the experts of a layer), got {top_k!r}")
     slots = min(num_experts, max(1, round(config.residency * num_experts)))
     blocks = attach_arena(model, slots, keep_experts=False)
     if config.float32 or (mx.default_device() == mx.cpu and not quantized):

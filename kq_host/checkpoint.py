@@ -294,10 +294,12 @@ def tier_from_checkpoint(directory: str | os.PathLike, store, num_layers: int, n
 
     Raises:
         TierOptionError: the conversion's layers, experts, a projection's shape, its options (bits, group
-            size, mode) or its scales' dtype disagree with the served model or the format (the message
-            names the tensor or ``config.json``).
+            size, mode) or its scales' dtype disagree with the served model or the format, or a scale or bias
+            is not finite (the message names the tensor or ``config.json``).
         ExpertStoreError: ``directory`` holds no readable ``config.json`` or safetensors file.
     """
+    if not isinstance(directory, (str, os.PathLike)):
+        raise ExpertStoreError(f"tier_from_checkpoint: directory must be a path, got {directory!r}")
     directory = Path(directory)
     for name, value in (("num_layers", num_layers), ("num_experts", num_experts)):
         if not (is_int(value) and value >= 1):
@@ -357,7 +359,11 @@ def tier_from_checkpoint(directory: str | os.PathLike, store, num_layers: int, n
                 if part != "weight" and entry.dtype not in SCALE_DTYPES.values():
                     raise TierOptionError(f"tier_from_checkpoint: {entry.path}: {module}.{part} is {entry.dtype}; the "
                                           f"tier stores 16-bit scales and biases (convert with --dtype bfloat16)")
-                arrays.append(_read_tensor(entry, f"{module}.{part}"))
+                array = _read_tensor(entry, f"{module}.{part}")
+                if part != "weight" and not np.isfinite(array.astype(np.float32)).all():
+                    raise TierOptionError(f"tier_from_checkpoint: {entry.path}: {module}.{part} holds a value that is "
+                                          f"not finite (NaN or inf): no tier can be served from it")
+                arrays.append(array)
             stacks[projection].append(QuantizedWeight(*arrays))
     dtypes = {array.dtype for stack in stacks.values() for weight in stack for array in weight[1:]}
     if len(dtypes) != 1:

@@ -381,6 +381,9 @@ class ManagerBase:
             if not is_int_scalar(value) or value < minimum or (maximum is not None and value > maximum):
                 raise ValueError(f"ResidencyManager: {name} must be an int >= {minimum}"
                                  f"{'' if maximum is None else f' and <= {maximum}'}, got {value!r}")
+        num_layers, num_experts, num_slots, queue_depth, decay_interval, bytes_per_expert = (
+            int(n) for n in (num_layers, num_experts, num_slots, queue_depth, decay_interval, bytes_per_expert))
+        read_budget = None if read_budget is None else int(read_budget)
         if queue_depth > MAX_QUEUE_DEPTH:
             raise ValueError(f"ResidencyManager: queue_depth must be at most {MAX_QUEUE_DEPTH} (a loader thread "
                              f"each), got {queue_depth}")

@@ -293,7 +293,7 @@ def build_tier(store, num_layers: int, num_experts: int, *, bits: int = 3, group
     for name, value in (("num_layers", num_layers), ("num_experts", num_experts)):
         if not (is_int(value) and value >= 1):
             raise TierOptionError(f"tier: {name} must be an int >= 1, got {value!r}")
-    num_layers, num_experts = int(num_layers), int(num_experts)
+    num_layers, num_experts, bits, group_size = int(num_layers), int(num_experts), int(bits), int(group_size)
     shapes = checked_expert_shapes(store, num_layers, num_experts)
     path = _cache_path(store, num_layers, num_experts, bits, group_size, cache_dir)
     content = _content_digest(store)
@@ -551,9 +551,11 @@ def check_tier(tier: Tier, where: str = "tier") -> None:
     one 16-bit dtype, ``words * 32 / bits == groups * group_size``.
 
     Raises:
-        TierOptionError: naming the projection and ``bits``, ``group_size``, the dtype or the shape that
-            disagrees.
+        TierOptionError: ``tier`` is no :class:`Tier`, or naming the projection and ``bits``, ``group_size``,
+            the dtype or the shape that disagrees.
     """
+    if not isinstance(tier, Tier):
+        raise TierOptionError(f"{where} must be a kq_host.tier.Tier, got {type(tier).__name__}")
     try:
         check_options(tier.bits, tier.group_size)
     except TierOptionError as error:
@@ -574,3 +576,14 @@ def check_tier(tier: Tier, where: str = "tier") -> None:
             raise TierOptionError(f"{where}: {name}'s rows of {words} uint32 words at bits={tier.bits} do not hold "
                                   f"the {groups} groups of group_size={tier.group_size} its scales do; bits or "
                                   f"group_size disagrees with the arrays")
+
+
+def __getattr__(name: str):
+    """``kq_host.tier.tier_from_checkpoint``, the name it had before it moved: the function, with a warning."""
+    if name == "tier_from_checkpoint":
+        from kq_host import checkpoint
+
+        warnings.warn("kq_host.tier.tier_from_checkpoint moved to kq_host.checkpoint.tier_from_checkpoint",
+                      DeprecationWarning, stacklevel=2)
+        return checkpoint.tier_from_checkpoint
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

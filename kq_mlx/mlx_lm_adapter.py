@@ -135,10 +135,11 @@ class ArenaLayer(nn.Module):
 
     def __init__(self, switch: nn.Module, num_slots: int, keep_experts: bool, module_path: str):
         super().__init__()
-        if not is_int(num_slots) or num_slots < 1:
-            raise ValueError(f"attach_arena: num_slots must be an int >= 1, got {num_slots!r}")
         object.__setattr__(self, "projections", _projection_names(switch))  # names, not part of the module tree
         self.num_experts = switch[self.projections[0]]["weight"].shape[0]
+        if not is_int(num_slots) or not 1 <= num_slots <= self.num_experts:
+            raise ValueError(f"attach_arena: num_slots must be an int in [1, {self.num_experts}] (the layer's "
+                             f"experts), got {num_slots!r}")
         self.num_slots = int(num_slots)
         # The arena: the layer's own SwitchGLU class, each projection a copy of the original (its class,
         # quantization and hyper-parameters) with every per-expert array cut to num_slots zero slots.
@@ -638,6 +639,13 @@ class SwitchGLUArena:
         return list(arrays.values())
 
 
+def _logical_shape(linear: nn.Module) -> tuple[int, int]:
+    """``(out, in)`` of one expert of a SwitchLinear, quantized (its packed columns unpacked) or not."""
+    out_dims, columns = linear["weight"].shape[-2:]
+    bits = getattr(linear, "bits", None)
+    return out_dims, columns * 32 // bits if bits else columns
+
+
 def _slot_arrays(switch) -> list[tuple[str, mx.array]]:
     """``(payload key, [N, ...] array)`` of every per-expert array of a SwitchGLU's / SwitchMLP's projections:
     a float weight keyed by its projection, every other array ``"<projection>.<array>"``."""
@@ -712,7 +720,7 @@ def attach_arena(model: nn.Module, num_slots: int, *, keep_experts: bool = True)
 
     Raises:
         TypeError: the model has no SwitchGLU / SwitchMLP, or already runs on arenas.
-        ValueError: ``num_slots`` is not an int >= 1.
+        ValueError: ``num_slots`` is not an int in ``[1, E]`` (a layer's experts); no layer was replaced then.
     """
     switch_types = _switch_types()
     named = dict(model.named_modules())
@@ -722,18 +730,17 @@ def attach_arena(model: nn.Module, num_slots: int, *, keep_experts: bool = True)
     if not switches:
         raise TypeError(f"attach_arena: {type(model).__module__}.{type(model).__name__} has no SwitchGLU or "
                         f"SwitchMLP (mlx_lm.models.switch_layers): no MoE layer to put an arena in")
-    layers = []
+    replaced = []  # (the path a layer takes the place of, the layer): every layer built before any is put in
     for path in switches:
         parent_path, _, name = path.rpartition(".")
         parent = named.get(parent_path)
         if type(parent).__name__ in ROUTERS and name == "switch_mlp":
-            layer = ArenaMoeBlock(parent, num_slots, keep_experts=keep_experts, module_path=path)
-            _replace(model, parent_path, layer)
+            replaced.append((parent_path, ArenaMoeBlock(parent, num_slots, keep_experts=keep_experts, module_path=path)))
         else:
-            layer = ArenaSwitch(named[path], num_slots, keep_experts=keep_experts, module_path=path)
-            _replace(model, path, layer)
-        layers.append(layer)
-    return layers
+            replaced.append((path, ArenaSwitch(named[path], num_slots, keep_experts=keep_experts, module_path=path)))
+    for path, layer in replaced:
+        _replace(model, path, layer)
+    return [layer for _, layer in replaced]
 
 
 class _LookaheadLayer(nn.Module):
@@ -882,6 +889,16 @@ class _PassGuardLayer(nn.Module):
             raise
 
 
+def _check_blocks(function: str, model: nn.Module, blocks: list[ArenaLayer]) -> None:
+    """ValueError unless ``blocks`` are the arenas :func:`attach_arena` put in ``model``, every one."""
+    inside = {id(module) for module in model.modules() if isinstance(module, ArenaLayer)}
+    given = {id(block) for block in blocks} if isinstance(blocks, (list, tuple)) else set()
+    if not inside or given != inside or len(blocks) != len(inside):
+        raise ValueError(f"{function}: blocks must be attach_arena(model)'s layers, every one ({len(inside)} in the "
+                         f"model); got {len(blocks) if isinstance(blocks, (list, tuple)) else type(blocks).__name__}"
+                         f"{' of another model' if isinstance(blocks, (list, tuple)) and given - inside else ''}")
+
+
 def _check_manager_shape(function: str, manager, blocks: list[ArenaLayer]) -> None:
     """ValueError where ``manager`` is not of the blocks' layers and slots."""
     if manager.num_layers != len(blocks) or any(block.num_slots != manager.num_slots for block in blocks):
@@ -987,6 +1004,7 @@ def attach_exact(model: nn.Module, blocks: list[ArenaLayer], manager, *, lookahe
             ``lookahead=True`` with layers at the SwitchGLU seam.
     """
     deadline_of("attach_exact", timeout)  # the manager's own check of a timeout
+    _check_blocks("attach_exact", model, blocks)
     _check_manager_shape("attach_exact", manager, blocks)
     for layer, block in enumerate(blocks):
         block.rule, block.manager, block.layer, block.timeout = "exact", manager, layer, timeout
@@ -1024,9 +1042,10 @@ def attach_tier(blocks: list[ArenaLayer], tier) -> None:
             the layer's own experts.
 
     Raises:
-        ValueError: the tier's bits or group size disagree with its arrays (:func:`kq_host.tier.check_tier`),
-            its layers, experts or projections do not match the blocks, or the layers have projection
-            biases and their experts were dropped (``keep_experts=False``).
+        ValueError: ``tier`` is no Tier, its bits or group size disagree with its arrays
+            (:func:`kq_host.tier.check_tier`), its layers, experts, projections or their shapes do not match
+            the blocks, or the layers have projection biases and their experts were dropped
+            (``keep_experts=False``). No block's tier is changed then.
     """
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
@@ -1036,10 +1055,17 @@ def attach_tier(blocks: list[ArenaLayer], tier) -> None:
     if tier.num_layers != len(blocks) or any(tier.num_experts != b.num_experts for b in blocks):
         raise ValueError(f"attach_tier: the tier holds {tier.num_layers} layers of {tier.num_experts} experts, the "
                          f"model {len(blocks)} MoE layers of {blocks[0].num_experts}")
-    for block in blocks:
+    for layer, block in enumerate(blocks):
         if set(tier.weights) != set(block.projections):
             raise ValueError(f"attach_tier: the tier's projections are {sorted(tier.weights)}, the layers' "
                              f"{block.projections}")
+        for projection, weight in tier.weights.items():
+            out_dims, words = weight.packed.shape[-2:]
+            want = _logical_shape(block.arena[projection])
+            if (out_dims, words * 32 // tier.bits) != want:
+                raise ValueError(f"attach_tier: the tier's {projection} experts are [{out_dims}, "
+                                 f"{words * 32 // tier.bits}] (out, in), layer {layer}'s {list(want)}")
+    lows = []
     for layer, block in enumerate(blocks):
         low = copy.copy(block.arena)
         for projection, weight in tier.layer(layer).items():
@@ -1054,6 +1080,8 @@ def attach_tier(blocks: list[ArenaLayer], tier) -> None:
             if "bias" in block.arena[projection]:  # a projection bias (gpt-oss): every expert's, full precision
                 linear["bias"] = block._source(f"attach_tier ({projection}'s per-expert bias)")[projection]["bias"]
             setattr(low, projection, linear)
+        lows.append(low)
+    for block, low in zip(blocks, lows):
         block.tier = low
 
 
@@ -1149,9 +1177,9 @@ def set_tables(blocks: list[ArenaLayer], tables: np.ndarray) -> None:
     (:attr:`ArenaLayer.full_path`) until a row with a miss is set.
     """
     tables = np.asarray(tables, np.int32)
-    if tables.ndim != 2 or tables.shape[0] != len(blocks):
-        raise ValueError(f"set_tables: tables must be int [L, E] with L = {len(blocks)} blocks, got shape "
-                         f"{tables.shape}")
+    if tables.ndim != 2 or tables.shape[0] != len(blocks) or any(b.num_experts != tables.shape[1] for b in blocks):
+        raise ValueError(f"set_tables: tables must be int [L, E] with L = {len(blocks)} blocks and E = "
+                         f"{blocks[0].num_experts if blocks else '?'} experts, got shape {tables.shape}")
     for block, row in zip(blocks, tables):
         published = block._published
         if published is not None and published.table is block.slot_table and published.key == row.tobytes():
@@ -1250,6 +1278,7 @@ def prefill(model: nn.Module, blocks: list[ArenaLayer], manager, prompt, cache, 
         raise ValueError(f"prefill: step_size must be an int >= 1, got {step_size!r}")
     tokens = _token_ids("prefill", prompt, _vocabulary_size(model))
     _check_cache("prefill", cache, model)
+    _check_blocks("prefill", model, blocks)
     _check_manager_shape("prefill", manager, blocks)
     with _layer_by_layer(blocks, manager, timeout=timeout, read_retries=read_retries):
         for start in range(0, len(tokens), step_size):
@@ -1358,8 +1387,8 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
         prefill_prompt: the prompt but its last token through :func:`prefill` (None: ``exact``).
         cache: the model's cache to extend (``make_prompt_cache(model)``, holding the tokens before ``prompt``
             if any; default: a new one).
-        stop_tokens: ids that end the generation (an end-of-sequence id): the first one generated is the
-            last id returned.
+        stop_tokens: ids that end the generation (an end-of-sequence id), ints or a 1-d integer array: the
+            first one generated is the last id returned.
 
     Returns:
         The ``max_tokens`` generated ids, or fewer ending in an id of ``stop_tokens``.
@@ -1379,13 +1408,18 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
         raise ValueError(f"generate_greedy: max_tokens must be an int >= 1, got {max_tokens!r}")
     deadline_of("generate_greedy", timeout)  # the manager's own check of a timeout
     read_retries = _checked_read_retries("generate_greedy", read_retries)
-    if isinstance(stop_tokens, Iterable) and not isinstance(stop_tokens, (str, bytes)):
+    if hasattr(stop_tokens, "ndim") and hasattr(stop_tokens, "dtype"):  # a NumPy or MLX array: 1-d integers
+        ids = np.asarray(stop_tokens)
+        if ids.ndim == 1 and ids.dtype.kind in "iu":
+            stop_tokens = ids.tolist()
+    elif isinstance(stop_tokens, Iterable) and not isinstance(stop_tokens, (str, bytes)):
         stop_tokens = tuple(stop_tokens)  # an iterator read once, here
     if (isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, Iterable)
-            or not all(is_int(t) for t in stop_tokens)):
+            or hasattr(stop_tokens, "ndim") or not all(is_int(t) for t in stop_tokens)):
         raise ValueError(f"generate_greedy: stop_tokens must be a collection of token ids (ints), got "
                          f"{stop_tokens!r:.80}")
     stop_tokens = frozenset(int(t) for t in stop_tokens)
+    _check_blocks("generate_greedy", model, blocks)
     _check_manager_shape("generate_greedy", manager, blocks)
     if cache is None:
         cache = make_prompt_cache(model)

@@ -130,6 +130,26 @@ def test_read_budget_limits_reads_per_token():
     assert len(log) == 3
 
 
+@pytest.mark.parametrize("impl", ["numpy", "numba"])
+def test_integer_options_given_as_0d_arrays_are_kept_as_ints(impl):
+    if impl == "numba":
+        pytest.importorskip("numba")
+    log = []
+
+    def loader(layer, expert, slot):  # no byte count: bytes_per_expert counts
+        log.append((expert, slot))
+
+    manager = ResidencyManager(np.array(2), np.array(16), np.array(8), loader=loader, read_budget=np.array(3),
+                               queue_depth=np.array(0), decay_interval=np.array(4), bytes_per_expert=np.array(5),
+                               impl=impl)
+    assert all(type(getattr(manager, name)) is int for name in ("num_layers", "num_experts", "num_slots", "read_budget"))
+    tables = manager.snapshot()
+    manager.step([report([0, 1, 2, 3], table=tables[0]), report([4, 5, 6, 7], table=tables[1])])
+    manager.drain()
+    assert len(log) == 3 and manager.stats()[1].bytes_read == 15
+    manager.close()
+
+
 def test_failed_read_leaves_the_expert_unpublished_and_is_reported():
     def loader(layer, expert, slot):
         if expert == 2:

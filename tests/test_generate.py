@@ -2,6 +2,7 @@
 greedy generation; the figures it reports; bad arguments refused by name."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -208,6 +209,14 @@ def test_bad_arguments_are_refused_by_name(tmp_path, capsys):
     shutil.copytree(STDLIB, too_wide)
     settings = json.loads((STDLIB / "config.json").read_text())
     (too_wide / "config.json").write_text(json.dumps({**settings, "num_experts_per_tok": 80}))
+    fifo = tmp_path / "fifo"
+    shutil.copytree(STDLIB, fifo)
+    os.mkfifo(fifo / "model-extra.safetensors")
+    no_routing = {}
+    for top_k in (0, -1, "2", 2.0):
+        no_routing[top_k] = tmp_path / f"top-k-{top_k}"
+        shutil.copytree(STDLIB, no_routing[top_k])
+        (no_routing[top_k] / "config.json").write_text(json.dumps({**settings, "num_experts_per_tok": top_k}))
     mxfp4 = tmp_path / "mxfp4"
     shutil.copytree(STDLIB, mxfp4)
     settings = json.loads((STDLIB / "config.json").read_text())
@@ -219,7 +228,14 @@ def test_bad_arguments_are_refused_by_name(tmp_path, capsys):
         (dict(model=not_an_object), r"--model: .*config.json holds NoneType, not a JSON object"),
         (dict(model=no_tokenizer), r"--model: its tokenizer has no vocabulary"),
         (dict(model=mxfp4, rule="tier"), r"--rule: tier: .*quantization_config \('mxfp4'\)"),
-        (dict(model=too_wide), r"--model: .*num_experts_per_tok 80 routes more experts than the 64 of a layer"),
+        (dict(model=too_wide), r"--model: .*config.json: num_experts_per_tok must be an int in \[1, 64\] \(the "
+                               r"experts of a layer\), got 80"),
+        *((dict(model=directory), rf"--model: .*num_experts_per_tok must be an int >= 1 .*got {top_k!r}")
+          for top_k, directory in no_routing.items()),
+        (dict(model=fifo), r"--model: .*model-extra.safetensors is not a regular file"),
+        (dict(model=None), r"--model: must be a directory path, got None"),
+        (dict(rule="tier", tier_model=123), r"--tier-model: must be a directory path, got 123"),
+        (dict(prompt="abc\udcff"), r"--prompt: is not valid text \(a character UTF-8 cannot encode"),
         (dict(queue_depth=1_000_000), r"--queue-depth: must be an int in \[0, 256\]"),
         (dict(model=unknown), r"--model: mlx-lm cannot load .*unknown"),
         (dict(model=dense), r"--model: .*dense is not an MoE model"),
@@ -244,7 +260,7 @@ def test_bad_arguments_are_refused_by_name(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--model", str(STDLIB), "--prompt", "x", "--max-tokens", "0"])
     assert "--max-tokens: must be at least 1" in capsys.readouterr().err
-    for where in (tmp_path, tmp_path / "missing" / "figures.json"):  # refused before anything runs
+    for where in (tmp_path, tmp_path / "missing" / "figures.json", "/proc/figures.json"):  # refused before anything runs
         with pytest.raises(SystemExit) as exit_code:
             main(["generate", "--model", str(STDLIB), "--prompt", "x", "--json", str(where)])
         assert exit_code.value.code == 2 and "--json" in capsys.readouterr().err
@@ -259,6 +275,42 @@ def test_a_directory_that_cannot_be_read_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(Path, "is_file", refused)
     with pytest.raises(GenerateError, match=r"--model: .*stdlib-moe: unreadable \(PermissionError"):
         generate(GenerateConfig(STDLIB, PROMPT, max_tokens=2))
+
+
+def test_numpy_numbers_are_options_as_python_numbers_are():
+    from kq.generate import check_config
+
+    for options in (dict(residency=np.float32(0.25)), dict(timeout=np.float32(5.0)), dict(residency=np.float64(1.0)),
+                    dict(rule="tier", tier_bits=np.int64(2), tier_group_size=np.int32(32))):
+        assert check_config(GenerateConfig(STDLIB, PROMPT, max_tokens=2, **options)) == STDLIB
+    for options, argument in ((dict(residency=np.float32("nan")), "--residency"), (dict(timeout=np.bool_(True)), "--timeout"),
+                              (dict(residency=np.array([0.5])), "--residency")):
+        with pytest.raises(GenerateError, match=argument):
+            check_config(GenerateConfig(STDLIB, PROMPT, max_tokens=2, **options))
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"bits": 3}, r"--model: config.json's \"quantization\" disagrees with layer 0's stored gate_proj experts"),
+    ({"bits": 8, "group_size": 32}, r"--model: the tier does not fit the model as mlx-lm loads it \(attach_tier: the "
+                                    r"tier's gate_proj experts are \[64, 64\] \(out, in\), layer 0's \[64, 128\]")])
+def test_a_quantization_config_the_stored_experts_disagree_with_names_the_model_under_the_tier(
+        tmp_path, monkeypatch, options, message):
+    monkeypatch.setenv("KQ_CACHE_DIR", str(tmp_path / "cache"))
+    directory = tmp_path / "wheels"
+    shutil.copytree(WHEELS, directory)
+    settings = json.loads((directory / "config.json").read_text())
+    settings["quantization"].update(options)
+    (directory / "config.json").write_text(json.dumps(settings))
+    with pytest.raises(GenerateError, match=message):
+        generate(GenerateConfig(directory, PROMPT, max_tokens=2, rule="tier"))
+
+
+def test_a_json_file_that_cannot_be_written_ends_the_run_with_its_name(capsys):
+    assert main(["generate", "--model", str(STDLIB), "--prompt", PROMPT, "--max-tokens", "2", "--json",
+                 "/dev/full"]) == 1
+    captured = capsys.readouterr()
+    assert "tokens/s" in captured.out  # the run's summary was printed first
+    assert "kq generate: --json: cannot write /dev/full" in captured.err and "Traceback" not in captured.err
 
 
 def test_max_tokens_may_be_a_numpy_int():

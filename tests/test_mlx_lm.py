@@ -1349,3 +1349,77 @@ def test_a_token_that_runs_again_lets_go_of_the_token_built_on_it_before_any_slo
     peaks, arena_bytes = result["peaks"], result["arena_bytes"]
     assert result["outputs"]["True"] == result["outputs"]["False"]
     assert peaks["True"] <= peaks["False"] + arena_bytes, (peaks, arena_bytes)
+
+
+# ---- arguments the adapter refuses by name ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_slots", [EXPERTS + 1, 2**30, 2**33])
+def test_attach_arena_refuses_more_slots_than_a_layer_has_experts(num_slots):
+    model = evaluated(qwen3_model, seed=3)
+    with pytest.raises(ValueError, match=rf"attach_arena: num_slots must be an int in \[1, {EXPERTS}\]"):
+        attach_arena(model, num_slots)
+    assert len(attach_arena(model, EXPERTS)) == LAYERS  # refused before any layer was replaced
+
+
+@pytest.mark.parametrize("columns", [EXPERTS - 1, EXPERTS - 8, EXPERTS + 1])
+def test_set_tables_refuses_a_table_of_another_width(columns):
+    model = evaluated(qwen3_model, seed=3)
+    blocks = attach_arena(model, 4)
+    tables = np.full((LAYERS, columns), -1, np.int32)
+    tables[:, :4] = np.arange(4)
+    with pytest.raises(ValueError, match=rf"set_tables: tables must be int \[L, E\] with L = {LAYERS} blocks and "
+                                         rf"E = {EXPERTS} experts, got shape \({LAYERS}, {columns}\)"):
+        set_tables(blocks, tables)
+
+
+def test_attach_tier_refuses_a_tier_of_other_widths_or_no_tier():
+    from kq_mlx.mlx_lm_adapter import attach_tier
+
+    model = evaluated(qwen3_model, seed=3)
+    blocks = attach_arena(model, 4)
+    other = evaluated(lambda: qwen3_model(moe_intermediate_size=64), seed=3)
+    other_blocks = attach_arena(other, 4)
+    wider = tier_of(other_blocks, lambda block, e: block.expert_weights(e), experts=EXPERTS, bits=4)
+    with pytest.raises(ValueError, match=r"attach_tier: the tier's gate_proj experts are \[64, 64\] \(out, in\), "
+                                         r"layer 0's \[32, 64\]"):
+        attach_tier(blocks, wider)
+    assert all(block.tier is None for block in blocks)
+    for tier in (None, "tier", {"gate_proj": None}):
+        with pytest.raises(ValueError, match=r"attach_tier: the tier must be a kq_host.tier.Tier"):
+            attach_tier(blocks, tier)
+
+
+def test_generate_greedy_and_prefill_refuse_blocks_of_another_model():
+    from kq_mlx.mlx_lm_adapter import generate_greedy, prefill
+
+    model = evaluated(qwen3_model, seed=7)
+    blocks = attach_arena(model, num_slots=6)
+    manager = _manager_over(blocks, 6, queue_depth=0)
+    plain = evaluated(qwen3_model, seed=7)
+    copy_with_arenas = evaluated(qwen3_model, seed=7)
+    attach_arena(copy_with_arenas, num_slots=6)
+    for other in (plain, copy_with_arenas):
+        with pytest.raises(ValueError, match=r"generate_greedy: blocks must be attach_arena\(model\)'s layers"):
+            generate_greedy(other, blocks, manager, [2, 7], 2)
+        with pytest.raises(ValueError, match=r"prefill: blocks must be attach_arena\(model\)'s layers"):
+            prefill(other, blocks, manager, [2, 7], make_prompt_cache(other))
+    assert manager.stats()[1].lookups == 0
+    manager.close()
+
+
+def test_stop_tokens_may_be_an_array_of_ids_but_not_a_scalar():
+    from kq_mlx.mlx_lm_adapter import generate_greedy
+
+    model = evaluated(qwen3_model, seed=7)
+    blocks = attach_arena(model, num_slots=EXPERTS)
+    manager = _manager_over(blocks, EXPERTS, queue_depth=0)
+    manager.preload(0, range(EXPERTS))
+    manager.preload(1, range(EXPERTS))
+    tokens = generate_greedy(model, blocks, manager, [2, 7], 4)
+    for stop in (np.array([tokens[1]]), mx.array([tokens[1]]), [tokens[1]]):
+        assert generate_greedy(model, blocks, manager, [2, 7], 4, stop_tokens=stop) == tokens[:2]
+    for stop in (np.array(tokens[1]), mx.array(tokens[1]), np.array([[tokens[1]]]), np.array([1.0])):
+        with pytest.raises(ValueError, match=r"generate_greedy: stop_tokens must be a collection of token ids"):
+            generate_greedy(model, blocks, manager, [2, 7], 4, stop_tokens=stop)
+    manager.close()

@@ -228,6 +228,52 @@ def test_a_float_checkpoint_or_float32_scales_or_mixed_options_are_refused_by_na
             tier_from_checkpoint(served[1], store, 3, 8)
         with pytest.raises(ExpertStoreError, match="config.json"):
             tier_from_checkpoint(tmp_path / "nowhere", store, 2, 8)
+        with pytest.raises(ExpertStoreError, match="tier_from_checkpoint: directory must be a path, got None"):
+            tier_from_checkpoint(None, store, 2, 8)
+
+
+def test_the_former_name_of_tier_from_checkpoint_still_imports_with_a_warning():
+    from kq_host import checkpoint
+
+    with pytest.warns(DeprecationWarning, match="moved to kq_host.checkpoint.tier_from_checkpoint"):
+        from kq_host.tier import tier_from_checkpoint
+    assert tier_from_checkpoint is checkpoint.tier_from_checkpoint
+    with pytest.raises(ImportError, match="no_such_name"):
+        from kq_host.tier import no_such_name  # noqa: F401
+
+
+@pytest.mark.parametrize("field, value", [("scales", float("nan")), ("biases", float("inf"))])
+def test_a_conversion_of_non_finite_scales_or_biases_is_refused_naming_the_tensor(served, tmp_path, field, value):
+    import shutil
+
+    from kq_host.checkpoint import tier_from_checkpoint
+
+    broken = tmp_path / "broken"
+    shutil.copytree(served[1], broken)
+    (weights_file,) = broken.glob("model*.safetensors")
+    arrays = mx.load(str(weights_file))
+    name = f"model.layers.1.mlp.switch_mlp.up_proj.{field}"
+    poisoned = np.array(arrays[name].astype(mx.float32))
+    poisoned[3, 5, 0] = value
+    arrays[name] = mx.array(poisoned).astype(arrays[name].dtype)
+    mx.save_safetensors(str(weights_file), arrays)
+    with _store(served[0]) as store:
+        with pytest.raises(TierOptionError, match=rf"{name} holds a value that is not finite"):
+            tier_from_checkpoint(broken, store, 2, 8)
+
+
+def test_build_tier_takes_numpy_integer_options(served, tmp_path):
+    from kq_host.tier import build_tier
+
+    with _store(served[0]) as store:
+        plain = build_tier(store, 2, 8, bits=2, group_size=64, cache_dir=tmp_path / "a")
+        numpy_ints = build_tier(store, np.int64(2), np.int32(8), bits=np.int64(2), group_size=np.uint16(64),
+                                cache_dir=tmp_path / "b")
+        cached = build_tier(store, 2, 8, bits=np.int8(2), group_size=64, cache_dir=tmp_path / "b")
+    for tier in (numpy_ints, cached):
+        assert (tier.bits, tier.group_size) == (2, 64) and type(tier.bits) is int and type(tier.group_size) is int
+        for name, weight in plain.weights.items():
+            assert all(a.tobytes() == b.tobytes() for a, b in zip(weight, tier.weights[name]))
 
 
 # ---- the tier in the mlx-lm adapter --------------------------------------------------------------
