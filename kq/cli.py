@@ -107,7 +107,7 @@ def _fraction(text: str) -> float:
 
 
 def _output_path(text: str) -> Path | None:
-    """A file to write at the end of a run (``''``: none), its directory checked before the run starts."""
+    """A file to write at the end of a run (``''``: none), checked writable before the run starts."""
     if not text:
         return None
     path = Path(text)
@@ -115,10 +115,12 @@ def _output_path(text: str) -> Path | None:
         raise argparse.ArgumentTypeError(f"{path.parent} is not a directory to write {path.name} into")
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{path} is a directory, not a file to write")
-    try:  # opened for writing now, so a place no file can be made in is named before the run, not after it
-        if path.exists():
+    # Opened for writing now, so a place no file can be made in is named before the run, not after it; a pipe
+    # or a device (/dev/stdout) is left to the write.
+    try:
+        if path.is_file():
             path.open("ab").close()
-        else:
+        elif not path.exists():
             path.open("xb").close()
             path.unlink()
     except OSError as error:
