@@ -120,9 +120,10 @@ def _output_path(text: str) -> Path | None:
     try:
         if path.is_file():
             path.open("ab").close()
-        elif not path.exists():
-            path.open("xb").close()
-            path.unlink()
+        elif not path.exists():  # made where a dangling link points, as the write will
+            target = Path(os.path.realpath(path))
+            target.open("xb").close()
+            target.unlink()
     except OSError as error:
         raise argparse.ArgumentTypeError(f"{path} cannot be written ({error.strerror or error})") from None
     return path

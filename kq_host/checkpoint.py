@@ -296,7 +296,7 @@ def tier_from_checkpoint(directory: str | os.PathLike, store, num_layers: int, n
         TierOptionError: the conversion's layers, experts, a projection's shape, its options (bits, group
             size, mode) or its scales' dtype disagree with the served model or the format, or a scale or bias
             is not finite (the message names the tensor or ``config.json``).
-        ExpertStoreError: ``directory`` holds no readable ``config.json`` or safetensors file.
+        ExpertStoreError: ``directory`` is no path, or holds no readable ``config.json`` or safetensors file.
     """
     if not isinstance(directory, (str, os.PathLike)):
         raise ExpertStoreError(f"tier_from_checkpoint: directory must be a path, got {directory!r}")

@@ -136,11 +136,11 @@ class ArenaLayer(nn.Module):
     def __init__(self, switch: nn.Module, num_slots: int, keep_experts: bool, module_path: str):
         super().__init__()
         object.__setattr__(self, "projections", _projection_names(switch))  # names, not part of the module tree
-        self.num_experts = switch[self.projections[0]]["weight"].shape[0]
-        if not is_int(num_slots) or not 1 <= num_slots <= self.num_experts:
-            raise ValueError(f"attach_arena: num_slots must be an int in [1, {self.num_experts}] (the layer's "
-                             f"experts), got {num_slots!r}")
-        self.num_slots = int(num_slots)
+        self.num_experts = _expert_count(switch)
+        self.num_slots = _checked_slots(num_slots, self.num_experts)
+        # What the tier takes whole from the layer's own experts, kept where they are dropped: each projection's
+        # per-expert bias (gpt-oss), [E, out].
+        self.expert_biases = {p: switch[p]["bias"] for p in self.projections if "bias" in switch[p]}
         # The arena: the layer's own SwitchGLU class, each projection a copy of the original (its class,
         # quantization and hyper-parameters) with every per-expert array cut to num_slots zero slots.
         self.arena = copy.copy(switch)
@@ -639,6 +639,19 @@ class SwitchGLUArena:
         return list(arrays.values())
 
 
+def _expert_count(switch: nn.Module) -> int:
+    """E of a SwitchGLU / SwitchMLP: its first projection's leading axis."""
+    return switch[_projection_names(switch)[0]]["weight"].shape[0]
+
+
+def _checked_slots(num_slots, num_experts: int) -> int:
+    """``num_slots`` as an int; ValueError naming it unless it is an int in ``[1, num_experts]``."""
+    if not is_int(num_slots) or not 1 <= num_slots <= num_experts:
+        raise ValueError(f"attach_arena: num_slots must be an int in [1, {num_experts}] (the layer's experts), got "
+                         f"{num_slots!r}")
+    return int(num_slots)
+
+
 def _logical_shape(linear: nn.Module) -> tuple[int, int]:
     """``(out, in)`` of one expert of a SwitchLinear, quantized (its packed columns unpacked) or not."""
     out_dims, columns = linear["weight"].shape[-2:]
@@ -716,7 +729,8 @@ def attach_arena(model: nn.Module, num_slots: int, *, keep_experts: bool = True)
         num_slots: arena slots per layer.
         keep_experts: keep each layer's own experts (for rule ``"stall"`` and ``expert_weights``).
             ``False`` drops them; with a model from ``mlx_lm.load(path, lazy=True)`` they are then never
-            read, and only the other weights and the arenas take memory.
+            read, and only the other weights, the arenas and the experts' projection biases (gpt-oss's
+            ``[E, out]`` a projection, for the tier) take memory.
 
     Raises:
         TypeError: the model has no SwitchGLU / SwitchMLP, or already runs on arenas.
@@ -730,7 +744,9 @@ def attach_arena(model: nn.Module, num_slots: int, *, keep_experts: bool = True)
     if not switches:
         raise TypeError(f"attach_arena: {type(model).__module__}.{type(model).__name__} has no SwitchGLU or "
                         f"SwitchMLP (mlx_lm.models.switch_layers): no MoE layer to put an arena in")
-    replaced = []  # (the path a layer takes the place of, the layer): every layer built before any is put in
+    for path in switches:  # checked before any layer is built: building one with keep_experts=False drops its experts
+        _checked_slots(num_slots, _expert_count(named[path]))
+    replaced = []  # (the path a layer takes the place of, the layer)
     for path in switches:
         parent_path, _, name = path.rpartition(".")
         parent = named.get(parent_path)
@@ -1000,8 +1016,9 @@ def attach_exact(model: nn.Module, blocks: list[ArenaLayer], manager, *, lookahe
             PreloadError listing the reads still out.
 
     Raises:
-        ValueError: the manager's shape is not the blocks', ``timeout`` is not None or a number >= 0, or
-            ``lookahead=True`` with layers at the SwitchGLU seam.
+        ValueError: ``blocks`` are not the model's arenas (every one), the manager's shape is not the
+            blocks', ``timeout`` is not None or a number >= 0, or ``lookahead=True`` with layers at the
+            SwitchGLU seam.
     """
     deadline_of("attach_exact", timeout)  # the manager's own check of a timeout
     _check_blocks("attach_exact", model, blocks)
@@ -1038,14 +1055,14 @@ def attach_tier(blocks: list[ArenaLayer], tier) -> None:
         tier: a :class:`kq_host.tier.Tier` of ``len(blocks)`` layers and the blocks' expert count,
             projections named as the layers' (``block.projections``: ``gate_proj``, ``up_proj``,
             ``down_proj`` for a SwitchGLU, ``fc1``, ``fc2`` for a SwitchMLP); its scales and biases go
-            to the device in the arena's float dtype. Projection biases (gpt-oss) are taken whole from
-            the layer's own experts.
+            to the device in the arena's float dtype. Projection biases (gpt-oss) are the layer's own
+            experts', which :func:`attach_arena` keeps (:attr:`ArenaLayer.expert_biases`) even with
+            ``keep_experts=False``.
 
     Raises:
         ValueError: ``tier`` is no Tier, its bits or group size disagree with its arrays
-            (:func:`kq_host.tier.check_tier`), its layers, experts, projections or their shapes do not match
-            the blocks, or the layers have projection biases and their experts were dropped
-            (``keep_experts=False``). No block's tier is changed then.
+            (:func:`kq_host.tier.check_tier`), or its layers, experts, projections or their shapes do not
+            match the blocks. No block's tier is changed then.
     """
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
@@ -1077,8 +1094,8 @@ def attach_tier(blocks: list[ArenaLayer], tier) -> None:
             linear["weight"] = mx.array(weight.packed)
             linear["scales"], linear["biases"] = (mx.array(np.asarray(a, np.float32)).astype(float_dtype)
                                                   for a in (weight.scales, weight.biases))
-            if "bias" in block.arena[projection]:  # a projection bias (gpt-oss): every expert's, full precision
-                linear["bias"] = block._source(f"attach_tier ({projection}'s per-expert bias)")[projection]["bias"]
+            if projection in block.expert_biases:  # a projection bias (gpt-oss): every expert's, full precision
+                linear["bias"] = block.expert_biases[projection]
             setattr(low, projection, linear)
         lows.append(low)
     for block, low in zip(blocks, lows):
@@ -1267,7 +1284,8 @@ def prefill(model: nn.Module, blocks: list[ArenaLayer], manager, prompt, cache, 
 
     Raises:
         ValueError: an empty prompt, an id outside the vocabulary, a bad ``step_size``, ``timeout``,
-            ``read_retries`` or ``cache``, or a manager of another shape.
+            ``read_retries`` or ``cache``, ``blocks`` that are not the model's arenas (every one), or a
+            manager of another shape.
         PreloadError: a read failed ``read_retries`` more times or was out past ``timeout`` (the message
             names the layer and the experts); the cache is then as before the pass that failed (a
             RuntimeError says so where a cache cannot be cut back).
@@ -1395,8 +1413,9 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
 
     Raises:
         ValueError: an empty prompt, an id outside the vocabulary, ``max_tokens`` no int >= 1, a bad
-            ``timeout``, ``read_retries``, ``stop_tokens`` or ``cache``, or ``exact`` with a cache that cannot be
-            put back.
+            ``timeout``, ``read_retries``, ``stop_tokens`` or ``cache``, ``blocks`` that are not the model's
+            arenas (every one), a manager of another shape, or ``exact`` with a cache that cannot be put
+            back.
         PreloadError: with ``exact``, a read failed ``read_retries`` more times, or reads were out past
             ``timeout`` (``.failed`` and ``.pending`` list them). The cache is then as before the pass that
             failed; the layers that pass acquired before the failure keep their credits.
@@ -1408,10 +1427,10 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
         raise ValueError(f"generate_greedy: max_tokens must be an int >= 1, got {max_tokens!r}")
     deadline_of("generate_greedy", timeout)  # the manager's own check of a timeout
     read_retries = _checked_read_retries("generate_greedy", read_retries)
-    if hasattr(stop_tokens, "ndim") and hasattr(stop_tokens, "dtype"):  # a NumPy or MLX array: 1-d integers
+    if hasattr(stop_tokens, "ndim") and hasattr(stop_tokens, "dtype"):  # a NumPy or MLX array: 1-d, its items checked
         ids = np.asarray(stop_tokens)
-        if ids.ndim == 1 and ids.dtype.kind in "iu":
-            stop_tokens = ids.tolist()
+        if ids.ndim == 1:
+            stop_tokens = tuple(ids.tolist())
     elif isinstance(stop_tokens, Iterable) and not isinstance(stop_tokens, (str, bytes)):
         stop_tokens = tuple(stop_tokens)  # an iterator read once, here
     if (isinstance(stop_tokens, (str, bytes)) or not isinstance(stop_tokens, Iterable)

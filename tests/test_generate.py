@@ -305,6 +305,17 @@ def test_a_quantization_config_the_stored_experts_disagree_with_names_the_model_
         generate(GenerateConfig(directory, PROMPT, max_tokens=2, rule="tier"))
 
 
+def test_an_output_path_through_a_dangling_link_is_written_where_it_points(tmp_path):
+    from kq.cli import _output_path
+
+    (tmp_path / "link.json").symlink_to(tmp_path / "target.json")
+    assert _output_path(str(tmp_path / "link.json")) == tmp_path / "link.json"
+    assert not (tmp_path / "target.json").exists()  # the check leaves nothing behind
+    (tmp_path / "broken.json").symlink_to(tmp_path / "missing" / "target.json")
+    with pytest.raises(Exception, match="cannot be written"):
+        _output_path(str(tmp_path / "broken.json"))
+
+
 def test_a_json_file_that_cannot_be_written_ends_the_run_with_its_name(capsys):
     assert main(["generate", "--model", str(STDLIB), "--prompt", PROMPT, "--max-tokens", "2", "--json",
                  "/dev/full"]) == 1

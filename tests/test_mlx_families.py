@@ -127,14 +127,15 @@ def logits_of(model, prompt, steps):
     return seen
 
 
-def fill_every_expert(blocks):
-    """Every expert resident, in slots that are not the expert ids."""
+def fill_every_expert(blocks, source=None):
+    """Every expert resident, in slots that are not the expert ids (read from ``source``'s blocks: default
+    ``blocks``)."""
     arena, tables = SwitchGLUArena(blocks), np.empty((len(blocks), EXPERTS), np.int32)
     for layer, block in enumerate(blocks):
         slots = np.roll(np.arange(EXPERTS), 3 + layer)
         tables[layer] = slots
         for expert in range(EXPERTS):
-            arena.write_slot(layer, int(slots[expert]), block.expert_weights(expert))
+            arena.write_slot(layer, int(slots[expert]), (source or blocks)[layer].expert_weights(expert))
     set_tables(blocks, tables)
 
 
@@ -167,6 +168,42 @@ def test_every_expert_resident_is_the_model_bit_for_bit_under_every_seam_rule(fa
         got = logits_of(model, prompt, 3)
         for step, (a, b) in enumerate(zip(got, want)):
             assert np.array_equal(a, b), f"rule {rule}, step {step}"
+
+
+@pytest.mark.parametrize("quantized", VARIANTS)
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
+def test_the_tier_attaches_to_layers_whose_experts_were_dropped(family, quantized):
+    """attach_arena(keep_experts=False) keeps what the tier needs of the layer's own experts (gpt-oss's
+    per-expert projection biases): every expert resident under rule tier is the model bit for bit."""
+    prompt = [1, 2, 3]
+    want = logits_of(build(family, quantized=quantized), prompt, 3)
+    source = attach_arena(build(family, quantized=quantized), EXPERTS)
+    model = build(family, quantized=quantized)
+    blocks = attach_arena(model, EXPERTS, keep_experts=False)
+    fill_every_expert(blocks, source)
+    attach_tier(blocks, random_tier(blocks))
+    for block in blocks:
+        block.rule = "tier"
+    for step, (a, b) in enumerate(zip(logits_of(model, prompt, 3), want)):
+        assert np.array_equal(a, b), f"step {step}"
+
+
+def test_attach_arena_refusing_a_layer_leaves_every_layer_as_it_was():
+    """Layers of other expert counts: the slots fit the first layer and not the second; the model runs as
+    before, its experts kept (keep_experts=False drops nothing)."""
+    prompt = [1, 2, 3]
+    model = build("qwen3_moe", quantized=False)
+    smaller = importlib.import_module("mlx_lm.models.qwen3_moe")
+    mx.random.seed(1)
+    other = smaller.Model(smaller.ModelArgs.from_dict({"model_type": "qwen3_moe", **SMALL, "num_experts": 4}))
+    model.model.layers[1].mlp = other.model.layers[1].mlp
+    mx.eval(model.parameters())
+    want = logits_of(model, prompt, 2)
+    with pytest.raises(ValueError, match=r"attach_arena: num_slots must be an int in \[1, 4\]"):
+        attach_arena(model, 6, keep_experts=False)
+    assert not any(isinstance(module, (ArenaMoeBlock, ArenaSwitch)) for module in model.modules())
+    for step, (a, b) in enumerate(zip(logits_of(model, prompt, 2), want)):
+        assert np.array_equal(a, b), f"step {step}"
 
 
 @pytest.mark.parametrize("quantized", VARIANTS)

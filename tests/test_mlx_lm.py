@@ -1417,9 +1417,12 @@ def test_stop_tokens_may_be_an_array_of_ids_but_not_a_scalar():
     manager.preload(0, range(EXPERTS))
     manager.preload(1, range(EXPERTS))
     tokens = generate_greedy(model, blocks, manager, [2, 7], 4)
-    for stop in (np.array([tokens[1]]), mx.array([tokens[1]]), [tokens[1]]):
+    for stop in (np.array([tokens[1]]), mx.array([tokens[1]]), [tokens[1]], np.array([tokens[1]], dtype=object)):
         assert generate_greedy(model, blocks, manager, [2, 7], 4, stop_tokens=stop) == tokens[:2]
-    for stop in (np.array(tokens[1]), mx.array(tokens[1]), np.array([[tokens[1]]]), np.array([1.0])):
+    for none in (np.array([]), mx.array([]), np.array([], np.int64), ()):
+        assert generate_greedy(model, blocks, manager, [2, 7], 4, stop_tokens=none) == tokens
+    for stop in (np.array(tokens[1]), mx.array(tokens[1]), np.array([[tokens[1]]]), np.array([1.0]),
+                 np.array([tokens[1], 1.5], dtype=object)):
         with pytest.raises(ValueError, match=r"generate_greedy: stop_tokens must be a collection of token ids"):
             generate_greedy(model, blocks, manager, [2, 7], 4, stop_tokens=stop)
     manager.close()
