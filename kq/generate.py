@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import numbers
 import os
 import resource
 import sys
@@ -27,7 +26,7 @@ from typing import Callable
 
 import numpy as np
 
-from kq_core.validate import is_int
+from kq_core.validate import is_int, is_real
 from kq_host.checkpoint import MODEL_FILES, model_files
 from kq_host.residency import MAX_QUEUE_DEPTH
 
@@ -188,7 +187,7 @@ def _checked(config: GenerateConfig) -> tuple[Path, dict]:
             or config.max_tokens < 1):
         raise _fail("--max-tokens", f"must be an int >= 1, got {config.max_tokens!r}")
     residency = config.residency
-    if not _is_real(residency) or not 0 < residency <= 1:
+    if not is_real(residency) or not 0 < residency <= 1:
         raise _fail("--residency", f"must be a fraction in (0, 1] of each layer's experts, got {residency!r}")
     if config.rule not in RULES:
         raise _fail("--rule", f"must be one of {', '.join(RULES)}, got {config.rule!r}")
@@ -203,14 +202,9 @@ def _checked(config: GenerateConfig) -> tuple[Path, dict]:
     if (not is_int(config.queue_depth)
             or not 0 <= config.queue_depth <= MAX_QUEUE_DEPTH):
         raise _fail("--queue-depth", f"must be an int in [0, {MAX_QUEUE_DEPTH}], got {config.queue_depth!r}")
-    if config.timeout is not None and (not _is_real(config.timeout) or not config.timeout > 0):
+    if config.timeout is not None and (not is_real(config.timeout) or not config.timeout > 0):
         raise _fail("--timeout", f"must be a number of seconds > 0, got {config.timeout!r}")
     return model, settings
-
-
-def _is_real(value) -> bool:
-    """A real number (Python's or NumPy's), not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
 def _load(model_dir: Path):

@@ -13,6 +13,7 @@ argument; a wrong dtype is a :class:`RouteShedDtypeError`, also a ``TypeError``.
 
 from __future__ import annotations
 
+import numbers
 import operator
 
 import numpy as np
@@ -58,6 +59,11 @@ _DTYPE_NAMES: dict = {}  # dtype object -> name: a graph-building call names the
 def is_int(value) -> bool:
     """An int or a NumPy integer scalar, not a bool: the one test of every integer argument kq takes."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def is_real(value) -> bool:
+    """A real number, Python's or NumPy's (``numbers.Real``); not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
 def is_int_scalar(value) -> bool:

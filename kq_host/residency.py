@@ -56,7 +56,7 @@ from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 import numpy as np
 
 from kq_core import reports as report_layout
-from kq_core.validate import is_int, is_int_scalar
+from kq_core.validate import is_int, is_int_scalar, is_real
 from kq_host import bookkeeping
 from kq_host.arena import Arena, write_landed
 from kq_host.bookkeeping import SlotState, Tables
@@ -159,8 +159,7 @@ def deadline_of(method: str, timeout) -> float | None:
     """
     if timeout is None:
         return None
-    if (not isinstance(timeout, numbers.Real) or isinstance(timeout, (bool, np.bool_)) or math.isnan(timeout)
-            or timeout < 0):
+    if not is_real(timeout) or math.isnan(timeout) or timeout < 0:
         raise ValueError(f"{method}: timeout must be None or a number of seconds >= 0, got {timeout!r}")
     return None if math.isinf(timeout) else time.monotonic() + float(timeout)
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from kq import RouteShedInputError, validate
-from kq_core.validate import is_int, is_int_scalar
+from kq_core.validate import is_int, is_int_scalar, is_real
 
 TABLE = np.array([0, 1, -1, 2, -1], np.int32)
 
@@ -99,3 +99,12 @@ def test_integer_scalar_of_other_frameworks():
     jnp = pytest.importorskip("jax.numpy")
     assert is_int_scalar(jnp.int32(4)) and not is_int(jnp.int32(4))
     assert not is_int_scalar(jnp.array([4])) and not is_int_scalar(jnp.array(True))
+
+
+@pytest.mark.parametrize("value,real", [(1.5, True), (3, True), (np.float32(0.5), True), (np.int64(2), True),
+                                        (float("nan"), True), (True, False), (np.bool_(True), False), ("1", False),
+                                        (None, False), (np.array([1.0]), False), (1j, False)],
+                         ids=["float", "int", "numpy float32", "numpy int64", "nan", "bool", "numpy bool", "str",
+                              "None", "1-d array", "complex"])
+def test_is_real(value, real):
+    assert is_real(value) is real
