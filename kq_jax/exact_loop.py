@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kq_core.validate import is_int
+from kq_core.validate import is_int, is_real
 from kq_jax import qwen3_moe
 from kq_jax.moe import Experts, combine, experts_apply
 
@@ -105,8 +105,7 @@ class ExactLoop:
         if tuple(getattr(arena, "shape", ())) != (manager.num_layers, manager.num_slots):
             raise ValueError(f"ExactLoop: arena holds {getattr(arena, 'shape', None)} layers and slots; the manager "
                              f"{manager.num_layers} of {manager.num_slots}")
-        if timeout is not None and (not isinstance(timeout, (int, float, np.integer, np.floating))
-                                    or isinstance(timeout, bool) or not 0 < timeout < math.inf):
+        if timeout is not None and (not is_real(timeout) or not 0 < timeout < math.inf):
             raise ValueError(f"ExactLoop: timeout must be seconds > 0 (finite) or None to wait forever, "
                              f"got {timeout!r}")
         self.params, self.cfg, self.manager, self.arena = params, cfg, manager, arena

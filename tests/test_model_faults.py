@@ -227,7 +227,7 @@ def test_the_exact_loop_refuses_a_position_outside_its_length_by_name(exact_mode
         manager.close()
 
 
-@pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf"), "1", True])
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf"), "1", True, np.True_])
 def test_the_exact_loop_refuses_a_timeout_it_cannot_wait_by_name(exact_model, store, timeout):
     with pytest.raises(ValueError, match="timeout"):
         _loop(exact_model, store, timeout=timeout)
