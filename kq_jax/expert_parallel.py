@@ -56,7 +56,8 @@ def moe_ffn_arena_sharded(x, router_w, arena: Experts, slot_table, *, top_k: int
         slot_table: int32 ``[E]``, global slots (-1 = not resident), replicated.
         top_k: experts per token.
         mesh: the device mesh holding both axes.
-        data_axis: the mesh axis of the tokens, or None to replicate them.
+        data_axis: the mesh axis (or tuple of axes) of the tokens, or None to replicate them; never
+            ``expert_axis``.
         expert_axis: the mesh axis of the slots.
         impl: ``topk_route_shed``'s; ``"auto"`` picks by the mesh's devices
             (the kernel on GPUs, the reference elsewhere), not the default backend.
@@ -69,6 +70,10 @@ def moe_ffn_arena_sharded(x, router_w, arena: Experts, slot_table, *, top_k: int
         if any(part not in mesh.shape for part in names):
             raise ValueError(f"moe_ffn_arena_sharded: {name} {axis!r} is not an axis (or a tuple of axes, for "
                              f"data_axis) of the mesh {tuple(mesh.shape)}")
+    if expert_axis in (data_axis if isinstance(data_axis, tuple) else (data_axis,)):
+        raise ValueError(f"moe_ffn_arena_sharded: data_axis {data_axis!r} must not hold expert_axis {expert_axis!r}: "
+                         f"the slots' outputs are summed over expert_axis, so each of its devices must hold the "
+                         f"same tokens")
     num_slots = arena.gate.shape[0]
     if num_slots % mesh.shape[expert_axis]:
         raise ValueError(f"arena: {num_slots} slots do not split over the {mesh.shape[expert_axis]} devices "

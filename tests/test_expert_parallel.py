@@ -94,3 +94,12 @@ def test_a_tuple_of_mesh_axes_holds_the_rows(layer):
     y, _ = moe_ffn_arena_sharded(x, router, experts, np.arange(E, dtype=np.int32), top_k=K, mesh=mesh,
                                  data_axis=rows_axes)
     assert y.shape == x.shape
+
+
+@pytest.mark.parametrize("data_axis", ["expert", ("data", "expert")], ids=["the-expert-axis", "a-tuple-holding-it"])
+def test_rows_over_the_expert_axis_are_refused_by_name(layer, data_axis):
+    # the slots' sum over expert_axis would add outputs of different tokens: wrong results, no error
+    _, experts, router, x = layer
+    with pytest.raises(ValueError, match="data_axis .* must not hold expert_axis 'expert'"):
+        moe_ffn_arena_sharded(x, router, experts, np.arange(E, dtype=np.int32), top_k=K, mesh=_mesh((2, 4)),
+                              data_axis=data_axis)
