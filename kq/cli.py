@@ -193,6 +193,36 @@ def _given(args, names) -> dict:
     return {name: getattr(args, name) for name in names if hasattr(args, name)}
 
 
+class _CheckpointFaults:
+    """What the checkpoint's files hold, met while a run reads them, ends ``kq demo`` or ``kq study`` in one line:
+    a tensor refused as ``--checkpoint`` (a usage error), a read that failed as the disk's (exit 1, true as the
+    context's value; no usage line)."""
+
+    def __init__(self, command: str, parser):
+        self.command, self.parser, self.ended = command, parser, False
+
+    def __enter__(self) -> "_CheckpointFaults":
+        return self
+
+    def __bool__(self) -> bool:
+        return self.ended
+
+    def __exit__(self, kind, error, _traceback) -> bool:
+        from kq_host.checkpoint import CheckpointError
+        from kq_host.expert_store import ExpertStoreError
+        from kq_host.residency import PreloadError
+
+        if isinstance(error, PreloadError):
+            print(f"\nkq {self.command}: reading experts failed: {error}", file=sys.stderr)
+            self.ended = True
+            return True
+        if isinstance(error, (CheckpointError, ExpertStoreError)) or (
+                isinstance(error, ValueError) and str(error).startswith("--checkpoint")):
+            message = str(error)
+            self.parser.error(message if message.startswith("--checkpoint") else f"--checkpoint: {message}")
+        return False
+
+
 def _demo_model(args, parser) -> int:
     from kq import demo
 
@@ -207,7 +237,11 @@ def _demo_model(args, parser) -> int:
         parser.error(str(error))
     print(demo.format_header(config))
     for framework in config.frameworks:
-        print(demo.format_texts(config, demo.generate_texts(config, framework)))
+        with _CheckpointFaults("demo", parser) as ended:
+            texts = demo.generate_texts(config, framework)
+        if ended:
+            return 1
+        print(demo.format_texts(config, texts))
     return 0
 
 
@@ -285,7 +319,10 @@ def _study(args, parser) -> int:
         runner = study.make_study(config)  # reads and checks the text
     except ValueError as error:
         parser.error(str(error))
-    resident, results = study.run_study(runner, progress=not args.no_progress)
+    with _CheckpointFaults("study", parser) as ended:
+        resident, results = study.run_study(runner, progress=not args.no_progress)
+    if ended:
+        return 1
     print(study.format_table(resident, results))
     replay = None
     if args.lookahead:

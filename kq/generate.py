@@ -432,6 +432,8 @@ def generate(config: GenerateConfig, on_text: Callable[[str], None] | None = Non
 
         def emit(token: int) -> None:
             nonlocal first_token_at
+            if lossy:  # a miss whose read failed is shed and read again later: the text would change unsaid
+                manager.raise_failures("generation")
             if first_token_at is None:
                 first_token_at = time.perf_counter()
                 marks["first"] = manager.stats()[1]
@@ -445,6 +447,7 @@ def generate(config: GenerateConfig, on_text: Callable[[str], None] | None = Non
                     on_text(segment)
 
         marks = {}
+        lossy = config.rule != "exact"  # exact reads every miss before its layer runs, and retries a failed read
         cache = make_prompt_cache(model)
         clock = time.perf_counter()
         routed = [set() for _ in blocks]  # the experts each layer's prefill routed
@@ -453,6 +456,8 @@ def generate(config: GenerateConfig, on_text: Callable[[str], None] | None = Non
                     timeout=config.timeout)
             for experts, block in zip(routed, blocks):
                 experts.update(np.unique(np.array(block.last[0])).tolist())
+        if lossy:
+            manager.raise_failures("prefill")
         routed_pairs = sum(len(experts) for experts in routed)
         prefill_reads = manager.stats()[1].reads_landed
         stages["prefill_s"] = time.perf_counter() - clock

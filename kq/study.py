@@ -353,32 +353,36 @@ def decode_through_arena(tokens: list[int], warmup: int, result: RunResult, mana
     experts; the predictions of the given tokens from ``warmup`` on are scored, and the statistics count
     from ``warmup`` on.
     """
-    for layer in range(manager.num_layers):
-        manager.preload(layer, range(manager.num_slots))
-    tables = manager.snapshot()
-    given = len(tokens)
-    start = time.perf_counter()
-    token_seconds = []
-    for position in range(given - 1 + generate):
-        if position == warmup:
-            layers_before, before = manager.stats()
-        token_start = time.perf_counter()
-        logits, report = token(position, tokens[position], tables)
-        if position + 1 >= given:
-            tokens.append(int(np.argmax(np.asarray(logits)[0])))
-        elif position >= warmup:
-            result.score(token_bits(logits, tokens[position + 1]))
-        if position >= warmup:
-            for layer in range(manager.num_layers):
-                scores = report.scores[layer]
-                result.routed_mass += float(scores.sum())
-                result.shed_mass += float(scores.sum() - report.served[layer].sum())
-                if result.rule == "stall":  # each missing expert read before the token goes on
-                    result.critical_reads += int((tables[layer][report.indices[layer].astype(np.int64)] < 0).sum())
-        tables = manager.step(report)
-        token_seconds.append(time.perf_counter() - token_start)
-    layers_after, after = manager.stats()
-    manager.close()
+    try:  # the manager closed however the run ends (a failed read ends it)
+        for layer in range(manager.num_layers):
+            manager.preload(layer, range(manager.num_slots))
+        tables = manager.snapshot()
+        given = len(tokens)
+        start = time.perf_counter()
+        token_seconds = []
+        for position in range(given - 1 + generate):
+            if position == warmup:
+                layers_before, before = manager.stats()
+            token_start = time.perf_counter()
+            logits, report = token(position, tokens[position], tables)
+            if position + 1 >= given:
+                tokens.append(int(np.argmax(np.asarray(logits)[0])))
+            elif position >= warmup:
+                result.score(token_bits(logits, tokens[position + 1]))
+            if position >= warmup:
+                for layer in range(manager.num_layers):
+                    scores = report.scores[layer]
+                    result.routed_mass += float(scores.sum())
+                    result.shed_mass += float(scores.sum() - report.served[layer].sum())
+                    if result.rule == "stall":  # each missing expert read before the token goes on
+                        routed = report.indices[layer].astype(np.int64)
+                        result.critical_reads += int((tables[layer][routed] < 0).sum())
+            tables = manager.step(report)
+            manager.raise_failures(f"token {position}")  # a shed read would change the figures unsaid
+            token_seconds.append(time.perf_counter() - token_start)
+        layers_after, after = manager.stats()
+    finally:
+        manager.close()
     since = after.since(before)
     result.hits, result.lookups = since.hits, since.lookups
     result.layer_hit_rates = layer_hit_rates(layers_before, layers_after, manager.num_layers)

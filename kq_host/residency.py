@@ -539,6 +539,26 @@ class ManagerBase:
                 self._busy.release()
         return out
 
+    def raise_failures(self, caller: str) -> None:
+        """Ends a run that must not go on past a failed read: raises if any expert's last read failed.
+
+        A lossy decode sheds an expert whose read failed and tries it again a few tokens later; a run whose
+        figures or text should not silently carry that (a study, a command's output) calls this after each
+        step (every failure stays in :attr:`failures` until the expert's next read lands, at least two steps).
+
+        Args:
+            caller: the run's name, first in the message.
+
+        Raises:
+            PreloadError: naming up to three failed reads, their errors, and how many failed in all.
+        """
+        if not self.failures:
+            return
+        failed = list(self.failures.values())
+        details = "; ".join(f"layer {r.layer} expert {r.expert}: {r.error_type}: {r.message}" for r in failed[:3])
+        more = f"; {len(failed) - 3} more" if len(failed) > 3 else ""
+        raise PreloadError(f"{caller}: {len(failed)} read(s) failed ({details}{more})", failed, [])
+
     def __enter__(self):
         return self
 
