@@ -163,7 +163,7 @@ def check_case(runner: Runner, name: str, inputs, expected: RouteShedResult, opt
         raise
     except OutputError as error:
         problem = str(error)
-    except Exception as error:  # a crash is a failure of that case, not of the check
+    except (Exception, SystemExit) as error:  # a crash (or a sys.exit) is a failure of that case, not of the check
         problem = f"raised {type(error).__name__}: {error}"
     if problem is None:
         return None
@@ -224,7 +224,7 @@ def load_implementation(target: str) -> Callable:
         raise ImplementationError(f"{target!r} is not MODULE:FUNCTION (e.g. mypackage.kernels:route_shed)")
     try:
         found = importlib.import_module(module_name)
-    except Exception as error:  # an ImportError, or anything the module raised on import
+    except (Exception, SystemExit) as error:  # an ImportError, or anything the module raised on import
         raise ImplementationError(f"{target}: module {module_name!r} does not import "
                                   f"({type(error).__name__}: {error})") from None
     for part in attribute.split("."):

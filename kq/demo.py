@@ -51,7 +51,7 @@ class ModelDemoConfig:
     residency: float = 0.25  # fraction of each layer's experts in the arena
     policy: str = "lfu"
     rule: str = "tier"
-    tier_bits: int = 4
+    tier_bits: int | None = None  # bits per weight of the tier rule's copy (None: 4); only with rule "tier"
     frameworks: tuple[str, ...] = field(default_factory=installed_frameworks)
     layers: int = field(init=False)
 
@@ -65,6 +65,9 @@ class ModelDemoConfig:
                              f"got {self.frameworks}")
         if not (is_int(self.tokens) and self.tokens >= 1):
             raise ValueError(f"--tokens must be an int >= 1, got {self.tokens!r}")
+        if self.tier_bits is not None and self.rule != "tier":
+            raise ValueError(f"--tier-bits serves the misses of --rule tier; the rule is {self.rule!r}")
+        object.__setattr__(self, "tier_bits", 4 if self.tier_bits is None else self.tier_bits)
         for name, value, known in (("--policy", self.policy, ("lfu", "lru")), ("--rule", self.rule, DEMO_RULES),
                                    ("--tier-bits", self.tier_bits, BITS)):
             if value not in known:

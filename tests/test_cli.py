@@ -81,7 +81,8 @@ def test_bench_times_shapes_of_ones_own(tmp_path):
     assert all(r["bits_exact"] for r in results)
 
 
-@pytest.mark.parametrize("shape", ["3x5", "3x0x40", "3x65x40", "ax5x40"])
+@pytest.mark.parametrize("shape", ["3x5", "3x0x40", "3x65x40", "ax5x40", "1x8x99999999999", "99999999999x8x64",
+                                   "1x8x2147483648"])
 def test_bench_refuses_a_malformed_shape(shape, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--shapes", shape])
@@ -236,6 +237,13 @@ def test_demo_refuses_bad_options_naming_them(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["demo", "--random", *argv])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rule", ["shed", "route_shed", "exact"])
+def test_demo_refuses_tier_bits_without_the_tier_rule(rule, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--rule", rule, "--tier-bits", "3"])
+    assert exit_info.value.code == 2 and "--tier-bits serves the misses of --rule tier" in capsys.readouterr().err
 
 
 def test_demo_help_explains_its_columns_and_files(capsys):

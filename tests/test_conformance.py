@@ -78,6 +78,17 @@ IMPLEMENTATIONS = {
     "broken_import_impl": """
         raise RuntimeError("this module needs a Metal GPU")
     """,
+    "exiting_import_impl": """
+        import sys
+
+        sys.exit(3)
+    """,
+    "exiting_impl": """
+        import sys
+
+        def route_shed(indices, scores, slot_table):
+            sys.exit(3)  # a library's own "give up": that case's failure, not the check's end
+    """,
     "jax_impl": """
         import jax
         import numpy as np
@@ -192,6 +203,11 @@ def test_a_raising_function_fails_that_case_and_the_run_goes_on(project, capsys)
     assert "# got: raised ValueError: zero rows are not supported" in out
 
 
+def test_a_function_that_exits_fails_each_case_and_the_run_goes_on(project, capsys):
+    assert main(["check", "--impl", "exiting_impl:route_shed", "--random-rows", "0"]) == 1
+    assert "raised SystemExit: 3" in _table_row(capsys.readouterr().out, "exiting_impl:route_shed")
+
+
 @pytest.mark.parametrize("function, message", [
     ("int64_slots", "slots: expected int32[1, 8], got int64[1, 8]"),
     ("three_outputs", "returned 3 outputs; the contract has 4: slots, mix, miss_ids, miss_scores"),
@@ -207,6 +223,7 @@ def test_outputs_of_the_wrong_dtype_or_count_are_named(project, capsys, function
                                            "(ModuleNotFoundError: No module named 'no_such_module_anywhere')"),
     ("broken_import_impl:route_shed", "module 'broken_import_impl' does not import "
                                       "(RuntimeError: this module needs a Metal GPU)"),
+    ("exiting_import_impl:route_shed", "module 'exiting_import_impl' does not import (SystemExit: 3)"),
     ("correct_impl:route_shd", "correct_impl has no attribute 'route_shd'"),
     ("wrong_outputs_impl:NOT_A_FUNCTION", "NOT_A_FUNCTION is an int, not a callable"),
     ("correct_impl.route_shed", "not MODULE:FUNCTION"),
