@@ -193,6 +193,65 @@ def dense_tensors(checkpoint: str | os.PathLike, quantization: Quantization) -> 
     return tensors
 
 
+def packed_experts(checkpoint, quantization: Quantization, projections: Sequence[str], **store_options) -> ExpertStore:
+    """A stacked :class:`~kq_host.expert_store.ExpertStore` of a quantized checkpoint's experts, its reads
+    ``{"proj.weight", "proj.scales", "proj.biases"}``, checked from the headers against ``config.json``.
+
+    Every layer's stacked ``weight`` must be uint32 words holding ``[E, out, in]`` at the module's bits,
+    beside ``scales`` and ``biases`` ``[E, out, in / group_size]``; where ``config.json`` gives
+    ``hidden_size`` and the family's expert width, ``[out, in]`` must be the model's (``projections`` in the
+    order gate, up, down).
+
+    Raises:
+        ExpertStoreError: a weight of another dtype, shapes no stack of weights at the module's options has,
+            or a width other than the model's (naming the file and the tensor).
+    """
+    store = ExpertStore(checkpoint, layout="stacked", projections=[f"{p}.{f}" for p in projections
+                                                                   for f in QUANTIZED_FIELDS],
+                        template=STACKED_QUANTIZED_TEMPLATE, **store_options)
+    try:
+        _check_packed(store, quantization, tuple(projections), read_config(checkpoint))
+    except ExpertStoreError:
+        store.close()
+        raise
+    return store
+
+
+def _check_packed(store: ExpertStore, quantization: Quantization, projections: tuple[str, ...],
+                  config: Mapping) -> None:
+    """:func:`packed_experts`'s checks of each layer's stacked tensors (one absent is named by the read)."""
+    hidden, width = config.get("hidden_size"), config.get(EXPERT_WIDTH_KEYS.get(config.get("model_type")))
+    model = (dict(zip(projections, ((width, hidden), (width, hidden), (hidden, width))))
+             if is_int(hidden) and is_int(width) else {})
+    pattern = re.compile(re.escape(STACKED_QUANTIZED_TEMPLATE).replace(r"\{layer\}", r"(\d+)")
+                         .replace(r"\{projection\}", ".+") + r"\.weight")
+    layers = sorted({int(match.group(1)) for name in store.tensors if (match := pattern.fullmatch(name))})
+    for layer in layers:
+        for projection in projections:
+            module = STACKED_QUANTIZED_TEMPLATE.format(layer=layer, projection=projection)
+            weight, scales, biases = (store.tensors.get(f"{module}.{f}") for f in QUANTIZED_FIELDS)
+            if weight is None or scales is None or biases is None:
+                continue
+            if weight.dtype != np.uint32:
+                raise ExpertStoreError(f"{weight.path}: {module}.weight is {weight.dtype}, not packed uint32 words")
+            bits, group_size = quantization.options(module)
+            words = weight.shape[-1] if weight.shape else 0
+            columns = words * WORD_BITS // bits
+            if (len(weight.shape) != 3 or words * WORD_BITS % bits or columns % group_size
+                    or scales.shape != biases.shape or scales.shape != (*weight.shape[:-1], columns // group_size)):
+                raise ExpertStoreError(
+                    f"{weight.path}: {module}.weight {list(weight.shape)} beside scales {list(scales.shape)} and "
+                    f"biases {list(biases.shape)} is no stack of weights at config.json's bits={bits}, "
+                    f"group_size={group_size} ([E, out, in * {bits} / {WORD_BITS}] words, [E, out, in / "
+                    f"{group_size}] scales and biases)")
+            if projection in model and (weight.shape[1], columns) != model[projection]:
+                raise ExpertStoreError(
+                    f"{weight.path}: {module}.weight unpacks to [{weight.shape[1]}, {columns}] at config.json's "
+                    f"bits={bits}, group_size={group_size}; config.json's hidden_size {hidden} and "
+                    f"{EXPERT_WIDTH_KEYS[config['model_type']]} {width} make the model's {projection} "
+                    f"[{model[projection][0]}, {model[projection][1]}]")
+
+
 class DequantizedExperts:
     """An :class:`~kq_host.expert_store.ExpertStore` over a quantized checkpoint's stacked experts that
     hands out float32 projections: the same ``read_expert``, ``submit``, ``expert_shapes``,
@@ -201,9 +260,7 @@ class DequantizedExperts:
     def __init__(self, checkpoint, quantization: Quantization, projections: Sequence[str], **store_options):
         self.quantization = quantization
         self.projections = tuple(projections)
-        fields = [f"{p}.{f}" for p in self.projections for f in QUANTIZED_FIELDS]
-        self.packed = ExpertStore(checkpoint, layout="stacked", projections=fields,
-                                  template=STACKED_QUANTIZED_TEMPLATE, **store_options)
+        self.packed = packed_experts(checkpoint, quantization, self.projections, **store_options)
         self.template, self.layout, self.tensors = self.packed.template, "dequantized", self.packed.tensors
 
     @property
@@ -262,6 +319,10 @@ def open_experts(checkpoint: str | os.PathLike, projections: Sequence[str] = EXP
 
     Returns:
         An :class:`~kq_host.expert_store.ExpertStore` or :class:`DequantizedExperts`.
+
+    Raises:
+        ExpertStoreError: a quantized checkpoint's experts that are not what ``config.json`` describes
+            (:func:`packed_experts`), or as :class:`~kq_host.expert_store.ExpertStore`.
     """
     quantization = Quantization.of(checkpoint)
     if quantization is None:
@@ -269,9 +330,7 @@ def open_experts(checkpoint: str | os.PathLike, projections: Sequence[str] = EXP
                            template=template or PER_EXPERT_TEMPLATE, **store_options)
     if dequantized:
         return DequantizedExperts(checkpoint, quantization, projections, **store_options)
-    return ExpertStore(checkpoint, layout="stacked", projections=[f"{p}.{f}" for p in projections
-                                                                  for f in QUANTIZED_FIELDS],
-                       template=STACKED_QUANTIZED_TEMPLATE, **store_options)
+    return packed_experts(checkpoint, quantization, projections, **store_options)
 
 
 def tier_from_checkpoint(directory: str | os.PathLike, store, num_layers: int, num_experts: int) -> Tier:

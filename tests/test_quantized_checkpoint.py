@@ -14,8 +14,9 @@ from kq_host.tier import build_tier, dequantize, quantize
 SHIPPED_4BIT = Path(__file__).resolve().parents[1] / "models" / "wheels-moe"
 
 
-def _write(path, rng, *, layers=2, experts=4, hidden=64, ffn=64, router_bits=8, mode=None):
-    """A small quantized checkpoint: stacked experts at 4 bits, a router at ``router_bits``, a float norm."""
+def _write(path, rng, *, layers=2, experts=4, hidden=64, ffn=64, router_bits=8, mode=None, **config):
+    """A small quantized checkpoint: stacked experts at 4 bits, a router at ``router_bits``, a float norm;
+    ``config`` goes into ``config.json`` beside ``model_type`` and ``quantization``."""
     from safetensors.numpy import save_file
 
     path.mkdir()
@@ -37,8 +38,18 @@ def _write(path, rng, *, layers=2, experts=4, hidden=64, ffn=64, router_bits=8, 
     save_file(tensors, str(path / "model.safetensors"))
     quantization = {"group_size": 64, "bits": 4, **({"mode": mode} if mode else {}),
                     **{f"model.layers.{l}.mlp.gate": {"group_size": 64, "bits": router_bits} for l in range(layers)}}
-    (path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "quantization": quantization}))
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "quantization": quantization, **config}))
     return floats, tensors
+
+
+def _retype(path, name, dtype):
+    """Rewrites the header of ``path``'s tensor ``name`` to say ``dtype`` (one of the same width)."""
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + length])
+    header[name]["dtype"] = dtype
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + length:])
 
 
 def test_a_float_checkpoint_has_no_quantization(tmp_path):
@@ -163,3 +174,45 @@ def test_whole_numbers_written_as_floats_are_options(tmp_path):
                                                                        "model.embed": False}}))
     quantization = Quantization.of(tmp_path)
     assert (quantization.bits, quantization.group_size, quantization.modules) == (4, 64, {})
+
+
+@pytest.mark.parametrize("dequantized", [True, False], ids=["dequantized", "packed"])
+@pytest.mark.parametrize("dtype", ["F32", "I32"], ids=["float32-weight", "int32-weight"])
+def test_a_packed_weight_that_is_no_uint32_is_refused_at_open_by_file_and_tensor(tmp_path, rng, dtype, dequantized):
+    _write(tmp_path / "ckpt", rng)
+    _retype(tmp_path / "ckpt" / "model.safetensors", "model.layers.1.mlp.switch_mlp.gate_proj.weight", dtype)
+    with pytest.raises(ExpertStoreError, match=r"model\.safetensors: model\.layers\.1\.mlp\.switch_mlp\.gate_proj"
+                                               r"\.weight is .*, not packed uint32 words"):
+        open_experts(tmp_path / "ckpt", dequantized=dequantized)
+
+
+@pytest.mark.parametrize("options", [{"bits": 8, "group_size": 64}, {"bits": 3, "group_size": 64},
+                                     {"bits": 4, "group_size": 32}],
+                         ids=["8-bits-of-4-bit-words", "3-bits-of-4-bit-words", "groups-of-32-of-64"])
+def test_packed_shapes_that_disagree_with_the_options_are_refused_by_file_and_tensor(tmp_path, rng, options):
+    _write(tmp_path / "ckpt", rng)
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    config["quantization"].update(options)
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExpertStoreError, match=r"model\.safetensors: model\.layers\.0\.mlp\.switch_mlp\.gate_proj"
+                                               rf"\.weight .* bits={options['bits']}, group_size={options['group_size']}"):
+        open_experts(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("dequantized", [True, False], ids=["dequantized", "packed"])
+def test_options_that_unpack_to_another_width_than_the_config_says_are_refused(tmp_path, rng, dequantized):
+    """4-bit words read at 2 bits in groups of 128: packed shapes that agree, a width twice the model's."""
+    _write(tmp_path / "ckpt", rng, hidden_size=64, moe_intermediate_size=64)
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    config["quantization"].update(bits=2, group_size=128)
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ExpertStoreError, match=r"model\.safetensors: model\.layers\.0\.mlp\.switch_mlp\.gate_proj"
+                                               r"\.weight .*\[64, 128\].*gate_proj \[64, 64\]"):
+        open_experts(tmp_path / "ckpt", dequantized=dequantized)
+
+
+def test_a_config_that_gives_the_widths_opens_when_the_experts_agree(tmp_path, rng):
+    _write(tmp_path / "ckpt", rng, hidden=64, ffn=128, hidden_size=64, moe_intermediate_size=128)
+    with open_experts(tmp_path / "ckpt") as store:
+        assert {p: s for p, (s, _) in store.expert_shapes(0).items()} == {
+            "gate_proj": (128, 64), "up_proj": (128, 64), "down_proj": (64, 128)}
