@@ -30,7 +30,7 @@ import numpy as np
 from kq_core.contract import EXPERT_PROJECTIONS
 from kq_core.validate import is_int
 from kq_host.expert_store import (PER_EXPERT_TEMPLATE, ExpertStore, ExpertStoreError, file_identity,
-                                  read_safetensors_header)
+                                  read_safetensors_headers)
 from kq_host.tier import (SCALE_DTYPES, WORD_BITS, QuantizedWeight, Tier, TierOptionError, check_options, check_tier,
                           checked_expert_shapes, dequantize)
 
@@ -179,12 +179,12 @@ def dense_tensors(checkpoint: str | os.PathLike, quantization: Quantization) -> 
 
     Returns:
         ``{name: array}``; no ``.scales`` or ``.biases`` names remain.
-    """
-    from safetensors.numpy import load_file
 
-    tensors: dict[str, np.ndarray] = {}
-    for path in model_files(checkpoint):
-        tensors.update(load_file(str(path)))
+    Raises:
+        ExpertStoreError: a file that cannot be read, or a tensor in two files (naming both).
+    """
+    tensors = {name: _read_tensor(entry, name)
+               for name, entry in read_safetensors_headers(model_files(checkpoint)).items()}
     for name in [n for n in tensors if n.endswith(".scales")]:
         module = name[: -len(".scales")]
         bits, group_size = quantization.options(module)
@@ -355,7 +355,8 @@ def tier_from_checkpoint(directory: str | os.PathLike, store, num_layers: int, n
         TierOptionError: the conversion's layers, experts, a projection's shape, its options (bits, group
             size, mode) or its scales' dtype disagree with the served model or the format, or a scale or bias
             is not finite (the message names the tensor or ``config.json``).
-        ExpertStoreError: ``directory`` is no path, or holds no readable ``config.json`` or safetensors file.
+        ExpertStoreError: ``directory`` is no path, or holds no readable ``config.json`` or safetensors file,
+            or a tensor in two of its files (naming both).
     """
     if not isinstance(directory, (str, os.PathLike)):
         raise ExpertStoreError(f"tier_from_checkpoint: directory must be a path, got {directory!r}")
@@ -377,7 +378,7 @@ def tier_from_checkpoint(directory: str | os.PathLike, store, num_layers: int, n
     files = model_files(directory)
     if not files:
         raise ExpertStoreError(f"tier_from_checkpoint: {directory} holds no {MODEL_FILES} file")
-    entries = {name: entry for path in files for name, entry in read_safetensors_header(path).items()}
+    entries = read_safetensors_headers(files)
     layers = _stacked_modules(entries, tuple(shapes), directory)
     if len(layers) != num_layers:
         raise TierOptionError(f"tier_from_checkpoint: {directory} holds stacked experts in {len(layers)} layers "

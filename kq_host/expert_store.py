@@ -183,6 +183,23 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorEntry]:
     return entries
 
 
+def read_safetensors_headers(paths: Sequence[str | os.PathLike]) -> dict[str, TensorEntry]:
+    """The headers of a checkpoint's files (its shards), as one ``{name: TensorEntry}``.
+
+    Raises:
+        ExpertStoreError: a header :func:`read_safetensors_header` refuses, or a tensor in two of the files
+            (naming both).
+    """
+    entries: dict[str, TensorEntry] = {}
+    for path in paths:
+        for name, entry in read_safetensors_header(path).items():
+            if name in entries:
+                raise ExpertStoreError(f"tensor {name} is in {entries[name].path} and in {entry.path}; a checkpoint "
+                                       f"holds each tensor once")
+            entries[name] = entry
+    return entries
+
+
 def _entry(path: Path, name: str, info, data_start: int, data_size: int, identity) -> TensorEntry:
     where = f"{path}: tensor {name}"
     if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
@@ -247,7 +264,8 @@ class ExpertStore:
             projection of a read needs memory of its own: buffers that overlap are refused.
 
     Raises:
-        ExpertStoreError: no safetensors file found.
+        ExpertStoreError: no safetensors file found, a header that cannot be read, or a tensor in two of
+            the files (naming both).
 
     :meth:`for_tensors` and :meth:`for_arenas` build a store from each layer's own tensor names instead of
     a template (checkpoints whose first layers are dense, biases beside weights).
@@ -283,13 +301,7 @@ class ExpertStore:
                              f"{', '.join(fields)} or is malformed ({type(error).__name__}: {error})") from None
         files = self._files(paths)
         self._names: dict[int, dict[str, str]] | None = None  # for_tensors: layer -> {payload key: tensor}
-        self.tensors: dict[str, TensorEntry] = {}
-        for path in files:
-            for name, entry in read_safetensors_header(path).items():
-                if name in self.tensors:
-                    raise ExpertStoreError(f"ExpertStore: tensor {name} is in {self.tensors[name].path} and in "
-                                           f"{path}; a checkpoint holds each tensor once")
-                self.tensors[name] = entry
+        self.tensors: dict[str, TensorEntry] = read_safetensors_headers(files)
         self._pool = ThreadPoolExecutor(max_workers=queue_depth, thread_name_prefix="kq-expert-read")
         self._descriptors: dict[Path, int] = {}
         # A store dropped without close() closes its files (no read holds it then: a read keeps it alive).

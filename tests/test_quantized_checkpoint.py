@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kq_host.expert_store import ExpertStore, ExpertStoreError
-from kq_host.checkpoint import DequantizedExperts, Quantization, dense_tensors, open_experts
+from kq_host.checkpoint import DequantizedExperts, Quantization, dense_tensors, open_experts, tier_from_checkpoint
 from kq_host.tier import build_tier, dequantize, quantize
 
 SHIPPED_4BIT = Path(__file__).resolve().parents[1] / "models" / "wheels-moe"
@@ -216,3 +216,33 @@ def test_a_config_that_gives_the_widths_opens_when_the_experts_agree(tmp_path, r
     with open_experts(tmp_path / "ckpt") as store:
         assert {p: s for p, (s, _) in store.expert_shapes(0).items()} == {
             "gate_proj": (128, 64), "up_proj": (128, 64), "down_proj": (64, 128)}
+
+
+def _second_copy(directory, name):
+    """The checkpoint in two shards, the second holding another copy (zeros) of the tensor ``name``."""
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(directory / "model.safetensors"))
+    (directory / "model.safetensors").rename(directory / "model-00001-of-00002.safetensors")
+    save_file({name: np.zeros_like(tensors[name])}, str(directory / "model-00002-of-00002.safetensors"))
+
+
+READERS = {
+    "tier_from_checkpoint": lambda directory, store: tier_from_checkpoint(directory, store, 2, 4),
+    "dense_tensors": lambda directory, store: dense_tensors(directory, Quantization.of(directory)),
+    "open_experts": lambda directory, store: open_experts(directory),
+    "open_experts-packed": lambda directory, store: open_experts(directory, dequantized=False),
+}
+
+
+@pytest.mark.parametrize("read", READERS.values(), ids=READERS.keys())
+def test_a_tensor_in_two_shards_is_refused_naming_both_files(tmp_path, rng, read):
+    _write(tmp_path / "ckpt", rng)
+    _write(tmp_path / "shards", rng)
+    name = "model.layers.1.mlp.switch_mlp.up_proj.scales"
+    _second_copy(tmp_path / "shards", name)
+    with open_experts(tmp_path / "ckpt") as store:
+        read(tmp_path / "ckpt", store)  # the checkpoint in one file is read
+        with pytest.raises(ExpertStoreError, match=rf"tensor {name} is in \S*model-00001-of-00002\.safetensors "
+                                                   rf"and in \S*model-00002-of-00002\.safetensors"):
+            read(tmp_path / "shards", store)
