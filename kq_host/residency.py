@@ -949,7 +949,9 @@ class ResidencyManager(ManagerBase):
             ValueError: ``layer``, an id or ``timeout`` is out of range, or the layer has too few slots to
                 hold its routed set beside its pinned experts.
             PreloadError: a read failed, was still out after ``timeout``, or the slots the routed experts
-                need were still held by reads loading after ``timeout`` (``.pending`` lists those reads).
+                need were still held by reads loading after ``timeout`` (``.pending`` lists those reads). What
+                landed by then is published first: ``.failed`` holds the routed experts whose reads by this
+                call failed, ``.pending`` the reads still out, each expert in one of them.
             ManagerClosed: the manager was closed (before, or by another thread while this call waited).
             RuntimeError: as :meth:`step`.
         """
@@ -997,25 +999,28 @@ class ResidencyManager(ManagerBase):
                         awaited, landed = self._open_reads(layer), any
                     else:
                         awaited, landed = self._open_reads(layer, unread), all
-                    if not awaited or not self._wait(
-                            "acquire", lambda: landed(batch.all_done(positions) for batch, positions in awaited),
-                            deadline):
+                    ready = bool(awaited) and self._wait(
+                        "acquire", lambda: landed(batch.all_done(positions) for batch, positions in awaited), deadline)
+                    self._publish_landed()  # past the deadline too: a read that failed meanwhile is failed, not out
+                    if not ready:
                         break
-                    self._publish_landed()
             finally:
                 self._lookahead["critical_wait_s"][layer] += time.perf_counter() - start
                 self._snapshot = self.snapshot()
             unread = missing[tables.table[layer, missing] < 0]
             if unread.size:
-                self._raise_unread(layer, wanted.size, unread, timeout)
+                self._raise_unread(layer, wanted.size, unread, read_here, timeout)
             return self._snapshot[layer].copy()
 
-    def _raise_unread(self, layer: int, routed_count: int, unread: np.ndarray, timeout: float | None) -> None:
-        """:meth:`acquire`'s error for the routed experts of ``layer`` left unread."""
+    def _raise_unread(self, layer: int, routed_count: int, unread: np.ndarray, read_here: np.ndarray,
+                      timeout: float | None) -> None:
+        """:meth:`acquire`'s error for the routed experts of ``layer`` left unread: each one still out, failed
+        (read by this call, its read published failed) or given no slot."""
         unread_set = set(unread.tolist())
         loading = [read for read in self.pending() if read.layer == layer]
         out = [read for read in loading if read.expert in unread_set]
-        failed = [self.failures[(layer, e)] for e in sorted(unread_set) if (layer, e) in self.failures]
+        failed = [self.failures[(layer, e)] for e in sorted(unread_set - {read.expert for read in out})
+                  if read_here[e] and (layer, e) in self.failures]
         unplaced = sorted(unread_set - {read.expert for read in out} - {record.expert for record in failed})
         if unplaced and loading:
             raise PreloadError(f"acquire: layer {layer}: no slot for experts {unplaced} after {timeout} s: the "

@@ -68,6 +68,31 @@ def test_acquire_applies_its_timeout_once():
         manager.close()
 
 
+@pytest.mark.parametrize("queue_depth", [0, 2], ids=["inline-loads", "loader-threads"])
+def test_acquire_past_its_timeout_names_a_failed_read_failed_and_only_a_read_still_out_pending(queue_depth):
+    stuck = threading.Event()
+
+    def loader(layer, expert, slot):
+        if expert == 3:
+            raise OSError(5, "Input/output error")
+        if expert == 5:
+            stuck.wait(10)
+        return 1
+
+    manager = ResidencyManager(1, 16, 4, loader=loader, queue_depth=queue_depth, impl="numpy")
+    try:
+        for count, credit in ((1, True), (2, False)):  # the retry reads expert 3 again
+            with pytest.raises(PreloadError, match=r"experts \[3\] failed \(expert 3: OSError: .*Input/output error\)"
+                                                   r", the reads of experts \[5\] still out after 0.5 s") as caught:
+                manager.acquire(0, *routed(3, 5), timeout=0.5, credit=credit)
+            assert [(r.expert, r.error_type, r.count) for r in caught.value.failed] == [(3, "OSError", count)]
+            assert [read.expert for read in caught.value.pending] == [read.expert for read in manager.pending()] == [5]
+            assert list(manager.failures) == [(0, 3)]
+    finally:
+        stuck.set()
+        manager.close()
+
+
 def test_a_timeout_longer_than_a_lock_can_wait_waits_as_none():
     """A finite timeout past ``threading.TIMEOUT_MAX`` (1e10 s) waits for the read as no limit does (a wait of
     that length raised OverflowError from the lock)."""
