@@ -833,7 +833,8 @@ class ResidencyManager(ManagerBase):
             timeout: seconds to wait for the reads this call starts (None: no limit).
 
         Raises:
-            ValueError: ``layer``, an id of ``experts`` or ``timeout`` is out of range, or no slot is free.
+            ValueError: ``layer``, an id of ``experts`` or ``timeout`` is out of range, or the layer has fewer
+                free slots than ``experts`` has ids not resident or loading (no slot is claimed, no read started).
             PreloadError: a read failed (its slot is free again; the others are published), or reads
                 were still out after ``timeout`` (they publish at a later step); ``.failed`` and
                 ``.pending`` list them.
@@ -849,14 +850,15 @@ class ResidencyManager(ManagerBase):
             # In order, each into the lowest free slot, as one batch of reads.
             wanted = [e for e in dict.fromkeys(experts) if not tables.held[layer, e]]
             free = np.flatnonzero(tables.state[layer] == SlotState.FREE)
-            placed = np.array(wanted[:free.size], np.int64)
+            if len(wanted) > free.size:  # refused before any slot is claimed or read started
+                raise ValueError(f"preload: layer {layer} has {free.size} free slot{'s' if free.size != 1 else ''} "
+                                 f"for the {len(wanted)} experts not resident or loading {wanted}; nothing was read")
+            placed = np.array(wanted, np.int64)
             batch = None
             if placed.size:
                 read = (np.full(placed.size, layer, np.int64), placed, free[:placed.size].astype(np.int64))
                 bookkeeping.claim(tables, *read)
                 batch = self._start_reads("preload", *read, detached=timeout is not None)
-            if len(wanted) > free.size:
-                raise ValueError(f"preload: layer {layer} has no free slot for expert {wanted[free.size]}")
             requested = {(layer, e) for e in wanted}
             if batch is not None:
                 self._wait("preload", batch.all_done, deadline)

@@ -295,6 +295,33 @@ def test_preload_refuses_ids_outside_the_table(layer, experts, argument):
     assert manager.resident(0) == {}
 
 
+@pytest.mark.parametrize("queue_depth", [0, 2], ids=["inline-loads", "loader-threads"])
+@pytest.mark.parametrize("held", [[], [1]], ids=["empty-layer", "one-resident"])
+def test_a_preload_past_the_free_slots_is_refused_before_it_claims_or_reads_anything(queue_depth, held):
+    reads = []
+
+    def loader(layer, expert, slot):
+        reads.append(expert)
+        return {"w": np.full(2, expert, np.float32)}
+
+    manager = ResidencyManager(1, 16, 4, arena=NumpyArena(1, 4, {"w": ((2,), np.float32)}), loader=loader,
+                               queue_depth=queue_depth, impl="numpy")
+    try:
+        manager.preload(0, held)
+        reads.clear()
+        owners = manager.slot_owner(0)
+        with pytest.raises(ValueError, match=rf"preload: layer 0 has {4 - len(held)} free slots? for the 5 experts "
+                                             rf"not resident or loading \[2, 3, 4, 5, 6\]"):
+            manager.preload(0, [*held, 2, 3, 4, 5, 6])  # the resident one is skipped, not counted
+        assert reads == [] and manager.pending() == []
+        np.testing.assert_array_equal(manager.slot_owner(0), owners)
+        assert manager.resident(0) == {e: s for s, e in enumerate(held)}
+        manager.preload(0, [*held, 2, 3, 4])  # what fits still loads
+        assert sorted(manager.resident(0)) == [*held, 2, 3, 4]
+    finally:
+        manager.close()
+
+
 def test_out_of_range_misses_are_refused_before_anything_is_credited():
     manager = ResidencyManager(1, 4, 2, loader=lambda *a: 0, queue_depth=0)
     bad = LayerReport(np.array([[0, 1]], np.int32), np.full((1, 2), 0.5, np.float32),
