@@ -449,7 +449,9 @@ def run_streamed(engine: Engine, store, *, residency: float, mode: str, warmup: 
         chosen, tables = on_device(state["tables"])
         return chosen(x, positions[position], arena.arrays, tables)
 
-    for compiled in (program, engine.full):
+    # compiled before the clock: the programs this run can dispatch, and no other (a full arena's tables never
+    # miss, a partial one's never hold every expert), as an engine that knows its arena's size builds them
+    for compiled in [program] * (slots < experts) + [engine.full] * (slots == experts):
         compiled(engine.first, positions[0], arena.arrays, on_device(state["tables"])[1])[1].block_until_ready()
     boundaries, publishes = [0.0] * steps, [0.0] * steps
     critical, reruns, stepped = [0] * steps, [0] * steps, set()
