@@ -114,9 +114,9 @@ class Qwen3MoeDecoder(nnx.Module):
 
         Raises:
             ValueError: ``tokens`` is no integer ``[B]`` (B >= 1), ``position`` no integer scalar, or
-                ``cache`` no pair of floating-point ``[L, B, length, Hkv, hd]`` arrays, naming it (at trace time
-                under ``nnx.jit``); and where they are concrete (not traced), a token outside the vocabulary
-                or a position outside ``[0, length)``. Traced values are taken as they are: a token outside
+                ``cache`` no pair of floating-point ``[L, B, length, Hkv, hd]`` arrays of one length, naming it
+                (at trace time under ``nnx.jit``); and where they are concrete (not traced), a token outside the
+                vocabulary or a position outside ``[0, length)``. Traced values are taken as they are: a token outside
                 the vocabulary reads a clamped row, a position outside the cache writes nowhere.
         """
         cfg = self.cfg
@@ -138,6 +138,9 @@ class Qwen3MoeDecoder(nnx.Module):
             raise ValueError(f"Qwen3MoeDecoder: cache must be floating point (kq_jax.qwen3_moe.empty_cache's "
                              f"float32), got {[str(jnp.result_type(part)) for part in cache]}")
         length = jnp.shape(cache[0])[2]
+        if jnp.shape(cache[1])[2] != length:
+            raise ValueError(f"Qwen3MoeDecoder: cache's keys and values must have one length, got keys "
+                             f"{list(jnp.shape(cache[0]))} and values {list(jnp.shape(cache[1]))}")
         for name, value, bound in (("tokens", tokens, cfg.vocab_size), ("position", position, length)):
             concrete = _concrete(value)
             if concrete is not None and concrete.size and (concrete.min() < 0 or concrete.max() >= bound):

@@ -248,7 +248,9 @@ def test_a_step_it_cannot_take_is_refused_by_name(model):
     for tokens, bad_cache, argument in ((jnp.array([[3]], jnp.int32), cache, "tokens"),
                                         (jnp.array([3.0]), cache, "tokens"),
                                         (jnp.array([3, 4], jnp.int32), cache, "cache"),
-                                        (jnp.array([3], jnp.int32), cache[0], "cache")):
+                                        (jnp.array([3], jnp.int32), cache[0], "cache"),
+                                        (jnp.array([3], jnp.int32), (cache[0], cache[1][:, :, :2]),
+                                         "cache's keys and values must have one length")):
         with pytest.raises(ValueError, match=argument):
             _decode(decoder, tokens, 0, bad_cache)
 
