@@ -8,17 +8,15 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
 from kq_core.contract import RouteShedResult, TopkRouteShedResult
 from kq_core.validate import check_route_shed_args, check_topk_route_shed_args
+from kq_jax.pallas_config import KernelConfig, checked_config
 from kq_jax.reference import route_shed_ref, topk_route_shed_ref
-
-if TYPE_CHECKING:
-    from kq_jax.pallas_config import KernelConfig
 
 Impl = Literal["auto", "pallas", "pallas_interpret", "reference"]
 IMPLS = ("auto", "pallas", "pallas_interpret", "reference")
@@ -40,19 +38,28 @@ def default_impl(rows: int | None = None) -> str:
     return "reference" if rows is not None and rows <= DECODE_ROWS else "pallas"
 
 
-def _resolve(op: str, impl: str, config, rows: int | None = None) -> str:
-    """``impl`` checked, with ``"auto"`` replaced by :func:`default_impl`'s choice for ``rows``."""
+def _resolve(op: str, impl: str, config, rows: int | None = None, auto_reference: str | None = None) -> str:
+    """``impl`` and ``config`` checked, with ``"auto"`` replaced by :func:`default_impl`'s choice for ``rows``,
+    or by the reference where ``auto_reference`` says why the kernel cannot run."""
     if impl not in IMPLS:
         raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
-    # A launch configuration asks for the kernel: "auto" with one is the kernel on a GPU at any size.
-    impl = default_impl(None if config is not None else rows) if impl == "auto" else impl
-    if impl == "pallas_interpret" and jax.default_backend() == "gpu":
+    if config is not None:
+        checked_config(op, config)
+    chosen = impl
+    if impl == "auto":
+        # A launch configuration asks for the kernel: "auto" with one is the kernel on a GPU at any size.
+        chosen = "reference" if auto_reference else default_impl(None if config is not None else rows)
+    if chosen == "pallas_interpret" and jax.default_backend() == "gpu":
         # Measured: on an H200 (jax 0.11.2) the interpreted kernel writes wrong slots in 6 of 28 golden cases.
         raise ValueError(f"{op}: impl 'pallas_interpret' runs on the CPU backend; on a GPU use 'pallas' (the "
                          f"compiled kernel) or 'reference' (docs/kernels.md)")
-    if config is not None and impl == "reference":
-        raise ValueError(f"{op}: config sets the Pallas kernel's launch; impl {impl!r} runs no kernel")
-    return impl
+    if config is not None and chosen == "reference":
+        if impl == "auto":
+            why = auto_reference or f"on the {jax.default_backend()} backend"
+            raise ValueError(f"{op}: config sets the Pallas kernel's launch; impl 'auto' chose the reference {why}, "
+                             f"which runs no kernel")
+        raise ValueError(f"{op}: config sets the Pallas kernel's launch; impl 'reference' runs no kernel")
+    return chosen
 
 
 def route_shed(indices, scores, slot_table, *, num_slots: int | None = None, on_miss: str = "shed",
@@ -89,6 +96,9 @@ def route_shed(indices, scores, slot_table, *, num_slots: int | None = None, on_
     Raises:
         TypeError / ValueError: a wrong dtype or shape, naming the argument
             (at trace time under ``jax.jit``).
+        ValueError: an unknown ``impl``; a ``config`` that is no ``KernelConfig`` or sets a field
+            out of its kind; a ``config`` for the reference (``impl="reference"``, or ``"auto"``
+            choosing it), naming the impl that chose it.
     """
     # Checked before anything converts: jnp.asarray would silently turn an
     # int64 NumPy array into int32 when x64 is off.
@@ -140,13 +150,17 @@ def topk_route_shed(probs, slot_table, *, top_k: int, normalize: bool = True, on
         ``TopkRouteShedResult(indices, scores, shed)``: int32 ids and float32
         renormalised scores ``[..., top_k]``, and ``route_shed`` of them.
         ``scores`` and ``shed.mix`` are differentiable with respect to ``probs``.
+
+    Raises:
+        TypeError / ValueError: a wrong dtype, shape or option, naming the argument
+            (at trace time under ``jax.jit``); ``impl`` and ``config`` as for :func:`route_shed`;
+            ``impl="pallas"`` or ``"pallas_interpret"`` with options the kernel does not implement.
     """
     check_topk_route_shed_args(probs, slot_table, top_k, normalize=normalize, on_miss=on_miss, num_slots=num_slots)
     num_slots = None if num_slots is None else int(num_slots)
     kernel_options = normalize and on_miss in ("shed", "tier")
-    if impl == "auto" and not kernel_options:
-        impl = "reference"
-    impl = _resolve("topk_route_shed", impl, config)
+    impl = _resolve("topk_route_shed", impl, config,
+                    auto_reference=None if kernel_options else f"for normalize={normalize}, on_miss={on_miss!r}")
     if impl == "reference":
         return topk_route_shed_ref(probs, slot_table, top_k=top_k, normalize=bool(normalize), on_miss=on_miss,
                                    num_slots=num_slots)

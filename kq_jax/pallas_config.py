@@ -94,7 +94,7 @@ def block_config(rows: int, top_k: int, config: KernelConfig | None = None, *,
         ValueError: ``config`` asks for two kernels at once, tiled I/O past
             K = 16, a block that is not a power of two, or PTX in the interpreter.
     """
-    config = _checked_config("route_shed_pallas", config)
+    config = checked_config("route_shed_pallas", config)
     entry_lanes = config.entry_lanes
     if entry_lanes is None:
         entry_lanes = (rows <= _LANES_MAX_ROWS or top_k > MAX_UNROLLED_K) and not config.tiled_io
@@ -132,7 +132,7 @@ def topk_block_config(rows: int, num_experts: int, config: KernelConfig | None =
     Raises:
         ValueError: ``config`` asks for tiled I/O or entry lanes, or as for :func:`block_config`.
     """
-    config = _checked_config("topk_route_shed_pallas", config)
+    config = checked_config("topk_route_shed_pallas", config)
     if config.tiled_io or config.entry_lanes:
         raise ValueError("topk_route_shed_pallas: tiled_io and entry_lanes are route_shed's kernels, not this one's")
     ptx_arith = _resolve_ptx_arith("topk_route_shed_pallas", config, interpret)
@@ -142,7 +142,7 @@ def topk_block_config(rows: int, num_experts: int, config: KernelConfig | None =
     return KernelConfig(block_rows, num_warps, False, ptx_arith, False, config.row_buckets is not False)
 
 
-def _checked_config(op: str, config) -> KernelConfig:
+def checked_config(op: str, config) -> KernelConfig:
     """``config`` (None: every field chosen) as a :class:`KernelConfig` whose given fields are of their kind:
     ``block_rows`` and ``num_warps`` powers of two >= 1, the rest bools; ValueError naming the field."""
     if config is None:

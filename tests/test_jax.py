@@ -302,6 +302,38 @@ def test_pallas_block_rows_must_be_a_power_of_two():
                 resolve(100, 8, config)
 
 
+def _run_op(op, impl, config, **options):
+    """``op`` on one small row with ``impl`` and ``config``."""
+    table = jnp.array([-1, -1, -1, 0, -1, -1, -1, 2, -1, -1], jnp.int32)
+    if op == "route_shed":
+        return kq_jax.route_shed(jnp.array([[7, 5, 3, 9]], jnp.int32), jnp.array([[.4, .3, .2, .1]], jnp.float32),
+                                 table, impl=impl, config=config, **options)
+    return kq_jax.topk_route_shed(jax.nn.softmax(jnp.arange(10.0)[None]), table, top_k=4, impl=impl, config=config,
+                                  **options)
+
+
+@pytest.mark.parametrize("op", ["route_shed", "topk_route_shed"])
+@pytest.mark.parametrize("impl", ["auto", "reference", KERNEL_IMPL])
+def test_a_config_that_is_no_kernel_config_is_refused_by_name(op, impl):
+    with pytest.raises(ValueError, match=f"{op}: config must be a kq_jax.pallas_config.KernelConfig or None, got dict"):
+        _run_op(op, impl, {"block_rows": 32})
+
+
+@pytest.mark.parametrize("op, impl, options, message", [
+    ("route_shed", "reference", {}, "impl 'reference' runs no kernel"),
+    ("topk_route_shed", "reference", {}, "impl 'reference' runs no kernel"),
+    pytest.param("route_shed", "auto", {}, "impl 'auto' chose the reference on the cpu backend, which runs no kernel",
+                 marks=pytest.mark.skipif(ON_GPU, reason="'auto' with a config runs the kernel on a GPU")),
+    ("topk_route_shed", "auto", {"normalize": False},
+     "impl 'auto' chose the reference for normalize=False, on_miss='shed', which runs no kernel"),
+], ids=["route_shed-reference", "topk-reference", "route_shed-auto-on-cpu", "topk-auto-unnormalized"])
+def test_a_config_for_the_reference_says_which_impl_chose_it(op, impl, options, message):
+    from kq_jax.pallas_config import KernelConfig
+
+    with pytest.raises(ValueError, match=f"{op}: config sets the Pallas kernel's launch; {message}"):
+        _run_op(op, impl, KernelConfig(block_rows=32), **options)
+
+
 def test_jit_narrows_64_bit_inputs_before_the_op_sees_them(rng):
     """Defined, not refused: with 64-bit types off, jax.jit turns int64 ids and tables into int32 and float64
     scores into float32 (round to nearest) at its boundary, and the op runs on those; eagerly they are refused."""
