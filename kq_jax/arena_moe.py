@@ -63,13 +63,17 @@ def moe_layer(x, router_w, slot_table, *, rule: str, top_k: int, normalize: bool
     Args:
         x: ``[T, D]`` the layer's MoE input.
         router_w: ``[D, E]`` the router's weights (the checkpoint's ``[E, D]`` transposed inside the caller's
-            jitted step, so the router's product keeps the checkpoint's layout).
+            jitted step, so the router's product keeps the checkpoint's layout). ``x`` and ``router_w``
+            float32, bfloat16 or float16 (:func:`kq_jax.moe.router_probs`).
         slot_table: int32 ``[E]``, expert -> arena slot (negative: not resident).
         rule, weights, num_slots, tier, slot_rows, impl, fetch, layer: as for :func:`arena_moe`.
         top_k: experts a token routes to; normalize: whether the router renormalises its top-k.
 
     Returns:
         ``(out [T, D], report)`` as :func:`arena_moe`.
+
+    Raises:
+        TypeError: ``x`` or ``router_w`` of another dtype, naming it (:func:`kq_jax.moe.router_probs`).
     """
     probs = router_probs(x, router_w)
     if rule in FUSED_RULES:

@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kq_core.contract import EXPERT_PROJECTIONS, TopkRouteShedResult
-from kq_core.validate import is_int
+from kq_core.contract import EXPERT_PROJECTIONS, SCORE_DTYPES, TopkRouteShedResult
+from kq_core.validate import dtype_name, is_int
 from kq_host.tier import BITS, GROUP_SIZES
 from kq_jax.api import topk_route_shed
 from kq_jax.reference import normalize_topk_ref
@@ -194,8 +194,19 @@ class Experts(NamedTuple):
 
 
 def router_probs(x, router_w):
-    """Softmax over experts in float32. x ``[T, D]``, router_w ``[D, E]`` -> ``[T, E]``."""
-    return jax.nn.softmax((x @ router_w).astype(jnp.float32), axis=-1)
+    """Softmax over experts in float32. x ``[T, D]``, router_w ``[D, E]`` -> ``[T, E]``.
+
+    Both are taken as JAX arrays (NumPy ones too: the product is XLA's, eagerly as under ``jax.jit``), of a
+    dtype ``route_shed`` takes for its scores: float32, bfloat16 or float16.
+
+    Raises:
+        TypeError: ``x`` or ``router_w`` is no array of those dtypes (float64 included), naming it.
+    """
+    for name, value in (("x", x), ("router_w", router_w)):
+        got = dtype_name(value) if hasattr(value, "dtype") else type(value).__name__
+        if got not in SCORE_DTYPES:
+            raise TypeError(f"router_probs: {name} must be an array of dtype {' or '.join(SCORE_DTYPES)}, got {got}")
+    return jax.nn.softmax((jnp.asarray(x) @ jnp.asarray(router_w)).astype(jnp.float32), axis=-1)
 
 
 def route(x, router_w, *, top_k: int):
@@ -208,10 +219,14 @@ def route(x, router_w, *, top_k: int):
     two top-k orders differ.
 
     Args:
-        x: ``[T, D]`` hidden states; router_w: ``[D, E]``.
+        x: ``[T, D]`` hidden states; router_w: ``[D, E]``; each float32, bfloat16 or float16
+            (:func:`router_probs`).
 
     Returns:
         ``(indices int32 [T, k], scores float32 [T, k])``.
+
+    Raises:
+        TypeError: ``x`` or ``router_w`` of another dtype, naming it (:func:`router_probs`).
     """
     raw, indices = lax.top_k(router_probs(x, router_w), top_k)
     return indices, normalize_topk_ref(raw)
@@ -249,7 +264,12 @@ def combine(y, mix):
 
 
 def moe_ffn_resident(x, router_w, experts: Experts, *, top_k: int):
-    """The MoE layer with all E experts in memory. x ``[T, D]`` -> ``[T, D]``."""
+    """The MoE layer with all E experts in memory. x ``[T, D]`` -> ``[T, D]``; x and router_w ``[D, E]``
+    float32, bfloat16 or float16.
+
+    Raises:
+        TypeError: ``x`` or ``router_w`` of another dtype, naming it (:func:`router_probs`).
+    """
     indices, scores = route(x, router_w, top_k=top_k)
     return combine(experts_apply(x, experts, indices), scores)
 
@@ -258,12 +278,16 @@ def moe_ffn_arena(x, router_w, arena: Experts, slot_table, *, top_k: int, impl: 
     """The MoE layer on an arena of S slots.
 
     Args:
-        x: ``[T, D]``; router_w: ``[D, E]``; arena: :class:`Experts` with ``N = S``;
+        x: ``[T, D]``; router_w: ``[D, E]``; each float32, bfloat16 or float16.
+        arena: :class:`Experts` with ``N = S``;
         slot_table: int32 ``[E]`` (-1 = not resident); impl: ``topk_route_shed``'s.
 
     Returns:
         ``(y [T, D], TopkRouteShedResult)``: the output, and the routing and
         ``route_shed`` outputs the host reads after the step.
+
+    Raises:
+        TypeError: ``x`` or ``router_w`` of another dtype, naming it (:func:`router_probs`).
     """
     # num_slots: a table entry past the arena is shed, never gathered (jnp.take would clamp it).
     routing: TopkRouteShedResult = topk_route_shed(router_probs(x, router_w), slot_table, top_k=top_k,
@@ -304,7 +328,8 @@ def moe_ffn_tiered(x, router_w, arena: Experts, tier: TierExperts, slot_table, *
     routed expert resident the output is :func:`moe_ffn_resident`'s, bit for bit.
 
     Args:
-        x: ``[T, D]``; router_w: ``[D, E]``; arena: :class:`Experts` with ``N = S``;
+        x: ``[T, D]``; router_w: ``[D, E]``; each float32, bfloat16 or float16.
+        arena: :class:`Experts` with ``N = S``;
         tier: :class:`TierExperts` of all E experts; slot_table: int32 ``[E]`` (-1 = not resident);
         impl: ``topk_route_shed``'s.
 
@@ -312,6 +337,7 @@ def moe_ffn_tiered(x, router_w, arena: Experts, tier: TierExperts, slot_table, *
         ``(y [T, D], TopkRouteShedResult)``, as :func:`moe_ffn_arena`.
 
     Raises:
+        TypeError: ``x`` or ``router_w`` of another dtype, naming it (:func:`router_probs`).
         ValueError: the tier does not hold the router's E experts or does not fit the arena
             (:func:`check_tier`; at trace time under ``jax.jit``).
     """

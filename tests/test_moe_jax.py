@@ -231,3 +231,47 @@ def test_numpy_tables_and_weights_are_taken_under_jit():
     want = combine(experts_apply(x, full, indices), scores)
     assert_same_bits(np.asarray(got), np.asarray(want))
     assert_same_bits(np.asarray(exact(x, indices, scores)), np.asarray(want))
+
+
+def _routing_layers():
+    """Every layer that routes with kq_jax.moe.router_probs, as ``f(x, router_w) -> y``, on E experts of D = F
+    = 32 (a tier's groups are 32 wide), half of them in the arena."""
+    from kq_host.tier import quantize
+    from kq_jax.arena_moe import moe_layer
+    from kq_jax.moe import TierExperts, TierWeights, moe_ffn_tiered
+
+    rng = np.random.default_rng(2)
+    full = Experts(*(jnp.asarray(rng.normal(size=(E, 32, 32)).astype(np.float32) * 0.1) for _ in range(3)))
+    tier = TierExperts(*(TierWeights(*map(jnp.asarray, quantize(np.asarray(w), bits=4, group_size=32)))
+                         for w in full), bits=4, group_size=32)
+    slots = E // 2
+    arena = Experts(*(w[:slots] for w in full))
+    table = jnp.where(jnp.arange(E) < slots, jnp.arange(E), -1).astype(jnp.int32)
+    return {
+        "resident": lambda x, r: moe_ffn_resident(x, r, full, top_k=K),
+        "arena": lambda x, r: moe_ffn_arena(x, r, arena, table, top_k=K)[0],
+        "tiered": lambda x, r: moe_ffn_tiered(x, r, arena, tier, table, top_k=K)[0],
+        "moe_layer": lambda x, r: moe_layer(x, r, table, rule="shed", top_k=K, normalize=True, weights=arena,
+                                            num_slots=slots)[0],
+    }
+
+
+@pytest.mark.parametrize("name", ["resident", "arena", "tiered", "moe_layer"])
+def test_numpy_inputs_give_the_bits_of_jax_arrays(name):
+    """NumPy x and router_w route through XLA's product, not NumPy's: the bits of the same JAX arrays."""
+    layer = _routing_layers()[name]
+    rng = np.random.default_rng(3)
+    x, router = rng.normal(size=(8, 32)).astype(np.float32), rng.normal(size=(32, E)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(layer(x, router)).view(np.uint32),
+                                  np.asarray(layer(jnp.asarray(x), jnp.asarray(router))).view(np.uint32))
+
+
+@pytest.mark.parametrize("argument", ["x", "router_w"])
+@pytest.mark.parametrize("name", ["resident", "arena", "tiered", "moe_layer"])
+def test_a_float64_input_is_refused_by_name(name, argument):
+    layer = _routing_layers()[name]
+    rng = np.random.default_rng(3)
+    inputs = {"x": rng.normal(size=(8, 32)).astype(np.float32), "router_w": rng.normal(size=(32, E)).astype(np.float32)}
+    inputs[argument] = inputs[argument].astype(np.float64)
+    with pytest.raises(TypeError, match=f"{argument} must be an array of dtype float32 or bfloat16 or float16, got float64"):
+        layer(inputs["x"], inputs["router_w"])
