@@ -43,13 +43,21 @@ class TierWeights(NamedTuple):
 
 
 class TierExperts(NamedTuple):
-    """The tier of one layer: every expert's gate, up and down, quantized (``bits``, ``group_size``)."""
+    """The tier of one layer: every expert's gate, up and down, quantized (``bits``, ``group_size``).
+
+    A pytree whose leaves are the projections' arrays and whose static data is ``(bits, group_size)``: under
+    ``jax.jit`` a tier passed as an argument keeps its format as Python ints, as a closed-over one does.
+    """
 
     gate: TierWeights
     up: TierWeights
     down: TierWeights
     bits: int
     group_size: int
+
+
+jax.tree_util.register_pytree_node(TierExperts, lambda tier: (tier[:3], tier[3:]),
+                                   lambda options, weights: TierExperts(*weights, *options))
 
 
 def tier_experts(layer: dict, *, bits: int, group_size: int, names=EXPERT_PROJECTIONS):

@@ -234,3 +234,27 @@ def test_tiered_layer_gives_the_same_bits_eagerly_and_in_any_jitted_program(rng,
     inside = jax.jit(lambda x: layer(x, arena, tier)[0] * 2.0)(x) / 2.0  # exact: a power of two
     for got in (as_arguments, as_constants, inside):
         np.testing.assert_array_equal(bits_of(got), bits_of(eager))
+
+
+def test_a_tier_passed_to_jit_gives_the_bits_of_a_closed_over_one(rng):
+    """bits and group_size are the tier's static data, its arrays its leaves: a TierExperts is a jit argument
+    as it is a constant of the program, and tree_map / device_put keep its format."""
+    jax = pytest.importorskip("jax")
+    from kq_jax.moe import Experts, moe_ffn_tiered
+
+    x, router, full = _layer(rng)
+    _, tier = _tier_of(full, 3, 32)
+    resident = np.array([1, 4, 6, 9, 11], np.int32)
+    table = np.full(16, -1, np.int32)
+    table[resident] = np.arange(resident.size, dtype=np.int32)
+    arena = Experts(*(w[resident] for w in full))
+
+    def layer(x, arena, tier):
+        return moe_ffn_tiered(x, router, arena, tier, table, top_k=4)[0]
+
+    closed_over = jax.jit(lambda x, arena: layer(x, arena, tier))(x, arena)
+    passed = jax.jit(layer)(x, arena, tier)
+    np.testing.assert_array_equal(np.asarray(passed).view(np.uint32), np.asarray(closed_over).view(np.uint32))
+    assert len(jax.tree.leaves(tier)) == 9
+    for moved in (jax.tree.map(lambda a: a, tier), jax.device_put(tier)):
+        assert type(moved) is type(tier) and (moved.bits, moved.group_size) == (3, 32)
