@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kq_core.validate import is_int, is_real
+from kq_host.residency import PreloadError
 from kq_jax import qwen3_moe
 from kq_jax.moe import Experts, combine, experts_apply
 
@@ -114,10 +115,16 @@ class ExactLoop:
         shape = (1, length, cfg.num_key_value_heads, cfg.head_dim)
         self._cache = [(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
                        for _ in range(cfg.num_hidden_layers)]
+        # The (position, token) of a step that raised, and the layers whose routing it credited.
+        self._credited: tuple[tuple[int, int], set[int]] = ((-1, -1), set())
 
     def step(self, token, position: int):
         """One token: ``token`` (int, or an integer ``[1]`` or scalar array such as the last argmax, read
         back to check it) at ``position`` -> logits float32 ``[1, V]`` (on the device).
+
+        A step that raised :class:`~kq_host.residency.PreloadError` may be run again with the same token and
+        position: the layers whose routing it credited read their misses again with
+        ``acquire(..., credit=False)``, so each layer's routing is counted once (stats, LFU popularity).
 
         Raises:
             ValueError: ``token`` is not one integer in ``[0, vocab_size)`` or ``position`` not an int in
@@ -129,13 +136,21 @@ class ExactLoop:
             raise ValueError(f"ExactLoop.step: position must be an int in [0, {self.length}), got {position!r}")
         token = self._token_id(token)
         cfg, layers, manager = self.cfg, self.params["layers"], self.manager
+        if self._credited[0] != (position, token):
+            self._credited = ((position, token), set())
+        credited = self._credited[1]
         h = _embed(self.params["embed"], np.int32(token))
         routed = _route(layers[0], h, position, *self._cache[0], cfg)
         for layer, p in enumerate(layers):
             h, x, indices, scores, keys, values = routed
             self._cache[layer] = keys, values
             ids, weights = jax.device_get((indices, scores))
-            table = manager.acquire(layer, ids, weights, timeout=self.timeout)  # the critical path
+            try:  # the critical path
+                table = manager.acquire(layer, ids, weights, timeout=self.timeout, credit=layer not in credited)
+            except PreloadError:
+                credited.add(layer)  # acquire credits the routing before it reads
+                raise
+            credited.add(layer)
             targets = range(layer + 1, min(layer + 1 + self.lookahead, len(layers)))
             h, predicted = _experts(self.arena.arrays, np.int32(layer), table, x, h, indices, scores,
                                     tuple(layers[target] for target in targets), cfg)
@@ -144,6 +159,7 @@ class ExactLoop:
             for target, (ids, weights) in zip(targets, jax.device_get(predicted)):
                 manager.prefetch(target, ids, weights, budget=self.prefetch_budget)
         manager.next_token()
+        self._credited = ((-1, -1), set())
         return _logits(self.params, h, cfg)
 
     def _token_id(self, token) -> int:

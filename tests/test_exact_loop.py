@@ -245,3 +245,49 @@ def test_generate_exact_refuses_bad_arguments_by_name(framework, prompt, message
 
     with pytest.raises(ValueError, match=message):
         generate_exact(framework, SHIPPED_MODEL, prompt, 4, 0.25)
+
+
+def _retried_run(model, fail_layer):
+    """Three tokens through the loop at a quarter of the experts, each step run again after a PreloadError,
+    the loader failing its first read of ``fail_layer``: the logits bits, the manager's (lookups, hits),
+    and how many steps failed."""
+    from kq_host.checkpoint import open_experts
+    from kq_host.residency import PreloadError
+    from kq_jax import qwen3_moe
+    from kq_jax.arena import JaxArena
+    from kq_jax.exact_loop import ExactLoop
+
+    study, cfg, tokens, _ = model
+    failed, logits = [], []
+    with open_experts(study.config.checkpoint, qwen3_moe.PROJECTIONS) as store:
+        def loader(layer, expert, slot):
+            if layer == fail_layer and not failed:
+                failed.append(expert)
+                raise OSError("a flaky disk")
+            return store.read_expert(layer, expert)
+
+        shapes = {name: (shape, np.float32) for name, (shape, _) in store.expert_shapes(0).items()}
+        slots = cfg.num_experts // 4
+        arena = JaxArena(cfg.num_hidden_layers, slots, shapes)
+        manager = ResidencyManager(cfg.num_hidden_layers, cfg.num_experts, slots, arena=arena, loader=loader,
+                                   queue_depth=0)
+        loop = ExactLoop(study.params, cfg, manager, arena, length=3, lookahead=False)
+        for position, token in enumerate(tokens[:3].tolist()):
+            try:
+                logits.append(np.asarray(loop.step(token, position)).view(np.uint32))
+            except PreloadError:
+                logits.append(np.asarray(loop.step(token, position)).view(np.uint32))
+        _, total = manager.stats()
+        manager.close()
+    return logits, (total.lookups, total.hits), len(failed)
+
+
+def test_a_step_run_again_after_a_failed_read_credits_each_layers_routing_once(model):
+    """The layers before the failed one, and the failed one, were credited by the failed step; its retry
+    reads the failed miss again without crediting them a second time: the stats and logits of a clean run."""
+    clean, clean_stats, _ = _retried_run(model, fail_layer=None)
+    retried, retried_stats, failures = _retried_run(model, fail_layer=2)
+    assert failures == 1
+    assert retried_stats == clean_stats
+    for position, (got, want) in enumerate(zip(retried, clean)):
+        assert np.array_equal(got, want), f"token {position}"
