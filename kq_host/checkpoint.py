@@ -173,19 +173,19 @@ class Quantization:
         return self.modules.get(module, (self.bits, self.group_size))
 
 
-def dense_tensors(checkpoint: str | os.PathLike, quantization: Quantization) -> dict[str, np.ndarray]:
-    """Every tensor of a quantized checkpoint, a quantized module's as one float32 ``X.weight``
-    (``[..., out, in]``) and the rest as stored.
+def dense_tensors(checkpoint: str | os.PathLike, quantization: Quantization | None) -> dict[str, np.ndarray]:
+    """Every tensor of a checkpoint: a quantized module's as one float32 ``X.weight`` (``[..., out, in]``), the
+    rest as stored (a float checkpoint, ``quantization`` None: every tensor as stored).
 
     Returns:
-        ``{name: array}``; no ``.scales`` or ``.biases`` names remain.
+        ``{name: array}``; with ``quantization``, no ``.scales`` or ``.biases`` names remain.
 
     Raises:
         ExpertStoreError: a file that cannot be read, or a tensor in two files (naming both).
     """
     tensors = {name: _read_tensor(entry, name)
                for name, entry in read_safetensors_headers(model_files(checkpoint)).items()}
-    for name in [n for n in tensors if n.endswith(".scales")]:
+    for name in [n for n in tensors if n.endswith(".scales")] if quantization is not None else []:
         module = name[: -len(".scales")]
         bits, group_size = quantization.options(module)
         weight = QuantizedWeight(tensors.pop(f"{module}.weight"), tensors.pop(name), tensors.pop(f"{module}.biases"))

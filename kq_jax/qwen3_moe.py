@@ -193,14 +193,7 @@ def load_params(directory: str | Path, cfg: Qwen3MoeConfig, *, experts: bool = T
     sources = _tensor_files(files)
     quantization = Quantization.of(directory)
     try:
-        if quantization is not None:
-            tensors = dense_tensors(directory, quantization)
-        else:
-            from safetensors.numpy import load_file
-
-            tensors = {}
-            for path in files:
-                tensors.update(load_file(str(path)))
+        tensors = dense_tensors(directory, quantization)
     except Exception as error:  # a tensor past a file's end, a quantized module without its scales...
         raise CheckpointError(f"{directory}: its safetensors files cannot be read ({error})") from None
     _check_tensors(directory, cfg, {name: tuple(array.shape) for name, array in tensors.items()}, sources)
@@ -225,18 +218,14 @@ def load_params(directory: str | Path, cfg: Qwen3MoeConfig, *, experts: bool = T
 
 
 def _tensor_files(files: list[Path]) -> dict[str, Path]:
-    """``{tensor name: the file holding it}`` from each file's header (which safetensors checks against
-    the file's size); CheckpointError naming a file that cannot be read."""
-    from safetensors import safe_open
+    """``{tensor name: the file holding it}`` from the files' headers; CheckpointError naming a file that cannot
+    be read, or a tensor in two files."""
+    from kq_host.expert_store import ExpertStoreError, read_safetensors_headers
 
-    sources = {}
-    for path in files:
-        try:
-            with safe_open(str(path), "numpy") as handle:
-                sources.update(dict.fromkeys(handle.keys(), path))
-        except Exception as error:  # safetensors raises its own SafetensorError, and OSError
-            raise CheckpointError(f"{path}: cannot be read as safetensors ({error})") from None
-    return sources
+    try:
+        return {name: entry.path for name, entry in read_safetensors_headers(files).items()}
+    except ExpertStoreError as error:
+        raise CheckpointError(f"{error}") from None
 
 
 def _expected_shapes(cfg: Qwen3MoeConfig, stacked_layers: set[int]) -> dict[str, tuple[int, ...]]:

@@ -94,8 +94,8 @@ def test_load_params_still_reads_the_shipped_model_and_its_4bit_copy():
 
 @pytest.mark.parametrize("weights, message", [
     (b"", r"holds no model\*\.safetensors"),
-    ("half", r"model\.safetensors.*cannot be read"),
-    ("header", r"model\.safetensors.*cannot be read"),
+    ("half", r"model\.safetensors: tensor .* run past the end of the file"),
+    ("header", r"model\.safetensors: header length .* does not fit the file"),
 ])
 def test_load_params_refuses_missing_truncated_and_corrupt_weights_naming_the_file(tmp_path, weights, message):
     from kq_jax import qwen3_moe
@@ -104,6 +104,23 @@ def test_load_params_refuses_missing_truncated_and_corrupt_weights_naming_the_fi
     weights = {"half": data[:len(data) // 2], "header": b"\xff" * 8 + data[8:]}.get(weights, weights)
     directory = _checkpoint(tmp_path / "model", weights=weights)
     with pytest.raises(qwen3_moe.CheckpointError, match=message):
+        qwen3_moe.load_params(directory, qwen3_moe.Qwen3MoeConfig.load(directory))
+
+
+def test_load_params_refuses_a_tensor_in_two_shards_naming_both(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    from kq_jax import qwen3_moe
+
+    directory = _checkpoint(tmp_path / "model", weights=b"")
+    tensors = load_file(str(SHIPPED_MODEL / WEIGHTS))
+    names = sorted(tensors)
+    twice = "model.layers.0.self_attn.q_proj.weight"
+    first = {name: tensors[name] for name in names[: len(names) // 2]} | {twice: tensors[twice]}
+    second = {name: tensors[name] for name in names[len(names) // 2:]} | {twice: tensors[twice] * 100}
+    save_file(first, str(directory / "model-00001-of-00002.safetensors"))
+    save_file(second, str(directory / "model-00002-of-00002.safetensors"))
+    with pytest.raises(qwen3_moe.CheckpointError, match=rf"{twice} is in .*00001.* and in .*00002"):
         qwen3_moe.load_params(directory, qwen3_moe.Qwen3MoeConfig.load(directory))
 
 
