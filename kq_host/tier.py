@@ -205,13 +205,15 @@ def dequantize(weight: QuantizedWeight, *, bits: int, group_size: int) -> np.nda
 
     Raises:
         TierOptionError: ``bits`` or ``group_size`` is no option a weight can have, or disagrees with the
-            shapes of ``weight``'s arrays (naming them).
+            shapes of ``weight``'s arrays (naming them), or the packed values are no uint32 words.
     """
     _check_read_bits(bits)
     if not (is_int(group_size)
             and group_size >= 1):
         raise TierOptionError(f"tier: group_size must be an int >= 1, got {group_size!r}")
     packed, scales, biases = (np.asarray(a) for a in weight)
+    if packed.dtype != np.uint32:
+        raise TierOptionError(f"tier: a weight's packed values are uint32 words; got {packed.dtype.name}")
     width = packed.shape[-1] * WORD_BITS // bits if packed.ndim else 0
     if (packed.ndim < 1 or width % group_size or scales.shape != biases.shape
             or scales.shape != (*packed.shape[:-1], width // group_size)):

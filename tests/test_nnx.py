@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from kq_core.reports import REPORT_FIELDS  # noqa: E402
 from kq_host.residency import LayerReport, ResidencyManager  # noqa: E402
 from kq_jax.arena import JaxArena, pack_reports  # noqa: E402
-from kq_jax.moe import Experts, TierExperts, combine, experts_apply, moe_ffn_arena, moe_ffn_tiered, route  # noqa: E402
+from kq_jax.moe import Experts, combine, experts_apply, moe_ffn_arena, moe_ffn_tiered, route  # noqa: E402
 from kq_jax.nnx import EXPERT_PROJECTIONS, ArenaMoE, ArenaSlots, DenseMoE, SlotTable  # noqa: E402
 from test_optional_backends import BLOCK  # noqa: E402
 
@@ -126,19 +126,13 @@ def test_shed_mode_is_the_functional_arena_layer(dense, inputs):
     np.testing.assert_array_equal(np.asarray(reports), np.asarray(pack_reports([routing]))[:, 0])
 
 
-def _tier_like(tier: TierExperts, weights) -> TierExperts:
-    """``tier``'s format over ``weights`` (its three projections, traced jit arguments)."""
-    return TierExperts(*weights, bits=tier.bits, group_size=tier.group_size)
-
-
 def test_tier_mode_is_the_functional_tiered_layer(dense, inputs):
     module, table = _partial(dense, "tier")
     got, reports = _call(module, inputs)
     rows = inputs.reshape(-1, D)
     tier = module.tier()
-    want, routing = jax.jit(lambda x, w, arena, weights, t: moe_ffn_tiered(x, w.T, arena, _tier_like(tier, weights), t,
-                                                                          top_k=K))(
-        rows, dense.router.kernel_ED[...], module.arena(), tier[:3], table)
+    want, routing = jax.jit(lambda x, w, arena, tier, t: moe_ffn_tiered(x, w.T, arena, tier, t, top_k=K))(
+        rows, dense.router.kernel_ED[...], module.arena(), tier, table)
     assert (_misses(reports) >= 0).any()
     assert_same_bits(want.reshape(inputs.shape), got)
     np.testing.assert_array_equal(np.asarray(reports), np.asarray(pack_reports([routing]))[:, 0])
@@ -267,16 +261,16 @@ def test_gradients_through_the_mix_are_the_functional_layers(dense, inputs, on_m
         y, _ = module(inputs)
         return jnp.sum((y.reshape(-1, D) - target) ** 2)
 
-    def functional(kernel, arena, weights, table):
-        extra = (_tier_like(module.tier(), weights),) if on_miss == "tier" else ()
+    def functional(kernel, arena, tier, table):
+        extra = (tier,) if on_miss == "tier" else ()
         y, _ = (moe_ffn_tiered if on_miss == "tier" else moe_ffn_arena)(rows, kernel.T, arena, *extra, table, top_k=K)
         return jnp.sum((y - target) ** 2)
 
     grads = nnx.jit(nnx.grad(loss))(module)
     assert _paths(grads) == [("router", "kernel_ED")]  # the arena, table and tier are no Params
     got = grads["router"]["kernel_ED"][...]
-    weights = module.tier()[:3] if on_miss == "tier" else None
-    want = jax.jit(jax.grad(functional))(dense.router.kernel_ED[...], module.arena(), weights, table)
+    tier = module.tier() if on_miss == "tier" else None
+    want = jax.jit(jax.grad(functional))(dense.router.kernel_ED[...], module.arena(), tier, table)
     assert np.abs(np.asarray(want)).max() > 0
     assert_same_bits(want, got)
 

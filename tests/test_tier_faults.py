@@ -557,6 +557,17 @@ def test_dequantize_names_options_that_disagree_with_the_weight(options, message
         tier_module.unpack(weight.packed, 0)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.int32, np.uint16, np.uint64])
+def test_dequantize_refuses_packed_words_that_are_no_uint32_naming_the_dtype(dtype):
+    # a float32 word array had been unpacked as if its bits were words: garbage weights, a RuntimeWarning only
+    from kq_host.tier import dequantize
+
+    weight = quantize(np.random.default_rng(0).normal(size=(2, 64)).astype(np.float32), bits=4, group_size=32)
+    with pytest.raises(TierOptionError, match=f"uint32 words.*{np.dtype(dtype).name}"):
+        dequantize(weight._replace(packed=weight.packed.view(np.uint8).view(dtype) if np.dtype(dtype).itemsize == 4
+                                   else weight.packed.astype(dtype)), bits=4, group_size=32)
+
+
 def test_a_tier_of_no_projections_is_refused():
     with pytest.raises(TierOptionError, match="weights"):
         tier_module.Tier({}, 4, 32)
