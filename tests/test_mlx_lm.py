@@ -1055,16 +1055,18 @@ def test_a_retry_that_times_out_says_so():
             release.wait(60)
         return blocks[layer].expert_weights(expert)
 
+    # NumPy's bookkeeping: Numba's first call in a process (loading its cache) can outlast the 0.2 s alone
     manager = ResidencyManager(LAYERS, EXPERTS, 6, loader=fails_then_hangs, arena=SwitchGLUArena(blocks),
-                               queue_depth=2)
+                               queue_depth=2, impl="numpy")
     try:
         with pytest.raises(PreloadError) as caught:
             generate_greedy(model, blocks, manager, [2], 2, exact=True, timeout=0.2, read_retries=2)
         layer, expert = first[0]
+        # the expert is named once, as still out: its read again is what the timeout cut
         assert str(caught.value) == (f"generate_greedy: acquire: layer {layer}: the reads of experts [{expert}] "
-                                     f"failed (expert {expert}: OSError: input/output error), the reads of experts "
-                                     f"[{expert}] still out after 0.2 s")
+                                     f"still out after 0.2 s")
         assert [(read.layer, read.expert) for read in caught.value.pending] == [(layer, expert)]
+        assert caught.value.failed == []
     finally:
         release.set()
         manager.close()
