@@ -952,8 +952,9 @@ class ResidencyManager(ManagerBase):
                 hold its routed set beside its pinned experts.
             PreloadError: a read failed, was still out after ``timeout``, or the slots the routed experts
                 need were still held by reads loading after ``timeout`` (``.pending`` lists those reads). What
-                landed by then is published first: ``.failed`` holds the routed experts whose reads by this
-                call failed, ``.pending`` the reads still out, each expert in one of them.
+                landed by then is published first: ``.failed`` holds the routed experts whose reads failed
+                during this call (its own reads or earlier prefetches), ``.pending`` the reads still out, each
+                expert in one of them.
             ManagerClosed: the manager was closed (before, or by another thread while this call waited).
             RuntimeError: as :meth:`step`.
         """
@@ -980,6 +981,7 @@ class ResidencyManager(ManagerBase):
             missing = wanted[tables.table[layer, wanted] < 0]
             self._lookahead["critical_reads"][layer] += missing.size
             read_here = np.zeros(self.num_experts, bool)  # the experts this call started reading
+            failures_before = {key: record.count for key, record in self.failures.items() if key[0] == layer}
             start = time.perf_counter()
             try:
                 while True:
@@ -1011,18 +1013,19 @@ class ResidencyManager(ManagerBase):
                 self._snapshot = self.snapshot()
             unread = missing[tables.table[layer, missing] < 0]
             if unread.size:
-                self._raise_unread(layer, wanted.size, unread, read_here, timeout)
+                self._raise_unread(layer, wanted.size, unread, failures_before, timeout)
             return self._snapshot[layer].copy()
 
-    def _raise_unread(self, layer: int, routed_count: int, unread: np.ndarray, read_here: np.ndarray,
+    def _raise_unread(self, layer: int, routed_count: int, unread: np.ndarray, failures_before: dict,
                       timeout: float | None) -> None:
         """:meth:`acquire`'s error for the routed experts of ``layer`` left unread: each one still out, failed
-        (read by this call, its read published failed) or given no slot."""
+        (a read of it, this call's or a prefetch's, failed during the call) or given no slot."""
         unread_set = set(unread.tolist())
         loading = [read for read in self.pending() if read.layer == layer]
         out = [read for read in loading if read.expert in unread_set]
-        failed = [self.failures[(layer, e)] for e in sorted(unread_set - {read.expert for read in out})
-                  if read_here[e] and (layer, e) in self.failures]
+        failed = [record for e in sorted(unread_set - {read.expert for read in out})
+                  if (record := self.failures.get((layer, e))) is not None
+                  and record.count != failures_before.get((layer, e), 0)]
         unplaced = sorted(unread_set - {read.expert for read in out} - {record.expert for record in failed})
         if unplaced and loading:
             raise PreloadError(f"acquire: layer {layer}: no slot for experts {unplaced} after {timeout} s: the "

@@ -93,6 +93,31 @@ def test_acquire_past_its_timeout_names_a_failed_read_failed_and_only_a_read_sti
         manager.close()
 
 
+def test_a_prefetched_read_that_fails_while_acquire_waits_is_named_failed():
+    # the read was started by prefetch, not by acquire: it fails during the wait, beside a read still out
+    stuck, fail = threading.Event(), threading.Event()
+
+    def loader(layer, expert, slot):
+        if expert == 3:
+            fail.wait(10)
+            raise OSError(5, "Input/output error")
+        stuck.wait(10)
+        return 1
+
+    manager = ResidencyManager(1, 16, 4, loader=loader, queue_depth=2, impl="numpy")
+    try:
+        manager.prefetch(0, *routed(3, 5))
+        threading.Timer(0.1, fail.set).start()
+        with pytest.raises(PreloadError, match=r"experts \[3\] failed .*, the reads of experts \[5\] still out") as caught:
+            manager.acquire(0, *routed(3, 5), timeout=0.5)
+        assert [r.expert for r in caught.value.failed] == [3]
+        assert [read.expert for read in caught.value.pending] == [5]
+    finally:
+        fail.set()
+        stuck.set()
+        manager.close()
+
+
 def test_a_timeout_longer_than_a_lock_can_wait_waits_as_none():
     """A finite timeout past ``threading.TIMEOUT_MAX`` (1e10 s) waits for the read as no limit does (a wait of
     that length raised OverflowError from the lock)."""
