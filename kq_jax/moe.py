@@ -204,17 +204,20 @@ class Experts(NamedTuple):
 def router_probs(x, router_w):
     """Softmax over experts in float32. x ``[T, D]``, router_w ``[D, E]`` -> ``[T, E]``.
 
-    Both are taken as JAX arrays (NumPy ones too: the product is XLA's, eagerly as under ``jax.jit``), of a
-    dtype ``route_shed`` takes for its scores: float32, bfloat16 or float16.
+    Both are taken as JAX arrays, as ``jax.jit`` takes its arguments (NumPy ones too: the product is XLA's, and
+    NumPy float64 is float32 unless JAX runs with x64), of a dtype ``route_shed`` takes for its scores:
+    float32, bfloat16 or float16.
 
     Raises:
-        TypeError: ``x`` or ``router_w`` is no array of those dtypes (float64 included), naming it.
+        TypeError: ``x`` or ``router_w`` is, as a JAX array, of no such dtype (an integer, or float64 under
+            x64), naming it.
     """
+    x, router_w = jnp.asarray(x), jnp.asarray(router_w)
     for name, value in (("x", x), ("router_w", router_w)):
-        got = dtype_name(value) if hasattr(value, "dtype") else type(value).__name__
-        if got not in SCORE_DTYPES:
-            raise TypeError(f"router_probs: {name} must be an array of dtype {' or '.join(SCORE_DTYPES)}, got {got}")
-    return jax.nn.softmax((jnp.asarray(x) @ jnp.asarray(router_w)).astype(jnp.float32), axis=-1)
+        if dtype_name(value) not in SCORE_DTYPES:
+            raise TypeError(f"router_probs: {name} must be an array of dtype {' or '.join(SCORE_DTYPES)}, got "
+                            f"{dtype_name(value)}")
+    return jax.nn.softmax((x @ router_w).astype(jnp.float32), axis=-1)
 
 
 def route(x, router_w, *, top_k: int):
