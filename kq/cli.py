@@ -259,7 +259,10 @@ def _demo_random(args, parser) -> int:
         print(f"kq demo needs JAX or mlx-lm, safetensors and matplotlib; missing: "
               f"{', '.join(missing) or 'JAX and mlx-lm'} (pip install -e '.[demo]')")
         return 1
-    traces = demo_random.run(cfg)
+    with _CheckpointFaults("demo", parser) as ended:
+        traces = demo_random.run(cfg)
+    if ended:
+        return 1
     print(demo_random.summarize(cfg, traces))
     plot = getattr(args, "plot", DEMO_RANDOM_PLOT)
     if plot:

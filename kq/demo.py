@@ -298,24 +298,24 @@ def generate_exact(framework: str, checkpoint, prompt_ids: list[int], tokens: in
     with open_experts(checkpoint, projections, template=template, dequantized=framework == "jax") as store:
         arena, step = (_jax_loop if framework == "jax" else _mlx_loop)(checkpoint, slots, len(prompt_ids) + tokens,
                                                                      store, quantized)
-        manager = ResidencyManager(layers, experts, slots, arena=arena, policy=policy, queue_depth=queue_depth,
-                                   loader=load, bytes_per_expert=store.expert_nbytes(0))
-        for layer in range(layers):
-            manager.preload(layer, range(slots))
-        run = ExactRun(slots, list(prompt_ids), memory_mib=layers * slots * store.expert_nbytes(0) / 2**20)
-        forward = step(manager, lookahead)
-        for position in range(len(prompt_ids) + tokens - 1):
-            if position == len(prompt_ids) - 1:
-                _, before = manager.stats()
-                ahead_before = manager.lookahead_stats()
-            start = time.perf_counter()
-            next_id = forward(run.tokens[position], position)  # ends the manager's token too
-            if position >= len(prompt_ids) - 1:
-                run.tokens.append(next_id)
-                run.token_seconds.append(time.perf_counter() - start)
-        _, after = manager.stats()
-        ahead_after = manager.lookahead_stats()
-        manager.close()
+        # closed however the run ends (a failed read ends it), before the store it reads
+        with ResidencyManager(layers, experts, slots, arena=arena, policy=policy, queue_depth=queue_depth,
+                              loader=load, bytes_per_expert=store.expert_nbytes(0)) as manager:
+            for layer in range(layers):
+                manager.preload(layer, range(slots))
+            run = ExactRun(slots, list(prompt_ids), memory_mib=layers * slots * store.expert_nbytes(0) / 2**20)
+            forward = step(manager, lookahead)
+            for position in range(len(prompt_ids) + tokens - 1):
+                if position == len(prompt_ids) - 1:
+                    _, before = manager.stats()
+                    ahead_before = manager.lookahead_stats()
+                start = time.perf_counter()
+                next_id = forward(run.tokens[position], position)  # ends the manager's token too
+                if position >= len(prompt_ids) - 1:
+                    run.tokens.append(next_id)
+                    run.token_seconds.append(time.perf_counter() - start)
+            _, after = manager.stats()
+            ahead_after = manager.lookahead_stats()
     since = after.since(before)
     ahead = {name: int(ahead_after[name].sum() - ahead_before[name].sum())
              for name in ("critical_reads", "prefetches", "prefetch_used", "prefetch_late", "prefetch_wasted")}

@@ -254,40 +254,39 @@ def run_framework(stack, cfg: DemoConfig, store: ExpertStore, states) -> RunTrac
     time over the second half of the run, the compiles done before the clock (one call of each step
     function on the first state)."""
     trace = RunTrace(stack.name)
-    manager = ResidencyManager(cfg.layers, cfg.experts, cfg.slots, loader=lambda l, e, s: store.read_expert(l, e),
-                               arena=stack.arena, policy=cfg.policy, keep_mass=cfg.keep_mass,
-                               read_budget=cfg.read_budget, queue_depth=cfg.queue_depth,
-                               bytes_per_expert=store.expert_nbytes(0))
-    tables = manager.snapshot()
-    stack.resident_step(states[0])
-    stack.streamed_step(states[0], tables)  # compiles; the manager sees none of it
-    resident, resident_s = [], []
-    for h in states:
-        start = time.perf_counter()
-        resident.append(stack.resident_step(h))
-        resident_s.append(time.perf_counter() - start)
-    streamed_s = []
-    _, before = manager.stats()
-    for h, want in zip(states, resident):
-        start = time.perf_counter()
-        y, reports = stack.streamed_step(h, tables)
-        boundary = time.perf_counter()
-        tables = manager.step(reports)
-        streamed_s.append(time.perf_counter() - start)
-        trace.boundary_ms.append((time.perf_counter() - boundary) * 1e3)
-        _, after = manager.stats()
-        step = after.since(before)
-        before = after
-        trace.hit_rate.append(step.hit_rate)
-        trace.shed_experts.append(step.shed_count / cfg.rows)
-        trace.shed_mass.append(step.shed_mass / step.routed_mass if step.routed_mass else 0.0)
-        trace.over_budget.append(step.over_budget)
-        trace.bytes_read.append(step.bytes_read)
-        trace.divergence.append(float(np.linalg.norm(y - want) / np.linalg.norm(want)))
-    steady = steady_half(cfg)
-    trace.resident_steps_per_s = 1.0 / float(np.mean(resident_s[steady]))
-    trace.streamed_steps_per_s = 1.0 / float(np.mean(streamed_s[steady]))
-    manager.close()
+    with ResidencyManager(cfg.layers, cfg.experts, cfg.slots, loader=lambda l, e, s: store.read_expert(l, e),
+                          arena=stack.arena, policy=cfg.policy, keep_mass=cfg.keep_mass, read_budget=cfg.read_budget,
+                          queue_depth=cfg.queue_depth, bytes_per_expert=store.expert_nbytes(0)) as manager:
+        tables = manager.snapshot()
+        stack.resident_step(states[0])
+        stack.streamed_step(states[0], tables)  # compiles; the manager sees none of it
+        resident, resident_s = [], []
+        for h in states:
+            start = time.perf_counter()
+            resident.append(stack.resident_step(h))
+            resident_s.append(time.perf_counter() - start)
+        streamed_s = []
+        _, before = manager.stats()
+        for h, want in zip(states, resident):
+            start = time.perf_counter()
+            y, reports = stack.streamed_step(h, tables)
+            boundary = time.perf_counter()
+            tables = manager.step(reports)
+            manager.raise_failures("kq demo --random")  # a shed read would change the figures unsaid
+            streamed_s.append(time.perf_counter() - start)
+            trace.boundary_ms.append((time.perf_counter() - boundary) * 1e3)
+            _, after = manager.stats()
+            step = after.since(before)
+            before = after
+            trace.hit_rate.append(step.hit_rate)
+            trace.shed_experts.append(step.shed_count / cfg.rows)
+            trace.shed_mass.append(step.shed_mass / step.routed_mass if step.routed_mass else 0.0)
+            trace.over_budget.append(step.over_budget)
+            trace.bytes_read.append(step.bytes_read)
+            trace.divergence.append(float(np.linalg.norm(y - want) / np.linalg.norm(want)))
+        steady = steady_half(cfg)
+        trace.resident_steps_per_s = 1.0 / float(np.mean(resident_s[steady]))
+        trace.streamed_steps_per_s = 1.0 / float(np.mean(streamed_s[steady]))
     return trace
 
 

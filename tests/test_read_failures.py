@@ -99,3 +99,49 @@ def test_kq_generate_under_a_lossy_rule_ends_at_a_failed_read(tmp_path, rule):
     config = GenerateConfig(model=directory, prompt="def read_config(path):", max_tokens=64, residency=0.25, rule=rule)
     with pytest.raises(PreloadError, match="changed after its header was read"):
         generate(config, on_text=cut)
+
+
+def _reads_failing_from(monkeypatch, expert):
+    """Every ExpertStore read of an expert numbered ``expert`` or more raises, as a failing disk's would."""
+    from kq_host.expert_store import ExpertStore
+
+    read = ExpertStore.read_expert
+
+    def failing(self, layer, which, *args, **kwargs):
+        if which >= expert:
+            raise OSError(5, "Input/output error")
+        return read(self, layer, which, *args, **kwargs)
+
+    monkeypatch.setattr(ExpertStore, "read_expert", failing)
+
+
+def test_kq_demo_random_ends_at_a_failed_read(monkeypatch, capsys):
+    pytest.importorskip("jax")
+    _reads_failing_from(monkeypatch, 8)
+    code, line = _ended(capsys, ["demo", "--random", "--frameworks", "jax", "--layers", "2", "--experts", "16",
+                                 "--top-k", "4", "--hidden", "32", "--ffn", "16", "--steps", "12", "--residency",
+                                 "0.5", "--plot", ""])
+    assert code == 1 and line.startswith("kq demo: reading experts failed: kq demo --random: "), line
+    assert "Input/output error" in line, line
+
+
+@pytest.mark.parametrize("mode", ["lossy", "tier", "exact"])
+def test_decode_e2e_ends_at_a_failed_read(tmp_path, monkeypatch, mode):
+    pytest.importorskip("jax")
+    import numpy as np
+
+    from kq.bench import decode_e2e
+    from kq_host.expert_store import ExpertStore
+    from kq_host.residency import PreloadError
+
+    rng = np.random.default_rng(0)
+    layers, experts, top_k, hidden, ffn, steps = 2, 8, 2, 32, 32, 6
+    weights = decode_e2e.random_experts(layers, experts, hidden, ffn, rng)
+    router = (rng.normal(size=(layers, hidden, experts)) * 4).astype(np.float32)
+    engine = decode_e2e.Engine(weights, top_k, steps, router=router,
+                               tier=decode_e2e.random_tier(layers, experts, hidden, ffn))
+    decode_e2e.write_checkpoint(tmp_path, weights)
+    _reads_failing_from(monkeypatch, experts // 2)  # the arena starts with experts 0-3: later misses fail
+    with ExpertStore(tmp_path, layout="per_expert", projections=decode_e2e.PROJECTIONS) as store:
+        with pytest.raises(PreloadError, match=f"decode-e2e {mode}: token .*Input/output error"):
+            decode_e2e.run_streamed(engine, store, residency=0.5, mode=mode, warmup=0, experts=experts)

@@ -465,6 +465,7 @@ def run_streamed(engine: Engine, store, *, residency: float, mode: str, warmup: 
         if missed or position not in stepped:  # a run again that hit everything was credited by its first run
             state["tables"] = manager.step(report)
             stepped.add(position)
+            manager.raise_failures(f"decode-e2e {mode}: token {position}")  # a read shed unsaid would skew the row
         if mode == "exact-fetch" and missed:  # read inside the program, on the token's critical path: the
             critical[position] += missed      # reads the manager asked for are those, landed now for the next token
             manager.drain()
@@ -485,11 +486,13 @@ def run_streamed(engine: Engine, store, *, residency: float, mode: str, warmup: 
     # exact-fetch: the next token dispatched after the boundary, on the tables holding this token's misses,
     # unless every table holds every expert (the full-table program: nothing to fetch or to change)
     overlap = (lambda: on_device(state["tables"])[0] is engine.full) if mode == "exact-fetch" else True
-    stamps, waits, last = decode(dispatch, boundary, engine.first, steps, overlap=overlap)
-    floor = device_floor(dispatch, engine.first, min(steps, 64))
-    manager.close()  # the reads still out land first, so they count among the bytes read
-    if reader is not None:
-        reader.close()
+    try:
+        stamps, waits, last = decode(dispatch, boundary, engine.first, steps, overlap=overlap)
+        floor = device_floor(dispatch, engine.first, min(steps, 64))
+    finally:
+        manager.close()  # the reads still out land first, so they count among the bytes read
+        if reader is not None:
+            reader.close()
     memory = sum(a.nbytes for a in arena.arrays.values())
     if mode == "tier":
         memory += sum(a.nbytes for weight in engine.tier.values() for a in weight)
