@@ -30,6 +30,7 @@ from kq_core.contract import EXPERT_PROJECTIONS
 from kq_core.validate import is_int
 
 DEMO_RULES = ("tier", "route_shed", "shed", "exact")
+DEFAULT_TIER_BITS = 4  # the tier rule's bits per weight where none are given
 FRAMEWORK_PACKAGES = {"mlx": "mlx_lm", "jax": "jax"}  # each framework and the package it needs, MLX first
 
 
@@ -51,7 +52,7 @@ class ModelDemoConfig:
     residency: float = 0.25  # fraction of each layer's experts in the arena
     policy: str = "lfu"
     rule: str = "tier"
-    tier_bits: int | None = None  # bits per weight of the tier rule's copy (None: 4); only with rule "tier"
+    tier_bits: int | None = None  # bits per weight of the tier rule's copy (DEFAULT_TIER_BITS if not given); rule tier
     frameworks: tuple[str, ...] = field(default_factory=installed_frameworks)
     layers: int = field(init=False)
 
@@ -67,9 +68,10 @@ class ModelDemoConfig:
             raise ValueError(f"--tokens must be an int >= 1, got {self.tokens!r}")
         if self.tier_bits is not None and self.rule != "tier":
             raise ValueError(f"--tier-bits serves the misses of --rule tier; the rule is {self.rule!r}")
-        object.__setattr__(self, "tier_bits", 4 if self.tier_bits is None else self.tier_bits)
+        if self.rule == "tier" and self.tier_bits is None:
+            object.__setattr__(self, "tier_bits", DEFAULT_TIER_BITS)
         for name, value, known in (("--policy", self.policy, ("lfu", "lru")), ("--rule", self.rule, DEMO_RULES),
-                                   ("--tier-bits", self.tier_bits, BITS)):
+                                   ("--tier-bits", self.tier_bits, (*BITS, None))):
             if value not in known:
                 raise ValueError(f"{name} must be among {known}, got {value!r}")
         if not 0.0 < self.residency <= 1.0:
@@ -98,7 +100,7 @@ def generate_texts(config: ModelDemoConfig, framework: str) -> DemoTexts:
     if config.rule != "exact":
         streamed, result, resident = generate_through_arena(framework, config.checkpoint, config.prompt,
                                                             config.tokens, config.residency, config.policy,
-                                                            config.rule, config.tier_bits)
+                                                            config.rule, config.tier_bits or DEFAULT_TIER_BITS)
         return DemoTexts(framework, streamed, resident, result)
     from tokenizers import Tokenizer
 
@@ -167,7 +169,7 @@ def format_texts(config: ModelDemoConfig, texts: DemoTexts) -> str:
 
 def generate_through_arena(framework: str, checkpoint: Path, prompt: str, tokens: int, residency: float,
                            policy: str = "lfu", rule: str = "tier",
-                           tier_bits: int = 4) -> tuple[str, RunResult, str]:
+                           tier_bits: int = DEFAULT_TIER_BITS) -> tuple[str, RunResult, str]:
     """Greedy text after ``prompt`` through an arena of ``residency`` (misses under ``rule``), and with every expert.
 
     The arena's slot tables change between tokens only (:meth:`kq.study_jax.JaxStudy.run`,

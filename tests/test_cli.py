@@ -246,6 +246,16 @@ def test_demo_refuses_tier_bits_without_the_tier_rule(rule, capsys):
     assert exit_info.value.code == 2 and "--tier-bits serves the misses of --rule tier" in capsys.readouterr().err
 
 
+def test_a_demo_config_is_rebuilt_as_it_was():
+    import dataclasses
+
+    from kq.demo import ModelDemoConfig
+
+    for rule in ("shed", "tier"):
+        config = ModelDemoConfig(rule=rule, frameworks=("jax",))
+        assert dataclasses.replace(config, tokens=5).tier_bits == config.tier_bits == (4 if rule == "tier" else None)
+
+
 def test_demo_help_explains_its_columns_and_files(capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--help"])
