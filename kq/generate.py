@@ -217,46 +217,6 @@ def _load(model_dir: Path):
         raise _fail("--model", f"mlx-lm cannot load {model_dir} ({type(error).__name__}: {error})") from None
 
 
-class _DequantizedTierSource:
-    """The float projections of each MoE layer's experts of a quantized checkpoint, for
-    :func:`kq_host.tier.build_tier`: the packed arrays read by a per-layer-named store, dequantized."""
-
-    def __init__(self, packed, blocks, quantization):
-        from kq_host.tier import dequantize
-
-        self._dequantize = dequantize
-        self.packed, self.quantization = packed, quantization
-        self.projections = tuple(blocks[0].projections)
-        self.template, self.layout, self.tensors = packed.template, "dequantized-per-layer", packed.tensors
-        # (bits, group_size) of each layer's projection: config.json's per-module options.
-        self._options = [{p: quantization.options(f"{block.module_path}.{p}") for p in self.projections}
-                         for block in blocks]
-
-    def read_expert(self, layer: int, expert: int) -> dict[str, np.ndarray]:
-        from kq_host.tier import QuantizedWeight, TierOptionError
-
-        read = self.packed.read_expert(layer, expert)
-        out = {}
-        for p in self.projections:
-            bits, group_size = self._options[layer][p]
-            try:
-                out[p] = self._dequantize(QuantizedWeight(read[f"{p}.weight"], read[f"{p}.scales"],
-                                                          read[f"{p}.biases"]), bits=bits, group_size=group_size)
-            except TierOptionError as error:  # the stored arrays are not what config.json's options describe
-                raise _fail("--model", f"config.json's \"quantization\" disagrees with layer {layer}'s stored {p} "
-                                       f"experts ({error})") from None
-        return out
-
-    def expert_shapes(self, layer: int, expert: int = 0) -> dict:
-        shapes = self.packed.expert_shapes(layer, expert)
-        out = {}
-        for p in self.projections:
-            bits, _ = self._options[layer][p]
-            (rows, words), _ = shapes[f"{p}.weight"]
-            out[p] = ((rows, words * 32 // bits), np.dtype(np.float32))
-        return out
-
-
 def expert_tensor_names(model_dir: Path, blocks) -> dict[int, dict[str, str]]:
     """Each MoE layer's ``{payload key: tensor name}`` in the directory's files: the stacked tensors of the
     model as loaded (mlx-lm's and mlx-community's checkpoints), or where those are absent the Hugging Face
@@ -291,6 +251,7 @@ def expert_tensor_names(model_dir: Path, blocks) -> dict[int, dict[str, str]]:
 
 def _tier_source(model_dir: Path, blocks, names, quantization, stack):
     """A store handing :func:`kq_host.tier.build_tier` each MoE layer's float projections."""
+    from kq_host.checkpoint import DequantizedExperts
     from kq_host.expert_store import ExpertStore
 
     if quantization is None:
@@ -299,7 +260,10 @@ def _tier_source(model_dir: Path, blocks, names, quantization, stack):
         weights = {layer: {f"{p}.{a}": keys[f"{p}.{a}"] for p in blocks[layer].projections
                            for a in ("weight", "scales", "biases")} for layer, keys in names.items()}
     store = stack(ExpertStore.for_tensors(model_files(model_dir), weights))
-    return store if quantization is None else _DequantizedTierSource(store, blocks, quantization)
+    if quantization is None:
+        return store
+    return DequantizedExperts(store, quantization, blocks[0].projections,
+                              module=lambda layer, projection: f"{blocks[layer].module_path}.{projection}")
 
 
 def _attach_tier(config: GenerateConfig, model_dir: Path, blocks, names, quantization, stack) -> int:
@@ -325,6 +289,8 @@ def _attach_tier(config: GenerateConfig, model_dir: Path, blocks, names, quantiz
             tier = build_tier(source, layers, experts, **options)
         except TierOptionError as error:
             raise _fail("--tier-bits/--tier-group-size", str(error)) from None
+        except ExpertStoreError as error:  # the stored experts are not what config.json's "quantization" says
+            raise _fail("--model", f"the experts' tensors: {error}") from None
     try:
         attach_tier(blocks, tier)
     except ValueError as error:  # a tier whose widths are not the model's as loaded

@@ -23,7 +23,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -253,31 +253,56 @@ def _check_packed(store: ExpertStore, quantization: Quantization, projections: t
 
 
 class DequantizedExperts:
-    """An :class:`~kq_host.expert_store.ExpertStore` over a quantized checkpoint's stacked experts that
-    hands out float32 projections: the same ``read_expert``, ``submit``, ``expert_shapes``,
-    ``expert_nbytes`` (the stored, packed bytes) and ``bytes_read``."""
+    """A store of a quantized checkpoint's experts that hands out float32 projections: the same
+    ``read_expert``, ``submit``, ``expert_shapes``, ``expert_nbytes`` (the stored, packed bytes) and
+    ``bytes_read`` as the :class:`~kq_host.expert_store.ExpertStore` of packed arrays it reads.
 
-    def __init__(self, checkpoint, quantization: Quantization, projections: Sequence[str], **store_options):
+    Args:
+        packed: a store whose reads hold ``{"proj.weight", "proj.scales", "proj.biases"}`` of each projection
+            (:func:`packed_experts`, or ``ExpertStore.for_tensors`` over a model's own names).
+        quantization: ``config.json``'s options.
+        projections: the projections handed out.
+        module: ``(layer, projection) -> the module's path`` whose options ``config.json`` gives (default:
+            :data:`STACKED_QUANTIZED_TEMPLATE`, mlx-community's stacked names).
+    """
+
+    def __init__(self, packed, quantization: Quantization, projections: Sequence[str], *,
+                 module: Callable[[int, str], str] | None = None):
         self.quantization = quantization
         self.projections = tuple(projections)
-        self.packed = packed_experts(checkpoint, quantization, self.projections, **store_options)
-        self.template, self.layout, self.tensors = self.packed.template, "dequantized", self.packed.tensors
+        self.packed = packed
+        self.template, self.layout, self.tensors = packed.template, "dequantized", packed.tensors
+        self._module = module or (lambda layer, p: STACKED_QUANTIZED_TEMPLATE.format(layer=layer, projection=p))
 
     @property
     def bytes_read(self) -> int:
         return self.packed.bytes_read
 
+    @property
+    def layer_tensor_names(self) -> dict[int, dict[str, str]] | None:
+        """The packed store's (:attr:`kq_host.expert_store.ExpertStore.layer_tensor_names`)."""
+        return self.packed.layer_tensor_names
+
     def _options(self, layer: int, projection: str) -> tuple[int, int]:
-        return self.quantization.options(STACKED_QUANTIZED_TEMPLATE.format(layer=layer, projection=projection))
+        return self.quantization.options(self._module(layer, projection))
 
     def read_expert(self, layer: int, expert: int) -> dict[str, np.ndarray]:
-        """``{projection: float32 [out, in]}`` of one expert."""
+        """``{projection: float32 [out, in]}`` of one expert.
+
+        Raises:
+            ExpertStoreError: the packed arrays are not what ``config.json``'s options describe (naming the
+                layer, expert and projection), or as the packed store's ``read_expert``.
+        """
         read = self.packed.read_expert(layer, expert)
         out = {}
         for p in self.projections:
             bits, group_size = self._options(layer, p)
-            out[p] = dequantize(QuantizedWeight(*(read[f"{p}.{f}"] for f in QUANTIZED_FIELDS)), bits=bits,
-                                group_size=group_size)
+            try:
+                out[p] = dequantize(QuantizedWeight(*(read[f"{p}.{f}"] for f in QUANTIZED_FIELDS)), bits=bits,
+                                    group_size=group_size)
+            except TierOptionError as error:
+                raise ExpertStoreError(f"layer {layer} expert {expert} {p}: the stored arrays are not what "
+                                       f"config.json's \"quantization\" describes ({error})") from None
         return out
 
     def submit(self, layer: int, expert: int):
@@ -329,7 +354,8 @@ def open_experts(checkpoint: str | os.PathLike, projections: Sequence[str] = EXP
         return ExpertStore(checkpoint, layout="per_expert", projections=projections,
                            template=template or PER_EXPERT_TEMPLATE, **store_options)
     if dequantized:
-        return DequantizedExperts(checkpoint, quantization, projections, **store_options)
+        return DequantizedExperts(packed_experts(checkpoint, quantization, projections, **store_options), quantization,
+                                  projections)
     return packed_experts(checkpoint, quantization, projections, **store_options)
 
 
