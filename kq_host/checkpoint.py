@@ -290,7 +290,7 @@ class DequantizedExperts:
         """``{projection: float32 [out, in]}`` of one expert.
 
         Raises:
-            ExpertStoreError: the packed arrays are not what ``config.json``'s options describe (naming the
+            ExpertStoreError: the packed arrays do not dequantize with ``config.json``'s options (naming the
                 layer, expert and projection), or as the packed store's ``read_expert``.
         """
         read = self.packed.read_expert(layer, expert)
@@ -301,8 +301,8 @@ class DequantizedExperts:
                 out[p] = dequantize(QuantizedWeight(*(read[f"{p}.{f}"] for f in QUANTIZED_FIELDS)), bits=bits,
                                     group_size=group_size)
             except TierOptionError as error:
-                raise ExpertStoreError(f"layer {layer} expert {expert} {p}: the stored arrays are not what "
-                                       f"config.json's \"quantization\" describes ({error})") from None
+                raise ExpertStoreError(f"layer {layer} expert {expert} {p}, read with config.json's "
+                                       f"\"quantization\" options: {error}") from None
         return out
 
     def submit(self, layer: int, expert: int):

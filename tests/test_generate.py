@@ -290,8 +290,8 @@ def test_numpy_numbers_are_options_as_python_numbers_are():
 
 
 @pytest.mark.parametrize("options, message", [
-    ({"bits": 3}, r"--model: the experts' tensors: layer 0 expert \d+ gate_proj: the stored arrays are not what "
-                  r"config.json's \"quantization\" describes \(tier: a weight of 3 bits"),
+    ({"bits": 3}, r"--model: the experts' tensors: layer 0 expert \d+ gate_proj, read with config.json's "
+                  r"\"quantization\" options: tier: a weight of 3 bits"),
     ({"bits": 8, "group_size": 32}, r"--model: the tier does not fit the model as mlx-lm loads it \(attach_tier: the "
                                     r"tier's gate_proj experts are \[64, 64\] \(out, in\), layer 0's \[64, 128\]")])
 def test_a_quantization_config_the_stored_experts_disagree_with_names_the_model_under_the_tier(
