@@ -182,6 +182,8 @@ def dense_tensors(checkpoint: str | os.PathLike, quantization: Quantization | No
 
     Raises:
         ExpertStoreError: a file that cannot be read, or a tensor in two files (naming both).
+        TierOptionError: a quantized module's arrays do not dequantize with its options (shapes, or packed
+            values that are no uint32 words).
     """
     tensors = {name: _read_tensor(entry, name)
                for name, entry in read_safetensors_headers(model_files(checkpoint)).items()}

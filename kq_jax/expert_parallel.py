@@ -64,6 +64,11 @@ def moe_ffn_arena_sharded(x, router_w, arena: Experts, slot_table, *, top_k: int
 
     Returns:
         ``(y [T, D], TopkRouteShedResult)``, rows sharded as ``x``.
+
+    Raises:
+        ValueError: an axis the mesh lacks, ``data_axis`` holding ``expert_axis``, or slots that do not split
+            over ``expert_axis``.
+        TypeError: ``x`` or ``router_w`` of a dtype the router does not take (:func:`kq_jax.moe.router_probs`).
     """
     for name, axis in (("expert_axis", expert_axis), ("data_axis", data_axis)):
         names = () if axis is None else axis if isinstance(axis, tuple) and name == "data_axis" else (axis,)

@@ -177,7 +177,8 @@ def load_params(directory: str | Path, cfg: Qwen3MoeConfig, *, experts: bool = T
 
     Raises:
         CheckpointError: the directory holds no ``*.safetensors`` file, one cannot be read (truncated,
-            corrupt), tensors are missing or extra, or a tensor's shape is not the one ``cfg`` gives
+            corrupt), a tensor is in two files (naming both), tensors are missing or extra, or a tensor's shape
+            is not the one ``cfg`` gives
             (the message names the file and the tensor), or ``cfg`` unties the output projection from
             the embedding (this model reads it from the embedding).
     """
