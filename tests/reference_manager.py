@@ -144,19 +144,18 @@ class ReferenceManager(ManagerBase):
         limit; start-up, pinned sets).
 
         Raises:
-            ValueError: ``layer``, an id of ``experts`` or ``timeout`` is out of range, or no slot is free.
+            ValueError: ``layer``, an id of ``experts`` or ``timeout`` is out of range, or fewer slots are free
+                than ``experts`` has ids not resident or loading (then nothing is claimed or read).
         """
         deadline = deadline_of("preload", timeout)
         layer, experts = self._preload_experts(layer, experts)
         with self._exclusive("preload"):
-            for expert in experts:
-                state = self.layers[layer]
-                if state.table[expert] >= 0 or expert in state.owner:
-                    continue
-                free = np.flatnonzero(state.state == SlotState.FREE)
-                if free.size == 0:
-                    raise ValueError(f"preload: layer {layer} has no free slot for expert {expert}")
-                self._submit(layer, expert, int(free[0]))
+            state = self.layers[layer]
+            wanted = [e for e in dict.fromkeys(experts) if state.table[e] < 0 and e not in state.owner]
+            if len(wanted) > int((state.state == SlotState.FREE).sum()):
+                raise ValueError(f"preload: layer {layer} has too few free slots for the experts {wanted}")
+            for expert in wanted:
+                self._submit(layer, expert, int(np.flatnonzero(state.state == SlotState.FREE)[0]))
             self._wait("preload", self._all_landed, deadline)
             self._publish_landed()
             self._snapshot = self.snapshot()
