@@ -82,7 +82,7 @@ def test_bench_times_shapes_of_ones_own(tmp_path):
 
 
 @pytest.mark.parametrize("shape", ["3x5", "3x0x40", "3x65x40", "ax5x40", "1x8x99999999999", "99999999999x8x64",
-                                   "1x8x2147483648"])
+                                   "1x8x2147483648", "1000000x8x4096"])
 def test_bench_refuses_a_malformed_shape(shape, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--shapes", shape])
