@@ -225,11 +225,11 @@ def expert_tensor_names(model_dir: Path, blocks) -> dict[int, dict[str, str]]:
     Raises:
         GenerateError: a tensor is in neither layout (the message names both names and the files).
     """
-    from kq_host.expert_store import ExpertStoreError, read_safetensors_header
+    from kq_host.expert_store import ExpertStoreError, read_safetensors_headers
 
     files = model_files(model_dir)
     try:
-        present = {name for path in files for name in read_safetensors_header(path)}
+        present = set(read_safetensors_headers(files))
     except ExpertStoreError as error:
         raise _fail("--model", str(error)) from None
     names = {}

@@ -211,19 +211,17 @@ def checkpoint_config(checkpoint, framework: str = "jax") -> dict:
 
 
 def _check_weights_files(directory: Path) -> None:
-    """ValueError naming ``--checkpoint`` and the file where the directory holds no safetensors file or
-    one whose header cannot be read (truncated, corrupt)."""
-    from safetensors import safe_open
+    """ValueError naming ``--checkpoint`` and the file where the directory holds no safetensors file, one
+    whose header cannot be read (truncated, corrupt), or a tensor in two files."""
+    from kq_host.expert_store import ExpertStoreError, read_safetensors_headers
 
     files = model_files(directory)
     if not files:
         raise ValueError(f"--checkpoint: {directory} holds no {MODEL_FILES} weights file")
-    for path in files:
-        try:
-            with safe_open(str(path), "numpy"):  # checks the header against the file's size
-                pass
-        except Exception as error:  # safetensors raises its own SafetensorError, and OSError
-            raise ValueError(f"--checkpoint: {path} cannot be read as safetensors ({error})") from None
+    try:
+        read_safetensors_headers(files)
+    except ExpertStoreError as error:
+        raise ValueError(f"--checkpoint: {error}; the weights cannot be read") from None
 
 
 def _required_keys(model_type: str, framework: str) -> list[str]:
