@@ -133,6 +133,14 @@ class PendingRead:
 MAX_BACKOFF_DOUBLINGS = 10
 
 
+def _described(failed: Sequence[FailedRead], *, layers: bool = False) -> str:
+    """The first three failed reads, ``expert E: Error: message`` (``layer L`` first with ``layers``), and how
+    many more: the one wording of every error that lists failed reads."""
+    shown = "; ".join(f"{f'layer {r.layer} ' if layers else ''}expert {r.expert}: {r.error_type}: {r.message}"
+                      for r in failed[:3])
+    return shown + (f"; {len(failed) - 3} more" if len(failed) > 3 else "")
+
+
 class PreloadError(RuntimeError):
     """:meth:`ResidencyManager.preload` could not publish every expert it was given.
 
@@ -555,9 +563,7 @@ class ManagerBase:
         if not self.failures:
             return
         failed = list(self.failures.values())
-        details = "; ".join(f"layer {r.layer} expert {r.expert}: {r.error_type}: {r.message}" for r in failed[:3])
-        more = f"; {len(failed) - 3} more" if len(failed) > 3 else ""
-        raise PreloadError(f"{caller}: {len(failed)} read(s) failed ({details}{more})", failed, [])
+        raise PreloadError(f"{caller}: {len(failed)} read(s) failed ({_described(failed, layers=True)})", failed, [])
 
     def __enter__(self):
         return self
@@ -868,8 +874,7 @@ class ResidencyManager(ManagerBase):
                       if key in requested and record.count != failures_before.get(key, 0)]
             out = [read for read in self.pending() if (read.layer, read.expert) in requested]
         if failed or out:
-            raise PreloadError(f"preload: layer {layer}: {len(failed)} read(s) failed "
-                               f"({', '.join(f'expert {r.expert}: {r.error_type}: {r.message}' for r in failed[:3])})"
+            raise PreloadError(f"preload: layer {layer}: {len(failed)} read(s) failed ({_described(failed)})"
                                f" and {len(out)} still out after {timeout} s", failed, out)
 
     # ---- the token boundary -------------------------------------------------------------
@@ -1037,9 +1042,7 @@ class ResidencyManager(ManagerBase):
                              f"give the arena more slots, or the layer fewer tokens at once)")
         parts = []
         if failed:
-            details = "; ".join(f"expert {r.expert}: {r.error_type}: {r.message}" for r in failed[:3])
-            more = f"; {len(failed) - 3} more" if len(failed) > 3 else ""
-            parts.append(f"the reads of experts {[r.expert for r in failed]} failed ({details}{more})")
+            parts.append(f"the reads of experts {[r.expert for r in failed]} failed ({_described(failed)})")
         if out:
             parts.append(f"the reads of experts {sorted(read.expert for read in out)} still out after {timeout} s")
         raise PreloadError(f"acquire: layer {layer}: {', '.join(parts)}", failed, out)
