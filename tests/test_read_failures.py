@@ -16,19 +16,27 @@ from kq.study import SHIPPED_MODEL  # noqa: E402
 WEIGHTS = "model.safetensors"
 
 
-def _relabelled(directory, layers, experts, dtype="F16"):
-    """The shipped model in ``directory``, the up projections of ``experts`` in ``layers`` stored as ``dtype``
-    (of the same size: their reads fail the arena's dtype check, nothing else changes)."""
+def _with_header(directory, edit):
+    """The shipped model in ``directory``, its weights' header changed in place by ``edit(header)``."""
     shutil.copytree(SHIPPED_MODEL, directory)
     raw = (SHIPPED_MODEL / WEIGHTS).read_bytes()
     size = struct.unpack("<Q", raw[:8])[0]
     header = json.loads(raw[8:8 + size])
-    for layer in layers:
-        for expert in experts:
-            header[f"model.layers.{layer}.mlp.experts.{expert}.up_proj.weight"]["dtype"] = dtype
+    edit(header)
     encoded = json.dumps(header).encode()
     (directory / WEIGHTS).write_bytes(struct.pack("<Q", len(encoded)) + encoded + raw[8 + size:])
     return directory
+
+
+def _relabelled(directory, layers, experts, dtype="F16"):
+    """The shipped model in ``directory``, the up projections of ``experts`` in ``layers`` stored as ``dtype``
+    (of the same size: their reads fail the arena's dtype check, nothing else changes)."""
+    def edit(header):
+        for layer in layers:
+            for expert in experts:
+                header[f"model.layers.{layer}.mlp.experts.{expert}.up_proj.weight"]["dtype"] = dtype
+
+    return _with_header(directory, edit)
 
 
 def _ended(capsys, argv):
@@ -68,14 +76,9 @@ def test_kq_demo_ends_at_a_failed_read_naming_it(tmp_path, capsys, where):
 
 def test_kq_demo_refuses_a_checkpoint_missing_an_expert_by_name(tmp_path, capsys):
     pytest.importorskip("mlx_lm")
-    directory = shutil.copytree(SHIPPED_MODEL, tmp_path / "model")
-    raw = (SHIPPED_MODEL / WEIGHTS).read_bytes()
-    size = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8:8 + size])
     name = "model.layers.2.mlp.experts.7.up_proj.weight"
-    header[name.replace("experts.7", "experts.x7")] = header.pop(name)
-    encoded = json.dumps(header).encode()
-    (directory / WEIGHTS).write_bytes(struct.pack("<Q", len(encoded)) + encoded + raw[8 + size:])
+    directory = _with_header(tmp_path / "model",
+                             lambda header: header.__setitem__(name.replace("experts.7", "experts.x7"), header.pop(name)))
     with pytest.raises(SystemExit) as caught:
         main(["demo", "--checkpoint", str(directory), "--frameworks", "mlx", "--tokens", "2", "--rule", "shed"])
     line = capsys.readouterr().err.strip().splitlines()[-1]
