@@ -27,7 +27,8 @@ from typing import Callable
 import numpy as np
 
 from kq_core.validate import is_int, is_real
-from kq_host.checkpoint import MODEL_FILES, model_files
+from kq_host.checkpoint import MODEL_FILES, check_packed_words, model_files
+from kq_host.expert_store import ExpertStoreError, read_safetensors_headers
 from kq_host.residency import MAX_QUEUE_DEPTH
 
 RULES = ("exact", "tier", "shed")
@@ -170,6 +171,11 @@ def _checked(config: GenerateConfig) -> tuple[Path, dict]:
     if top_k is not None and (not is_int(top_k) or top_k < 1):
         raise _fail("--model", f"{model / 'config.json'}: num_experts_per_tok must be an int >= 1 (the experts a "
                                f"token routes to), got {top_k!r}")
+    if "quantization" in settings:  # mlx-community's layout: each quantized module's words as mlx-lm takes them
+        try:
+            check_packed_words(read_safetensors_headers(model_files(model)))
+        except ExpertStoreError as error:
+            raise _fail("--model", str(error)) from None
     if config.rule == "tier" and "quantization" not in settings and "quantization_config" in settings:
         method = settings["quantization_config"]
         method = method.get("quant_method") if isinstance(method, dict) else method

@@ -235,7 +235,7 @@ def _check_packed(store: ExpertStore, quantization: Quantization, projections: t
             if weight is None or scales is None or biases is None:
                 continue
             if weight.dtype != np.uint32:
-                raise ExpertStoreError(f"{weight.path}: {module}.weight is {weight.dtype}, not packed uint32 words")
+                raise ExpertStoreError(_packed_dtype_message(module, weight))
             bits, group_size = quantization.options(module)
             words = weight.shape[-1] if weight.shape else 0
             columns = words * WORD_BITS // bits
@@ -252,6 +252,32 @@ def _check_packed(store: ExpertStore, quantization: Quantization, projections: t
                     f"bits={bits}, group_size={group_size}; config.json's hidden_size {hidden} and "
                     f"{EXPERT_WIDTH_KEYS[config['model_type']]} {width} make the model's {projection} "
                     f"[{model[projection][0]}, {model[projection][1]}]")
+
+
+def check_packed_words(entries: Mapping) -> None:
+    """Checks every quantized module of a checkpoint's headers (a ``X.weight`` beside a ``X.scales``) holds its
+    packed values as uint32 words, as mlx-lm's quantized layers take them: the one check of a quantized
+    directory's packed dtypes, from the headers alone.
+
+    Args:
+        entries: ``{tensor name: TensorEntry}`` (:func:`~kq_host.expert_store.read_safetensors_headers`).
+
+    Raises:
+        ExpertStoreError: naming the file, the tensor and its dtype (PyTorch-based exporters write the words
+            as int32, or float32 of the same bytes).
+    """
+    for name in sorted(entries):
+        if name.endswith(".scales"):
+            module = name[: -len(".scales")]
+            weight = entries.get(f"{module}.weight")
+            if weight is not None and weight.dtype != np.uint32:
+                raise ExpertStoreError(_packed_dtype_message(module, weight))
+
+
+def _packed_dtype_message(module: str, weight) -> str:
+    return (f"{weight.path}: {module}.weight is {weight.dtype.name}, not packed uint32 words (a quantized module's "
+            f"values as mlx_lm.convert writes them; an exporter that stored them as {weight.dtype.name} needs its "
+            f"output converted again)")
 
 
 class DequantizedExperts:

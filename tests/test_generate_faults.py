@@ -1,0 +1,91 @@
+"""``kq generate`` on damaged model directories and failing disks: each ends in one line naming the argument, the
+file or the tensor (a usage error, or exit 1 for the disk), never a traceback or a hang."""
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+
+from kq.cli import main  # noqa: E402
+from kq.generate import GenerateConfig, GenerateError, generate  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+STDLIB, WHEELS = ROOT / "models" / "stdlib-moe", ROOT / "models" / "wheels-moe"
+WEIGHTS = "model.safetensors"
+PROMPT = "def read_config(path):"
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    """Each test builds its tier afresh, in a cache of its own."""
+    monkeypatch.setenv("KQ_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def with_header(source, directory, edit):
+    """A copy of the model directory ``source`` in ``directory``, its weights' header changed by ``edit(header)``
+    (the data bytes as they were)."""
+    shutil.copytree(source, directory)
+    raw = (source / WEIGHTS).read_bytes()
+    size = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + size])
+    edit(header)
+    encoded = json.dumps(header).encode()
+    (directory / WEIGHTS).write_bytes(struct.pack("<Q", len(encoded)) + encoded + raw[8 + size:])
+    return directory
+
+
+def with_config(source, directory, **changes):
+    """A copy of ``source`` whose config.json has ``changes``."""
+    shutil.copytree(source, directory)
+    settings = json.loads((directory / "config.json").read_text())
+    settings.update(changes)
+    (directory / "config.json").write_text(json.dumps(settings))
+    return directory
+
+
+def ended(capsys, argv):
+    """``kq ARGV``'s exit code and the last line it wrote to stderr, checked to hold no traceback."""
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    return code, err.strip().splitlines()[-1]
+
+
+# ---- packed words stored as another dtype ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["I32", "F32"])
+@pytest.mark.parametrize("which", ["switch_mlp.up_proj", "embed_tokens"])
+def test_packed_words_of_another_dtype_are_refused_by_one_header_check_under_every_rule(tmp_path, dtype, which):
+    """A PyTorch-based exporter writes the packed words as int32 (or float32, the same 4 bytes): every rule
+    refuses the directory before loading it, naming the file and the tensor (exact and shed had ended in a
+    traceback from MLX's quantized matmul, tier in a message of its own)."""
+    def relabel(header):
+        for name, entry in header.items():
+            if name.endswith(f"{which}.weight"):
+                entry["dtype"] = dtype
+
+    directory = with_header(WHEELS, tmp_path / "model", relabel)
+    tensor = f"model.layers.0.mlp.{which}.weight" if "switch" in which else "model.embed_tokens.weight"
+    want = {"I32": "int32", "F32": "float32"}[dtype]
+    messages = set()
+    for rule in ("exact", "shed", "tier"):
+        with pytest.raises(GenerateError) as caught:
+            generate(GenerateConfig(directory, PROMPT, max_tokens=2, rule=rule))
+        message = str(caught.value)
+        assert message.startswith("--model: ") and tensor in message and want in message, message
+        assert "uint32" in message and str(directory / WEIGHTS) in message, message
+        messages.add(message)
+    assert len(messages) == 1, messages
