@@ -276,8 +276,8 @@ def _attach_tier(config: GenerateConfig, model_dir: Path, blocks, names, quantiz
     """Builds or reads the tier and gives it to the blocks; returns its bytes."""
     from mlx.utils import tree_flatten
 
-    from kq_host.expert_store import ExpertStoreError
     from kq_host.checkpoint import tier_from_checkpoint
+    from kq_host.expert_store import ExpertReadError
     from kq_host.tier import TierOptionError, build_tier
     from kq_mlx.mlx_lm_adapter import attach_tier
 
@@ -286,6 +286,8 @@ def _attach_tier(config: GenerateConfig, model_dir: Path, blocks, names, quantiz
     if config.tier_model is not None:
         try:
             tier = tier_from_checkpoint(config.tier_model, source, layers, experts)
+        except ExpertReadError as error:  # the disk, not an argument
+            raise _read_failed("the tier's read from --tier-model", error) from None
         except (TierOptionError, ExpertStoreError) as error:
             raise _fail("--tier-model", str(error)) from None
     else:
@@ -295,6 +297,8 @@ def _attach_tier(config: GenerateConfig, model_dir: Path, blocks, names, quantiz
             tier = build_tier(source, layers, experts, **options)
         except TierOptionError as error:
             raise _fail("--tier-bits/--tier-group-size", str(error)) from None
+        except ExpertReadError as error:
+            raise _read_failed("the tier's build", error) from None
         except ExpertStoreError as error:  # the stored experts are not what config.json's "quantization" says
             raise _fail("--model", f"the experts' tensors: {error}") from None
     try:
@@ -304,6 +308,14 @@ def _attach_tier(config: GenerateConfig, model_dir: Path, blocks, names, quantiz
                     f"the tier does not fit the model as mlx-lm loads it ({error})") from None
     # What the tier takes on the device (attach_tier may widen its scales and biases to the arena's float dtype).
     return sum(_nbytes(a for _, a in tree_flatten(block.tier.parameters())) for block in blocks)
+
+
+def _read_failed(what: str, error: Exception):
+    """A read of the experts that failed, as the residency manager reports its own: the disk's state, not an
+    argument (``kq generate`` ends at it in one line, exit 1)."""
+    from kq_host.residency import PreloadError
+
+    return PreloadError(f"{what}: {error}", [], [])
 
 
 def _nbytes(arrays) -> int:
@@ -335,7 +347,9 @@ def generate(config: GenerateConfig, on_text: Callable[[str], None] | None = Non
     Raises:
         GenerateError: a bad option, a directory mlx-lm cannot load, a model with no MoE layer, a tier that
             does not fit the model.
-        kq_host.residency.PreloadError: reads failed or ran past ``config.timeout``.
+        kq_host.residency.PreloadError: reads failed or ran past ``config.timeout``, or a read of the tier's
+            build or of ``config.floor``'s re-read failed (the disk's error, or a file changed since its header
+            was read).
     """
     import contextlib
 
@@ -466,7 +480,10 @@ def generate(config: GenerateConfig, on_text: Callable[[str], None] | None = Non
             other_weights_mib=(all_bytes - arena_bytes - tier_bytes) / 2**20, peak_rss_mib=_peak_rss_mib(),
             mlx_peak_mib=mx.get_peak_memory() / 2**20, device=str(mx.default_device()), stages=stages)
         if config.floor:
-            result.read_bandwidth_gbs = _read_bandwidth(store, routed)
+            try:
+                result.read_bandwidth_gbs = _read_bandwidth(store, routed)
+            except ExpertStoreError as error:  # the disk failed, or the file changed since the run read it
+                raise _read_failed("--floor: the prompt's experts read again", error) from None
     if config.floor:
         result.resident_prefill_s = _resident_prefill_seconds(model_dir, prompt,
                                                               config.float32 or not quantized)

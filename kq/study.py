@@ -37,6 +37,7 @@ slots, plus the tier for ``tier``), in the checkpoint's dtype.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -116,6 +117,21 @@ def _check_tier_group_size(raw: dict, group_size: int) -> None:
         raise ValueError(f"--tier-group-size {group_size} does not divide the experts' input widths "
                          f"({', '.join(uneven)} in the checkpoint's config.json); give one among the group "
                          f"sizes that divide {', '.join(f'{key} {width}' for key, width in widths.items())}")
+
+
+@contextlib.contextmanager
+def building_the_tier():
+    """The block of a runner's tier build: a read of the checkpoint's experts that fails there (the disk's error,
+    or a file changed since its header was read: :class:`~kq_host.expert_store.ExpertReadError`) raised as the
+    residency manager's failed reads are, a :class:`~kq_host.residency.PreloadError` (the command ends at it in
+    one line); the checkpoint's other faults as they are."""
+    from kq_host.expert_store import ExpertReadError
+    from kq_host.residency import PreloadError
+
+    try:
+        yield
+    except ExpertReadError as error:
+        raise PreloadError(f"the tier's build: {error}", [], []) from None
 
 
 def window_plan(config: StudyConfig) -> list[tuple[int, int]]:

@@ -16,6 +16,7 @@ from kq.study import (
     RULES,
     RunResult,
     StudyConfig,
+    building_the_tier,
     decode_through_arena,
     merged,
     text_tokens,
@@ -61,13 +62,18 @@ class JaxStudy:
         return self._steps[rule]
 
     def tier(self, store):
-        """The checkpoint's tier (``config.tier_bits``, ``config.tier_group_size``): built once, cached on disk."""
+        """The checkpoint's tier (``config.tier_bits``, ``config.tier_group_size``): built once, cached on disk.
+
+        Raises:
+            kq_host.residency.PreloadError: a read of the experts failed (:func:`kq.study.building_the_tier`).
+        """
         from kq_host.tier import build_tier
         from kq_jax.qwen3_moe_arena import tier_arrays
 
         if self._tier is None:
-            tier = build_tier(store, self.cfg.num_hidden_layers, self.cfg.num_experts, bits=self.config.tier_bits,
-                              group_size=self.config.tier_group_size)
+            with building_the_tier():
+                tier = build_tier(store, self.cfg.num_hidden_layers, self.cfg.num_experts,
+                                  bits=self.config.tier_bits, group_size=self.config.tier_group_size)
             self._tier = tier, tier_arrays(tier)
         return self._tier
 

@@ -15,6 +15,7 @@ from kq.study import (
     RULES,
     RunResult,
     StudyConfig,
+    building_the_tier,
     decode_through_arena,
     merged,
     text_tokens,
@@ -56,10 +57,15 @@ class MlxStudy:
                              f"describes: {head}{': ' + listed if listed else ''}") from None
 
     def tier(self):
-        """The checkpoint's tier under the arena's projection names (:func:`arena_tier`), once a study."""
+        """The checkpoint's tier under the arena's projection names (:func:`arena_tier`), once a study.
+
+        Raises:
+            kq_host.residency.PreloadError: a read of the experts failed (:func:`kq.study.building_the_tier`).
+        """
         if self._tier is None:
-            self._tier = arena_tier(self.config.checkpoint, bits=self.config.tier_bits,
-                                    group_size=self.config.tier_group_size)
+            with building_the_tier():
+                self._tier = arena_tier(self.config.checkpoint, bits=self.config.tier_bits,
+                                        group_size=self.config.tier_group_size)
         return self._tier
 
     def _model(self):

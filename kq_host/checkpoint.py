@@ -29,8 +29,8 @@ import numpy as np
 
 from kq_core.contract import EXPERT_PROJECTIONS
 from kq_core.validate import is_int
-from kq_host.expert_store import (PER_EXPERT_TEMPLATE, ExpertStore, ExpertStoreError, file_identity,
-                                  read_safetensors_headers)
+from kq_host.expert_store import (PER_EXPERT_TEMPLATE, ExpertReadError, ExpertStore, ExpertStoreError,
+                                  file_identity, read_safetensors_headers)
 from kq_host.tier import (SCALE_DTYPES, WORD_BITS, QuantizedWeight, Tier, TierOptionError, check_options, check_tier,
                           checked_expert_shapes, dequantize)
 
@@ -410,7 +410,8 @@ def tier_from_checkpoint(directory: str | os.PathLike, store, num_layers: int, n
             size, mode) or its scales' dtype disagree with the served model or the format, or a scale or bias
             is not finite (the message names the tensor or ``config.json``).
         ExpertStoreError: ``directory`` is no path, or holds no readable ``config.json`` or safetensors file,
-            or a tensor in two of its files (naming both).
+            or a tensor in two of its files (naming both); an ExpertReadError where reading a tensor's bytes
+            failed.
     """
     if not isinstance(directory, (str, os.PathLike)):
         raise ExpertStoreError(f"tier_from_checkpoint: directory must be a path, got {directory!r}")
@@ -518,17 +519,18 @@ def _read_tensor(entry, name: str) -> np.ndarray:
     """One whole tensor of a safetensors file, as its header describes it.
 
     Raises:
-        ExpertStoreError: the file cannot be read, changed since its header was read, or ends early.
+        ExpertReadError: (an ExpertStoreError) the file cannot be read, changed since its header was read, or
+            ends early.
     """
     try:
         with open(entry.path, "rb") as handle:
             if file_identity(os.fstat(handle.fileno())) != entry.identity:
-                raise ExpertStoreError(f"{entry.path} changed after its header was read; read the tier again")
+                raise ExpertReadError(f"{entry.path} changed after its header was read; read the tier again")
             handle.seek(entry.offset)
             data = bytearray(entry.nbytes)
             count = handle.readinto(data)
     except OSError as error:
-        raise ExpertStoreError(f"{entry.path}: {name} cannot be read ({error.strerror or error})") from None
+        raise ExpertReadError(f"{entry.path}: {name} cannot be read ({error.strerror or error})") from None
     if count != entry.nbytes:
-        raise ExpertStoreError(f"{entry.path}: {name} ends early ({count} of {entry.nbytes} bytes)")
+        raise ExpertReadError(f"{entry.path}: {name} ends early ({count} of {entry.nbytes} bytes)")
     return np.frombuffer(data, entry.dtype).reshape(entry.shape)

@@ -51,6 +51,12 @@ class ExpertStoreError(ValueError):
     """A tensor is missing, mis-shaped or unreadable; the message names file, tensor and expert."""
 
 
+class ExpertReadError(ExpertStoreError):
+    """Reading an expert's bytes failed: the disk's error (an ``OSError`` from ``pread``), a short read, or a file
+    gone or changed since its header was read. Not the checkpoint's layout nor an argument: the disk's state.
+    The message names the file, and where one was being read the tensor, layer and expert."""
+
+
 class ExpertStoreClosed(RuntimeError):
     """A read or a submission reached an :class:`ExpertStore` after :meth:`ExpertStore.close`."""
 
@@ -441,7 +447,7 @@ class ExpertStore:
                 try:
                     self._descriptors[entry.path] = open_regular(entry.path)
                 except ExpertStoreError as error:
-                    raise ExpertStoreError(f"{error} since its header was read; open a new ExpertStore") from None
+                    raise ExpertReadError(f"{error} since its header was read; open a new ExpertStore") from None
             descriptor = self._descriptors[entry.path]
         try:
             # The open file, and the file now at its path (a checkpoint saved again replaces the file).
@@ -450,7 +456,7 @@ class ExpertStore:
         except OSError:
             changed = True
         if changed:
-            raise ExpertStoreError(f"{entry.path} changed after its header was read (device, inode, size or "
+            raise ExpertReadError(f"{entry.path} changed after its header was read (device, inode, size or "
                                    f"modification time differ, or the file is gone); open a new ExpertStore on the new file")
         return descriptor
 
@@ -503,9 +509,12 @@ class ExpertStore:
             ``{projection: array}`` in the file's dtype and shape.
 
         Raises:
-            ExpertStoreError: a missing tensor, a short read, a shape/dtype that
-                differs from ``expected`` (the message names file, tensor and expert), or
-                ``host_allocator`` buffers of two projections that overlap.
+            ExpertStoreError: a missing tensor, a shape/dtype that differs from ``expected`` (the
+                message names file, tensor and expert), or ``host_allocator`` buffers of two projections
+                that overlap.
+            ExpertReadError: (an ExpertStoreError) the read failed: an ``OSError`` from the disk, a short
+                read, or a file gone or changed since its header was read (naming file, tensor, layer and
+                expert).
             ExpertStoreClosed: the store was closed.
             ValueError: ``layer`` or ``expert`` is no int >= 0.
         """
@@ -541,16 +550,21 @@ class ExpertStore:
         out = {}
         nbytes_total = 0
         for projection, (entry, offset, nbytes, shape, name) in located.items():
-            if buffers is None:
-                data = os.pread(self._descriptor(entry), nbytes, offset)
-                count = len(data)
-                array = np.frombuffer(data, dtype=entry.dtype).reshape(shape)
-            else:
-                array = buffers[projection]
-                count = os.preadv(self._descriptor(entry), [array.reshape(-1).view(np.uint8)], offset)
+            descriptor = self._descriptor(entry)
+            try:
+                if buffers is None:
+                    data = os.pread(descriptor, nbytes, offset)
+                    count = len(data)
+                else:
+                    count = os.preadv(descriptor, [buffers[projection].reshape(-1).view(np.uint8)], offset)
+            except OSError as error:  # the disk's error (EIO), or a file system gone (ESTALE, ENOTCONN)
+                raise ExpertReadError(f"{entry.path}: tensor {name} (expert {expert} of layer {layer}): the read "
+                                      f"of {nbytes} bytes at offset {offset} failed "
+                                      f"({error.strerror or type(error).__name__})") from None
             if count != nbytes:
-                raise ExpertStoreError(f"{entry.path}: tensor {name} (expert {expert} of layer {layer}): "
-                                       f"read {count} of {nbytes} bytes; the file is truncated")
+                raise ExpertReadError(f"{entry.path}: tensor {name} (expert {expert} of layer {layer}): "
+                                      f"read {count} of {nbytes} bytes; the file is truncated")
+            array = np.frombuffer(data, dtype=entry.dtype).reshape(shape) if buffers is None else buffers[projection]
             out[projection] = array
             nbytes_total += nbytes
         with self._lock:

@@ -89,3 +89,47 @@ def test_packed_words_of_another_dtype_are_refused_by_one_header_check_under_eve
         assert "uint32" in message and str(directory / WEIGHTS) in message, message
         messages.add(message)
     assert len(messages) == 1, messages
+
+
+# ---- a disk that fails -------------------------------------------------------------------------------------------
+
+
+def _pread_failing(monkeypatch):
+    """Every ``os.pread`` from now on fails as a failing disk's read does."""
+    def failing(*args):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "pread", failing)
+
+
+def test_a_read_error_building_the_tier_ends_kq_generate_in_one_line(monkeypatch, capsys):
+    _pread_failing(monkeypatch)  # the tier's build is the run's first read of an expert
+    code, line = ended(capsys, ["generate", "--model", str(STDLIB), "--prompt", PROMPT, "--max-tokens", "2",
+                                "--rule", "tier"])
+    assert code == 1 and line.startswith("kq generate: reading experts failed: "), line
+    for part in (str(STDLIB / WEIGHTS), "mlp.experts.0.gate_proj.weight", "expert 0 of layer 0", "Input/output error"):
+        assert part in line, line
+
+
+@pytest.mark.parametrize("failure", ["os-error", "changed-file"])
+def test_a_failed_read_of_the_floor_ends_kq_generate_in_one_line(tmp_path, monkeypatch, capsys, failure):
+    """--floor reads the prompt's experts again once the tokens are out: a read that fails there (the disk, or the
+    file changed since) ends the run in one line, exit 1 (an OSError and an ExpertStoreError had escaped)."""
+    import kq.generate
+
+    directory = shutil.copytree(STDLIB, tmp_path / "model")
+    measure = kq.generate._read_bandwidth
+
+    def failing_floor(store, routed):
+        if failure == "os-error":
+            _pread_failing(monkeypatch)
+        else:
+            os.truncate(directory / WEIGHTS, 5_000_000)
+        return measure(store, routed)
+
+    monkeypatch.setattr(kq.generate, "_read_bandwidth", failing_floor)
+    code, line = ended(capsys, ["generate", "--model", str(directory), "--prompt", PROMPT, "--max-tokens", "2",
+                                "--floor"])
+    assert code == 1 and line.startswith("kq generate: reading experts failed: --floor: "), line
+    assert str(directory / WEIGHTS) in line, line
+    assert ("Input/output error" if failure == "os-error" else "changed after its header was read") in line, line
