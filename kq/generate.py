@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 
 from kq_core.validate import is_int, is_real
-from kq_host.checkpoint import MODEL_FILES, check_packed_words, model_files
+from kq_host.checkpoint import MODEL_FILES, CheckpointError, check_packed_words, check_regular_files, model_files
 from kq_host.expert_store import ExpertStoreError, read_safetensors_headers
 from kq_host.residency import MAX_QUEUE_DEPTH
 
@@ -151,6 +151,7 @@ def _checked(config: GenerateConfig) -> tuple[Path, dict]:
         if not model.is_dir():
             raise _fail("--model", f"{model} is not a directory (an mlx-lm model directory: config.json, "
                                    f"{MODEL_FILES})")
+        _check_regular_files("--model", model)  # before anything opens a file: a FIFO would hang its reader
         if not (model / "config.json").is_file():
             raise _fail("--model", f"{model} has no config.json: not an mlx-lm model directory")
         if not model_files(model):
@@ -205,12 +206,25 @@ def _checked(config: GenerateConfig) -> tuple[Path, dict]:
         raise _fail("--tier-model", "reads the tier's bits from its checkpoint: give it or --tier-bits, not both")
     if config.tier_model is not None and not Path(config.tier_model).is_dir():
         raise _fail("--tier-model", f"{config.tier_model} is not a directory")
+    if config.tier_model is not None:
+        _check_regular_files("--tier-model", Path(config.tier_model))
     if (not is_int(config.queue_depth)
             or not 0 <= config.queue_depth <= MAX_QUEUE_DEPTH):
         raise _fail("--queue-depth", f"must be an int in [0, {MAX_QUEUE_DEPTH}], got {config.queue_depth!r}")
     if config.timeout is not None and (not is_real(config.timeout) or not config.timeout > 0):
         raise _fail("--timeout", f"must be a number of seconds > 0, got {config.timeout!r}")
     return model, settings
+
+
+def _check_regular_files(argument: str, directory: Path) -> None:
+    """GenerateError naming ``argument`` and the file where the directory holds a FIFO, a device or a socket
+    (:func:`kq_host.checkpoint.check_regular_files`), or cannot be listed."""
+    try:
+        check_regular_files(directory)
+    except CheckpointError as error:
+        raise _fail(argument, str(error)) from None
+    except OSError as error:
+        raise _fail(argument, f"{directory}: unreadable ({type(error).__name__}: {error})") from None
 
 
 def _load(model_dir: Path):

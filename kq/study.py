@@ -49,8 +49,8 @@ import numpy as np
 
 from kq.terminal import progress_bar, render_table
 from kq_core.contract import MAX_TOP_K
-from kq_host.checkpoint import (CHECKPOINT_LAYOUTS, EXPERT_WIDTH_KEYS, MODEL_FILES, CheckpointError, model_files,
-                                 read_config, trained_length)
+from kq_host.checkpoint import (CHECKPOINT_LAYOUTS, EXPERT_WIDTH_KEYS, MODEL_FILES, CheckpointError,
+                                 check_regular_files, model_files, read_config, trained_length)
 
 RULES = ("route_shed", "shed", "renormalize", "substitute", "tier", "stall", "reroute", "prior", "uniform")
 JAX_ONLY_RULES = ("reroute", "prior", "uniform")
@@ -195,6 +195,13 @@ def checkpoint_config(checkpoint, framework: str = "jax") -> dict:
     """The checkpoint's ``config.json``, checked to be one ``framework`` can run; errors name ``--checkpoint``."""
     directory = Path(checkpoint)
     path = directory / "config.json"
+    try:
+        if directory.is_dir():  # before anything opens a file: a FIFO would hang its reader
+            check_regular_files(directory)
+    except CheckpointError as error:
+        raise ValueError(f"--checkpoint: {error}") from None
+    except OSError as error:
+        raise ValueError(f"--checkpoint: {directory}: unreadable ({type(error).__name__}: {error})") from None
     if not path.is_file():
         raise ValueError(f"--checkpoint: {directory} holds no config.json (a qwen3_moe checkpoint directory, as "
                          f"mlx_lm.convert or models/train.py writes)")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
@@ -48,6 +49,32 @@ class CheckpointError(ValueError):
     """A checkpoint kq cannot run: a ``config.json`` that cannot be read or holds a value no model has, a
     weights file that cannot be read, or tensors that disagree with the model ``config.json`` describes.
     The message names the file, and the key or tensor."""
+
+
+# The kinds of file a reader's blocking open or read would wait on (a FIFO for a writer) or misread.
+_SPECIAL_FILES = ((stat.S_ISFIFO, "a FIFO: reading it waits for a writer"), (stat.S_ISCHR, "a character device"),
+                  (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def check_regular_files(directory: str | os.PathLike) -> None:
+    """Checks that no file of a checkpoint directory is a FIFO, a device or a socket: mlx-lm's loader and the
+    tokenizer open the directory's files (``config.json``, ``generation_config.json``, ``tokenizer.json``, the
+    tokenizer's others) with a blocking open, which waits forever on a FIFO. Directories and links that lead
+    nowhere are passed over (no reader opens them as files).
+
+    Raises:
+        CheckpointError: naming the first such file and its kind.
+    """
+    directory = Path(directory)
+    for path in sorted(directory.iterdir()):
+        try:
+            mode = path.stat().st_mode
+        except OSError:  # a link that leads nowhere: absent to every reader
+            continue
+        for kind, described in _SPECIAL_FILES:
+            if kind(mode):
+                raise CheckpointError(f"{path} is not a regular file ({described}); a checkpoint's files are "
+                                      f"regular files")
 
 
 def read_config(directory) -> dict:

@@ -133,3 +133,28 @@ def test_a_failed_read_of_the_floor_ends_kq_generate_in_one_line(tmp_path, monke
     assert code == 1 and line.startswith("kq generate: reading experts failed: --floor: "), line
     assert str(directory / WEIGHTS) in line, line
     assert ("Input/output error" if failure == "os-error" else "changed after its header was read") in line, line
+
+
+# ---- a FIFO among the model's files ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "generation_config.json"])
+def test_a_fifo_among_the_files_mlx_lm_opens_is_refused_at_once(tmp_path, name):
+    """mlx-lm opens tokenizer.json and generation_config.json (and the tokenizer's other files) with a blocking
+    open: a FIFO there had hung kq generate forever. kq study refuses the same directory by the same check."""
+    from kq.generate import check_config
+    from kq.study import StudyConfig
+
+    directory = shutil.copytree(STDLIB, tmp_path / "model")
+    (directory / name).unlink(missing_ok=True)
+    os.mkfifo(directory / name)
+    message = rf"{directory / name} is not a regular file \(a FIFO"
+    with pytest.raises(GenerateError, match=rf"--model: {message}"):
+        check_config(GenerateConfig(directory, PROMPT, max_tokens=2))
+    with pytest.raises(GenerateError, match=rf"--model: {message}"):
+        generate(GenerateConfig(directory, PROMPT, max_tokens=2))
+    with pytest.raises(GenerateError, match=rf"--tier-model: {message}"):
+        check_config(GenerateConfig(WHEELS, PROMPT, max_tokens=2, rule="tier", tier_model=directory))
+    for framework in ("jax", "mlx"):
+        with pytest.raises(ValueError, match=rf"--checkpoint: {message}"):
+            StudyConfig(checkpoint=directory, framework=framework)
