@@ -19,8 +19,10 @@ import contextlib
 import hashlib
 import json
 import os
+import signal
 import struct
 import tempfile
+import threading
 import warnings
 import zipfile
 from dataclasses import dataclass
@@ -471,10 +473,12 @@ def _cache_path(store, num_layers, num_experts, bits, group_size, cache_dir) -> 
 
 def _save(path: Path, weights: Mapping[str, QuantizedWeight], meta: Mapping) -> None:
     """Writes the tier atomically (a temporary file of this call renamed over the entry), the 16-bit scales
-    and biases as their raw bits; the temporary is removed on any failure.
+    and biases as their raw bits; the temporary is removed on any failure, an exception or SIGINT, and on
+    SIGTERM (:func:`_sigterm_raised`).
 
     Raises:
-        OSError: the directory cannot be made or written.
+        OSError: the directory cannot be made or written; InterruptedError where SIGTERM came during the save
+            and the program's own handler returned.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     arrays = {"meta": np.array(json.dumps(meta, sort_keys=True))}
@@ -484,15 +488,52 @@ def _save(path: Path, weights: Mapping[str, QuantizedWeight], meta: Mapping) -> 
             array = getattr(weight, field)
             arrays[f"{name}.{field}"] = array.view(np.uint16)
             arrays[f"{name}.{field}.dtype"] = np.array(array.dtype.name)
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    with _sigterm_raised():
+        descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(descriptor, "wb") as out:
+                np.savez(out, **arrays)
+            os.replace(temporary, path)
+        except BaseException:  # SIGINT's KeyboardInterrupt and SIGTERM's _Terminated too
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise
+
+
+class _Terminated(BaseException):
+    """SIGTERM, received while :func:`_sigterm_raised` holds it."""
+
+
+@contextlib.contextmanager
+def _sigterm_raised():
+    """The block with SIGTERM raised in it as :class:`_Terminated`, so its cleanup runs (``timeout`` and service
+    managers end a process with SIGTERM, whose default ends it at once). Then the signal is given back to the
+    disposition that was in place: the default ends the process as SIGTERM does; a program's own handler is
+    called, and if it returns the block's work counts as interrupted (InterruptedError, an OSError).
+
+    Only on the main thread (Python runs signal handlers there alone), and not where SIGTERM is ignored or was
+    set outside Python; elsewhere the block runs as it is.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is None or previous == signal.SIG_IGN:
+        yield
+        return
+
+    def terminated(signum, frame):
+        raise _Terminated()
+
+    signal.signal(signal.SIGTERM, terminated)
     try:
-        with os.fdopen(descriptor, "wb") as out:
-            np.savez(out, **arrays)
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
+        yield
+    except _Terminated:
+        signal.signal(signal.SIGTERM, previous)
+        signal.raise_signal(signal.SIGTERM)  # the default ends the process here
+        raise InterruptedError("interrupted by SIGTERM") from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 # What reading a damaged entry can raise.

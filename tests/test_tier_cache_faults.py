@@ -1,0 +1,111 @@
+"""The tier's cache on disk: a save ended by SIGTERM leaves no temporary behind, an entry is an ordinary file
+(0644 under the umask), and an entry that holds a NaN scale is built again, never served."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kq_host.tier as tier_module
+from kq_host.expert_store import ExpertStore
+from kq_host.tier import build_tier
+
+ROOT = Path(__file__).resolve().parents[1]
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _write_checkpoint(path, rng, *, layers=2, experts=4, hidden=64, ffn=32):
+    from safetensors.numpy import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight":
+               rng.normal(size=shape).astype(np.float32)
+               for layer in range(layers) for expert in range(experts)
+               for projection, shape in zip(PROJECTIONS, ((ffn, hidden), (ffn, hidden), (hidden, ffn)))},
+              str(path / "model.safetensors"))
+    return path
+
+
+def _build(checkpoint, cache, **options):
+    with ExpertStore(checkpoint) as store:
+        return build_tier(store, 2, 4, cache_dir=cache, **options)
+
+
+def _terminating_savez(monkeypatch, calls):
+    """np.savez that writes a little, then has SIGTERM sent to this process, then writes the rest."""
+    savez = np.savez
+
+    def terminated(out, **arrays):
+        out.write(b"PK")
+        calls.append("savez")
+        os.kill(os.getpid(), signal.SIGTERM)
+        return savez(out, **arrays)
+
+    monkeypatch.setattr(np, "savez", terminated)
+
+
+def test_sigterm_during_the_save_leaves_no_temporary_and_ends_the_process_as_sigterm_does(tmp_path):
+    """``timeout`` ends a run with SIGTERM: a save then in progress removes its temporary and the process still
+    ends as SIGTERM ends it (SIGINT had cleaned up, SIGTERM had left a ``.tier_*.npz.*.tmp`` nothing removed)."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        from pathlib import Path
+        import numpy as np
+        import kq_host.tier as tier
+        savez = np.savez
+        def terminated(out, **arrays):
+            out.write(b"PK")
+            os.kill(os.getpid(), signal.SIGTERM)
+            return savez(out, **arrays)
+        np.savez = terminated
+        weights = {{"gate_proj": tier.quantize(np.ones((4, 32), np.float32), bits=3, group_size=32)}}
+        tier._save(Path(sys.argv[1]) / "tier_entry.npz", weights, {{"version": "test"}})
+        print("saved")
+    """)
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == -signal.SIGTERM, (run.returncode, run.stderr)
+    assert "saved" not in run.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither a temporary nor a half-written entry
+
+
+def test_a_programs_own_sigterm_handler_runs_once_and_the_aborted_save_leaves_the_tier_uncached(
+        tmp_path, rng, monkeypatch):
+    """A program that handles SIGTERM and goes on: its handler is called, the save is dropped with its temporary
+    (the tier returned uncached, with a warning), and its handler is in place again afterwards."""
+    checkpoint = _write_checkpoint(tmp_path / "ckpt", rng)
+    handled = []
+
+    def handler(signum, frame):
+        handled.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        calls = []
+        _terminating_savez(monkeypatch, calls)
+        with pytest.warns(UserWarning, match="could not cache the tier"):
+            tier = _build(checkpoint, tmp_path / "cache")
+        assert signal.getsignal(signal.SIGTERM) is handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert calls == ["savez"] and handled == [signal.SIGTERM]
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == []
+    monkeypatch.undo()
+    again = _build(checkpoint, tmp_path / "cache")  # built and cached now
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+    for name in PROJECTIONS:
+        for got, want in zip(again.weights[name], tier.weights[name]):
+            assert got.tobytes() == want.tobytes()
+
+
+def test_a_save_leaves_the_sigterm_disposition_as_it_found_it(tmp_path, rng):
+    checkpoint = _write_checkpoint(tmp_path / "ckpt", rng)
+    before = signal.getsignal(signal.SIGTERM)
+    _build(checkpoint, tmp_path / "cache")
+    assert signal.getsignal(signal.SIGTERM) == before
