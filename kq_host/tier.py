@@ -472,9 +472,9 @@ def _cache_path(store, num_layers, num_experts, bits, group_size, cache_dir) -> 
 
 
 def _save(path: Path, weights: Mapping[str, QuantizedWeight], meta: Mapping) -> None:
-    """Writes the tier atomically (a temporary file of this call renamed over the entry), the 16-bit scales
-    and biases as their raw bits; the temporary is removed on any failure, an exception or SIGINT, and on
-    SIGTERM (:func:`_sigterm_raised`).
+    """Writes the tier atomically (a temporary file of this call renamed over the entry, which has an ordinary
+    file's mode: 0666 less the umask), the 16-bit scales and biases as their raw bits; the temporary is removed
+    on any failure, an exception or SIGINT, and on SIGTERM (:func:`_sigterm_raised`).
 
     Raises:
         OSError: the directory cannot be made or written; InterruptedError where SIGTERM came during the save
@@ -492,12 +492,25 @@ def _save(path: Path, weights: Mapping[str, QuantizedWeight], meta: Mapping) -> 
         descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
             with os.fdopen(descriptor, "wb") as out:
+                os.fchmod(out.fileno(), 0o666 & ~_umask())  # an ordinary file's mode (mkstemp's is 0600)
                 np.savez(out, **arrays)
             os.replace(temporary, path)
         except BaseException:  # SIGINT's KeyboardInterrupt and SIGTERM's _Terminated too
             with contextlib.suppress(OSError):
                 os.unlink(temporary)
             raise
+
+
+def _umask() -> int:
+    """The process's umask: from ``/proc/self/status`` where Linux gives it, else set and restored (the one way
+    POSIX has to read it)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 class _Terminated(BaseException):

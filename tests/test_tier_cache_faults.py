@@ -109,3 +109,16 @@ def test_a_save_leaves_the_sigterm_disposition_as_it_found_it(tmp_path, rng):
     before = signal.getsignal(signal.SIGTERM)
     _build(checkpoint, tmp_path / "cache")
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
+def test_a_cached_entry_is_an_ordinary_file_under_the_umask(tmp_path, rng, umask, mode):
+    """An entry is created as open() creates a file, 0666 less the umask (the temporary's 0600 had been kept)."""
+    checkpoint = _write_checkpoint(tmp_path / "ckpt", rng)
+    previous = os.umask(umask)
+    try:
+        _build(checkpoint, tmp_path / "cache")
+    finally:
+        os.umask(previous)
+    (entry,) = (tmp_path / "cache").iterdir()
+    assert entry.stat().st_mode & 0o777 == mode
