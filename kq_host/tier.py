@@ -272,8 +272,9 @@ def build_tier(store, num_layers: int, num_experts: int, *, bits: int = 3, group
     while the checkpoint's files are those it was built from: each file's device, inode, size,
     modification and change times and a digest of its safetensors header (a hit reads the headers,
     not the weights; what that misses: ``_content_digest``); a changed checkpoint's entry is rebuilt
-    in place. An entry that is unreadable or does not hold the
-    request's layers, experts, projections, shapes and dtypes is rebuilt with a warning; a cache that
+    in place. An entry that is unreadable, does not hold the
+    request's layers, experts, projections, shapes and dtypes, or holds a scale or bias that is not finite
+    is rebuilt with a warning; a cache that
     cannot be written leaves the tier uncached with a warning.
 
     Args:
@@ -571,7 +572,21 @@ def _load(path: Path, meta: Mapping, shapes: Mapping[str, tuple[tuple[int, ...],
         warnings.warn(f"build_tier: the cached tier {path} does not hold the request ({mismatch}); building it again",
                       stacklevel=3)
         return None
+    damaged = _non_finite(tier)
+    if damaged:  # quantize never writes one: the entry was damaged or edited
+        warnings.warn(f"build_tier: the cached tier {path}: {damaged} holds a value that is not finite (NaN or inf); "
+                      f"building it again", stacklevel=3)
+        return None
     return tier
+
+
+def _non_finite(tier: Tier) -> str | None:
+    """The first ``projection.scales`` or ``.biases`` of ``tier`` holding a NaN or an inf, or None."""
+    for name, weight in tier.weights.items():
+        for field in ("scales", "biases"):
+            if not np.isfinite(getattr(weight, field).astype(np.float32)).all():
+                return f"{name}.{field}"
+    return None
 
 
 def _mismatch(tier: Tier, num_layers: int, num_experts: int,

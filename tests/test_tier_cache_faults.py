@@ -122,3 +122,26 @@ def test_a_cached_entry_is_an_ordinary_file_under_the_umask(tmp_path, rng, umask
         os.umask(previous)
     (entry,) = (tmp_path / "cache").iterdir()
     assert entry.stat().st_mode & 0o777 == mode
+
+
+@pytest.mark.parametrize("field", ["scales", "biases"])
+def test_a_cached_entry_holding_a_nan_scale_is_built_again_not_served(tmp_path, rng, field):
+    """An entry whose meta and shapes answer the request but whose scale (or bias) is NaN, as a damaged disk or
+    an edit leaves it: built again with a warning, never handed out (a NaN scale makes its misses NaN)."""
+    checkpoint = _write_checkpoint(tmp_path / "ckpt", rng)
+    want = _build(checkpoint, tmp_path / "cache")
+    (entry,) = (tmp_path / "cache").iterdir()
+    with np.load(entry) as cached:
+        arrays = {name: cached[name] for name in cached.files}
+    damaged = arrays[f"up_proj.{field}"].copy()
+    damaged[1, 2, 3, 0] = 0x7FC0  # bfloat16 NaN
+    arrays[f"up_proj.{field}"] = damaged
+    with open(entry, "wb") as out:
+        np.savez(out, **arrays)
+    with pytest.warns(UserWarning, match=rf"up_proj.{field} holds a value that is not finite.*building it again"):
+        got = _build(checkpoint, tmp_path / "cache")
+    for name in PROJECTIONS:
+        for a, b in zip(got.weights[name], want.weights[name]):
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    again = _build(checkpoint, tmp_path / "cache")  # the entry written again, finite: served
+    assert np.isfinite(again.weights["up_proj"].scales.astype(np.float32)).all()
