@@ -51,6 +51,11 @@ class TierOptionError(ValueError):
     """An option of the tier (bits, group size, a weight's shape) is not one the format takes."""
 
 
+class WeightValueError(TierOptionError):
+    """A weight holds values the format cannot hold: not finite, or a group whose range is too wide for its
+    values to come back finite. The weight's fault, not the options'."""
+
+
 class QuantizedWeight(NamedTuple):
     """One weight (or a stack of them) in the tier's format.
 
@@ -105,8 +110,9 @@ def quantize(weight: np.ndarray, *, bits: int, group_size: int) -> QuantizedWeig
         ``[..., in / group_size]`` in the 16-bit dtype (bfloat16, or float16 for a float16 weight).
 
     Raises:
-        TierOptionError: an option, dtype or shape the format does not take, a value that is not finite in
-            the 16-bit dtype, or a group whose range is too wide for its values to dequantize finite.
+        TierOptionError: an option, dtype or shape the format does not take; its WeightValueError: a value
+            that is not finite in the 16-bit dtype, or a group whose range is too wide for its values to
+            dequantize finite.
     """
     check_options(bits, group_size)
     weight = np.asarray(weight)
@@ -120,7 +126,7 @@ def quantize(weight: np.ndarray, *, bits: int, group_size: int) -> QuantizedWeig
     with np.errstate(over="ignore", invalid="ignore"):  # values beyond the 16-bit range become inf: refused below
         weight = weight.astype(np.float32).astype(dtype)
     if not np.all(np.isfinite(weight)):
-        raise TierOptionError(f"tier: a weight to quantize holds inf or NaN, or values beyond {dtype.name}'s range "
+        raise WeightValueError(f"tier: a weight to quantize holds inf or NaN, or values beyond {dtype.name}'s range "
                               f"(the tier stores {dtype.name} scales and biases)")
     groups = weight.astype(np.float32).reshape(*weight.shape[:-1], weight.shape[-1] // group_size, group_size)
     levels = np.float32((1 << bits) - 1)
@@ -141,7 +147,7 @@ def quantize(weight: np.ndarray, *, bits: int, group_size: int) -> QuantizedWeig
     # and (w - bias) / scale is 0 / 0; every q is 0 there, the value the bias alone.
     q = np.where(np.isnan(q), np.float32(0), q)
     if not (np.all(np.isfinite(scales)) and np.all(np.isfinite(top))):
-        raise TierOptionError(f"tier: a weight has a group whose range (max - min) is too wide for {dtype.name} at "
+        raise WeightValueError(f"tier: a weight has a group whose range (max - min) is too wide for {dtype.name} at "
                               f"bits={bits}: its values cannot come back finite from the format")
     return QuantizedWeight(pack(q.astype(np.uint32).reshape(weight.shape), bits), scales, biases)
 
@@ -292,7 +298,8 @@ def build_tier(store, num_layers: int, num_experts: int, *, bits: int = 3, group
         TierOptionError: an option the format does not take, or ``num_layers`` / ``num_experts`` that
             disagree with the store.
         ExpertStoreError: a read failed, two projections of one read share memory (a store whose
-            ``host_allocator`` hands one buffer to two reads), or the checkpoint's files changed.
+            ``host_allocator`` hands one buffer to two reads), the checkpoint's files changed, or an expert
+            holds values the format cannot hold (a NaN or an inf; naming its layer, expert and projection).
     """
     check_options(bits, group_size)
     for name, value in (("num_layers", num_layers), ("num_experts", num_experts)):
@@ -373,6 +380,11 @@ def quantize_experts(read_expert, projections, num_layers: int, num_experts: int
 
     Returns:
         ``{projection: QuantizedWeight}``, each field with leading dims ``[num_layers, num_experts]``.
+
+    Raises:
+        ExpertStoreError: an expert's values the format cannot hold (:class:`WeightValueError`: a NaN or an
+            inf, a range too wide), naming its layer, expert and projection.
+        TierOptionError: an expert's shape or dtype the options do not take, naming the same.
     """
     per_projection: dict[str, list[list[QuantizedWeight]]] = {p: [] for p in projections}
     for layer in range(num_layers):
@@ -381,7 +393,12 @@ def quantize_experts(read_expert, projections, num_layers: int, num_experts: int
             read = read_expert(layer, expert)
             _refuse_shared_memory(read, layer, expert)
             for name in projections:
-                rows[name].append(quantize(read[name], bits=bits, group_size=group_size))
+                try:
+                    rows[name].append(quantize(read[name], bits=bits, group_size=group_size))
+                except WeightValueError as error:  # the checkpoint's values: named, not blamed on the options
+                    raise ExpertStoreError(f"layer {layer} expert {expert} {name}: {error}") from None
+                except TierOptionError as error:
+                    raise TierOptionError(f"layer {layer} expert {expert} {name}: {error}") from None
         for name in projections:
             per_projection[name].append(rows[name])
     return {name: QuantizedWeight(*(np.stack([np.stack([getattr(w, field) for w in layer]) for layer in layers])

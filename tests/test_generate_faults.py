@@ -158,3 +158,24 @@ def test_a_fifo_among_the_files_mlx_lm_opens_is_refused_at_once(tmp_path, name):
     for framework in ("jax", "mlx"):
         with pytest.raises(ValueError, match=rf"--checkpoint: {message}"):
             StudyConfig(checkpoint=directory, framework=framework)
+
+
+# ---- an expert holding NaN under the tier ------------------------------------------------------------------------
+
+
+def test_a_nan_in_an_expert_under_the_tier_names_the_layer_expert_and_projection(tmp_path):
+    """The tier quantizes every expert: one holding a NaN is the model's fault, named by layer, expert and
+    projection (it had been blamed on --tier-bits/--tier-group-size, naming no tensor)."""
+    directory = shutil.copytree(STDLIB, tmp_path / "model")
+    raw = (directory / WEIGHTS).read_bytes()
+    size = struct.unpack("<Q", raw[:8])[0]
+    entry = json.loads(raw[8:8 + size])["model.layers.2.mlp.experts.5.up_proj.weight"]
+    assert entry["dtype"] == "BF16"
+    with open(directory / WEIGHTS, "r+b") as handle:
+        handle.seek(8 + size + entry["data_offsets"][0] + 2 * 7)
+        handle.write(struct.pack("<H", 0x7FC0))  # bfloat16 NaN, the expert's eighth value
+    with pytest.raises(GenerateError) as caught:
+        generate(GenerateConfig(directory, PROMPT, max_tokens=2, rule="tier"))
+    message = str(caught.value)
+    assert message.startswith("--model: ") and "layer 2 expert 5 up_proj" in message, message
+    assert "NaN" in message and "--tier" not in message, message
