@@ -215,22 +215,59 @@ def test_arena_moe_names_each_bad_argument():
                       **arguments)
 
 
-def test_numpy_tables_and_weights_are_taken_under_jit():
-    """The manager's snapshot (a NumPy table) and NumPy weights, closed over in a jitted step."""
-    import jax
+def _same_bits(want, got):
+    """``got`` has ``want``'s dtype, shape and every bit (an array compared whole, not row by row)."""
+    want, got = np.asarray(want), np.asarray(got)
+    assert (got.dtype, got.shape) == (want.dtype, want.shape)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
+
+def _on_the_cpu_only():
+    """Skips a test comparing an eager layer with a jitted one off JAX's CPU backend: on a GPU two compiled
+    programs need not agree to the bit (XLA fuses each its own way), so only the same program is compared there."""
+    if jax.default_backend() != "cpu":
+        pytest.skip(f"eager and jitted layers agree to the bit on JAX's CPU backend only (here: "
+                    f"{jax.default_backend()})")
+
+
+def _table_steps(table, weights, full):
+    """The jitted steps that close over the manager's table and the arena's weights: full_table_moe, and
+    arena_moe's exact rule fetching misses from ``full``; each ``(x, indices, scores) -> y``."""
     from kq_jax.arena_moe import arena_moe, full_table_moe
 
+    full_table = jax.jit(lambda x, i, s: full_table_moe(x, i, s, table, weights=weights)[0])
+    exact = jax.jit(lambda x, i, s: arena_moe(x, i, s, table, rule="exact", weights=weights, num_slots=4,
+                                              fetch=lambda layer, ids: tuple(w[ids] for w in full))[0])
+    return full_table, exact
+
+
+def _table_inputs():
     full, arena, x = _layer(slots=4)
     table = np.array([0, 1, 2, 3], np.int32)
     indices, scores = np.array([[0, 2], [1, 3]], np.int32), np.full((2, 2), 0.5, np.float32)
-    numpy_arena = Experts(*(np.asarray(w) for w in arena))
-    got = jax.jit(lambda x, i, s: full_table_moe(x, i, s, table, weights=numpy_arena)[0])(x, indices, scores)
-    exact = jax.jit(lambda x, i, s: arena_moe(x, i, s, table, rule="exact", weights=numpy_arena, num_slots=4,
-                                              fetch=lambda layer, ids: tuple(w[ids] for w in full))[0])
+    return full, Experts(*(np.asarray(w) for w in arena)), table, (x, indices, scores)
+
+
+def test_numpy_tables_and_weights_are_taken_under_jit():
+    """The manager's snapshot (a NumPy table) and NumPy weights, closed over in a jitted step, give the bits of
+    the same step closed over JAX arrays of them (one program: it lowers alike, so it agrees on every backend)."""
+    full, numpy_arena, table, inputs = _table_inputs()
+    jax_steps = _table_steps(jnp.asarray(table), Experts(*map(jnp.asarray, numpy_arena)),
+                             Experts(*map(jnp.asarray, full)))
+    for numpy_step, jax_step in zip(_table_steps(table, numpy_arena, full), jax_steps):
+        assert numpy_step.lower(*inputs).as_text() == jax_step.lower(*inputs).as_text()
+        want = jax_step(*inputs)
+        assert np.abs(np.asarray(want)).max() > 0
+        _same_bits(want, numpy_step(*inputs))
+
+
+def test_numpy_tables_and_weights_under_jit_give_the_eager_resident_layers_bits_on_the_cpu():
+    """On the CPU the jitted steps closed over NumPy give the eager resident layer's bits."""
+    _on_the_cpu_only()
+    full, numpy_arena, table, (x, indices, scores) = _table_inputs()
     want = combine(experts_apply(x, full, indices), scores)
-    assert_same_bits(np.asarray(got), np.asarray(want))
-    assert_same_bits(np.asarray(exact(x, indices, scores)), np.asarray(want))
+    for step in _table_steps(table, numpy_arena, full):
+        _same_bits(want, step(x, indices, scores))
 
 
 def _routing_layers():
@@ -268,13 +305,25 @@ def test_numpy_inputs_give_the_bits_of_jax_arrays(name):
 
 @pytest.mark.parametrize("name", ["resident", "arena", "tiered", "moe_layer"])
 def test_numpy_float64_inputs_are_taken_as_jit_takes_them(name):
-    """Without x64, JAX takes NumPy float64 as float32: eagerly the layers give the bits jit gives (they had
-    multiplied in NumPy's float64 eagerly)."""
+    """Without x64, JAX takes NumPy float64 as float32, rounded to nearest: eagerly and jitted, each layer gives
+    the bits of those float32 inputs through the same program (eagerly they had multiplied in NumPy's float64)."""
     layer = _routing_layers()[name]
     rng = np.random.default_rng(3)
     x, router = rng.normal(size=(8, 32)), rng.normal(size=(32, E))
-    np.testing.assert_array_equal(np.asarray(layer(x, router)).view(np.uint32),
-                                  np.asarray(jax.jit(layer)(x, router)).view(np.uint32))
+    as_jit_takes = x.astype(np.float32), router.astype(np.float32)
+    _same_bits(layer(*as_jit_takes), layer(x, router))
+    jitted = jax.jit(layer)
+    _same_bits(jitted(*as_jit_takes), jitted(x, router))
+
+
+@pytest.mark.parametrize("name", ["resident", "arena", "tiered", "moe_layer"])
+def test_eagerly_the_layers_give_jits_bits_on_the_cpu(name):
+    """On the CPU an eager layer of NumPy float64 inputs gives the jitted layer's bits."""
+    _on_the_cpu_only()
+    layer = _routing_layers()[name]
+    rng = np.random.default_rng(3)
+    x, router = rng.normal(size=(8, 32)), rng.normal(size=(32, E))
+    _same_bits(jax.jit(layer)(x, router), layer(x, router))
 
 
 @pytest.mark.parametrize("argument", ["x", "router_w"])
