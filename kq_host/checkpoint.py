@@ -179,7 +179,8 @@ class Quantization:
         if not isinstance(raw, dict):
             raise ExpertStoreError(f"{path}: quantization must be a JSON object, got {raw!r}")
         if raw.get("mode", "affine") != "affine":
-            raise ExpertStoreError(f"{path}: quantization mode {raw['mode']!r}; kq reads the affine mode only")
+            raise ExpertStoreError(f"{path}: quantization mode {raw['mode']!r} is not supported (kq reads the affine "
+                                   f"mode only)")
 
         def options(where: str, value: dict) -> tuple[int, int]:
             numbers = [value.get("bits"), value.get("group_size")]
@@ -452,7 +453,11 @@ def tier_from_checkpoint(directory: str | os.PathLike, store, num_layers: int, n
         raise ExpertStoreError(f"tier_from_checkpoint: {config} does not exist; give an mlx-lm model directory")
     try:
         quantization = Quantization.of(directory)
-    except (OSError, ValueError) as error:
+    except CheckpointError as error:  # not JSON, or not an object
+        raise ExpertStoreError(f"tier_from_checkpoint: {config} is unreadable ({error})") from None
+    except ExpertStoreError as error:  # read, its "quantization" a mode or options kq does not take
+        raise TierOptionError(f"tier_from_checkpoint: {error}") from None
+    except OSError as error:
         raise ExpertStoreError(f"tier_from_checkpoint: {config} is unreadable ({error})") from None
     if quantization is None:
         raise TierOptionError(f"tier_from_checkpoint: {config} has no \"quantization\": {directory} is not a "

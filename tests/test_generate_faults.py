@@ -179,3 +179,19 @@ def test_a_nan_in_an_expert_under_the_tier_names_the_layer_expert_and_projection
     message = str(caught.value)
     assert message.startswith("--model: ") and "layer 2 expert 5 up_proj" in message, message
     assert "NaN" in message and "--tier" not in message, message
+
+
+def test_a_tier_model_of_an_unsupported_mode_is_said_to_be_unsupported(tmp_path):
+    """--tier-model's config.json readable, its "quantization" mode one kq does not read: said so (it had been
+    called unreadable)."""
+    from kq_host.checkpoint import open_experts, tier_from_checkpoint
+    from kq_host.tier import TierOptionError
+
+    settings = json.loads((WHEELS / "config.json").read_text())
+    lower = with_config(WHEELS, tmp_path / "mxfp4", quantization={**settings["quantization"], "mode": "mxfp4"})
+    with open_experts(WHEELS) as store, pytest.raises(TierOptionError) as caught:
+        tier_from_checkpoint(lower, store, 16, 64)
+    message = str(caught.value)
+    assert "mode 'mxfp4' is not supported" in message and "unreadable" not in message, message
+    with pytest.raises(GenerateError, match=r"--tier-model: .*mode 'mxfp4' is not supported .*affine"):
+        generate(GenerateConfig(WHEELS, PROMPT, max_tokens=2, rule="tier", tier_model=lower))
