@@ -27,7 +27,8 @@ from typing import Callable
 import numpy as np
 
 from kq_core.validate import is_int, is_real
-from kq_host.checkpoint import MODEL_FILES, CheckpointError, check_packed_words, check_regular_files, model_files
+from kq_host.checkpoint import (MODEL_FILES, CheckpointError, check_packed_words, check_regular_files, check_shards,
+                                model_files, refusal_summary)
 from kq_host.expert_store import ExpertStoreError, read_safetensors_headers
 from kq_host.residency import MAX_QUEUE_DEPTH
 
@@ -156,12 +157,15 @@ def _checked(config: GenerateConfig) -> tuple[Path, dict]:
             raise _fail("--model", f"{model} has no config.json: not an mlx-lm model directory")
         if not model_files(model):
             raise _fail("--model", f"{model} holds no {MODEL_FILES} file (the weights files mlx-lm loads)")
+        check_shards(model)
         for path in model_files(model):
             if not path.is_file():  # a pipe or a device would block mlx-lm's load, a directory fail it
                 raise _fail("--model", f"{path} is not a regular file (mlx-lm loads every {MODEL_FILES} file)")
         settings = json.loads((model / "config.json").read_text())
     except json.JSONDecodeError as error:
         raise _fail("--model", f"{model / 'config.json'} is not JSON ({error})") from None
+    except CheckpointError as error:
+        raise _fail("--model", str(error)) from None
     except (OSError, ValueError) as error:
         if isinstance(error, GenerateError):
             raise
@@ -234,7 +238,8 @@ def _load(model_dir: Path):
     try:
         return load(str(model_dir), lazy=True)
     except Exception as error:  # noqa: BLE001 - mlx-lm's errors for a directory it cannot load vary by cause
-        raise _fail("--model", f"mlx-lm cannot load {model_dir} ({type(error).__name__}: {error})") from None
+        raise _fail("--model", f"mlx-lm cannot load {model_dir} ({type(error).__name__}: "
+                               f"{refusal_summary(error)})") from None
 
 
 def expert_tensor_names(model_dir: Path, blocks) -> dict[int, dict[str, str]]:

@@ -50,7 +50,7 @@ import numpy as np
 from kq.terminal import progress_bar, render_table
 from kq_core.contract import MAX_TOP_K
 from kq_host.checkpoint import (CHECKPOINT_LAYOUTS, EXPERT_WIDTH_KEYS, MODEL_FILES, CheckpointError,
-                                 check_regular_files, model_files, read_config, trained_length)
+                                 check_regular_files, check_shards, model_files, read_config, trained_length)
 
 RULES = ("route_shed", "shed", "renormalize", "substitute", "tier", "stall", "reroute", "prior", "uniform")
 JAX_ONLY_RULES = ("reroute", "prior", "uniform")
@@ -235,12 +235,16 @@ def checkpoint_config(checkpoint, framework: str = "jax") -> dict:
 
 def _check_weights_files(directory: Path) -> None:
     """ValueError naming ``--checkpoint`` and the file where the directory holds no safetensors file, one
-    whose header cannot be read (truncated, corrupt), or a tensor in two files."""
+    whose header cannot be read (truncated, corrupt), a tensor in two files, or lacks a shard its index names."""
     from kq_host.expert_store import ExpertStoreError, read_safetensors_headers
 
     files = model_files(directory)
     if not files:
         raise ValueError(f"--checkpoint: {directory} holds no {MODEL_FILES} weights file")
+    try:
+        check_shards(directory)
+    except CheckpointError as error:
+        raise ValueError(f"--checkpoint: {error}") from None
     try:
         read_safetensors_headers(files)
     except ExpertStoreError as error:

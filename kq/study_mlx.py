@@ -23,7 +23,7 @@ from kq.study import (
     token_bits,
     window_result,
 )
-from kq_host.checkpoint import CHECKPOINT_LAYOUTS, expert_nbytes
+from kq_host.checkpoint import CHECKPOINT_LAYOUTS, expert_nbytes, refusal_summary
 from kq_mlx.tier import arena_tier
 
 
@@ -50,11 +50,8 @@ class MlxStudy:
         try:  # mlx-lm's loader checks every weight against the model config.json describes
             self._resident_model = self._model()
         except (ValueError, KeyError) as error:  # mlx-lm's sanitize raises KeyError for a missing expert
-            lines = [f"lacks {error.args[0]}"] if isinstance(error, KeyError) else str(error).splitlines()
-            head, *names = [line.strip(" ,.:") for line in lines if line.strip()]
-            listed = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
             raise ValueError(f"--checkpoint: {checkpoint}: mlx-lm refuses its weights for the model its config.json "
-                             f"describes: {head}{': ' + listed if listed else ''}") from None
+                             f"describes: {refusal_summary(error)}") from None
 
     def tier(self):
         """The checkpoint's tier under the arena's projection names (:func:`arena_tier`), once a study.

@@ -77,6 +77,46 @@ def check_regular_files(directory: str | os.PathLike) -> None:
                                       f"regular files")
 
 
+# The index of a sharded checkpoint: {"weight_map": {tensor name: shard file name}}.
+SHARD_INDEX = "model.safetensors.index.json"
+
+
+def check_shards(directory: str | os.PathLike) -> None:
+    """Checks that every shard the directory's :data:`SHARD_INDEX` names is in the directory (a download that
+    lost one; mlx-lm's loader reads the shards it finds and would name only the tensors it then lacks). An
+    index that is no JSON object with a ``weight_map`` object is passed over, as mlx-lm's loader passes it.
+
+    Raises:
+        CheckpointError: naming the index and the first shard missing, and how many more are.
+    """
+    index = Path(directory) / SHARD_INDEX
+    try:
+        weight_map = json.loads(index.read_bytes()).get("weight_map")
+    except (OSError, ValueError, AttributeError):  # absent, unreadable, not JSON, not an object
+        return
+    if not isinstance(weight_map, dict):
+        return
+    shards = sorted({shard for shard in weight_map.values() if isinstance(shard, str)})
+    missing = [shard for shard in shards if not (Path(directory) / shard).is_file()]
+    if missing:
+        more = f" (and {len(missing) - 1} more of its {len(shards)} shards)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{index} names {missing[0]}, which is not in {directory}{more}: the checkpoint is "
+                              f"incomplete (download the missing shards)")
+
+
+def refusal_summary(error: BaseException, most: int = 3) -> str:
+    """One line of a loader's refusal (mlx-lm's lists every parameter it misses or does not expect, one a line):
+    its first line, then the first ``most`` names it lists and how many more, at most 400 characters."""
+    lines = [f"lacks {error.args[0]}"] if isinstance(error, KeyError) and error.args else str(error).splitlines()
+    lines = [line.strip(" ,.:") for line in lines if line.strip(" ,.:")]
+    if not lines:
+        return type(error).__name__
+    head, *names = lines
+    listed = ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+    line = f"{head}{': ' + listed if listed else ''}"
+    return line if len(line) <= 400 else line[:397] + "..."
+
+
 def read_config(directory) -> dict:
     """The directory's ``config.json`` as a dict.
 

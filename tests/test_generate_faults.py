@@ -195,3 +195,45 @@ def test_a_tier_model_of_an_unsupported_mode_is_said_to_be_unsupported(tmp_path)
     assert "mode 'mxfp4' is not supported" in message and "unreadable" not in message, message
     with pytest.raises(GenerateError, match=r"--tier-model: .*mode 'mxfp4' is not supported .*affine"):
         generate(GenerateConfig(WHEELS, PROMPT, max_tokens=2, rule="tier", tier_model=lower))
+
+
+# ---- config.json and the weights disagreeing ---------------------------------------------------------------------
+
+
+def test_a_config_the_weights_disagree_with_is_refused_in_one_short_line(tmp_path, capsys):
+    """mlx-lm lists every parameter it misses, one a line (18 KB for the 16-layer model given 4 layers more): kq
+    generate names the first few and counts the rest, in one line."""
+    directory = with_config(WHEELS, tmp_path / "model", num_hidden_layers=20)
+    with pytest.raises(GenerateError) as caught:
+        generate(GenerateConfig(directory, PROMPT, max_tokens=2))
+    message = str(caught.value)
+    assert "\n" not in message and len(message) < 600, message
+    assert message.startswith(f"--model: mlx-lm cannot load {directory}") and "Missing" in message, message
+    assert "model.layers.16." in message and " more" in message, message
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(directory), "--prompt", PROMPT])
+    err = capsys.readouterr().err
+    assert len(err) < 1500 and err.strip().splitlines()[-1].startswith("kq generate: error: --model: mlx-lm "), err
+
+
+def test_a_shard_the_index_names_but_the_directory_lacks_is_named(tmp_path):
+    """A sharded model missing a shard: model.safetensors.index.json names the shard, which kq names (mlx-lm loads
+    the shards it finds and names only the parameters it then misses)."""
+    from kq.study import StudyConfig
+
+    def without_layer_3(header):
+        for name in [n for n in header if n.startswith("model.layers.3.")]:
+            del header[name]
+
+    directory = with_header(STDLIB, tmp_path / "model", without_layer_3)
+    raw = (STDLIB / WEIGHTS).read_bytes()
+    names = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+    first, second = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    (directory / WEIGHTS).rename(directory / first)
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
+        name: second if name.startswith("model.layers.3.") else first for name in names if name != "__metadata__"}}))
+    message = rf"--model: {directory / 'model.safetensors.index.json'} names {second}, which is not in {directory}"
+    with pytest.raises(GenerateError, match=message):
+        generate(GenerateConfig(directory, PROMPT, max_tokens=2))
+    with pytest.raises(ValueError, match=rf"--checkpoint: .*names {second}, which is not in"):
+        StudyConfig(checkpoint=directory)
