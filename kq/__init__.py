@@ -10,17 +10,21 @@ The contract lives in :mod:`kq_core`, the host side of an arena in
 
 from __future__ import annotations
 
-from kq_core import (
-    RouteShedArgumentError,
-    RouteShedDtypeError,
-    RouteShedInputError,
-    RouteShedResult,
-    TopkRouteShedResult,
-    check_route_shed_args,
-    route_shed_oracle,
-    topk_route_shed_oracle,
-    validate,
-)
+import importlib
+
+# kq_core's names are imported when first used (PEP 562), so `import kq.cli` (and `kq --help`) starts no NumPy
+# extension: ml_dtypes alone takes over half a second of CPU.
+_FROM_KQ_CORE = frozenset({
+    "RouteShedArgumentError",
+    "RouteShedDtypeError",
+    "RouteShedInputError",
+    "RouteShedResult",
+    "TopkRouteShedResult",
+    "check_route_shed_args",
+    "route_shed_oracle",
+    "topk_route_shed_oracle",
+    "validate",
+})
 
 __version__ = "0.1.0"
 __all__ = [
@@ -35,6 +39,18 @@ __all__ = [
     "topk_route_shed_oracle",
     "validate",
 ]
+
+
+def __getattr__(name: str):
+    if name in _FROM_KQ_CORE:
+        value = getattr(importlib.import_module("kq_core"), name)
+        globals()[name] = value  # found directly from now on
+        return value
+    raise AttributeError(f"module 'kq' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_FROM_KQ_CORE})
 
 
 def _framework(array) -> str:
@@ -82,4 +98,6 @@ def route_shed(indices, scores, slot_table, **options):
     unknown = set(options) - {"num_slots", "on_miss"}
     if unknown:
         raise TypeError(f"route_shed: the NumPy oracle takes only num_slots and on_miss, got {sorted(unknown)}")
+    from kq_core import route_shed_oracle
+
     return route_shed_oracle(indices, scores, slot_table, **options)

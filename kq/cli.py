@@ -9,8 +9,6 @@ import os
 import sys
 from pathlib import Path
 
-from kq.backends import all_backends, backend
-
 DEMO_COLUMNS = """\
 By default the demo continues --prompt with the shipped model (a Qwen3-MoE trained on the Python standard
 library's source), greedily, once through an arena of --residency of each layer's experts, filled between
@@ -38,6 +36,7 @@ directory, deleted at the end, and the plot goes to --plot."""
 
 
 def _check(args, parser) -> int:
+    from kq.backends import all_backends, backend
     from kq.check import ImplementationError, format_failed_case, format_table, implementation_backend, run_checks
 
     if args.impl_arrays != "numpy" and not args.impl:
@@ -355,13 +354,10 @@ class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kq", description="route_shed kernels, checked against one spec.")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _check_options(check) -> None:
+    from kq.backends import all_backends
+
     names = [b.name for b in all_backends()]
-    defaults = _DefaultsHelpFormatter
-    check = sub.add_parser("check", help="run every golden case and random rows through every backend",
-                           formatter_class=defaults)
     check.add_argument("--backends", nargs="+", metavar="NAME", choices=names,
                        help=f"subset of: {', '.join(names)} (default: all)")
     check.add_argument("--random-rows", type=_count(0), default=None,
@@ -380,17 +376,16 @@ def main(argv: list[str] | None = None) -> int:
                        help="the arrays --impl functions are given; their outputs may be any arrays NumPy reads")
     check.set_defaults(func=lambda args: _check(args, check))
 
+
+def _bench_options(bench) -> None:
+    from kq.bench.decode_e2e import RANDOM_MODELS, RECORDED_MODELS
     from kq.bench.kernels import SHAPE_SETS
 
-    bench = sub.add_parser("bench", help="time every backend here against its floors and the naive baseline",
-                           formatter_class=defaults)
     bench.add_argument("--sets", nargs="+", choices=sorted([*SHAPE_SETS, "host", "compile", "decode-e2e"]),
                        help="named shape sets (default: decode, unless --shapes is given); host: the residency "
                             "manager's token boundary at real model sizes instead of route_shed; compile: the JAX "
                             "kernels' first call at new row counts, with and without row buckets; decode-e2e: decoding "
                             "through an arena end to end, the resident model beside lossy, tier and exact arenas")
-    from kq.bench.decode_e2e import RANDOM_MODELS, RECORDED_MODELS
-
     bench.add_argument("--models", nargs="+", choices=[*RECORDED_MODELS, *RANDOM_MODELS],
                        help="decode-e2e's models (default: every model where JAX runs on a GPU, two small ones else)")
     bench.add_argument("--shapes", nargs="+", type=_shape, metavar="TxKxE",
@@ -404,13 +399,11 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--no-progress", action="store_true")
     bench.set_defaults(func=lambda args: _bench(args, bench))
 
-    from kq import study
-    from kq_host.tier import BITS as TIER_BITS
-    from kq_host.tier import GROUP_SIZES as TIER_GROUP_SIZES
 
-    demo = sub.add_parser("demo", help="generate text with the shipped model through an arena of a quarter of its "
-                                       "experts (--random: a random MoE stack)",
-                          formatter_class=argparse.RawDescriptionHelpFormatter, epilog=DEMO_COLUMNS)
+def _demo_options(demo) -> None:
+    from kq.demo import DEFAULT_TIER_BITS
+    from kq_host.tier import BITS as TIER_BITS
+
     demo.add_argument("--frameworks", nargs="+", choices=["jax", "mlx"],
                       help="frameworks to run (default: every one installed)")
     demo.add_argument("--checkpoint", type=Path, default=argparse.SUPPRESS,
@@ -430,15 +423,17 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--steps", type=int, default=argparse.SUPPRESS, help="decode steps (default 200)")
     demo.add_argument("--residency", type=float, default=0.25,
                       help="fraction of each layer's experts in the arena, in (0, 1] (default 0.25)")
-    demo.add_argument("--policy", choices=["lfu", "lru"], default="lfu", help="eviction policy (default lfu)")
+    demo.add_argument("--policy", choices=["lfu", "lru"], default="lfu",
+                      help="eviction policy: lfu evicts the least frequently used expert (counts decayed over "
+                           "time), lru the least recently used (default lfu)")
     demo.add_argument("--rule", choices=["tier", "route_shed", "shed", "exact"], default=argparse.SUPPRESS,
                       help="the shipped model's misses: served by a low-precision copy of every expert (tier, the "
                            "default), shed (route_shed rescales the kept weights, shed does not), or read before "
                            "their layer's experts run, the next layer's experts prefetched (exact: the layer-by-layer "
                            "loop, the resident model's text)")
     demo.add_argument("--tier-bits", type=int, choices=TIER_BITS, default=argparse.SUPPRESS,
-                      help="bits per weight of the tier (default 4: the shipped model's greedy text through a 25%% "
-                           "arena then matches the resident model's for its first 20 tokens; 8: all 48)")
+                      help=f"--rule tier: bits per weight of the low-precision copy of every expert (default "
+                           f"{DEFAULT_TIER_BITS})")
     demo.add_argument("--keep-mass", type=float, default=argparse.SUPPRESS,
                       help="shed-mass budget: a layer-step shedding more than 1 - this of its routed mass "
                            "counts as over-budget (default 0.9)")
@@ -450,13 +445,8 @@ def main(argv: list[str] | None = None) -> int:
                            "kq_demo.png; '' for none)")
     demo.set_defaults(func=lambda args: _demo(args, demo))
 
-    generate_parser = sub.add_parser(
-        "generate", help="generate text with an mlx-lm MoE model directory, its experts streamed through an arena",
-        description="Generates text greedily with any mlx-lm MoE model directory (float or quantized), loaded "
-                    "lazily: each MoE layer keeps --residency of its experts in an arena, filled from the "
-                    "directory's safetensors files by the residency manager; no other expert is ever in memory. "
-                    "The prompt runs layer by layer, each expert it routes to read once; then each token under "
-                    "--rule. The text is printed as it comes, then the speeds, hit rate, reads and peak memory.")
+
+def _generate_options(generate_parser) -> None:
     generate_parser.add_argument("--model", required=True, type=Path, help="an mlx-lm model directory")
     generate_parser.add_argument("--prompt", required=True, help="the text to continue")
     generate_parser.add_argument("--max-tokens", type=_count(1), default=64, help="tokens to generate (default 64)")
@@ -488,13 +478,12 @@ def main(argv: list[str] | None = None) -> int:
     generate_parser.add_argument("--json", type=_output_path, default=None, help="write the figures to this JSON file")
     generate_parser.set_defaults(func=lambda args: _generate(args, generate_parser))
 
-    study_parser = sub.add_parser(
-        "study", help="what shedding costs a trained model: perplexity through a bounded arena, per rule and policy",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="The rules, the columns and the method: docs/shedding_study.md and the module kq/study.py. The default "
-               "grid (73 runs and the resident one, each of 256 scored tokens in two windows within the shipped "
-               "model's trained length) takes about 6 minutes on a 2-core CPU; --tokens, --residency, --policies and "
-               "--rules shorten it.")
+
+def _study_options(study_parser) -> None:
+    from kq import study
+    from kq_host.tier import BITS as TIER_BITS
+    from kq_host.tier import GROUP_SIZES as TIER_GROUP_SIZES
+
     study_parser.add_argument("--framework", choices=["jax", "mlx"], default="jax",
                               help="decode with kq_jax's Qwen3-MoE or with mlx-lm's unmodified model (default jax)")
     study_parser.add_argument("--checkpoint", type=Path, default=study.SHIPPED_MODEL,
@@ -534,6 +523,46 @@ def main(argv: list[str] | None = None) -> int:
     study_parser.add_argument("--no-progress", action="store_true",
                               help="print no progress on stderr (a bar on a terminal; elsewhere a line now and then)")
     study_parser.set_defaults(func=lambda args: _study(args, study_parser))
+
+
+# Each subcommand: the function adding its options (which imports what they need: backend names, shape sets,
+# the study's grid), and add_parser's keywords (its help line in `kq --help` among them).
+SUBCOMMANDS = {
+    "check": (_check_options, dict(help="run every golden case and random rows through every backend",
+                                   formatter_class=_DefaultsHelpFormatter)),
+    "bench": (_bench_options, dict(help="time every backend here against its floors and the naive baseline",
+                                   formatter_class=_DefaultsHelpFormatter)),
+    "demo": (_demo_options, dict(help="generate text with the shipped model through an arena of a quarter of its "
+                                      "experts (--random: a random MoE stack)",
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=DEMO_COLUMNS)),
+    "generate": (_generate_options, dict(
+        help="generate text with an mlx-lm MoE model directory, its experts streamed through an arena",
+        description="Generates text greedily with any mlx-lm MoE model directory (float or quantized), loaded "
+                    "lazily: each MoE layer keeps --residency of its experts in an arena, filled from the "
+                    "directory's safetensors files by the residency manager; no other expert is ever in memory. "
+                    "The prompt runs layer by layer, each expert it routes to read once; then each token under "
+                    "--rule. The text is printed as it comes, then the speeds, hit rate, reads and peak memory.")),
+    "study": (_study_options, dict(
+        help="what shedding costs a trained model: perplexity through a bounded arena, per rule and policy",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="The rules, the columns and the method: docs/shedding_study.md and the module kq/study.py. The default "
+               "grid (73 runs and the resident one, each of 256 scored tokens in two windows within the shipped "
+               "model's trained length) takes about 6 minutes on a 2-core CPU; --tokens, --residency, --policies and "
+               "--rules shorten it.")),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = argparse.ArgumentParser(prog="kq", description="route_shed kernels, checked against one spec.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    # `kq` itself takes no option but --help, so the first word that is no option names the subcommand; only
+    # that one is given its options, whose imports (NumPy, the backends, the study) the others never pay.
+    named = next((word for word in argv if not word.startswith("-")), None)
+    for name, (add_options, keywords) in SUBCOMMANDS.items():
+        subparser = sub.add_parser(name, **keywords)
+        if name == named:
+            add_options(subparser)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -22,12 +22,15 @@ import importlib.util
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kq.study import SHIPPED_MODEL, RunResult, StudyConfig, checkpoint_config, make_study
 from kq_core.contract import EXPERT_PROJECTIONS
 from kq_core.validate import is_int
+
+if TYPE_CHECKING:
+    from kq.study import RunResult
 
 DEMO_RULES = ("tier", "route_shed", "shed", "exact")
 DEFAULT_TIER_BITS = 4  # the tier rule's bits per weight where none are given
@@ -43,10 +46,11 @@ def installed_frameworks() -> tuple[str, ...]:
 class ModelDemoConfig:
     """One ``kq demo`` of a checkpoint; checked on construction, errors naming ``kq demo``'s options.
 
-    ``layers`` is read from the checkpoint's ``config.json``.
+    ``layers`` is read from the checkpoint's ``config.json``; ``checkpoint`` None is the shipped model
+    (:data:`kq.study.SHIPPED_MODEL`).
     """
 
-    checkpoint: Path = SHIPPED_MODEL
+    checkpoint: Path | None = None
     prompt: str = "def read_config(path):\n"
     tokens: int = 48  # tokens to generate
     residency: float = 0.25  # fraction of each layer's experts in the arena
@@ -57,9 +61,10 @@ class ModelDemoConfig:
     layers: int = field(init=False)
 
     def __post_init__(self):
+        from kq.study import SHIPPED_MODEL, checkpoint_config
         from kq_host.tier import BITS
 
-        object.__setattr__(self, "checkpoint", Path(self.checkpoint))
+        object.__setattr__(self, "checkpoint", Path(SHIPPED_MODEL if self.checkpoint is None else self.checkpoint))
         object.__setattr__(self, "frameworks", tuple(self.frameworks))
         if not self.frameworks or not set(self.frameworks) <= set(FRAMEWORK_PACKAGES):
             raise ValueError(f"--frameworks must be one or more of {sorted(FRAMEWORK_PACKAGES)}, "
@@ -190,6 +195,8 @@ def generate_through_arena(framework: str, checkpoint: Path, prompt: str, tokens
     """
     from tokenizers import Tokenizer
 
+    from kq.study import StudyConfig, make_study
+
     tokenizer = Tokenizer.from_file(str(Path(checkpoint) / "tokenizer.json"))
     ids = tokenizer.encode(prompt).ids
     if not ids:
@@ -276,6 +283,7 @@ def generate_exact(framework: str, checkpoint, prompt_ids: list[int], tokens: in
     Returns:
         :class:`ExactRun`, ``tokens`` the prompt and the generated ids.
     """
+    from kq.study import checkpoint_config
     from kq_host.checkpoint import CHECKPOINT_LAYOUTS, Quantization, expert_count, open_experts
     from kq_host.residency import ResidencyManager
 
