@@ -1,14 +1,19 @@
-"""The arena at the SwitchGLU seam over every MoE family of the installed mlx-lm.
+"""The arena at the SwitchGLU seam over every model type of the installed mlx-lm that reaches one.
 
-Each family is a tiny random model built from its own ``ModelArgs`` (2 layers, hidden 32, 8 experts,
-top-2), float and 4-bit ``nn.quantize``d. With every expert resident its logits are the unmodified
-model's bits (rules shed and tier too); with a quarter of the experts resident ``generate_greedy(exact=True)``
-gives the unmodified model's greedy tokens. A family that cannot be built from a small config is listed
-in ``UNBUILT`` with the reason; a family mlx-lm adds shows up as a failure until it is listed.
+The model types are found by importing: every module of ``mlx_lm.models`` whose imports (the objects of its
+namespace, followed through the other modules of ``mlx_lm.models`` they come from) reach ``SwitchGLU`` or
+``SwitchMLP``; a tiny model of each is built and holds one (a model that wraps another family's model counts).
+Each is a tiny random model from its own ``ModelArgs`` (2 MoE layers, hidden 32, 8 experts, top-2), float
+and 4-bit ``nn.quantize``d. With every expert resident its logits are the unmodified model's bits (rules
+shed and tier too); with a quarter of the experts resident ``generate_greedy(exact=True)`` gives the
+unmodified model's greedy tokens. A model type that cannot run here is in ``EXCEPTIONS`` with the error it
+raises, which is checked; a model type mlx-lm adds fails
+``test_every_model_type_reaching_a_switch_is_tested_or_listed_with_its_reason`` until it is built or listed.
 """
 
 import importlib
-from pathlib import Path
+import pkgutil
+import types
 
 import numpy as np
 import pytest
@@ -18,11 +23,12 @@ pytest.importorskip("mlx_lm")
 import mlx.nn as nn  # noqa: E402
 import mlx_lm.models  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchLinear, SwitchMLP  # noqa: E402
 
 from kq_host.residency import ResidencyManager  # noqa: E402
 from kq_host.tier import Tier, quantize  # noqa: E402
-from kq_mlx.mlx_lm_adapter import (ArenaMoeBlock, ArenaSwitch, SwitchGLUArena, attach_arena, attach_exact,  # noqa: E402
-                                   attach_tier, generate_greedy, set_tables)
+from kq_mlx.mlx_lm_adapter import (ROUTERS, ArenaMoeBlock, ArenaSwitch, SwitchGLUArena, attach_arena,  # noqa: E402
+                                   attach_exact, attach_tier, generate_greedy, set_tables)
 
 EXPERTS, LAYERS = 8, 2
 SMALL = dict(
@@ -48,57 +54,154 @@ SMALL = dict(
     linear_conv_kernel_dim=4, full_attention_interval=2, conv_bias=False, conv_L_cache=3)
 YARN = {"type": "yarn", "factor": 1.0, "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1,
         "mscale": 1.0, "mscale_all_dim": 0.0}
+# Kimi Delta Attention in the first layer, multi-head latent attention in the second (Kimi Linear, Kimi K3)
+KDA = dict(linear_attn_config={"kda_layers": [1], "num_heads": 2, "head_dim": 8, "short_conv_kernel_size": 4},
+           num_experts_per_token=2)
+GEMMA4 = dict(enable_moe_block=True, top_k_experts=2, num_kv_shared_layers=0, global_head_dim=8,
+              vocab_size_per_layer_input=64, hidden_size_per_layer_input=8,
+              layer_types=["sliding_attention", "full_attention"])
+LONGCAT = dict(attention_method="MLA", zero_expert_type="identity", ffn_hidden_size=64, expert_ffn_hidden_size=32,
+               zero_expert_num=2, num_layers=LAYERS, mla_scale_q_lora=True, mla_scale_kv_lora=True)
+MISTRAL4 = dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 1.0,
+                                 "original_max_position_embeddings": 128, "llama_4_scaling_beta": 0.1,
+                                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.0})
+
+
+def small(model_type: str, **extra) -> dict:
+    """The small config as the language model's ``text_config`` of a family that nests one."""
+    return {**SMALL, "model_type": model_type, **extra}
+
+
 # Families that need more than the shared small config.
 SPECIAL = {
     "gpt_oss": dict(layer_types=["sliding_attention", "full_attention"]),
     "deepseek_v2": dict(rope_scaling=YARN),
     "deepseek_v41": dict(hc_mult=1),  # one residual stream: a token's routed experts fit a quarter arena
     "hunyuan": dict(rope_scaling={"type": "dynamic", "alpha": 1.0, "factor": 1.0}),
-}
-# Families not built from a config here, and why (the error each gives with the small config above).
-UNBUILT = {
-    "bailing_moe_linear": "mlx-lm's own forward with a KV cache fails (create_attention_mask called without "
-                          "return_array and window_size: a TypeError in the unmodified model)",
-    "gemma4_text": "its ModelArgs takes the layer pattern as nested per-layer configs; the small config leaves "
-                   "them empty (IndexError building the layers)",
-    "granitemoehybrid": "its Mamba layers need their state-space sizes (mamba_* fields) beyond the small config",
-    "jamba": "ModelArgs requires the attention / expert layer periods and offsets and Mamba's d_conv, d_state, "
-             "expand",
-    "kimi_k3": "its attention needs a rope_scaling of its own form (a None subscript with the small config)",
-    "kimi_linear": "ModelArgs requires linear_attn_config (Kimi Delta Attention's layout)",
-    "lfm2_moe": "ModelArgs takes its layer pattern (full_attn_idxs) as a list the small config does not give",
-    "llama4": "ModelArgs requires text_config (a nested configuration of a vision-language model)",
-    "longcat_flash": "ModelArgs requires 8 fields of its own (zero experts, attention method, FFN sizes)",
-    "mellum": "its rotary embeddings are per layer type, keyed by a rope_parameters mapping the small config "
-              "lacks",
-    "mimo_v2_flash": "ModelArgs requires 12 fields of its own (hybrid layer pattern, sink biases, window sizes)",
-    "minimax_m3_vl": "ModelArgs requires text_config (a nested configuration of a vision-language model)",
-    "mistral4": "its attention needs a rope_scaling of its own form (a None subscript with the small config)",
-    "muse_spark": "ModelArgs requires text_config (a nested configuration)",
-    "nemotron_h": "ModelArgs requires 9 Mamba-2 fields (heads, head dim, state size, conv kernel, groups)",
-    "phixtral": "its ModelArgs names its sizes its own way (n_embd, n_layer, ...); left at their defaults the "
-                "model is full size",
+    # a linear-attention layer, then the global one (groups of 2, as released)
+    "bailing_moe_linear": dict(layer_group_size=2),
+    "gemma4_text": GEMMA4,
+    "gemma4": dict(text_config=small("gemma4_text", **GEMMA4)),
+    "glm_moe_dsa": dict(index_head_dim=8, index_n_heads=2, index_topk=2, topk_method="noaux_tc",
+                        scoring_func="sigmoid", rope_parameters={"rope_theta": 10000.0, "rope_type": "default"}),
+    # a Mamba layer, then an attention layer; both MoE
+    "granitemoehybrid": dict(layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=8,
+                             mamba_proj_bias=False, mamba_d_state=8, mamba_d_conv=4, mamba_n_groups=1,
+                             mamba_conv_bias=True),
+    "jamba": dict(attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=0, expert_layer_period=1,
+                  mamba_d_conv=4, mamba_d_state=8, mamba_expand=2),
+    "kimi_k25": dict(text_config=small("deepseek_v3")),
+    "kimi_k3": KDA,
+    "kimi_linear": KDA,
+    "kimi_vl": dict(text_config=small("kimi_vl")),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    # four layers (its global attention is the fourth), MoE in every second one
+    "llama4": dict(text_config=small("llama4_text", num_hidden_layers=4, interleave_moe_layer_step=2,
+                                     num_experts_per_tok=1, attention_chunk_size=64, intermediate_size_mlp=64,
+                                     use_qk_norm=True)),
+    "longcat_flash": LONGCAT,
+    "longcat_flash_ngram": dict(LONGCAT, ngram_vocab_size_ratio=4),
+    "mellum": dict(layer_types=["sliding_attention", "full_attention"],
+                   rope_parameters={"full_attention": {"rope_theta": 10000.0},
+                                    "sliding_attention": {"rope_theta": 10000.0}}),
+    "mimo_v2_flash": dict(hybrid_layer_pattern=[1, 0], moe_layer_freq=[1, 1], add_swa_attention_sink_bias=True,
+                          add_full_attention_sink_bias=False, sliding_window_size=64, topk_method="noaux_tc",
+                          scoring_func="sigmoid", layernorm_epsilon=1e-6, swa_rope_theta=10000.0,
+                          swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8, swa_v_head_dim=8),
+    # a block-sparse attention layer (its indexer keeps 1 block of 2 keys), then a full one
+    "minimax_m3_vl": dict(text_config=small("minimax_m3_vl", moe_layer_freq=[1, 1], dense_intermediate_size=64,
+                                            rotary_dim=4, use_qk_norm=True, index_n_heads=2, index_head_dim=8,
+                                            index_block_size=2, index_topk_blocks=1,
+                                            layer_types=["sparse_attention", "full_attention"])),
+    "mistral4": MISTRAL4,
+    "mistral3": dict(text_config=small("mistral4", **MISTRAL4)),
+    "muse_spark": dict(text_config=small("muse_spark", post_norm_eps=1e-6, rope_parameters={"rope_theta": 10000.0},
+                                         layer_rope_theta=[10000.0, 0], final_logit_softcapping=30.0,
+                                         layer_types=["sliding_attention", "full_attention"],
+                                         output_multiplier=1.0, moe_hidden_size=32, num_shared_experts=0)),
+    # Mamba-2, MoE, attention, MoE: one layer a block
+    "nemotron_h": dict(hybrid_override_pattern=["M", "E", "*", "E"], mamba_num_heads=4, mamba_head_dim=8,
+                       mamba_proj_bias=False, ssm_state_size=8, conv_kernel=4, n_groups=1, mlp_bias=False,
+                       layer_norm_epsilon=1e-6, use_conv_bias=True, moe_shared_expert_intermediate_size=32),
+    "phixtral": dict(num_vocab=64, model_dim=32, num_heads=4, num_layers=LAYERS, rotary_dim=8),
+    # one 2-bit Hadamard-rotated projection (a shared expert's, 512 wide: the smallest rotation block)
+    "prism_hadamard_qwen35": dict(
+        schema_version=1, tensor_namespace="mlx-lm-text", quantization={"bits": 2, "group_size": 128, "mode": "affine"},
+        modules=[{"path": "model.layers.0.mlp.shared_expert.down_proj", "embedding": False, "dtype": "float16",
+                  "block": 512}],
+        text_config=small("qwen3_5", shared_expert_intermediate_size=512)),
+    "qwen3_vl_moe": dict(text_config=small("qwen3_moe")),
 }
 
-# Families whose caches can be neither trimmed nor put back: generate_greedy(exact=True) refuses them by name.
+# Modules of mlx_lm.models that do not import here, and the error each raises.
+NOT_IMPORTED = {"olmo": (SystemExit, "1", "it exits at import without the hf_olmo package (ai2-olmo)")}
+# Model types that reach a SwitchGLU but cannot run here: the error each raises (checked), and why.
+EXCEPTIONS = {
+    "muse_spark": (RuntimeError, r"\[metal_kernel\] No Metal back-end",
+                   ("its forward runs Metal kernels of mlx_lm.kernels (qk_norm_rope, expert_routing, ...) with no "
+                    "other path: on MLX's CPU backend the first call raises RuntimeError: [metal_kernel] No Metal "
+                    "back-end. Its tiny model builds and holds a SwitchGLU per layer")),
+}
+# Model types whose caches can be neither trimmed nor put back: generate_greedy(exact=True) refuses them by name.
 EXACT_REFUSED = {"deepseek_v41": "its LayerCache (a compressed sliding-window KV cache of its own) has no trim"}
 
 
-def moe_families() -> list[str]:
-    """Every module of the installed mlx_lm.models that builds a SwitchGLU or SwitchMLP."""
-    root = Path(mlx_lm.models.__path__[0])
-    return sorted(path.stem for path in root.glob("*.py") if path.stem != "switch_layers"
-                  and ("SwitchGLU" in (text := path.read_text()) or "SwitchMLP" in text))
+def model_modules() -> dict[str, types.ModuleType]:
+    """Every module of the installed mlx_lm.models that imports, by name (``NOT_IMPORTED`` left out)."""
+    modules = {}
+    for info in pkgutil.iter_modules(mlx_lm.models.__path__):
+        if info.name not in NOT_IMPORTED:
+            modules[info.name] = importlib.import_module(f"mlx_lm.models.{info.name}")
+    return modules
 
 
-FAMILIES = [family for family in moe_families() if family not in UNBUILT]
+def _models_modules_used(module: types.ModuleType) -> set[str]:
+    """The other modules of mlx_lm.models whose objects ``module``'s namespace holds (or that it holds)."""
+    used = set()
+    for value in vars(module).values():
+        name = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+        if isinstance(name, str) and name.startswith("mlx_lm.models.") and name != module.__name__:
+            used.add(name.removeprefix("mlx_lm.models."))
+    return used
+
+
+def reaches_a_switch(name: str, modules: dict[str, types.ModuleType]) -> bool:
+    """Whether module ``name``, or a module of mlx_lm.models it draws objects from (followed on), holds
+    ``SwitchGLU`` or ``SwitchMLP``."""
+    seen, todo = set(), [name]
+    while todo:
+        current = todo.pop()
+        if current in seen or current not in modules:
+            continue
+        seen.add(current)
+        if current != "switch_layers" and any(value is SwitchGLU or value is SwitchMLP
+                                              for value in vars(modules[current]).values()):
+            return True
+        todo.extend(_models_modules_used(modules[current]))
+    return False
+
+
+MODULES = model_modules()
+MODEL_TYPES = sorted(name for name, module in MODULES.items() if hasattr(module, "Model"))
+MOE_TYPES = sorted(name for name in MODEL_TYPES if reaches_a_switch(name, MODULES))
+FAMILIES = [name for name in MOE_TYPES if name not in EXCEPTIONS]
+
+
+def config(family: str) -> dict:
+    """The family's small config, as its config.json would give it."""
+    return {"model_type": family, **SMALL, **SPECIAL.get(family, {})}
+
+
+def construct(family: str):
+    """The family's tiny model, its parameters not evaluated (MLX builds them lazily)."""
+    module = MODULES[family]
+    return module.Model(module.ModelArgs.from_dict(config(family)))
 
 
 def build(family: str, *, quantized: bool, seed: int = 0):
     """The family's tiny model of random weights drawn from ``seed``, evaluated."""
-    module = importlib.import_module(f"mlx_lm.models.{family}")
     mx.random.seed(seed)
-    model = module.Model(module.ModelArgs.from_dict({"model_type": family, **SMALL, **SPECIAL.get(family, {})}))
+    model = construct(family)
     if quantized:
         # every layer whose input splits into groups of 32 (the experts always do); others stay float
         nn.quantize(model, group_size=32, bits=4,
@@ -107,13 +210,56 @@ def build(family: str, *, quantized: bool, seed: int = 0):
     return model
 
 
+def switches(model) -> list:
+    """The model's SwitchGLU / SwitchMLP modules."""
+    return [module for module in model.modules() if isinstance(module, (SwitchGLU, SwitchMLP))]
+
+
 VARIANTS = [pytest.param(False, id="float"), pytest.param(True, id="q4")]
 
 
-def test_every_moe_family_is_tested_or_listed_with_its_reason():
-    assert len(moe_families()) > 30
-    assert set(UNBUILT) <= set(moe_families())
-    assert len(FAMILIES) >= 25
+def test_every_model_type_reaching_a_switch_is_tested_or_listed_with_its_reason():
+    """The model types come from importing mlx_lm.models; each is tested (FAMILIES) or in EXCEPTIONS, and
+    the families that reach the seam only through another family's module are among them."""
+    assert set(FAMILIES) | set(EXCEPTIONS) == set(MOE_TYPES)
+    assert not set(FAMILIES) & set(EXCEPTIONS)
+    for wrapper, inner in (("kimi_k25", "deepseek_v3"), ("qwen3_vl_moe", "qwen3_moe"), ("solar_open", "glm4_moe"),
+                           ("gemma4", "gemma4_text"), ("qwen3_5_moe", "qwen3_5"), ("mistral3", "mistral4")):
+        assert wrapper in MOE_TYPES and "SwitchGLU" not in vars(MODULES[wrapper]), wrapper
+        assert inner in _models_modules_used(MODULES[wrapper]), wrapper
+    assert not any(reaches_a_switch(name, MODULES) for name in ("llama", "qwen3", "gemma3_text", "mamba2"))
+    # every module of mlx_lm.models imports, but those listed, which fail as listed
+    for name, (error, message, _) in NOT_IMPORTED.items():
+        with pytest.raises(error, match=message):
+            importlib.reload(importlib.import_module(f"mlx_lm.models.{name}"))
+
+
+def test_a_tiny_model_holds_a_switch_exactly_when_its_model_type_reaches_one():
+    """By building: every model type of mlx_lm.models whose tiny model builds from the small config holds a
+    SwitchGLU / SwitchMLP if and only if its imports reach one; every model type that reaches one builds,
+    with EXPERTS experts in each switch."""
+    built = {}
+    for name in MODEL_TYPES:
+        try:
+            built[name] = bool(switches(construct(name)))
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as error:
+            assert name not in MOE_TYPES, f"{name}: {type(error).__name__}: {error}"
+    assert set(MOE_TYPES) <= set(built)
+    assert {name for name, held in built.items() if held} == set(MOE_TYPES)
+    for name in MOE_TYPES:
+        model = construct(name)
+        assert {linear.num_experts for switch in switches(model) for linear in switch.modules()
+                if isinstance(linear, SwitchLinear)} == {EXPERTS}, name
+
+
+@pytest.mark.skipif(mx.metal.is_available(), reason="the exceptions are measured on MLX's CPU backend")
+@pytest.mark.parametrize("family", sorted(EXCEPTIONS))
+def test_a_listed_exception_fails_as_listed(family):
+    error, message, _ = EXCEPTIONS[family]
+    model = build(family, quantized=False)
+    assert switches(model)
+    with pytest.raises(error, match=message):
+        mx.eval(model(mx.array([[1, 2, 3]]), cache=make_prompt_cache(model)))
 
 
 def logits_of(model, prompt, steps):
@@ -154,12 +300,13 @@ def random_tier(blocks) -> Tier:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_expert_resident_is_the_model_bit_for_bit_under_every_seam_rule(family, quantized):
     prompt = [1, 2, 3]
-    want = logits_of(build(family, quantized=quantized), prompt, 3)
+    plain = build(family, quantized=quantized)
+    want = logits_of(plain, prompt, 3)
+    routed = any(type(module).__name__ in ROUTERS for module in plain.modules())  # kq routes the whole block
     model = build(family, quantized=quantized)
     blocks = attach_arena(model, EXPERTS)
-    assert len(blocks) >= 1 and all(block.num_experts == EXPERTS for block in blocks)
-    assert all(isinstance(block, ArenaMoeBlock if family in ("qwen3_moe", "mixtral") else ArenaSwitch)
-               for block in blocks)
+    assert len(blocks) == len(switches(plain)) and all(block.num_experts == EXPERTS for block in blocks)
+    assert all(isinstance(block, ArenaMoeBlock if routed else ArenaSwitch) for block in blocks)
     fill_every_expert(blocks)
     attach_tier(blocks, random_tier(blocks))
     for rule in ("shed", "tier", "stall") + (("route_shed",) if isinstance(blocks[0], ArenaMoeBlock) else ()):
@@ -193,7 +340,7 @@ def test_attach_arena_refusing_a_layer_leaves_every_layer_as_it_was():
     before, its experts kept (keep_experts=False drops nothing)."""
     prompt = [1, 2, 3]
     model = build("qwen3_moe", quantized=False)
-    smaller = importlib.import_module("mlx_lm.models.qwen3_moe")
+    smaller = MODULES["qwen3_moe"]
     mx.random.seed(1)
     other = smaller.Model(smaller.ModelArgs.from_dict({"model_type": "qwen3_moe", **SMALL, "num_experts": 4}))
     model.model.layers[1].mlp = other.model.layers[1].mlp
