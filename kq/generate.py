@@ -14,12 +14,14 @@ dropped).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import resource
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -33,6 +35,8 @@ from kq_host.expert_store import ExpertStoreError, read_safetensors_headers
 from kq_host.residency import MAX_QUEUE_DEPTH
 
 RULES = ("exact", "tier", "shed")
+# The most tokens a run generates: an MLX array's axis (the key-value cache's positions) holds at most int32's.
+MAX_TOKENS = 2**31 - 1
 # Prompt tokens a prefill pass (mlx-lm's default prefill_step_size).
 PREFILL_STEP = 2048
 
@@ -194,9 +198,11 @@ def _checked(config: GenerateConfig) -> tuple[Path, dict]:
     except UnicodeEncodeError as error:  # a lone surrogate: bytes of the command line that were not UTF-8
         raise _fail("--prompt", f"is not valid text (a character UTF-8 cannot encode at {error.start}: "
                                 f"{config.prompt[error.start]!r}); give the prompt in UTF-8") from None
-    if (not is_int(config.max_tokens)
-            or config.max_tokens < 1):
+    if not is_int(config.max_tokens) or config.max_tokens < 1:
         raise _fail("--max-tokens", f"must be an int >= 1, got {config.max_tokens!r}")
+    if config.max_tokens > MAX_TOKENS:
+        raise _fail("--max-tokens", f"must be an int in [1, {MAX_TOKENS}] (an MLX array's axis, the key-value "
+                                    f"cache's positions, holds at most {MAX_TOKENS}), got {config.max_tokens!r}")
     residency = config.residency
     if not is_real(residency) or not 0 < residency <= 1:
         raise _fail("--residency", f"must be a fraction in (0, 1] of each layer's experts, got {residency!r}")
@@ -356,6 +362,9 @@ def _peak_rss_mib() -> float:
 def generate(config: GenerateConfig, on_text: Callable[[str], None] | None = None) -> GenerateResult:
     """Generates ``config.max_tokens`` tokens after ``config.prompt`` with a bounded expert memory.
 
+    What the run warns of (a prompt past the model's positions, a tier no smaller than the experts it stands in
+    for, the tier cache's troubles) is a ``UserWarning``, shown as one line ``warning: ...``.
+
     Args:
         config: what to run (:class:`GenerateConfig`).
         on_text: called with each new piece of text as the tokens come (mlx-lm's streaming detokenizer).
@@ -370,8 +379,29 @@ def generate(config: GenerateConfig, on_text: Callable[[str], None] | None = Non
             build or of ``config.floor``'s re-read failed (the disk's error, or a file changed since its header
             was read).
     """
-    import contextlib
+    with _one_line_warnings():
+        return _generate(config, on_text)
 
+
+@contextlib.contextmanager
+def _one_line_warnings():
+    """Warnings shown as one line ``warning: MESSAGE`` within the block (Python's format names the source file
+    and line, then quotes the line): a command's user reads what, not where. Only the format changes: the
+    filters, and a program's own ``showwarning`` or recording, are as they were."""
+    formatted = warnings.formatwarning
+
+    def one_line(message, category, filename, lineno, line=None) -> str:
+        return f"warning: {' '.join(str(message).split())}\n"
+
+    warnings.formatwarning = one_line
+    try:
+        yield
+    finally:
+        warnings.formatwarning = formatted
+
+
+def _generate(config: GenerateConfig, on_text: Callable[[str], None] | None) -> GenerateResult:
+    """:func:`generate`'s run."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
@@ -429,6 +459,7 @@ def generate(config: GenerateConfig, on_text: Callable[[str], None] | None = Non
         stages["load_s"] = time.perf_counter() - started
 
         prompt = _encode(tokenizer, config.prompt)
+        _warn_past_positions(settings, len(prompt), config.max_tokens)
         detokenizer = tokenizer.detokenizer
         detokenizer.reset()
         eos = set(tokenizer.eos_token_ids)
@@ -538,6 +569,22 @@ def _encode(tokenizer, prompt: str) -> list[int]:
     if not ids:
         raise _fail("--prompt", "encodes to no token")
     return ids
+
+
+def _warn_past_positions(settings: dict, prompt_tokens: int, max_tokens: int) -> None:
+    """A warning where the prompt, or the prompt and the tokens asked for, run past the positions the model was
+    made for (``config.json``'s ``max_position_embeddings``): the text there is unlikely to follow."""
+    positions = settings.get("max_position_embeddings")
+    if not is_int(positions) or positions < 1:
+        return
+    if prompt_tokens > positions:
+        warnings.warn(f"--prompt: its {prompt_tokens} tokens run past the {positions} positions the model was made "
+                      f"for (config.json's max_position_embeddings); the text generated after it is unlikely to "
+                      f"follow it", stacklevel=3)
+    elif prompt_tokens + max_tokens > positions:
+        warnings.warn(f"--max-tokens: the prompt's {prompt_tokens} tokens and {max_tokens} more run past the "
+                      f"{positions} positions the model was made for (config.json's max_position_embeddings); "
+                      f"the text past position {positions} is unlikely to follow it", stacklevel=3)
 
 
 def _read_bandwidth(store, routed: list[set]) -> float | None:

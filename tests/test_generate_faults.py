@@ -237,3 +237,35 @@ def test_a_shard_the_index_names_but_the_directory_lacks_is_named(tmp_path):
         generate(GenerateConfig(directory, PROMPT, max_tokens=2))
     with pytest.raises(ValueError, match=rf"--checkpoint: .*names {second}, which is not in"):
         StudyConfig(checkpoint=directory)
+
+
+# ---- lengths past the model's -------------------------------------------------------------------------------------
+
+
+def test_max_tokens_past_what_an_mlx_array_can_hold_is_refused_by_name():
+    from kq.generate import check_config
+
+    for tokens in (10**23, 2**31):
+        with pytest.raises(GenerateError, match=r"--max-tokens: must be an int in \[1, 2147483647\]"):
+            check_config(GenerateConfig(STDLIB, PROMPT, max_tokens=tokens))
+    assert check_config(GenerateConfig(STDLIB, PROMPT, max_tokens=2**31 - 1)) == STDLIB
+
+
+def test_a_prompt_past_the_models_positions_is_warned_of(tmp_path):
+    directory = with_config(STDLIB, tmp_path / "model", max_position_embeddings=12)
+    prompt = PROMPT * 3
+    with pytest.warns(UserWarning, match=r"--prompt: its \d+ tokens run past the 12 positions"):
+        result = generate(GenerateConfig(directory, prompt, max_tokens=2))
+    assert result.prompt_tokens > 12 and len(result.tokens) == 2
+
+
+def test_a_warning_is_one_line_of_kq_generate(tmp_path):
+    """In a process of its own, as a user runs it: a warning is one line ``warning: ...`` (it had been Python's
+    ``path:line: UserWarning: ...`` with the source line after it)."""
+    directory = with_config(STDLIB, tmp_path / "model", max_position_embeddings=12)
+    run = subprocess.run([sys.executable, "-m", "kq", "generate", "--model", str(directory), "--prompt", PROMPT * 3,
+                          "--max-tokens", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("warning: --prompt: its "), run.stderr
+    assert "UserWarning" not in run.stderr and "warnings.warn" not in run.stderr
