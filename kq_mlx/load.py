@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import weakref
 from pathlib import Path
 
 import mlx.core as mx
@@ -39,6 +40,8 @@ from kq_mlx import mlx_lm_adapter as adapter
 RULES = ("exact", "tier", "shed")
 # Tokens of context the KV cache is planned for when none is given.
 DEFAULT_CONTEXT = 4096
+# The fraction of each layer's experts kept where neither a budget nor a residency is given.
+DEFAULT_RESIDENCY = 0.25
 
 
 class LoadError(ValueError):
@@ -64,7 +67,8 @@ class ExpertStream:
     def __init__(self, *, rule, plan, blocks, manager, store, tier_bytes, closer: contextlib.ExitStack):
         self.rule, self.plan, self.blocks, self.manager = rule, plan, blocks, manager
         self.store, self.tier_bytes = store, tier_bytes
-        self._closer = closer
+        # Closed at the latest when the interpreter exits: reads in flight then would outlive MLX's teardown.
+        self._close = weakref.finalize(self, closer.close)
         self._pending = None  # how the last pass ends: "step" (its reports) or "next" (it ran layer by layer)
         self.passes = 0
 
@@ -103,7 +107,7 @@ class ExpertStream:
 
     def close(self) -> None:
         """Stops the manager's reads and closes the store's files (the model cannot run afterwards)."""
-        self._closer.close()
+        self._close()
 
 
 class _PassBoundary(nn.Module):
@@ -224,8 +228,8 @@ def load(path, *, memory=None, residency=None, rule: str = "exact", tier_bits: i
             quantized (mlx-community's layout).
         memory: the budget in bytes (an int or a text such as ``"8GiB"``): the non-expert weights, the KV
             cache of ``context`` tokens, the tier and the arena (:func:`~kq_host.memory_plan.plan_memory`).
-        residency: instead of ``memory``, the fraction of each MoE layer's experts to keep (default 0.25
-            where neither is given).
+        residency: instead of ``memory``, the fraction of each MoE layer's experts to keep
+            (:data:`DEFAULT_RESIDENCY` where neither is given).
         rule: what a generated token's routed expert that is not resident gets: ``"exact"`` (read before its
             layer runs: the model's own logits), ``"tier"`` (its low-precision copy) or ``"shed"`` (dropped).
         tier_bits, tier_group_size: rule ``"tier"``: the copy's format (:func:`kq_host.tier.build_tier`'s
@@ -246,50 +250,14 @@ def load(path, *, memory=None, residency=None, rule: str = "exact", tier_bits: i
     Raises:
         LoadError: a bad argument or a directory kq cannot run (the message begins with the argument's name).
     """
-    from mlx_lm.utils import load as mlx_lm_load
-    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
-
     from kq_host.expert_store import ExpertStore, ExpertStoreError
     from kq_host.residency import ResidencyManager
 
     model_dir, settings = _checked_directory(path)
     _check_options(rule, tier_bits, tier_group_size, queue_depth, timeout, context)
-    if memory is None and residency is None:
-        residency = 0.25
-    try:
-        model, tokenizer = mlx_lm_load(str(model_dir), lazy=True, tokenizer_config=tokenizer_config or {})
-    except Exception as error:  # noqa: BLE001 - mlx-lm's errors for a directory it cannot load vary by cause
-        raise _fail("path", f"mlx-lm cannot load {model_dir} ({type(error).__name__}: {str(error)[:300]})") from None
-    switches = _switches(model)
-    if not switches:
-        raise _fail("path", f"{model_dir} is not an MoE model: {type(model).__module__} has no SwitchGLU or "
-                            f"SwitchMLP (mlx_lm.models.switch_layers) to put an arena in")
-    quantized = any(isinstance(module, (nn.QuantizedLinear, QuantizedSwitchLinear)) for module in model.modules())
-    if float32 or (mx.default_device() == mx.cpu and not quantized):
-        model.set_dtype(mx.float32)  # MLX's CPU gather_mm takes float32 only
-    from mlx.utils import tree_flatten
-
-    expert = _per_expert_nbytes(switches[0])[0]
-    experts_bytes = sum(_per_expert_nbytes(switch)[1] for switch in switches)
-    num_experts = int(adapter._expert_count(switches[0]))
-    top_k = settings.get("num_experts_per_tok", 1)
-    top_k = int(top_k) if is_int(top_k) and top_k >= 1 else 1
-    other = sum(array.nbytes for _, array in tree_flatten(model.parameters())) - experts_bytes
-    tier_estimate = 0
-    if rule == "tier":
-        from kq_host.tier import bits_per_weight, TierOptionError
-
-        try:
-            bpw = bits_per_weight(*_tier_options(tier_bits, tier_group_size))
-        except TierOptionError as error:
-            raise _fail("tier_bits", str(error)) from None
-        tier_estimate = int(len(switches) * num_experts * _weights_per_expert(switches[0]) * bpw / 8)
-    try:
-        plan = plan_memory(other=other, expert=expert, num_layers=len(switches), num_experts=num_experts,
-                           top_k=top_k, kv_cache=_kv_cache_nbytes(model, context, _float_itemsize(model)),
-                           tier=tier_estimate, memory=memory, residency=residency, context=context)
-    except MemoryPlanError as error:
-        raise LoadError(str(error)) from None
+    model, tokenizer, switches = _lazy_model(model_dir, float32, tokenizer_config)
+    plan = _plan_for(model, switches, settings, memory=memory, residency=residency, rule=rule, tier_bits=tier_bits,
+                     tier_group_size=tier_group_size, context=context)
     blocks = adapter.attach_arena(model, plan.slots, keep_experts=False)
     closer = contextlib.ExitStack()
     try:
@@ -303,7 +271,7 @@ def load(path, *, memory=None, residency=None, rule: str = "exact", tier_bits: i
         if rule == "tier":
             tier_bytes = _attach_tier(model_dir, settings, blocks, names, tier_bits, tier_group_size,
                                       closer.enter_context)
-        manager = ResidencyManager(len(blocks), num_experts, plan.slots, arena=adapter.SwitchGLUArena(blocks),
+        manager = ResidencyManager(len(blocks), plan.num_experts, plan.slots, arena=adapter.SwitchGLUArena(blocks),
                                    loader=lambda layer, expert_id, slot: store.read_expert(layer, expert_id),
                                    bytes_per_expert=store.expert_nbytes(0), queue_depth=queue_depth, impl="numpy")
         closer.callback(manager.close)
@@ -323,6 +291,75 @@ def load(path, *, memory=None, residency=None, rule: str = "exact", tier_bits: i
         closer.close()
         raise
     return model, tokenizer
+
+
+def _lazy_model(model_dir: Path, float32: bool, tokenizer_config: dict | None):
+    """``(model, tokenizer, its SwitchGLU / SwitchMLP modules)`` from mlx-lm, lazily: no weight read yet; a float
+    model in float32 where asked or on MLX's CPU backend (its ``gather_mm`` takes float32 only)."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+    from mlx_lm.utils import load as mlx_lm_load
+
+    try:
+        model, tokenizer = mlx_lm_load(str(model_dir), lazy=True, tokenizer_config=tokenizer_config or {})
+    except Exception as error:  # noqa: BLE001 - mlx-lm's errors for a directory it cannot load vary by cause
+        raise _fail("path", f"mlx-lm cannot load {model_dir} ({type(error).__name__}: {str(error)[:300]})") from None
+    switches = _switches(model)
+    if not switches:
+        raise _fail("path", f"{model_dir} is not an MoE model: {type(model).__module__} has no SwitchGLU or "
+                            f"SwitchMLP (mlx_lm.models.switch_layers) to put an arena in")
+    quantized = any(isinstance(module, (nn.QuantizedLinear, QuantizedSwitchLinear)) for module in model.modules())
+    if float32 or (mx.default_device() == mx.cpu and not quantized):
+        model.set_dtype(mx.float32)
+    return model, tokenizer, switches
+
+
+def _plan_for(model, switches, settings: dict, *, memory, residency, rule, tier_bits, tier_group_size,
+              context) -> MemoryPlan:
+    """The :class:`MemoryPlan` of the lazy ``model`` as it will run (sizes from its arrays' shapes and dtypes)."""
+    from mlx.utils import tree_flatten
+
+    if memory is None and residency is None:
+        residency = DEFAULT_RESIDENCY
+    experts_bytes = sum(_per_expert_nbytes(switch)[1] for switch in switches)
+    num_experts = int(adapter._expert_count(switches[0]))
+    top_k = settings.get("num_experts_per_tok", 1)
+    top_k = int(top_k) if is_int(top_k) and top_k >= 1 else 1
+    other = sum(array.nbytes for _, array in tree_flatten(model.parameters())) - experts_bytes
+    tier = 0
+    if rule == "tier":
+        from kq_host.tier import TierOptionError, bits_per_weight
+
+        try:
+            bpw = bits_per_weight(*_tier_options(tier_bits, tier_group_size))
+        except TierOptionError as error:
+            raise _fail("tier_bits", str(error)) from None
+        tier = int(len(switches) * num_experts * _weights_per_expert(switches[0]) * bpw / 8)
+    try:
+        return plan_memory(other=other, expert=_per_expert_nbytes(switches[0])[0], num_layers=len(switches),
+                           num_experts=num_experts, top_k=top_k,
+                           kv_cache=_kv_cache_nbytes(model, context, _float_itemsize(model)), tier=tier,
+                           memory=memory, residency=residency, context=context)
+    except MemoryPlanError as error:
+        raise LoadError(str(error)) from None
+
+
+def plan(path, *, memory=None, residency=None, rule: str = "exact", tier_bits: int | None = None,
+         tier_group_size: int | None = None, context: int = DEFAULT_CONTEXT, float32: bool = False) -> MemoryPlan:
+    """Where :func:`load` would put ``memory`` (or how large ``residency`` makes the arena), reading no weight.
+
+    Args: as :func:`load`'s.
+
+    Returns:
+        :class:`~kq_host.memory_plan.MemoryPlan`.
+
+    Raises:
+        LoadError: as :func:`load`, a budget too small naming the smallest that works.
+    """
+    model_dir, settings = _checked_directory(path)
+    _check_options(rule, tier_bits, tier_group_size, 0, None, context)
+    model, _, switches = _lazy_model(model_dir, float32, None)
+    return _plan_for(model, switches, settings, memory=memory, residency=residency, rule=rule, tier_bits=tier_bits,
+                     tier_group_size=tier_group_size, context=context)
 
 
 def _weights_per_expert(switch: nn.Module) -> int:
