@@ -50,6 +50,7 @@ import time
 import weakref
 from collections.abc import Mapping as MappingABC
 from concurrent.futures import Future
+from operator import itemgetter
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
@@ -253,6 +254,9 @@ class _DaemonPool:
                 thread.join(wait_seconds)
 
 
+_second = itemgetter(1)
+
+
 class _ReadBatch:
     """The reads one step (or one preload) submits, in order. Inline, the caller runs them at once;
     with a pool, up to ``queue_depth`` workers each take the next unclaimed read until none is left, so
@@ -278,6 +282,32 @@ class _ReadBatch:
     def all_done(self, positions: np.ndarray | None = None) -> bool:
         """Whether every read (or every read at ``positions``) is done."""
         return self._done.count(1) == self.size if positions is None else bool(self.done[positions].all())
+
+    def run_inline(self, loader: Loader, cancelled: Callable[[], bool]) -> None:
+        """Runs every read in order on the calling thread, the only one running this batch, until none is left or
+        ``cancelled()`` (a C function, e.g. a lock's ``locked``) is true before a read. The loader is called
+        from C (``map``), with no Python frame of the manager's per read; a read that raises is recorded as
+        failed and the reads after it go on."""
+        layers, experts, slots = self._reads
+        outcomes, count, start = self.outcomes, self.size, 0
+        while start < count:
+            # Each read's layer comes through a C iterator that ends once cancelled() holds.
+            allowed = map(_second, zip(iter(cancelled, True), layers[start:] if start else layers))
+            got: list = []
+            try:
+                got.extend(map(loader, allowed, experts[start:] if start else experts,
+                               slots[start:] if start else slots))
+            except BaseException as error:  # noqa: BLE001 - a failed read; published as one in (3)
+                # list.extend keeps what it took before the loader raised: the reads before this one.
+                at = start + len(got)
+                outcomes[start:at] = got
+                outcomes[at], self._failed[at] = error, 1
+                start = at + 1
+                continue
+            outcomes[start:start + len(got)] = got
+            start += len(got)
+            break  # every read ran, or the batch was cancelled
+        self._done[:start] = b"\x01" * start
 
     def run(self, loader: Loader, cancelled: threading.Event, landed: Callable[[], None] | None = None) -> None:
         """Claims and runs reads until none is left (or ``cancelled`` is set), calling ``landed`` after each."""
@@ -426,6 +456,7 @@ class ManagerBase:
             weakref.finalize(self, self._pool.shutdown)
         self._pending: list = []
         self._cancelled = threading.Event()  # set by close: pooled workers start no further read
+        self._cancel_lock = threading.Lock()  # taken by close, never released: inline loads start no further read
         self._landed = threading.Condition()  # notified when a read finishes, and by close
         self._closed = False
         self.failures: dict[tuple[int, int], FailedRead] = {}
@@ -540,6 +571,7 @@ class ManagerBase:
                 self._snapshot = self.snapshot()
             out = self.pending()
         finally:
+            self._cancel_lock.acquire(blocking=False)
             self._cancelled.set()
             if self._pool is not None:
                 self._pool.shutdown(wait_seconds=0.0 if not entered or self._pending else 1.0)
@@ -570,6 +602,24 @@ class ManagerBase:
 
     def __exit__(self, *exc):
         self.close()
+
+
+# What a loader's return value is (:meth:`ResidencyManager._settled`), decided once per type in a batch.
+_NOTHING, _COUNT, _PAYLOAD, _FAILED = 0, 1, 2, 3
+_ONLY_INTS, _ONLY_NONE = {int}, {type(None)}
+
+
+def _outcome_kind(kind: type) -> int:
+    """A return value of type ``kind``: a byte count (an int or NumPy integer, as :func:`is_int` takes), nothing
+    to write (None, or another integral: a bool), or a payload for the arena (anything else)."""
+    if kind is type(None):
+        return _NOTHING
+    try:
+        if issubclass(kind, (int, np.integer)) and not issubclass(kind, bool):
+            return _COUNT
+        return _NOTHING if issubclass(kind, numbers.Integral) else _PAYLOAD
+    except Exception:  # noqa: BLE001 - a type that cannot say what it is: a payload, which the arena refuses
+        return _PAYLOAD
 
 
 def _refuse_shared_buffers(picked: list, failed: np.ndarray) -> None:
@@ -693,7 +743,7 @@ class ResidencyManager(ManagerBase):
         if self._pool is None and detached:
             batch.futures = [_DaemonPool.run_detached(batch.run, self.loader, self._cancelled, self._notify_landed)]
         elif self._pool is None:
-            batch.run(self.loader, self._cancelled)
+            batch.run_inline(self.loader, self._cancel_lock.locked)
             if not batch.all_done():
                 raise self._closed_meanwhile(method)
         return batch
@@ -742,19 +792,17 @@ class ResidencyManager(ManagerBase):
         for batch in self._pending:
             if batch.open_count == batch.size and batch.done_count() == batch.size:  # all of it: no picking
                 ready = None
-                picked, failed = list(batch.outcomes), batch.failed.copy()
+                picked, failed = batch.outcomes, batch.failed.copy()  # the list itself: replaced when closed
                 layers, experts, slots = batch.layers, batch.experts, batch.slots
             else:
                 ready = np.flatnonzero(batch.done & batch.open)
                 if ready.size == 0:
                     continue
-                picked = [batch.outcomes[i] for i in ready.tolist()]  # payloads, or the reads' exceptions
+                picked = list(map(batch.outcomes.__getitem__, ready.tolist()))  # payloads, or the reads' exceptions
                 failed = batch.failed[ready]
                 layers, experts, slots = batch.layers[ready], batch.experts[ready], batch.slots[ready]
-            nbytes = self._byte_counts(picked, failed)
-            carried = np.array([not gone and outcome is not None and not isinstance(outcome, numbers.Integral)
-                                for gone, outcome in zip(failed.tolist(), picked)], bool)  # payloads to write
-            if carried.any():
+            nbytes, carried = self._settled(picked, failed)
+            if carried is not None:  # payloads to write
                 if self.arena is None:
                     for j in np.flatnonzero(carried).tolist():
                         failed[j], picked[j] = True, ValueError(
@@ -770,41 +818,74 @@ class ResidencyManager(ManagerBase):
                 batch.outcomes = [None] * batch.size
             else:
                 batch.open[ready] = False
+                outcomes = batch.outcomes
                 for i in ready.tolist():
-                    batch.outcomes[i] = None  # no payload kept alive past its publishing
+                    outcomes[i] = None  # no payload kept alive past its publishing
             batch.open_count -= layers.size
             self._ops.publish(self._tables, layers, experts, slots, failed, nbytes)  # tables point at slots now
-            for j in np.flatnonzero(failed).tolist():
-                error = picked[j]
-                self._record_failure(PendingRead(int(layers[j]), int(experts[j]), int(slots[j])), error)
-                if isinstance(error, (KeyboardInterrupt, SystemExit)) and interrupt is None:
-                    interrupt = error
+            if failed.any():
+                for j in np.flatnonzero(failed).tolist():
+                    error = picked[j]
+                    self._record_failure(PendingRead(int(layers[j]), int(experts[j]), int(slots[j])), error)
+                    if isinstance(error, (KeyboardInterrupt, SystemExit)) and interrupt is None:
+                        interrupt = error
             if self.failures and not failed.all():
-                for key in zip(layers[~failed].tolist(), experts[~failed].tolist()):
-                    self.failures.pop(key, None)
+                self._clear_failures(layers[~failed], experts[~failed])
         self._pending = [batch for batch in self._pending if batch.open_count]
         if interrupt is not None:  # after the bookkeeping, so no later step sees this read again
             raise interrupt
 
-    def _byte_counts(self, picked: list, failed: np.ndarray) -> np.ndarray:
-        """int64 ``[R]``: the bytes each landed read counts (an int it returned, else ``bytes_per_expert``).
+    def _clear_failures(self, layers: np.ndarray, experts: np.ndarray) -> None:
+        """Drops the failure records of the experts whose reads landed (int64 ``[R]`` each)."""
+        keys = np.array(list(self.failures), np.int64).reshape(-1, 2)
+        landed = np.isin(keys[:, 0] * self.num_experts + keys[:, 1], layers * self.num_experts + experts)
+        for key in keys[landed].tolist():
+            del self.failures[tuple(key)]
 
-        An int outside ``[0, MAX_BYTE_COUNT]`` makes its read failed (``picked`` then holds the error).
+    def _settled(self, picked: list, failed: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """What each landed read returned, decided per batch: its bytes, and whether it is a payload to write.
+
+        The types of the outcomes are looked at once each: a batch of ints, or of Nones (the loader wrote the
+        expert itself), takes no Python per read. An int is the bytes read; None or another integral
+        (a bool) counts ``bytes_per_expert``; anything else is a payload for the arena.
+
+        Args:
+            picked: ``[R]`` the reads' outcomes (a failed read's exception); an int outside
+                ``[0, MAX_BYTE_COUNT]`` is replaced by the error that fails its read.
+            failed: bool ``[R]`` the reads failed; set where a byte count is out of range.
+
+        Returns:
+            (int64 ``[R]`` the bytes each read counts, bool ``[R]`` the payloads to write or None where none is).
         """
-        if set(map(type, picked)) <= {int}:  # every read returned its byte count: the common case
-            if min(picked) >= 0 and max(picked) <= MAX_BYTE_COUNT:
-                return np.array(picked, np.int64)
+        kinds = set(map(type, picked))
+        if kinds == _ONLY_INTS:  # every read returned its byte count: the common case
+            try:
+                counts = np.array(picked, np.int64)
+            except OverflowError:  # an int past int64: no byte count (below)
+                counts = None
+            if counts is not None and counts.min() >= 0 and counts.max() <= MAX_BYTE_COUNT:
+                return counts, None
+        elif kinds == _ONLY_NONE:  # every loader wrote its expert
+            return np.full(len(picked), self.bytes_per_expert, np.int64), None
+        kind_of = {kind: _outcome_kind(kind) for kind in kinds}
+        if len(kind_of) == 1:
+            outcome_kinds = np.full(len(picked), kind_of.popitem()[1], np.int8)
+        else:
+            outcome_kinds = np.fromiter(map(kind_of.__getitem__, map(type, picked)), np.int8, len(picked))
+        outcome_kinds[failed] = _FAILED
         counts = np.full(len(picked), self.bytes_per_expert, np.int64)
-        for j, outcome in enumerate(picked):
-            if failed[j] or not is_int(outcome):
-                continue
-            if 0 <= outcome <= MAX_BYTE_COUNT:
-                counts[j] = int(outcome)
-            else:
+        at = np.flatnonzero(outcome_kinds == _COUNT)
+        if at.size:
+            values = np.empty(at.size, object)
+            values[:] = list(map(picked.__getitem__, at.tolist()))
+            fits = ((values >= 0) & (values <= MAX_BYTE_COUNT)).astype(bool)
+            counts[at[fits]] = values[fits].astype(np.int64)
+            for j in at[~fits].tolist():
                 failed[j], picked[j], counts[j] = True, ValueError(
-                    f"the loader returned {outcome} as the bytes it read; a byte count is an int in "
+                    f"the loader returned {picked[j]} as the bytes it read; a byte count is an int in "
                     f"[0, {MAX_BYTE_COUNT}]"), 0
-        return counts
+        carried = outcome_kinds == _PAYLOAD
+        return counts, carried if carried.any() else None
 
     def _write(self, layers: np.ndarray, slots: np.ndarray, picked: list, failed: np.ndarray,
                payloads: np.ndarray) -> None:
