@@ -180,3 +180,66 @@ class _Server(ThreadingHTTPServer):
 def model_id_of(path) -> str:
     """The name a served model directory goes by: its directory's name."""
     return Path(path).resolve().name
+
+
+def add_options(parser) -> None:
+    """``kq serve``'s options (``func`` runs it)."""
+    from kq.model_options import add_model_options
+
+    add_model_options(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    parser.add_argument("--port", type=int, default=8080, help="the port (0: any free one, printed)")
+    parser.add_argument("--max-tokens", type=int, default=512, help="a request's max_tokens where it gives none")
+    parser.add_argument("--temp", type=float, default=0.0, help="a request's temperature where it gives none")
+    parser.add_argument("--top-p", type=float, default=1.0, help="a request's top_p where it gives none")
+    parser.add_argument("--top-k", type=int, default=0, help="a request's top_k where it gives none (0: off)")
+    parser.add_argument("--min-p", type=float, default=0.0, help="a request's min_p where it gives none (0: off)")
+    parser.add_argument("--stop-after", type=float, metavar="SECONDS",
+                        help="stop serving after this many seconds (default: until Ctrl-C or SIGTERM)")
+    parser.set_defaults(func=run)
+
+
+def run(args) -> int:
+    """Loads the model, serves it until Ctrl-C, SIGTERM or ``--stop-after``; prints where it listens."""
+    import os
+    import signal
+    import sys
+
+    from kq.model_options import flag_of, load_options
+    from kq_mlx.load import LoadError, load, stream_of
+
+    if args.stop_after is not None and not args.stop_after > 0:
+        print("kq serve: --stop-after: must be a number of seconds > 0", file=sys.stderr)
+        return 2
+    try:
+        model, tokenizer = load(args.model, **load_options(args))
+    except LoadError as error:
+        print(f"kq serve: {flag_of(error)}", file=sys.stderr)
+        return 2
+    stream = stream_of(model)
+    plan = stream.plan
+    defaults = ServeDefaults(args.max_tokens, args.temp, args.top_p, args.top_k, args.min_p)
+    try:
+        handle = make_server(model, tokenizer, model_id=model_id_of(args.model), host=args.host, port=args.port,
+                             context=args.context, kv_bytes=plan.kv_cache, defaults=defaults)
+    except OSError as error:
+        print(f"kq serve: --host/--port: cannot listen on {args.host}:{args.port} ({error})", file=sys.stderr)
+        stream.close()
+        return 2
+    print(f"kq serve: {model_id_of(args.model)} at {handle.url}/v1 (OpenAI API); arena {plan.slots} of "
+          f"{plan.num_experts} experts x {plan.num_layers} MoE layers, rule {stream.rule}; requests served one at a "
+          f"time", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    handle.start()
+    try:
+        stop.wait(args.stop_after)
+    except KeyboardInterrupt:
+        pass
+    handle.close()
+    stream.close()
+    print("kq serve: stopped", flush=True)
+    sys.stderr.flush()
+    # MLX can abort in its own teardown at exit after generating on a thread other than the main one (seen with
+    # mlx-lm's own stream_generate on a thread, MLX 0.32.4): everything is closed, so leave without it.
+    os._exit(0)

@@ -445,3 +445,46 @@ def _attach_tier(model_dir: Path, settings: dict, blocks, names, bits, group_siz
     except ValueError as error:
         raise _fail("path", f"the tier does not fit the model as mlx-lm loads it ({error})") from None
     return sum(array.nbytes for block in blocks for _, array in tree_flatten(block.tier.parameters()))
+
+
+def read_bandwidth(path, *, sample_bytes: int = 256 * 2**20, queue_depth: int = 8) -> dict:
+    """The bandwidth of reading the model's experts as the arena reads them (one expert a read, ``queue_depth``
+    reads in flight), measured now: the same sample read twice, the second time from the page cache.
+
+    Args:
+        path: the model directory.
+        sample_bytes: how much to read (experts spread over the layers; at most every expert).
+        queue_depth: reads in flight.
+
+    Returns:
+        ``{"bytes": read each time, "first_gbs": the first read's GB/s (the disk, or the page cache where the
+        files are cached), "again_gbs": the second's (the page cache)}``.
+    """
+    import time
+
+    from kq_host.expert_store import ExpertStore, ExpertStoreError
+
+    model_dir, _ = _checked_directory(path)
+    if not is_int(sample_bytes) or sample_bytes < 1:
+        raise _fail("sample_bytes", f"must be an int >= 1, got {sample_bytes!r}")
+    if not is_int(queue_depth) or not 1 <= queue_depth <= MAX_QUEUE_DEPTH:
+        raise _fail("queue_depth", f"must be an int in [1, {MAX_QUEUE_DEPTH}], got {queue_depth!r}")
+    model, _, switches = _lazy_model(model_dir, False, None)
+    blocks = adapter.attach_arena(model, 1, keep_experts=False)  # lazily: nothing read
+    try:
+        store = ExpertStore.for_tensors(model_files(model_dir), _expert_tensor_names(model_dir, blocks),
+                                        queue_depth=queue_depth)
+    except ExpertStoreError as error:
+        raise _fail("path", f"the experts' tensors: {error}") from None
+    with store:
+        experts, layers = blocks[0].num_experts, len(blocks)
+        count = max(1, min(layers * experts, sample_bytes // max(store.expert_nbytes(0), 1)))
+        pairs = [(index % layers, (index // layers) % experts) for index in range(count)]
+        seconds = []
+        for _ in range(2):
+            before, start = store.bytes_read, time.perf_counter()
+            for future in [store.submit(layer, expert) for layer, expert in pairs]:
+                future.result()
+            seconds.append(time.perf_counter() - start)
+            read = store.bytes_read - before
+    return {"bytes": int(read), "first_gbs": read / seconds[0] / 1e9, "again_gbs": read / seconds[1] / 1e9}
