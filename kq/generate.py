@@ -56,7 +56,8 @@ class GenerateConfig:
         residency: the fraction of each MoE layer's experts the arena holds, in ``(0, 1]``.
         rule: what a routed expert not in the arena gets (:data:`RULES`).
         tier_bits, tier_group_size: rule ``tier``: the experts quantized to this many bits
-            (:func:`kq_host.tier.build_tier`, cached on disk); default 3 bits, groups of 32.
+            (:func:`kq_host.tier.build_tier`, cached on disk); default :data:`kq_host.tier.DEFAULT_TIER_BITS`
+            bits, groups of :data:`kq_host.tier.DEFAULT_TIER_GROUP_SIZE`.
         tier_model: rule ``tier``: read the tier from a lower-bit mlx-lm conversion of the same model instead.
         queue_depth: the residency manager's reads in flight.
         timeout: seconds a wait for reads may take (None: no limit).
@@ -120,6 +121,8 @@ class GenerateResult:
     resident_prefill_s: float | None = None  # floor: the model with every expert, prompt to first token
     floor_s: float | None = None  # the prompt's distinct experts' bytes / read bandwidth + resident_prefill_s
     stages: dict = field(default_factory=dict)  # seconds: load, tier, prefill
+    tier_bits: int | None = None  # rule tier: the tier's bits a weight (None: no tier)
+    tier_group_size: int | None = None
 
     @property
     def memory_bound_mib(self) -> float:
@@ -297,8 +300,8 @@ def _tier_source(model_dir: Path, blocks, names, quantization, stack):
                               module=lambda layer, projection: f"{blocks[layer].module_path}.{projection}")
 
 
-def _attach_tier(config: GenerateConfig, model_dir: Path, blocks, names, quantization, stack) -> int:
-    """Builds or reads the tier and gives it to the blocks; returns its bytes."""
+def _attach_tier(config: GenerateConfig, model_dir: Path, blocks, names, quantization, stack):
+    """Builds or reads the tier and gives it to the blocks; returns it and its bytes on the device."""
     from mlx.utils import tree_flatten
 
     from kq_host.checkpoint import tier_from_checkpoint
@@ -332,7 +335,19 @@ def _attach_tier(config: GenerateConfig, model_dir: Path, blocks, names, quantiz
         raise _fail("--tier-model" if config.tier_model is not None else "--model",
                     f"the tier does not fit the model as mlx-lm loads it ({error})") from None
     # What the tier takes on the device (attach_tier may widen its scales and biases to the arena's float dtype).
-    return sum(_nbytes(a for _, a in tree_flatten(block.tier.parameters())) for block in blocks)
+    return tier, sum(_nbytes(a for _, a in tree_flatten(block.tier.parameters())) for block in blocks)
+
+
+def _warn_tier_size(tier, tier_bytes: int, experts_bytes: int, widened: bool) -> None:
+    """A warning where the tier takes no less memory than every expert it stands in for, as stored: it saves
+    nothing over holding the experts themselves."""
+    if tier_bytes < experts_bytes:
+        return
+    scales = ", its scales and biases in float32 on the device" if widened else ""
+    warnings.warn(f"--rule tier: the tier takes {tier_bytes / 2**20:.1f} MiB ({tier.bits} bits in groups of "
+                  f"{tier.group_size}{scales}), no less than the {experts_bytes / 2**20:.1f} MiB of the experts it "
+                  f"stands in for as stored: it saves no memory; a smaller --tier-bits, or --rule exact or shed, "
+                  f"holds less", stacklevel=3)
 
 
 def _read_failed(what: str, error: Exception):
@@ -443,11 +458,13 @@ def _generate(config: GenerateConfig, on_text: Callable[[str], None] | None) -> 
                                                                 queue_depth=max(config.queue_depth, 1)))
         except ExpertStoreError as error:
             raise _fail("--model", f"the experts' tensors: {error}") from None
-        tier_bytes = 0
+        tier, tier_bytes = None, 0
         if config.rule == "tier":
             tier_start = time.perf_counter()
-            tier_bytes = _attach_tier(config, model_dir, blocks, names, quantization, stack.enter_context)
+            tier, tier_bytes = _attach_tier(config, model_dir, blocks, names, quantization, stack.enter_context)
             stages["tier_s"] = time.perf_counter() - tier_start
+            widened = any(a.dtype == mx.float32 for block in blocks for _, a in tree_flatten(block.tier.parameters()))
+            _warn_tier_size(tier, tier_bytes, len(blocks) * num_experts * store.expert_nbytes(0), widened)
         for block in blocks:  # exact: a token that misses runs again (generate_greedy), so no miss is ever shed
             block.rule = "shed" if config.rule == "exact" else config.rule
         manager = ResidencyManager(len(blocks), num_experts, slots, arena=SwitchGLUArena(blocks),
@@ -528,7 +545,8 @@ def _generate(config: GenerateConfig, on_text: Callable[[str], None] | None) -> 
             expert_mib=expert_bytes / 2**20, experts_mib=len(blocks) * num_experts * expert_bytes / 2**20,
             arena_mib=arena_bytes / 2**20, tier_mib=tier_bytes / 2**20,
             other_weights_mib=(all_bytes - arena_bytes - tier_bytes) / 2**20, peak_rss_mib=_peak_rss_mib(),
-            mlx_peak_mib=mx.get_peak_memory() / 2**20, device=str(mx.default_device()), stages=stages)
+            mlx_peak_mib=mx.get_peak_memory() / 2**20, device=str(mx.default_device()), stages=stages,
+            tier_bits=None if tier is None else tier.bits, tier_group_size=None if tier is None else tier.group_size)
         if config.floor:
             try:
                 result.read_bandwidth_gbs = _read_bandwidth(store, routed)
@@ -632,8 +650,10 @@ def format_summary(result: GenerateResult) -> str:
            f"{result.mib_read_per_token:.2f} MiB read a token" if len(result.tokens) > 1
            else "the first alone (no rate, nothing generated after it)"),
         f"arena: {result.slots} of {result.num_experts} experts x {result.num_layers} MoE layers, "
-        f"{result.arena_mib:.1f} MiB (all experts {result.experts_mib:.1f} MiB); tier {result.tier_mib:.1f} MiB; "
-        f"other weights {result.other_weights_mib:.1f} MiB",
+        f"{result.arena_mib:.1f} MiB (all experts {result.experts_mib:.1f} MiB); "
+        + (f"tier ({result.tier_bits}-bit, groups of {result.tier_group_size}) {result.tier_mib:.1f} MiB; "
+           if result.tier_bits is not None else "")
+        + f"other weights {result.other_weights_mib:.1f} MiB",
         f"peak memory: {result.peak_rss_mib:.0f} MiB resident (bound {result.memory_bound_mib:.0f} MiB), "
         f"MLX {result.mlx_peak_mib:.0f} MiB ({result.device})",
     ]

@@ -51,6 +51,7 @@ from kq.terminal import progress_bar, render_table
 from kq_core.contract import MAX_TOP_K
 from kq_host.checkpoint import (CHECKPOINT_LAYOUTS, EXPERT_WIDTH_KEYS, MODEL_FILES, CheckpointError,
                                  check_regular_files, check_shards, model_files, read_config, trained_length)
+from kq_host.tier import DEFAULT_TIER_BITS, DEFAULT_TIER_GROUP_SIZE
 
 RULES = ("route_shed", "shed", "renormalize", "substitute", "tier", "stall", "reroute", "prior", "uniform")
 JAX_ONLY_RULES = ("reroute", "prior", "uniform")
@@ -70,8 +71,8 @@ class StudyConfig:
     policies: tuple[str, ...] = POLICIES
     rules: tuple[str, ...] | None = None  # default: every rule the framework runs
     framework: str = "jax"
-    tier_bits: int = 3
-    tier_group_size: int = 32
+    tier_bits: int = DEFAULT_TIER_BITS
+    tier_group_size: int = DEFAULT_TIER_GROUP_SIZE
     streams: int = 1  # windows decoded side by side, spread over the text, each with its own arena (JAX)
     long_context: bool = False  # one window of warmup + tokens a stream, past the trained length if longer
 

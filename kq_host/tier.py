@@ -37,6 +37,9 @@ from kq_host.expert_store import ExpertStoreError, FileIdentity, file_identity, 
 
 BITS = (2, 3, 4, 8)
 GROUP_SIZES = (32, 64, 128)
+# The tier's options where none are given: build_tier's, kq generate's and kq study's (3 bits in groups of 32:
+# 4 bits a weight with the 16-bit scales and biases, a quarter of a bfloat16 expert).
+DEFAULT_TIER_BITS, DEFAULT_TIER_GROUP_SIZE = 3, 32
 # The packing word: q values run through uint32 words as one little-endian bit stream.
 WORD_BITS = 32
 # The dtypes of the tier's scales and biases, by name (as the cache stores them): mlx-community's 16 bits.
@@ -269,8 +272,8 @@ class Tier:
         return {name: QuantizedWeight(*(a[layer] for a in w)) for name, w in self.weights.items()}
 
 
-def build_tier(store, num_layers: int, num_experts: int, *, bits: int = 3, group_size: int = 32,
-               cache_dir: str | os.PathLike | None = None) -> Tier:
+def build_tier(store, num_layers: int, num_experts: int, *, bits: int = DEFAULT_TIER_BITS,
+               group_size: int = DEFAULT_TIER_GROUP_SIZE, cache_dir: str | os.PathLike | None = None) -> Tier:
     """Quantizes every expert the store holds, or loads the cached result of the same build.
 
     The cache keeps one entry per checkpoint (its files' paths, the store's layout and the tensors each
@@ -287,7 +290,8 @@ def build_tier(store, num_layers: int, num_experts: int, *, bits: int = 3, group
         store: an :class:`~kq_host.expert_store.ExpertStore` (or a store with its ``read_expert``,
             ``expert_shapes``, ``projections`` and ``tensors``, and ``layer_tensor_names`` where it has one).
         num_layers, num_experts: L and E of the checkpoint, as the store holds them.
-        bits, group_size: as for :func:`quantize`.
+        bits, group_size: as for :func:`quantize` (default :data:`DEFAULT_TIER_BITS`,
+            :data:`DEFAULT_TIER_GROUP_SIZE`).
         cache_dir: where built tiers are kept (``None``: ``$KQ_CACHE_DIR/tier`` or
             ``~/.cache/kq/tier``).
 

@@ -269,3 +269,49 @@ def test_a_warning_is_one_line_of_kq_generate(tmp_path):
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("warning: --prompt: its "), run.stderr
     assert "UserWarning" not in run.stderr and "warnings.warn" not in run.stderr
+
+
+# ---- the tier's default and its size -----------------------------------------------------------------------------
+
+
+def test_one_default_tier_bits_for_build_tier_kq_generate_and_kq_study(tmp_path):
+    import inspect
+
+    from kq.study import StudyConfig
+    from kq_host.tier import DEFAULT_TIER_BITS, DEFAULT_TIER_GROUP_SIZE, build_tier, bits_per_weight
+
+    parameters = inspect.signature(build_tier).parameters
+    assert parameters["bits"].default == DEFAULT_TIER_BITS
+    assert parameters["group_size"].default == DEFAULT_TIER_GROUP_SIZE
+    study = StudyConfig()
+    assert (study.tier_bits, study.tier_group_size) == (DEFAULT_TIER_BITS, DEFAULT_TIER_GROUP_SIZE)
+    result = generate(GenerateConfig(STDLIB, PROMPT, max_tokens=1, rule="tier"))
+    assert (result.tier_bits, result.tier_group_size) == (DEFAULT_TIER_BITS, DEFAULT_TIER_GROUP_SIZE)
+    # 4 layers x 64 experts x 3 projections of 64 x 128 weights, the scales and biases 16-bit or widened to float32
+    weights = 4 * 64 * 3 * 64 * 128
+    assert result.tier_mib * 2**20 in [weights * (DEFAULT_TIER_BITS + 2 * size * 8 / DEFAULT_TIER_GROUP_SIZE) / 8
+                                       for size in (2, 4)]
+    assert bits_per_weight(DEFAULT_TIER_BITS, DEFAULT_TIER_GROUP_SIZE) < 16  # smaller than the bfloat16 experts
+
+
+def test_a_tier_no_smaller_than_the_experts_it_stands_in_for_is_warned_of(recwarn):
+    """The 4-bit model's experts at the default 3 bits: the tier (its scales widened to the arena's float32) takes
+    more memory than every expert as stored; the run goes on, warned."""
+    result = generate(GenerateConfig(WHEELS, PROMPT, max_tokens=1, rule="tier"))
+    assert result.tier_mib >= result.experts_mib
+    (warning,) = [w for w in recwarn if "tier" in str(w.message)]
+    message = str(warning.message)
+    assert f"{result.tier_mib:.1f} MiB" in message and f"{result.experts_mib:.1f} MiB" in message, message
+    assert "--tier-bits" in message, message
+    recwarn.clear()
+    generate(GenerateConfig(STDLIB, PROMPT, max_tokens=1, rule="tier"))  # bfloat16 experts: a tier far smaller
+    assert not [w for w in recwarn if "tier" in str(w.message)]
+
+
+def test_the_summary_names_a_tier_only_where_there_is_one():
+    from kq.generate import format_summary
+
+    exact = generate(GenerateConfig(STDLIB, PROMPT, max_tokens=1))
+    assert exact.tier_bits is None and "tier" not in format_summary(exact)
+    tier = generate(GenerateConfig(STDLIB, PROMPT, max_tokens=1, rule="tier", tier_bits=2, tier_group_size=64))
+    assert f"tier (2-bit, groups of 64) {tier.tier_mib:.1f} MiB" in format_summary(tier)
