@@ -93,6 +93,9 @@ ROUTERS: dict[str, Callable] = {
 MISS_RULES = ("route_shed", "shed", "renormalize", "substitute", "tier", "stall", "exact")
 # The rules that need no gate weights: every family, at the SwitchGLU seam.
 SEAM_RULES = ("shed", "tier", "stall", "exact")
+# An ArenaLayer's attributes kept outside mlx's module tree: its slot table is no parameter (a cast, an update or
+# save_weights of the model leaves it alone).
+_OUTSIDE_TREE = frozenset({"slot_table"})
 
 
 def _switch_types() -> tuple[type, ...]:
@@ -150,7 +153,7 @@ class ArenaLayer(nn.Module):
         self.module_path = module_path
         numbers = re.findall(r"\.(\d+)(?=\.|$)", "." + module_path)
         self.model_layer = int(numbers[0]) if numbers else None
-        self.slot_table = mx.full((self.num_experts,), -1, mx.int32)
+        object.__setattr__(self, "_slot_table", mx.full((self.num_experts,), -1, mx.int32))  # not a parameter
         self._published = None  # set_tables' last row for this layer (_Published: outside the module's tree)
         self._rule = self.RULES[0]
         self.tier = None  # a copy of the arena holding every expert at low precision (attach_tier)
@@ -164,6 +167,54 @@ class ArenaLayer(nn.Module):
         # last compiled pass left for pack_reports (_Deferred).
         object.__setattr__(self, "_graphs", {})
         object.__setattr__(self, "_deferred", None)
+
+    def __setattr__(self, key: str, value) -> None:
+        if key in _OUTSIDE_TREE:  # through the property, or into the instance: never an item of the module's tree
+            object.__setattr__(self, key, value)
+        else:
+            super().__setattr__(key, value)
+
+    @property
+    def slot_table(self) -> mx.array:
+        """``mx.array int32 [E]``: each expert's slot for the next forward pass, -1 (or any value outside
+        ``[0, num_slots)``) where it is not resident. Kept outside the module's parameters.
+
+        Set it through :func:`set_tables`, or by hand: any integer array ``[E]`` (NumPy or MLX) whose values fit
+        int32 and that puts no two experts in one slot of the arena.
+
+        Raises:
+            ValueError: on setting a table of another shape, of values that are no int32 (a float, NaN, a bool, a
+                string, an integer past int32: each would truncate or wrap into some slot), or that puts two
+                experts in one slot; naming ``slot_table`` and the layer. The table is then unchanged.
+        """
+        return self._slot_table
+
+    @slot_table.setter
+    def slot_table(self, table) -> None:
+        where = self._where()
+        try:
+            host = np.asarray(table)
+        except (TypeError, ValueError, RuntimeError):
+            host = None
+        if host is None or host.shape != (self.num_experts,):
+            got = f"shape {list(host.shape)}" if host is not None else f"{table!r:.80}"
+            raise ValueError(f"{where}: slot_table must be [{self.num_experts}] (one slot id an expert), got {got}")
+        row = _slot_ids(where, "slot_table", host[None], np.array([self.num_slots]), lambda _: "slot_table ")[0]
+        given = isinstance(table, mx.array) and table.dtype == mx.int32
+        object.__setattr__(self, "_slot_table", table if given else from_numpy(row))
+
+    def _checked_table(self, table: np.ndarray, source: str) -> mx.array:
+        """A host table ``int [E]`` that ``source`` handed the layer, checked as :attr:`slot_table` checks one,
+        stored; returns the array stored."""
+        row = _slot_ids(self._where(), "slot_table", np.asarray(table)[None], np.array([self.num_slots]),
+                        lambda _: f"slot_table from {source} ")[0]
+        object.__setattr__(self, "_slot_table", from_numpy(row))
+        return self._slot_table
+
+    def _where(self) -> str:
+        """The layer as errors name it: its class, path and decoder layer."""
+        layer = f" (layer {self.model_layer})" if self.model_layer is not None else ""
+        return f"{type(self).__name__} at {self.module_path}{layer}"
 
     @property
     def rule(self) -> str:
@@ -236,7 +287,7 @@ class ArenaLayer(nn.Module):
         capacity = self.num_slots - len(pinned)
         if np.setdiff1d(wanted, list(pinned)).size <= capacity:
             table = self._acquire(ids, host_scores)
-            self.slot_table = mx.array(table)
+            self._checked_table(table, "manager.acquire")
             slots = mx.array(table[ids].astype(np.uint32).reshape(inds.shape))
             return self.arena(x, slots), self._served(inds, scores, slots)
         if capacity < 1:
@@ -253,6 +304,7 @@ class ArenaLayer(nn.Module):
         for chunk in range(int(chunk_of_entry.max()) + 1):
             entries = np.flatnonzero(chunk_of_entry == chunk)
             table = self._acquire(flat_ids[entries][None], flat_scores[entries][None])
+            self._checked_table(table, "manager.acquire")
             slots = mx.array(table[flat_ids[entries]].astype(np.uint32))[:, None]
             # A chunk takes the kernel the whole pass would: repeated up to SORTED_FROM entries where it sorts.
             copies = -(-SORTED_FROM // entries.size) if ids.size >= SORTED_FROM > entries.size else 1
@@ -260,7 +312,6 @@ class ArenaLayer(nn.Module):
             mx.eval(out)  # before the next chunk's reads take its slots
             outputs.append(out.reshape(entries.size, -1))
             positions.append(entries)
-        self.slot_table = mx.array(table)
         back = np.argsort(np.concatenate(positions), kind="stable")
         y = mx.concatenate(outputs)[mx.array(back)].reshape(*inds.shape, -1)
         # Every routed expert was served: the routing against a table holding them all (no miss, full mix).
@@ -1184,6 +1235,58 @@ def _mix_all_kept_graph() -> Callable:
     return mx.compile(route_shed_columns.mix_all_kept)
 
 
+_INT32 = np.iinfo(np.int32)
+
+
+def _slot_ids(caller: str, argument: str, tables: np.ndarray, num_slots: np.ndarray,
+              row_name: Callable[[int], str]) -> np.ndarray:
+    """``tables``, a host array ``[L, E]`` (its shape checked), as int32 slot ids, checked in one vectorised pass
+    over its rows (:func:`_as_slot_ids`, then :func:`_check_one_expert_a_slot`)."""
+    ids = _as_slot_ids(caller, argument, tables, row_name)
+    _check_one_expert_a_slot(caller, ids, num_slots, row_name)
+    return ids
+
+
+def _as_slot_ids(caller: str, argument: str, tables: np.ndarray, row_name: Callable[[int], str]) -> np.ndarray:
+    """``tables`` ``[L, E]`` as int32 (no copy for int32); ValueError naming ``argument`` (and through ``row_name``
+    the row) where it holds values that are no int32: floats, NaN, bools, strings, integers past int32 (each would
+    truncate or wrap into some slot)."""
+    kind = tables.dtype.kind
+    if kind not in "iu":
+        detail = ""
+        if kind == "f" and tables.size:
+            with np.errstate(invalid="ignore"):
+                bad = ~np.isfinite(tables) | (tables != np.trunc(tables)) | (tables < _INT32.min) | (tables > _INT32.max)
+            if bad.any():
+                row, expert = (int(i) for i in np.argwhere(bad)[0])
+                detail = f": {row_name(row)}holds {tables[row, expert]} for expert {expert}, which is no slot"
+        raise ValueError(f"{caller}: {argument} must hold integer slot ids, got {tables.dtype}{detail} (a slot id is "
+                         f"an int32; -1: not resident)")
+    if tables.size and tables.dtype.itemsize >= 4 and tables.dtype != np.int32:
+        outside = (tables < _INT32.min) | (tables > _INT32.max)
+        if outside.any():
+            row, expert = (int(i) for i in np.argwhere(outside)[0])
+            raise ValueError(f"{caller}: {row_name(row)}holds {int(tables[row, expert])} for expert {expert}, outside "
+                             f"int32 (it would wrap into another slot)")
+    return tables.astype(np.int32, copy=False)
+
+
+def _check_one_expert_a_slot(caller: str, ids: np.ndarray, num_slots: np.ndarray,
+                             row_name: Callable[[int], str]) -> None:
+    """ValueError naming the row (``row_name``) where two experts of a row of ``ids`` (int32 ``[L, E]``) share a
+    slot in ``[0, num_slots[row])``; one vectorised pass over the rows. Values outside that range (-1, or past
+    the arena) are experts not resident, any number of them."""
+    held = np.where((ids >= 0) & (ids < num_slots[:, None]), ids, -1)
+    ordered = np.sort(held, axis=-1)
+    shared = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+    if shared.any():
+        row = int(np.argmax(shared.any(axis=-1)))
+        slot = int(ordered[row, 1:][shared[row]][0])
+        first, second = (int(e) for e in np.flatnonzero(held[row] == slot)[:2])
+        raise ValueError(f"{caller}: {row_name(row)}puts experts {first} and {second} in slot {slot}; a slot holds "
+                         f"one expert")
+
+
 def set_tables(blocks: list[ArenaLayer], tables: np.ndarray) -> None:
     """Hands each block its layer's slot table for the next forward pass (``tables``: int ``[L, E]``).
 
@@ -1192,16 +1295,44 @@ def set_tables(blocks: list[ArenaLayer], tables: np.ndarray) -> None:
     block whose ``slot_table`` was set some other way since always gets its row. Whether a row holds every
     expert in the block's arena is decided here, once a row: such a block runs its resident path
     (:attr:`ArenaLayer.full_path`) until a row with a miss is set.
+
+    Args:
+        blocks: :func:`attach_arena`'s layers, one a row.
+        tables: any integer array ``[L, E]`` (NumPy, MLX, nested lists) of values that fit int32: row ``l`` is
+            block ``l``'s slot of each expert, a value outside ``[0, num_slots)`` (-1) an expert not resident
+            (``ResidencyManager.snapshot()`` / ``step``'s tables).
+
+    Raises:
+        ValueError: ``tables`` of another shape, of values that are no int32 (floats, NaN, bools, strings,
+            integers past int32: each would truncate or wrap into some slot), or with a row that puts two experts
+            in one slot (the arena would run one on the other's weights and report no miss), naming the row, its
+            layer and what is wrong. Checked before any block's table changes, in one vectorised pass over the
+            rows that changed (a row as published before was checked then).
     """
-    tables = np.asarray(tables, np.int32)
-    if tables.ndim != 2 or tables.shape[0] != len(blocks) or any(b.num_experts != tables.shape[1] for b in blocks):
+    try:
+        given = np.asarray(tables)
+    except (TypeError, ValueError, RuntimeError):  # ragged, or an array NumPy cannot take
+        given = None
+    if (given is None or given.ndim != 2 or given.shape[0] != len(blocks)
+            or any(b.num_experts != given.shape[1] for b in blocks)):
+        got = f"shape {given.shape}" if given is not None else f"{tables!r:.80}"
         raise ValueError(f"set_tables: tables must be int [L, E] with L = {len(blocks)} blocks and E = "
-                         f"{blocks[0].num_experts if blocks else '?'} experts, got shape {tables.shape}")
-    for block, row in zip(blocks, tables):
+                         f"{blocks[0].num_experts if blocks else '?'} experts, got {got}")
+    def row_name(row: int) -> str:
+        return f"tables[{row}] (layer {row}, {blocks[row].module_path}) "
+
+    tables = _as_slot_ids("set_tables", "tables", given, row_name)
+    changed = []  # the rows to send: a row as published before was checked then
+    for index, (block, row) in enumerate(zip(blocks, tables)):
         published = block._published
-        if published is not None and published.table is block.slot_table and published.key == row.tobytes():
-            continue
-        block.slot_table = from_numpy(row)
+        if published is None or published.table is not block.slot_table or published.key != row.tobytes():
+            changed.append(index)
+    if changed:
+        _check_one_expert_a_slot("set_tables", tables[changed], np.array([blocks[i].num_slots for i in changed]),
+                                 lambda row: row_name(changed[row]))
+    for index in changed:
+        block, row = blocks[index], tables[index]
+        object.__setattr__(block, "_slot_table", from_numpy(row))
         block._published = _Published(row, block.slot_table, block.num_slots)
 
 
