@@ -9,30 +9,22 @@ import os
 import sys
 from pathlib import Path
 
-DEMO_COLUMNS = """\
-By default the demo continues --prompt with the shipped model (a Qwen3-MoE trained on the Python standard
-library's source), greedily, once through an arena of --residency of each layer's experts, filled between
-tokens by the residency manager from the checkpoint's safetensors files, and once with every expert in memory;
-it prints both texts and the arena's hit rate, shed mass, reads and speed.
+# `kq demo --help`'s epilog; {columns}: what each column of --random's tables is (kq.demo_random.column_legend).
+DEMO_EPILOG = """\
+By default the demo continues --prompt with the shipped model (a Qwen3-MoE trained on the Python
+standard library's source), greedily, once through an arena of --residency of each layer's experts,
+filled between tokens by the residency manager from the checkpoint's safetensors files, and once
+with every expert in memory; it prints both texts and the arena's hit rate, shed gate weight, reads
+and speed, each explained.
 
-With --random it decodes --steps steps twice per framework: once with every expert in memory (resident) and once
-streamed, each layer's experts served from an arena of --residency of its experts that the residency
-manager fills from safetensors files between steps. Columns, per framework:
-  hit first 10% / hit steady   fraction of routed experts found in the arena, over the first tenth of
-                               the steps and over the second half (steady state)
-  shed experts/step            routed entries shed per step and row, over all layers (not resident)
-  shed mass/step               fraction of the routed gate mass that was shed, per step
-  over-budget                  layer-steps whose shed mass exceeded 1 - --keep-mass of their routed mass
-  MiB read                     expert bytes read from the files over the run
-  resident / streamed steps/s  decode steps per second of each run over its second half (steady state; the
-                               compiles are done before the clock)
-  boundary ms/step             host time per step in ResidencyManager.step (credit, publish, evict, prestage),
-                               over the second half
-  divergence mean / max        ||y_streamed - y_resident|| / ||y_resident|| of the last layer's output per step:
-                               how far shedding moved the output (the weights are random, so this is not a
-                               quality measure of a trained model)
-Files: the shipped model is read where it is; with --random the random checkpoint is written to a temporary
-directory, deleted at the end, and the plot goes to --plot."""
+With --random it decodes --steps steps twice per framework: once with every expert in memory
+(resident) and once streamed, each layer's experts served from an arena of --residency of its
+experts that the residency manager fills from safetensors files between steps. Columns, per
+framework:
+{columns}
+
+Files: the shipped model is read where it is; with --random the random checkpoint is written to a
+temporary directory, deleted at the end, and the plot goes to --plot."""
 
 
 def _check(args, parser) -> int:
@@ -234,10 +226,13 @@ def _demo_model(args, parser) -> int:
                                       frameworks=frameworks)
     except ValueError as error:
         parser.error(str(error))
-    print(demo.format_header(config))
+    from kq.terminal import phase_lines
+
+    print(demo.format_header(config), flush=True)
+    say = phase_lines("kq demo")  # on stderr, as kq check's progress
     for framework in config.frameworks:
         with _CheckpointFaults("demo", parser) as ended:
-            texts = demo.generate_texts(config, framework)
+            texts = demo.generate_texts(config, framework, say)
         if ended:
             return 1
         print(demo.format_texts(config, texts))
@@ -258,8 +253,10 @@ def _demo_random(args, parser) -> int:
         print(f"kq demo needs JAX or mlx-lm, safetensors and matplotlib; missing: "
               f"{', '.join(missing) or 'JAX and mlx-lm'} (pip install -e '.[demo]')")
         return 1
+    from kq.terminal import phase_lines
+
     with _CheckpointFaults("demo", parser) as ended:
-        traces = demo_random.run(cfg)
+        traces = demo_random.run(cfg, say=phase_lines("kq demo"))
     if ended:
         return 1
     print(demo_random.summarize(cfg, traces))
@@ -402,7 +399,10 @@ def _bench_options(bench) -> None:
 
 def _demo_options(demo) -> None:
     from kq.demo import DEFAULT_TIER_BITS
+    from kq.demo_random import column_legend
     from kq_host.tier import BITS as TIER_BITS
+
+    demo.epilog = DEMO_EPILOG.format(columns=column_legend())
 
     demo.add_argument("--frameworks", nargs="+", choices=["jax", "mlx"],
                       help="frameworks to run (default: every one installed)")
@@ -534,7 +534,7 @@ SUBCOMMANDS = {
                                    formatter_class=_DefaultsHelpFormatter)),
     "demo": (_demo_options, dict(help="generate text with the shipped model through an arena of a quarter of its "
                                       "experts (--random: a random MoE stack)",
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=DEMO_COLUMNS)),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)),
     "generate": (_generate_options, dict(
         help="generate text with an mlx-lm MoE model directory, its experts streamed through an arena",
         description="Generates text greedily with any mlx-lm MoE model directory (float or quantized), loaded "

@@ -22,10 +22,11 @@ import importlib.util
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from kq.terminal import render_figures, wrap
 from kq_core.contract import EXPERT_PROJECTIONS
 from kq_core.validate import is_int
 
@@ -100,73 +101,112 @@ class DemoTexts:
     run: RunResult | ExactRun
 
 
-def generate_texts(config: ModelDemoConfig, framework: str) -> DemoTexts:
-    """The prompt continued by ``framework`` through the arena under ``config.rule``, and with every expert."""
+def _quiet(phase: str) -> None:
+    """A ``say`` that says nothing."""
+
+
+def generate_texts(config: ModelDemoConfig, framework: str, say: Callable[[str], None] = _quiet) -> DemoTexts:
+    """The prompt continued by ``framework`` through the arena under ``config.rule``, and with every expert.
+
+    ``say(phase)`` is called as each slow phase starts (loading, building the tier, compiling, generating), its
+    text prefixed by ``framework`` (``kq demo`` prints it: :func:`kq.terminal.phase_lines`).
+    """
+    def said(phase: str) -> None:
+        say(f"{framework}: {phase}")
+
     if config.rule != "exact":
         streamed, result, resident = generate_through_arena(framework, config.checkpoint, config.prompt,
                                                             config.tokens, config.residency, config.policy,
-                                                            config.rule, config.tier_bits or DEFAULT_TIER_BITS)
+                                                            config.rule, config.tier_bits or DEFAULT_TIER_BITS,
+                                                            say=said)
         return DemoTexts(framework, streamed, resident, result)
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(config.checkpoint / "tokenizer.json"))
     ids = tokenizer.encode(config.prompt).ids
-    run = generate_exact(framework, config.checkpoint, ids, config.tokens, config.residency, config.policy)
+    run = generate_exact(framework, config.checkpoint, ids, config.tokens, config.residency, config.policy, say=said)
     streamed = tokenizer.decode(run.tokens[len(ids):])
     _, _, resident = generate_through_arena(framework, config.checkpoint, config.prompt, config.tokens, 1.0,
-                                            config.policy, "stall")
+                                            config.policy, "stall", say=said)
     return DemoTexts(framework, streamed, resident, run)
 
 
+POLICY_WORDS = {"lfu": "the least frequently used expert is evicted first, its counts decayed over time",
+                "lru": "the least recently used expert is evicted first"}
+
+
 def format_header(config: ModelDemoConfig) -> str:
-    """What the demo runs; for a rule that changes the text, why the two texts may part."""
-    misses = {"tier": f"each miss served by its {config.tier_bits}-bit copy",
-              "route_shed": "misses shed, kept weights rescaled", "shed": "misses shed",
+    """What the demo runs; for a rule that changes the text, why the two texts may part (within 100 columns)."""
+    misses = {"tier": f"each miss served by its {config.tier_bits}-bit copy in the tier, a quantized copy of every "
+                      f"expert",
+              "route_shed": "misses shed, the kept weights rescaled", "shed": "misses shed",
               "exact": "each miss read before its layer's experts run, the next layer's predicted experts "
                        "prefetched"}[config.rule]
-    lines = [f"{config.checkpoint}: greedy text after {config.prompt!r}, {config.tokens} tokens, experts served from "
-             f"an arena of {config.residency:.0%} of each layer's experts ({misses}; {config.policy}), beside the "
-             f"model with every expert in memory"]
+    lines = [wrap(f"{config.checkpoint}: greedy text after {config.prompt!r}, {config.tokens} tokens, experts "
+                  f"served from an arena of {config.residency:.0%} of each layer's experts ({misses}; evicting by "
+                  f"{config.policy}: {POLICY_WORDS[config.policy]}), beside the model with every expert in memory.")]
     if config.rule != "exact":
         served = "a miss's low-precision copy" if config.rule == "tier" else "shedding a miss"
-        lines.append(f"The text through the arena may differ from the resident model's after a few tokens: {served} "
-                     f"changes the layer's output a little, and a greedy decode follows the change. `kq demo --rule "
-                     f"exact` reads each miss before its layer runs and gives the resident model's text word for word.")
+        lines.append(wrap(f"The text through the arena may differ from the resident model's after a few tokens: "
+                          f"{served} changes the layer's output a little, and a greedy decode follows the change. "
+                          f"`kq demo --rule exact` reads each miss before its layer runs and gives the resident "
+                          f"model's text word for word."))
     return "\n".join(lines)
 
 
 def format_texts(config: ModelDemoConfig, texts: DemoTexts) -> str:
-    """Both texts of one framework, then the arena's hit rate, reads, memory and speed (a blank line first)."""
+    """Both texts of one framework, then the arena's figures per generated token, each with what it is (a blank
+    line first; the figures within 100 columns)."""
     framework, run = texts.framework, texts.run
     same = "the same text" if texts.streamed == texts.resident else "a different text"
     resident = f"== {framework}: every expert resident ({same})\n{config.prompt}{texts.resident}"
+    layers = f"{run.slots} slots in each of the {config.layers} layers"
     if config.rule != "exact":
         s = run.summary()
         first, *rest = run.trace["token_seconds"]
+        tier = config.rule == "tier"
+        not_run = ("none: the tier runs every miss" if tier else
+                   "the misses' share, shed" + (", the kept weights then rescaled to the whole"
+                                                if config.rule == "route_shed" else ""))
+        figures = [
+            ("hit rate", f"{s['hit_rate']:.3f}",
+             "fraction of the routed experts found in the arena; the others are misses" +
+             (f", each run from its {config.tier_bits}-bit copy" if tier else ", shed")),
+            ("gate weight not run", f"{s['shed_mass_per_token']:.3f} of {run.routed_mass / run.tokens:.3f}",
+             f"per token, summed over the {config.layers} layers: the gate weight the router gave the experts it "
+             f"routed to (the second figure), and the part of it on experts that did not run ({not_run})"),
+            ("expert reads", f"{s['reads_per_token']:.1f} per token",
+             f"experts read from the checkpoint's files into the arena, {s['mib_per_token']:.2f} MiB per token"),
+            ("experts in memory", f"{s['memory_mib']:.1f} MiB",
+             f"the arena's {layers}" + (f", and the {config.tier_bits}-bit copy of every expert" if tier else "")),
+            ("speed", f"{1 / float(np.median(rest)):.0f} tokens/s",
+             f"the median token: its graph, readback and the residency manager's step (the first token, "
+             f"compiling, took {first:.2f} s)"),
+        ]
         return "\n".join((
             f"\n== {framework}: through the arena ({run.slots} slots per layer)\n{config.prompt}{texts.streamed}",
-            resident,
-            f"== {framework}: hit rate {s['hit_rate']:.3f}; routed gate weight not served, summed over the "
-            f"{config.layers} layers: {s['shed_mass_per_token']:.3f} per token of "
-            f"{run.routed_mass / run.tokens:.3f}; {s['reads_per_token']:.1f} expert reads and "
-            f"{s['mib_per_token']:.2f} MiB per token; experts in memory {s['memory_mib']:.1f} MiB",
-            f"== {framework}: {1 / float(np.median(rest)):.0f} tokens/s (the median token, its graph, readback and "
-            f"the residency manager's step; the first token, compiling, took {first:.2f} s)"))
+            resident, f"== {framework}: the arena's figures", render_figures(figures)))
     from_prompt = f" + {run.unused_before} still unused from the prompt" if run.unused_before else ""
+    figures = [
+        ("hit rate", f"{run.hit_rate:.3f}",
+         "fraction of the routed experts in the arena when their layer ran; a prefetch still loading then is a "
+         "miss, so this depends on how fast reads land against this framework's compute"),
+        ("hit rate, late as hits", f"{run.hit_rate_counting_late:.3f}",
+         f"the same, counting the {run.prefetch_late} late prefetches as hits: what the predictions alone cover"),
+        ("reads waited for", f"{run.critical_reads_per_token:.1f} per token",
+         "expert reads per token waited for before a layer's experts ran"),
+        ("MiB read", f"{run.mib_per_token:.2f} per token", "read from the checkpoint's files, prefetches included"),
+        ("experts in memory", f"{run.memory_mib:.1f} MiB", f"the arena's {layers}"),
+        ("prefetches", f"{run.prefetches} started",
+         f"over the {run.generated} tokens: {run.prefetches} started{from_prompt} = {run.prefetch_used} used + "
+         f"{run.prefetch_late} late (still loading when routed: waited for) + {run.prefetch_wasted} wasted "
+         f"(evicted or failed before any use) + {run.unused_after} still unused at the end"),
+        ("speed", f"{1 / float(np.median(run.token_seconds)):.0f} tokens/s",
+         "the median generated token, layer by layer with the host between layers"),
+    ]
     return "\n".join((
         f"\n== {framework}: the exact loop ({run.slots} slots per layer)\n{config.prompt}{texts.streamed}",
-        resident,
-        f"== {framework}: hit rate {run.hit_rate:.3f} (a prefetch still loading when routed is a miss); "
-        f"{run.hit_rate_counting_late:.3f} counting the {run.prefetch_late} late prefetches as hits (the first "
-        f"depends on how fast reads land against this framework's compute, the second on the predictions "
-        f"alone); {run.critical_reads_per_token:.1f} expert reads per token waited for; {run.mib_per_token:.2f} "
-        f"MiB read per token; experts in memory {run.memory_mib:.1f} MiB",
-        f"== {framework}: prefetches over the {run.generated} tokens: {run.prefetches} started{from_prompt} = "
-        f"{run.prefetch_used} used + {run.prefetch_late} late (still loading when routed: waited for) + "
-        f"{run.prefetch_wasted} wasted (evicted or failed before any use) + {run.unused_after} still unused at "
-        f"the end",
-        f"== {framework}: {1 / float(np.median(run.token_seconds)):.0f} tokens/s (the median generated token, "
-        f"layer by layer with the host between layers)"))
+        resident, f"== {framework}: the exact loop's figures", render_figures(figures)))
 
 
 # ---- through the arena, between tokens ---------------------------------------------------------
@@ -174,7 +214,8 @@ def format_texts(config: ModelDemoConfig, texts: DemoTexts) -> str:
 
 def generate_through_arena(framework: str, checkpoint: Path, prompt: str, tokens: int, residency: float,
                            policy: str = "lfu", rule: str = "tier",
-                           tier_bits: int = DEFAULT_TIER_BITS) -> tuple[str, RunResult, str]:
+                           tier_bits: int = DEFAULT_TIER_BITS, *,
+                           say: Callable[[str], None] = _quiet) -> tuple[str, RunResult, str]:
     """Greedy text after ``prompt`` through an arena of ``residency`` (misses under ``rule``), and with every expert.
 
     The arena's slot tables change between tokens only (:meth:`kq.study_jax.JaxStudy.run`,
@@ -189,9 +230,12 @@ def generate_through_arena(framework: str, checkpoint: Path, prompt: str, tokens
         policy: the arena's eviction policy, ``"lfu"`` or ``"lru"``.
         rule: a :data:`kq.study.RULES` rule for a routed expert not in the arena.
         tier_bits: bits per weight of the ``tier`` rule's copy of every expert.
+        say: called with the name of each slow phase as it starts (loading, building the tier, compiling and
+            generating through the arena, generating with every expert).
 
     Returns:
-        ``(text through the arena, its RunResult, text of the resident model)``.
+        ``(text through the arena, its RunResult, text of the resident model)``; at ``residency`` 1 the
+        resident model's text is the arena's, generated once.
     """
     from tokenizers import Tokenizer
 
@@ -201,14 +245,32 @@ def generate_through_arena(framework: str, checkpoint: Path, prompt: str, tokens
     ids = tokenizer.encode(prompt).ids
     if not ids:
         raise ValueError(f"prompt {prompt!r} has no tokens: give generate_through_arena at least one")
+    say(f"loading the model ({Path(checkpoint).name})")
     study = make_study(StudyConfig(checkpoint=checkpoint, tokens=1, warmup=0, framework=framework, tier_bits=tier_bits))
+    if rule == "tier":
+        say(f"building the {tier_bits}-bit tier of every expert (read from its cache on disk once built)")
+        _build_tier(study, framework)
     texts = []
-    for run_residency in (residency, 1.0):
+    for run_residency in (residency, 1.0) if residency < 1.0 else (residency,):
+        say(f"compiling, then generating {tokens} tokens through the arena of {run_residency:.0%} of the experts"
+            if run_residency < 1.0 else f"generating {tokens} tokens with every expert resident")
         result = study.run(run_residency, policy, rule, prompt=ids, generate=tokens)
         result.tokens = tokens
         texts.append((tokenizer.decode(result.trace["tokens"][len(ids):]), result))
-    (streamed, result), (resident, _) = texts
+    (streamed, result), (resident, _) = texts[0], texts[-1]
     return streamed, result, resident
+
+
+def _build_tier(study, framework: str) -> None:
+    """Builds ``study``'s tier now (or reads it from its cache on disk), so the arena's run finds it built."""
+    if framework == "mlx":
+        study.tier()
+        return
+    from kq_host.checkpoint import open_experts
+    from kq_jax import qwen3_moe
+
+    with open_experts(study.config.checkpoint, qwen3_moe.PROJECTIONS) as store:
+        study.tier(store)
 
 
 # ---- the exact layer-by-layer loop ---------------------------------------------------------------
@@ -260,7 +322,8 @@ class ExactRun:
 
 
 def generate_exact(framework: str, checkpoint, prompt_ids: list[int], tokens: int, residency: float,
-                   policy: str = "lfu", *, lookahead: bool = True, queue_depth: int = 8) -> ExactRun:
+                   policy: str = "lfu", *, lookahead: bool = True, queue_depth: int = 8,
+                   say: Callable[[str], None] = _quiet) -> ExactRun:
     """``tokens`` greedy tokens after ``prompt_ids`` through an arena of ``residency`` of each layer's experts.
 
     Each layer's misses are read before its experts run (:meth:`kq_host.residency.ResidencyManager.acquire`)
@@ -279,6 +342,7 @@ def generate_exact(framework: str, checkpoint, prompt_ids: list[int], tokens: in
         lookahead: prefetch the next layer's predicted experts.
         queue_depth: the residency manager's reads in flight; 0 reads inline (nothing is late then, so
             the counts depend on the routing alone: the same in both frameworks).
+        say: called with the name of each slow phase as it starts (loading, compiling and generating).
 
     Returns:
         :class:`ExactRun`, ``tokens`` the prompt and the generated ids.
@@ -305,6 +369,7 @@ def generate_exact(framework: str, checkpoint, prompt_ids: list[int], tokens: in
         read = store.read_expert(layer, expert)
         return read if stored_as_is else {arena_names[name]: array for name, array in read.items()}
 
+    say(f"loading the model ({Path(checkpoint).name})")
     with open_experts(checkpoint, projections, template=template, dequantized=framework == "jax") as store:
         arena, step = (_jax_loop if framework == "jax" else _mlx_loop)(checkpoint, slots, len(prompt_ids) + tokens,
                                                                      store, quantized)
@@ -315,6 +380,7 @@ def generate_exact(framework: str, checkpoint, prompt_ids: list[int], tokens: in
                 manager.preload(layer, range(slots))
             run = ExactRun(slots, list(prompt_ids), memory_mib=layers * slots * store.expert_nbytes(0) / 2**20)
             forward = step(manager, lookahead)
+            say(f"compiling, then generating {tokens} tokens through the exact loop's arena of {slots} slots")
             for position in range(len(prompt_ids) + tokens - 1):
                 if position == len(prompt_ids) - 1:
                     _, before = manager.stats()

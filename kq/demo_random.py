@@ -19,15 +19,18 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
-from kq.terminal import render_table
+from kq.terminal import render_figures, render_table, wrap
 from kq_core.contract import EXPERT_PROJECTIONS, MAX_TOP_K
 from kq_host.expert_store import ExpertStore
 from kq_host.residency import LayerReport, ResidencyManager
 
 PROJECTIONS = EXPERT_PROJECTIONS
+POLICY_WORDS = {"lfu": "the least frequently used expert is evicted first, its counts decayed over time",
+                "lru": "the least recently used expert is evicted first"}
 
 
 @dataclass
@@ -249,10 +252,14 @@ def steady_half(cfg: DemoConfig) -> slice:
     return slice(cfg.steps // 2, None)
 
 
-def run_framework(stack, cfg: DemoConfig, store: ExpertStore, states) -> RunTrace:
+def _quiet(phase: str) -> None:
+    """A ``say`` that says nothing."""
+
+
+def run_framework(stack, cfg: DemoConfig, store: ExpertStore, states, say: Callable[[str], None] = _quiet) -> RunTrace:
     """Both runs of one framework. Steps/s and the boundary are steady-state figures: each step's wall
     time over the second half of the run, the compiles done before the clock (one call of each step
-    function on the first state)."""
+    function on the first state). ``say(phase)`` is called as the decoding starts."""
     trace = RunTrace(stack.name)
     with ResidencyManager(cfg.layers, cfg.experts, cfg.slots, loader=lambda l, e, s: store.read_expert(l, e),
                           arena=stack.arena, policy=cfg.policy, keep_mass=cfg.keep_mass, read_budget=cfg.read_budget,
@@ -260,6 +267,7 @@ def run_framework(stack, cfg: DemoConfig, store: ExpertStore, states) -> RunTrac
         tables = manager.snapshot()
         stack.resident_step(states[0])
         stack.streamed_step(states[0], tables)  # compiles; the manager sees none of it
+        say(f"{stack.name}: decoding {cfg.steps} steps resident, then streamed")
         resident, resident_s = [], []
         for h in states:
             start = time.perf_counter()
@@ -290,38 +298,75 @@ def run_framework(stack, cfg: DemoConfig, store: ExpertStore, states) -> RunTrac
     return trace
 
 
-def run(cfg: DemoConfig) -> list[RunTrace]:
+def run(cfg: DemoConfig, *, say: Callable[[str], None] = _quiet) -> list[RunTrace]:
+    """Each of ``cfg.frameworks`` decoding the random stack resident and streamed, one :class:`RunTrace` each.
+
+    ``say(phase)`` is called as each slow phase starts: writing the checkpoint, building each framework's stack
+    and compiling its steps, decoding (``kq demo --random`` prints them: :func:`kq.terminal.phase_lines`).
+    """
     rng = np.random.default_rng(cfg.seed)
     router, experts = make_weights(cfg, rng)
     states = list(hidden_states(cfg, rng))
     traces = []
     with tempfile.TemporaryDirectory(prefix="kq-demo-") as workdir:
+        mib = sum(weights.nbytes for weights in experts.values()) / 2**20
+        say(f"writing the random checkpoint ({mib:.1f} MiB of experts) to a temporary directory")
         write_checkpoint(Path(workdir), experts)
         for name in cfg.frameworks:
             stack_class, _ = STACKS[name]
+            say(f"{name}: building the stack and compiling its steps")
             with ExpertStore(workdir, layout="per_expert", projections=PROJECTIONS) as store:
-                traces.append(run_framework(stack_class(cfg, router, experts), cfg, store, states))
+                traces.append(run_framework(stack_class(cfg, router, experts), cfg, store, states, say))
     return traces
 
 
+# The columns of ``kq demo --random``'s two tables: ``(header, what it is)``, a header's two lines its name and
+# its unit. :func:`summarize` prints them under the tables, ``kq demo --help`` too.
+ROUTING_COLUMNS = (
+    ("hit rate\nfirst 10%", "fraction of the routed experts found in the arena over the first tenth of the steps "
+                            "(the arena still filling)"),
+    ("hit rate\nsteady", "the same over the second half of the steps (steady state)"),
+    ("shed experts\nper step", "routed experts not run (not resident), per step and row, over all layers"),
+    ("shed mass\nper step", "fraction of the routed gate weight on those experts, per step"),
+    ("over-budget\nlayer-steps", "layer-steps whose shed mass exceeded 1 - --keep-mass of their routed mass"),
+    ("MiB read\nin all", "expert bytes read from the checkpoint's files over the run"),
+)
+SPEED_COLUMNS = (
+    ("steps/s\nresident", "decode steps per second with every expert in memory, over the second half of the "
+                          "steps (the compiles are done before the clock)"),
+    ("steps/s\nstreamed", "the same through the arena, the residency manager's step included"),
+    ("boundary\nms/step", "host time per step in ResidencyManager.step (credit, publish, evict, prestage), over "
+                          "the second half"),
+    ("divergence\nmean, max", "||y_streamed - y_resident|| / ||y_resident|| of the stack's output, mean and "
+                              "largest over the steps: 0 is the resident output, 1 a change as large as the "
+                              "output itself. The weights are random, so this shows the mechanism, not a trained "
+                              "model's quality loss (kq study measures that)"),
+)
+
+
+def column_legend(columns=ROUTING_COLUMNS + SPEED_COLUMNS) -> str:
+    """What each column of :func:`summarize`'s tables is, one entry a column, within 100 columns."""
+    return render_figures([(header.replace("\n", " "), "", what) for header, what in columns])
+
+
 def summarize(cfg: DemoConfig, traces: list[RunTrace]) -> str:
+    """The run's sizes, its two tables (the routing, then speed and divergence) and what each column is."""
     warm = max(1, cfg.steps // 10)
     steady = steady_half(cfg)
-    lines = [f"{cfg.layers} layers x {cfg.experts} experts (top-{cfg.top_k}, hidden {cfg.hidden}, ffn {cfg.ffn}), "
-             f"{cfg.slots} slots per layer ({cfg.slots / cfg.experts:.0%} resident), policy {cfg.policy}, "
-             f"{cfg.steps} steps of {cfg.rows} row(s)"]
-    header = ("framework", "hit first 10%", "hit steady", "shed experts/step", "shed mass/step", "over-budget",
-              "MiB read", "resident steps/s (steady)", "streamed steps/s (steady)", "boundary ms/step (steady)",
-              "divergence mean", "divergence max")
-    rows = []
-    for t in traces:
-        rows.append((t.framework, f"{np.mean(t.hit_rate[:warm]):.3f}", f"{np.mean(t.hit_rate[steady]):.3f}",
-                     f"{np.mean(t.shed_experts):.2f}", f"{np.mean(t.shed_mass):.3f}", str(sum(t.over_budget)),
-                     f"{sum(t.bytes_read) / 2**20:.1f}", f"{t.resident_steps_per_s:.1f}",
-                     f"{t.streamed_steps_per_s:.1f}", f"{np.mean(t.boundary_ms[steady]):.2f}",
-                     f"{np.mean(t.divergence):.4f}",
-                     f"{np.max(t.divergence):.4f}"))
-    lines.append(render_table(header, rows))
+    lines = [wrap(f"{cfg.layers} layers x {cfg.experts} experts (top-{cfg.top_k}, hidden {cfg.hidden}, ffn "
+                  f"{cfg.ffn}), {cfg.slots} slots per layer ({cfg.slots / cfg.experts:.0%} resident), evicting by "
+                  f"{cfg.policy} ({POLICY_WORDS[cfg.policy]}), {cfg.steps} steps of {cfg.rows} row(s)"), ""]
+    routing = [(t.framework, f"{np.mean(t.hit_rate[:warm]):.3f}", f"{np.mean(t.hit_rate[steady]):.3f}",
+                f"{np.mean(t.shed_experts):.2f}", f"{np.mean(t.shed_mass):.3f}", str(sum(t.over_budget)),
+                f"{sum(t.bytes_read) / 2**20:.1f}") for t in traces]
+    speed = [(t.framework, f"{t.resident_steps_per_s:.1f}", f"{t.streamed_steps_per_s:.1f}",
+              f"{np.mean(t.boundary_ms[steady]):.2f}", f"{np.mean(t.divergence):.4f}, {np.max(t.divergence):.4f}")
+             for t in traces]
+    lines.append(render_table(("framework", *(h for h, _ in ROUTING_COLUMNS)), routing))
+    lines.append("")
+    lines.append(render_table(("framework", *(h for h, _ in SPEED_COLUMNS)), speed))
+    lines.append("")
+    lines.append(column_legend())
     return "\n".join(lines)
 
 

@@ -1,16 +1,20 @@
-"""Tables and progress bars for the ``kq`` commands, drawn by rich.
+"""Tables, figures and progress for the ``kq`` commands, drawn by rich.
 
 Tables go to stdout and never wrap: on a terminal they take its width, piped
-or captured they are laid out on a wide page. Progress goes to stderr: a live
-bar on a terminal; elsewhere (a pipe, a log) plain lines, one for the first
-step, then one whenever a step ends 10 s or more after the last line, and one
-for the last step.
+or captured they are laid out on a wide page (a command keeps its own within
+:data:`TEXT_COLUMNS`, splitting a wide table and giving a header two lines).
+Prose and figures are wrapped within :data:`TEXT_COLUMNS` (:func:`wrap`,
+:func:`render_figures`). Progress goes to stderr: a live bar on a terminal;
+elsewhere (a pipe, a log) plain lines, one for the first step, then one
+whenever a step ends 10 s or more after the last line, and one for the last
+step; a run's phases one line each as they start (:func:`phase_lines`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
+import textwrap
 import time
 from typing import Iterator, Sequence
 
@@ -26,6 +30,28 @@ from rich.progress import (
 from rich.table import Table
 
 _PAGE_WIDTH = 400
+TEXT_COLUMNS = 100  # the width the commands' own lines keep to
+
+
+def wrap(text: str, *, indent: str = "", width: int = TEXT_COLUMNS) -> str:
+    """``text`` as lines within ``width`` columns, lines after the first indented by ``indent``; a word
+    longer than a line (a path) is left whole. Newlines in ``text`` start new paragraphs."""
+    return "\n".join(textwrap.fill(paragraph, width, subsequent_indent=indent, break_long_words=False,
+                                   break_on_hyphens=False) for paragraph in text.split("\n"))
+
+
+def render_figures(rows: Sequence[tuple[str, str, str]], *, width: int = TEXT_COLUMNS) -> str:
+    """Rows of ``(name, value, what it is)`` as aligned lines within ``width`` columns: the name and the value in
+    columns, what it is beside them, wrapped under itself."""
+    names = max(len(name) for name, _, _ in rows)
+    values = max(len(value) for _, value, _ in rows)
+    lines = []
+    for name, value, what in rows:
+        start = f"  {name:<{names}}  {value:<{values}}  "
+        text = textwrap.wrap(what, max(width - len(start), 30), break_long_words=False, break_on_hyphens=False)
+        lines.append(start + (text[0] if text else ""))
+        lines.extend(" " * len(start) + line for line in text[1:])
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def _console(stream) -> Console:
@@ -35,7 +61,10 @@ def _console(stream) -> Console:
 
 def render_table(header: Sequence[str], rows: Sequence[Sequence[object]], *, title: str | None = None,
                  left: Sequence[int] = (0,)) -> str:
-    """The rows under the header as a plain-text table: the columns in ``left`` left-aligned, the rest right."""
+    """The rows under the header as a plain-text table: the columns in ``left`` left-aligned, the rest right.
+
+    A header name may hold a newline: a header of two lines, which keeps a table of many columns narrow.
+    """
     table = Table(*header, title=title, box=box.SIMPLE_HEAD, title_justify="left", show_edge=False,
                   pad_edge=False)
     for i, column in enumerate(table.columns):
@@ -85,3 +114,16 @@ def _plain_lines(total: int, description: str):
             print(f"{description}: {step} ({now - start:.0f} s)", file=sys.stderr, flush=True)
 
     return advance
+
+
+def phase_lines(description: str):
+    """Returns ``say(phase)``: prints ``{description}: {phase} ... ({seconds} s)`` on stderr as a phase of a run
+    starts, the seconds counted from the first, so a run that compiles or reads for a while says what it does."""
+    start = []
+
+    def say(phase: str) -> None:
+        now = time.monotonic()
+        start.append(now)
+        print(f"{description}: {phase} ... ({now - start[0]:.0f} s)", file=sys.stderr, flush=True)
+
+    return say

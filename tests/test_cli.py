@@ -138,8 +138,15 @@ def test_demo_runs_both_frameworks_small(tmp_path, capsys):
     plot = tmp_path / "demo.png"
     assert main(["demo", "--random", "--layers", "2", "--experts", "16", "--top-k", "4", "--hidden", "32", "--ffn", "16",
                  "--steps", "12", "--residency", "0.5", "--plot", str(plot)]) == 0
-    out = capsys.readouterr().out
-    assert "jax " in out and "mlx " in out and "hit steady" in out
+    out, err = capsys.readouterr()
+    for phase in ("writing the random checkpoint", "jax: building the stack and compiling",
+                  "mlx: decoding 12 steps resident, then streamed"):
+        assert f"kq demo: {phase}" in err, err
+    assert "jax " in out and "mlx " in out and "hit rate steady" in out
+    # Two tables within 100 columns, then what each column is (the divergence's scale among them).
+    assert max(len(line) for line in out.splitlines()) <= 100, out
+    flat = " ".join(out.split())
+    assert "divergence mean, max" in flat and "0 is the resident output" in flat and "evicting by lfu (" in flat
     assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -264,20 +271,36 @@ def test_demo_help_explains_its_columns_and_files(capsys):
     assert "shipped model" in out and "--random" in out
 
 
+def _demo_own_lines(out: str) -> list[str]:
+    """The lines ``kq demo`` writes itself: its header and each framework's figures (not the generated texts)."""
+    header, *frameworks = out.split("\n== ")
+    return header.splitlines() + [line for block in frameworks if "figures" in block.splitlines()[0]
+                                  for line in block.splitlines()]
+
+
 def test_demo_generates_with_the_shipped_model_through_a_quarter_arena(capsys):
     pytest.importorskip("jax")
     pytest.importorskip("tokenizers")
     assert main(["demo", "--frameworks", "jax", "--tokens", "6"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    # Each slow phase is named on stderr as it starts (as kq check's progress is), in the order they run.
+    phases = ["jax: loading the model", "jax: building the 4-bit tier", "jax: compiling",
+              "jax: generating 6 tokens with every expert resident"]
+    lines = [line for line in err.splitlines() if line.startswith("kq demo: ")]
+    assert len(lines) == len(phases) and all(line.startswith(f"kq demo: {phase}")
+                                             for line, phase in zip(lines, phases)), err
     assert "through the arena (16 slots per layer)" in out and "every expert resident" in out and "hit rate" in out
     # Before any text: the lossy rule's text may differ, and how to get the resident model's word for word.
     note = out.index("may differ from the resident model's")
     assert note < out.index("== jax") and "--rule exact" in out[:out.index("== jax")]
     assert "4-bit copy" in out and "experts in memory" in out
-    # With the tier no routed weight goes unserved; shedding leaves some.
-    assert "4 layers: 0.000 per token" in out
+    # With the tier no routed weight goes unserved; shedding leaves some. Each figure says what it is.
+    assert re.search(r"gate weight not run +0\.000 of \d\.\d{3} +per token, summed over the 4 layers", out), out
+    assert "evicting by lfu: the least frequently used expert" in out
+    assert all(len(line) <= 100 for line in _demo_own_lines(out)), out
     assert main(["demo", "--frameworks", "jax", "--tokens", "6", "--rule", "shed"]) == 0
-    assert "4 layers: 0.000 per token" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert re.search(r"gate weight not run +0\.\d*[1-9]\d* of", out) and "each run from its" not in out, out
 
 
 @pytest.mark.parametrize("framework", ["jax", "mlx"])
@@ -285,17 +308,21 @@ def test_demo_exact_gives_the_resident_text_through_a_quarter_arena(framework, c
     pytest.importorskip({"jax": "jax", "mlx": "mlx_lm"}[framework])
     pytest.importorskip("tokenizers")
     assert main(["demo", "--frameworks", framework, "--tokens", "8", "--rule", "exact"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert f"kq demo: {framework}: loading the model" in err and f"kq demo: {framework}: compiling" in err
     assert "the exact loop (16 slots per layer)" in out and "every expert resident (the same text)" in out
+    assert all(len(line) <= 100 for line in _demo_own_lines(out)), out
+    out = " ".join(out.split())  # the figures' explanations wrap
     assert "expert reads per token waited for" in out and "experts in memory 3.0 MiB" in out
     # Every prefetch is in one category, so the printed counts add up.
-    counts = re.search(r"prefetches over the 8 tokens: (\d+) started(?: \+ (\d+) still unused from the prompt)? = "
+    counts = re.search(r"prefetches \d+ started over the 8 tokens: (\d+) started(?: \+ (\d+) still unused from the prompt)? = "
                        r"(\d+) used \+ (\d+) late .*?\+ (\d+) wasted .*?\+ (\d+) still unused at the end", out)
     assert counts, out
     started, from_prompt, used, late, wasted, unused = (int(n or 0) for n in counts.groups())
     assert started > 0 and started + from_prompt == used + late + wasted + unused
     # The hit rate says what it counts: a late prefetch is a miss; counted as a hit, the rate is the predictions'.
-    rates = re.search(rf"hit rate (\d\.\d+) .*?; (\d\.\d+) counting the {late} late prefetches as hits", out)
+    rates = re.search(rf"hit rate (\d\.\d+) .*? hit rate, late as hits (\d\.\d+) the same, counting the {late} "
+                      rf"late prefetches as hits", out)
     assert rates, out
     assert float(rates[2]) >= float(rates[1]) and "how fast" in out
 
