@@ -1,8 +1,9 @@
 """The residency manager's array bookkeeping, in NumPy: every layer's state as ``[L, E]`` and ``[L, S]``
 arrays, and the three updates a token boundary makes to them.
 
-:func:`credit` counts a token's routed entries, :func:`place` gives its missed experts slots (free ones
-first, then victims) and marks them loading, :func:`publish` lands or frees the slots of finished reads.
+:func:`credit` counts a token's routed entries (its hits from the tables it ran with, or from its report),
+:func:`place` gives its missed experts slots (free ones first, then victims) and marks them loading,
+:func:`publish` lands or frees the slots of finished reads.
 Each works on the routed entries, the missed experts and their layers, never on every ``[L, E]``
 entry. ``kq_host.bookkeeping_numba`` compiles the same three with Numba; both make the same
 decisions as the plainly written reference manager in the tests.
@@ -88,19 +89,26 @@ def _ranked_slots(mask: np.ndarray, priority: np.ndarray, owner: np.ndarray) -> 
     return np.where(np.arange(mask.shape[1]) < mask.sum(axis=1, keepdims=True), order, -1)
 
 
-def credit(tables: Tables, ids: np.ndarray, scores: np.ndarray, snapshot: np.ndarray, token: int,
-           keep_mass: float) -> np.ndarray:
+def credit(tables: Tables, ids: np.ndarray, scores: np.ndarray, snapshot: np.ndarray | None, token: int,
+           keep_mass: float, *, miss_ids: np.ndarray | None = None) -> np.ndarray:
     """Priorities and the lookup and mass counters from a token's routed entries.
 
     Args:
         ids: int64 ``[L, n]`` routed expert ids (ids outside ``[0, E)`` count as shed, nothing else).
         scores: float64 ``[L, n]`` their scores (NaN or an infinity counts as no mass).
-        snapshot: int32 ``[L, E]`` the tables the token ran with (an expert >= 0 there counts as a hit).
+        snapshot: int32 ``[L, E]`` the tables the token ran with (an expert >= 0 there counts as a hit); None:
+            the hits are those of the token's report, every valid entry whose expert is not among its layer's
+            ``miss_ids`` (a pipelined loop runs a token on tables older than the last snapshot: its report
+            says what it was served).
         keep_mass: a layer whose shed mass exceeds ``1 - keep_mass`` of its routed mass is over budget.
+        miss_ids: int64 ``[L, m]`` the reported misses, -1 padded, the others in ``[0, E)`` (read only without
+            a snapshot).
 
     Returns:
         bool ``[L, E]``: the experts the token routed.
     """
+    if snapshot is None:
+        snapshot = _reported_snapshot(tables.table.shape, miss_ids)
     num_layers, num_experts = snapshot.shape
     valid = (ids >= 0) & (ids < num_experts)
     flat_all = np.arange(num_layers)[:, None] * num_experts + np.where(valid, ids, 0)  # into the [L * E] arrays
@@ -124,6 +132,15 @@ def credit(tables: Tables, ids: np.ndarray, scores: np.ndarray, snapshot: np.nda
     counts["routed_mass"] += routed_mass
     counts["over_budget"] += shed_mass > (1.0 - keep_mass) * routed_mass
     return routed
+
+
+def _reported_snapshot(shape: tuple[int, int], miss_ids: np.ndarray) -> np.ndarray:
+    """int32 ``[L, E]``: the tables as a token's report shows them, -1 for each expert it reported missed."""
+    num_layers, num_experts = shape
+    served = np.zeros(num_layers * num_experts + 1, np.int32)  # the last entry takes the padding's writes
+    flat = np.arange(0, num_layers * num_experts, num_experts)[:, None] + miss_ids
+    served[np.where(miss_ids >= 0, flat, served.size - 1)] = -1
+    return served[:-1].reshape(num_layers, num_experts)
 
 
 def decay(tables: Tables) -> None:

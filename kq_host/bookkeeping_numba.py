@@ -18,21 +18,28 @@ _jit = numba.njit(cache=True, nogil=True)
 
 @_jit
 def _run_sum(values, start, stop):
-    """NumPy's sum of a run of at most 128: eight running sums (under 8 values, one)."""
+    """NumPy's sum of a run of at most 128: eight running sums (under 8 values, one), kept in registers."""
     count = stop - start
     if count < 8:
         total = -0.0
         for i in range(start, stop):
             total += values[i]
         return total
-    lanes = values[start:start + 8].copy()
+    r0, r1, r2, r3 = values[start], values[start + 1], values[start + 2], values[start + 3]
+    r4, r5, r6, r7 = values[start + 4], values[start + 5], values[start + 6], values[start + 7]
     i = start + 8
     end = stop - count % 8
     while i < end:
-        for lane in range(8):
-            lanes[lane] += values[i + lane]
+        r0 += values[i]
+        r1 += values[i + 1]
+        r2 += values[i + 2]
+        r3 += values[i + 3]
+        r4 += values[i + 4]
+        r5 += values[i + 5]
+        r6 += values[i + 6]
+        r7 += values[i + 7]
         i += 8
-    total = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
+    total = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
     while i < stop:
         total += values[i]
         i += 1
@@ -72,10 +79,12 @@ def _numpy_sum(values):
 
 
 @_jit
-def _credit(ids, scores, snapshot, token, lfu, keep_mass, priority, routed, lookups, hits, misses, shed_count,
-            shed_mass, routed_mass, over_budget):
+def _credit_entries(ids, scores, missed, token, lfu, keep_mass, priority, routed, lookups, hits, misses, shed_count,
+                    shed_mass, routed_mass, over_budget):
+    """The credit of the routed entries, ``missed[layer, j]`` telling whether entry j of the layer was shed
+    as a miss (read only where its id is a valid expert)."""
     num_layers, entries = ids.shape
-    num_experts = snapshot.shape[1]
+    num_experts = priority.shape[1]
     numbers = np.empty(entries, np.float64)
     shed_numbers = np.empty(entries, np.float64)
     for layer in range(num_layers):
@@ -93,7 +102,7 @@ def _credit(ids, scores, snapshot, token, lfu, keep_mass, priority, routed, look
                 priority[layer, expert] = token
             routed[layer, expert] = True
             lookups[layer] += 1
-            if snapshot[layer, expert] >= 0:
+            if not missed[layer, j]:
                 shed_numbers[j] = 0.0
                 hits[layer] += 1
             else:
@@ -105,6 +114,41 @@ def _credit(ids, scores, snapshot, token, lfu, keep_mass, priority, routed, look
         routed_mass[layer] += total
         if shed > (1.0 - keep_mass) * total:
             over_budget[layer] += 1
+
+
+@_jit
+def _missed_in_snapshot(ids, snapshot):
+    """bool ``[L, n]``: each routed entry's expert not resident in ``snapshot`` (False where its id is invalid)."""
+    num_layers, entries = ids.shape
+    num_experts = snapshot.shape[1]
+    missed = np.zeros(ids.shape, np.bool_)
+    for layer in range(num_layers):
+        for j in range(entries):
+            expert = ids[layer, j]
+            if 0 <= expert < num_experts:
+                missed[layer, j] = snapshot[layer, expert] < 0
+    return missed
+
+
+@_jit
+def _missed_in_reports(ids, miss_ids, num_experts):
+    """bool ``[L, n]``: each routed entry's expert among its layer's reported misses (``miss_ids`` ``[L, m]``,
+    -1 padded, every other id in ``[0, E)``)."""
+    num_layers, entries = ids.shape
+    missed = np.zeros(ids.shape, np.bool_)
+    reported = np.zeros(num_experts, np.bool_)
+    for layer in range(num_layers):
+        for j in range(miss_ids.shape[1]):
+            if miss_ids[layer, j] >= 0:
+                reported[miss_ids[layer, j]] = True
+        for j in range(entries):
+            expert = ids[layer, j]
+            if 0 <= expert < num_experts:
+                missed[layer, j] = reported[expert]
+        for j in range(miss_ids.shape[1]):
+            if miss_ids[layer, j] >= 0:
+                reported[miss_ids[layer, j]] = False
+    return missed
 
 
 @_jit
@@ -167,6 +211,7 @@ def _place(candidates, shielded, priority, table, owner, state, pinned, held, ev
     offered = np.full(candidates.size, -1, np.int64)
     found = np.zeros(num_layers, np.int64)
     keys = np.empty(candidates.size, np.float64)  # the victims' priorities, kept sorted per layer
+    key_experts = np.empty(candidates.size, np.int64)  # and their experts: ties go to the lower id
     for layer in range(num_layers):
         wanted = need[layer]
         if wanted == 0:
@@ -179,28 +224,29 @@ def _place(candidates, shielded, priority, table, owner, state, pinned, held, ev
                 free += 1
         victims = 0
         if free < wanted:
-            # Resident experts by id (their table entries point at their slots), so an equal
-            # priority never displaces an earlier one: ties go to the lower id.
+            # The resident slots whose experts may go, the lowest (priority, expert id) first: one pass over
+            # the layer's slots, each eligible one inserted into the sorted run of those kept so far.
             first = base + free
             room = wanted - free
-            worst = np.inf  # the key a resident expert must beat to get in: +inf until the room is full
-            for expert in range(num_experts):
-                slot = table[layer, expert]
-                eligible = (slot >= 0) & ~pinned[layer, expert] & ~shielded[layer, expert]
-                key = priority[layer, expert] if eligible else np.inf
-                if key >= worst:
+            for s in range(num_slots):
+                if state[layer, s] != RESIDENT:
                     continue
+                expert = owner[layer, s]
+                if pinned[layer, expert] or shielded[layer, expert]:
+                    continue
+                key = priority[layer, expert]
+                last = first + room - 1
+                if victims == room and (key > keys[last] or (key == keys[last] and expert > key_experts[last])):
+                    continue  # full, and it goes after every one kept
                 if victims < room:
                     at = first + victims
                     victims += 1
-                else:  # full: the highest key drops out
-                    at = first + room - 1
-                while at > first and key < keys[at - 1]:
-                    keys[at], offered[at] = keys[at - 1], offered[at - 1]
+                else:  # full: the last one kept drops out
+                    at = last
+                while at > first and (key < keys[at - 1] or (key == keys[at - 1] and expert < key_experts[at - 1])):
+                    keys[at], key_experts[at], offered[at] = keys[at - 1], key_experts[at - 1], offered[at - 1]
                     at -= 1
-                keys[at], offered[at] = key, slot
-                if victims == room:
-                    worst = keys[first + room - 1]
+                keys[at], key_experts[at], offered[at] = key, expert, s
         found[layer] = free + victims
     # The candidates in order, each taking its layer's next offered slot; past the offers one waits.
     reads = np.empty((3, candidates.size), np.int64)
@@ -246,25 +292,53 @@ def _publish(layers, experts, slots, failed, nbytes, table, owner, state, held, 
             retry_after[layer, expert] = 0
 
 
-def credit(tables: Tables, ids: np.ndarray, scores: np.ndarray, snapshot: np.ndarray, token: int,
-           keep_mass: float) -> np.ndarray:
-    """:func:`kq_host.bookkeeping.credit`, compiled."""
-    routed = np.zeros(snapshot.shape, bool)
-    counts = tables.counts
-    _credit(ids, scores, snapshot, token, tables.policy == "lfu", keep_mass, tables.priority, routed,
-            counts["lookups"], counts["hits"], counts["misses"], counts["shed_count"], counts["shed_mass"],
-            counts["routed_mass"], counts["over_budget"])
+@_jit
+def _credit_from_snapshot(ids, scores, snapshot, token, lfu, keep_mass, priority, lookups, hits, misses, shed_count,
+                          shed_mass, routed_mass, over_budget):
+    routed = np.zeros(priority.shape, np.bool_)
+    _credit_entries(ids, scores, _missed_in_snapshot(ids, snapshot), token, lfu, keep_mass, priority, routed, lookups,
+                    hits, misses, shed_count, shed_mass, routed_mass, over_budget)
     return routed
+
+
+@_jit
+def _credit_from_reports(ids, scores, miss_ids, token, lfu, keep_mass, priority, lookups, hits, misses, shed_count,
+                         shed_mass, routed_mass, over_budget):
+    routed = np.zeros(priority.shape, np.bool_)
+    _credit_entries(ids, scores, _missed_in_reports(ids, miss_ids, priority.shape[1]), token, lfu, keep_mass,
+                    priority, routed, lookups, hits, misses, shed_count, shed_mass, routed_mass, over_budget)
+    return routed
+
+
+@_jit
+def _place_misses(miss_ids, miss_scores, token, read_budget, backing_off, shielded, priority, table, owner, state,
+                  pinned, held, retry_after, evictions, submitted, in_flight):
+    candidates = _candidates(miss_ids, miss_scores, token, read_budget, held, retry_after, backing_off)
+    return _place(candidates, shielded, priority, table, owner, state, pinned, held, evictions, submitted, in_flight)
+
+
+# Each function below is one compiled call: a call's dispatch costs far more when the step's other work has
+# taken the caches than when it repeats.
+
+
+def credit(tables: Tables, ids: np.ndarray, scores: np.ndarray, snapshot: np.ndarray | None, token: int,
+           keep_mass: float, *, miss_ids: np.ndarray | None = None) -> np.ndarray:
+    """:func:`kq_host.bookkeeping.credit`, compiled."""
+    counts = tables.counts
+    return (_credit_from_reports if snapshot is None else _credit_from_snapshot)(
+        ids, scores, miss_ids if snapshot is None else snapshot, token, tables.policy == "lfu", keep_mass,
+        tables.priority, counts["lookups"], counts["hits"], counts["misses"], counts["shed_count"],
+        counts["shed_mass"], counts["routed_mass"], counts["over_budget"])
 
 
 def place(tables: Tables, miss_ids: np.ndarray, miss_scores: np.ndarray, shielded: np.ndarray, *, token: int,
           read_budget: int | None, backing_off: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`kq_host.bookkeeping.place`, compiled."""
-    candidates = _candidates(miss_ids, miss_scores, token, -1 if read_budget is None else read_budget,
-                             tables.held, tables.retry_after, backing_off)
     counts = tables.counts
-    reads = _place(candidates, shielded, tables.priority, tables.table, tables.owner, tables.state, tables.pinned,
-                   tables.held, counts["evictions"], counts["reads_submitted"], counts["reads_in_flight"])
+    reads = _place_misses(miss_ids, miss_scores, token, -1 if read_budget is None else read_budget, backing_off,
+                          shielded, tables.priority, tables.table, tables.owner, tables.state, tables.pinned,
+                          tables.held, tables.retry_after, counts["evictions"], counts["reads_submitted"],
+                          counts["reads_in_flight"])
     return reads[0], reads[1], reads[2]
 
 

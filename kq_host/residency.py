@@ -995,7 +995,8 @@ class ResidencyManager(ManagerBase):
                 fence()  # (1)
                 if self._closed:  # by another thread, while the fence waited: nothing credited, no read
                     raise self._closed_meanwhile("step")
-            shielded = self._ops.credit(tables, ids, scores, self._served(miss_ids), self.token, self.keep_mass)  # (2)
+            shielded = self._ops.credit(tables, ids, scores, None, self.token, self.keep_mass,  # (2)
+                                        miss_ids=miss_ids)
             self._publish_landed()  # (3)
             reads = self._ops.place(tables, miss_ids, miss_scores, shielded, token=self.token,  # (4)
                                     read_budget=self.read_budget, backing_off=bool(self.failures))
@@ -1221,15 +1222,6 @@ class ResidencyManager(ManagerBase):
         for key in [key for key in self._unused_prefetches if key[0] == layer and not held[key[1]]]:
             del self._unused_prefetches[key]
             self._lookahead["prefetch_wasted"][layer] += 1
-
-    def _served(self, miss_ids: np.ndarray) -> np.ndarray:
-        """int32 ``[L, E]``: the tables as a token's report shows them, -1 for each expert it reported missed.
-        A pipelined loop runs a token on tables older than the last snapshot: its report says what it was served."""
-        served = np.zeros((self.num_layers, self.num_experts), np.int32)
-        layers = np.broadcast_to(np.arange(self.num_layers)[:, None], miss_ids.shape)
-        missed = miss_ids >= 0
-        served[layers[missed], miss_ids[missed]] = -1
-        return served
 
     def _gather(self, reports: Sequence[LayerReport] | LayerReport):
         """The reports as ``[L, n]`` arrays (ids, scores, miss ids, miss scores), checked."""
