@@ -398,9 +398,9 @@ def _bench_options(bench) -> None:
 
 
 def _demo_options(demo) -> None:
-    from kq.demo import DEFAULT_TIER_BITS
     from kq.demo_random import column_legend
     from kq_host.tier import BITS as TIER_BITS
+    from kq_host.tier import DEFAULT_TIER_BITS
 
     demo.epilog = DEMO_EPILOG.format(columns=column_legend())
 
@@ -433,7 +433,7 @@ def _demo_options(demo) -> None:
                            "loop, the resident model's text)")
     demo.add_argument("--tier-bits", type=int, choices=TIER_BITS, default=argparse.SUPPRESS,
                       help=f"--rule tier: bits per weight of the low-precision copy of every expert (default "
-                           f"{DEFAULT_TIER_BITS})")
+                           f"{DEFAULT_TIER_BITS}, as kq generate's and kq study's)")
     demo.add_argument("--keep-mass", type=float, default=argparse.SUPPRESS,
                       help="shed-mass budget: a layer-step shedding more than 1 - this of its routed mass "
                            "counts as over-budget (default 0.9)")
@@ -447,6 +447,10 @@ def _demo_options(demo) -> None:
 
 
 def _generate_options(generate_parser) -> None:
+    from kq_host.tier import BITS as TIER_BITS
+    from kq_host.tier import DEFAULT_TIER_BITS, DEFAULT_TIER_GROUP_SIZE
+    from kq_host.tier import GROUP_SIZES as TIER_GROUP_SIZES
+
     generate_parser.add_argument("--model", required=True, type=Path, help="an mlx-lm model directory")
     generate_parser.add_argument("--prompt", required=True, help="the text to continue")
     generate_parser.add_argument("--max-tokens", type=_count(1), default=64, help="tokens to generate (default 64)")
@@ -456,10 +460,11 @@ def _generate_options(generate_parser) -> None:
                                  help="a routed expert not in the arena: exact (read, the token run again: "
                                       "mlx_lm.generate's greedy tokens), tier (its low-precision copy), shed "
                                       "(dropped) (default exact)")
-    generate_parser.add_argument("--tier-bits", type=int, choices=(2, 3, 4, 8), default=None,
-                                 help="--rule tier: quantize every expert to this many bits (default 3)")
-    generate_parser.add_argument("--tier-group-size", type=int, choices=(32, 64, 128), default=None,
-                                 help="--rule tier: the quantization's group size (default 32)")
+    generate_parser.add_argument("--tier-bits", type=int, choices=TIER_BITS, default=None,
+                                 help=f"--rule tier: quantize every expert to this many bits (default "
+                                      f"{DEFAULT_TIER_BITS})")
+    generate_parser.add_argument("--tier-group-size", type=int, choices=TIER_GROUP_SIZES, default=None,
+                                 help=f"--rule tier: the quantization's group size (default {DEFAULT_TIER_GROUP_SIZE})")
     generate_parser.add_argument("--tier-model", type=Path, default=None,
                                  help="--rule tier: read the tier from this lower-bit mlx-lm conversion of the model")
     generate_parser.add_argument("--queue-depth", type=_count(0), default=8, help="reads in flight, at most 256 (default 8)")
@@ -482,6 +487,7 @@ def _generate_options(generate_parser) -> None:
 def _study_options(study_parser) -> None:
     from kq import study
     from kq_host.tier import BITS as TIER_BITS
+    from kq_host.tier import DEFAULT_TIER_BITS, DEFAULT_TIER_GROUP_SIZE
     from kq_host.tier import GROUP_SIZES as TIER_GROUP_SIZES
 
     study_parser.add_argument("--framework", choices=["jax", "mlx"], default="jax",
@@ -499,10 +505,11 @@ def _study_options(study_parser) -> None:
                                    "(counts decayed over time), lru the least recently used (default: both)")
     study_parser.add_argument("--rules", nargs="+", choices=study.RULES,
                               help="default: every rule the framework runs")
-    study_parser.add_argument("--tier-bits", type=int, choices=TIER_BITS, default=3,
-                              help="bits per weight of the tier rule's low-precision copy of every expert (default 3)")
-    study_parser.add_argument("--tier-group-size", type=int, choices=TIER_GROUP_SIZES, default=32,
-                              help="weights sharing one scale and bias in the tier (default 32)")
+    study_parser.add_argument("--tier-bits", type=int, choices=TIER_BITS, default=DEFAULT_TIER_BITS,
+                              help=f"bits per weight of the tier rule's low-precision copy of every expert (default "
+                                   f"{DEFAULT_TIER_BITS})")
+    study_parser.add_argument("--tier-group-size", type=int, choices=TIER_GROUP_SIZES, default=DEFAULT_TIER_GROUP_SIZE,
+                              help=f"weights sharing one scale and bias in the tier (default {DEFAULT_TIER_GROUP_SIZE})")
     study_parser.add_argument("--streams", type=int, default=1,
                               help="windows of --warmup + --tokens decoded side by side, spread over the text, each "
                                    "with its own arena's state; their tokens are the run's, the bootstrap draws "

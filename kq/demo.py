@@ -29,12 +29,12 @@ import numpy as np
 from kq.terminal import render_figures, wrap
 from kq_core.contract import EXPERT_PROJECTIONS
 from kq_core.validate import is_int
+from kq_host.tier import DEFAULT_TIER_BITS  # the tier rule's bits where none are given: kq generate's and kq study's
 
 if TYPE_CHECKING:
     from kq.study import RunResult
 
 DEMO_RULES = ("tier", "route_shed", "shed", "exact")
-DEFAULT_TIER_BITS = 4  # the tier rule's bits per weight where none are given
 FRAMEWORK_PACKAGES = {"mlx": "mlx_lm", "jax": "jax"}  # each framework and the package it needs, MLX first
 
 
@@ -147,10 +147,11 @@ def format_header(config: ModelDemoConfig) -> str:
                   f"{config.policy}: {POLICY_WORDS[config.policy]}), beside the model with every expert in memory.")]
     if config.rule != "exact":
         served = "a miss's low-precision copy" if config.rule == "tier" else "shedding a miss"
-        lines.append(wrap(f"The text through the arena may differ from the resident model's after a few tokens: "
-                          f"{served} changes the layer's output a little, and a greedy decode follows the change. "
-                          f"`kq demo --rule exact` reads each miss before its layer runs and gives the resident "
-                          f"model's text word for word."))
+        closer = " (more --tier-bits keep it closer)" if config.rule == "tier" else ""
+        lines.append(wrap(f"The text through the arena may differ from the resident model's: {served} changes the "
+                          f"layer's output a little, and a greedy decode follows the change{closer}. `kq demo --rule "
+                          f"exact` reads each miss before its layer runs and gives the resident model's text word "
+                          f"for word."))
     return "\n".join(lines)
 
 

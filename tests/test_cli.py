@@ -257,10 +257,29 @@ def test_a_demo_config_is_rebuilt_as_it_was():
     import dataclasses
 
     from kq.demo import ModelDemoConfig
+    from kq_host.tier import DEFAULT_TIER_BITS
 
     for rule in ("shed", "tier"):
         config = ModelDemoConfig(rule=rule, frameworks=("jax",))
-        assert dataclasses.replace(config, tokens=5).tier_bits == config.tier_bits == (4 if rule == "tier" else None)
+        assert dataclasses.replace(config, tokens=5).tier_bits == config.tier_bits == (
+            DEFAULT_TIER_BITS if rule == "tier" else None)
+
+
+def test_demo_generate_and_study_default_to_the_one_tier(capsys):
+    """kq demo's tier is kq generate's and kq study's where none is asked for, and each --help says so."""
+    from kq.demo import ModelDemoConfig
+    from kq_host.tier import DEFAULT_TIER_BITS, DEFAULT_TIER_GROUP_SIZE
+
+    assert ModelDemoConfig(frameworks=("jax",)).tier_bits == DEFAULT_TIER_BITS
+    for command in ("demo", "generate", "study"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        out = " ".join(capsys.readouterr().out.split())
+        bits = re.search(r"--tier-bits \{[\d,]+\} (.*?) --", out)[1]
+        assert re.search(rf"\(default {DEFAULT_TIER_BITS}\b", bits), (command, bits)
+        if command != "demo":
+            size = re.search(r"--tier-group-size \{[\d,]+\} (.*?) --", out)[1]
+            assert re.search(rf"\(default {DEFAULT_TIER_GROUP_SIZE}\)", size), (command, size)
 
 
 def test_demo_help_explains_its_columns_and_files(capsys):
@@ -284,7 +303,9 @@ def test_demo_generates_with_the_shipped_model_through_a_quarter_arena(capsys):
     assert main(["demo", "--frameworks", "jax", "--tokens", "6"]) == 0
     out, err = capsys.readouterr()
     # Each slow phase is named on stderr as it starts (as kq check's progress is), in the order they run.
-    phases = ["jax: loading the model", "jax: building the 4-bit tier", "jax: compiling",
+    from kq_host.tier import DEFAULT_TIER_BITS
+
+    phases = ["jax: loading the model", f"jax: building the {DEFAULT_TIER_BITS}-bit tier", "jax: compiling",
               "jax: generating 6 tokens with every expert resident"]
     lines = [line for line in err.splitlines() if line.startswith("kq demo: ")]
     assert len(lines) == len(phases) and all(line.startswith(f"kq demo: {phase}")
@@ -293,7 +314,7 @@ def test_demo_generates_with_the_shipped_model_through_a_quarter_arena(capsys):
     # Before any text: the lossy rule's text may differ, and how to get the resident model's word for word.
     note = out.index("may differ from the resident model's")
     assert note < out.index("== jax") and "--rule exact" in out[:out.index("== jax")]
-    assert "4-bit copy" in out and "experts in memory" in out
+    assert f"{DEFAULT_TIER_BITS}-bit copy" in out and "experts in memory" in out
     # With the tier no routed weight goes unserved; shedding leaves some. Each figure says what it is.
     assert re.search(r"gate weight not run +0\.000 of \d\.\d{3} +per token, summed over the 4 layers", out), out
     assert "evicting by lfu: the least frequently used expert" in out
