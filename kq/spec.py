@@ -108,7 +108,9 @@ def assert_matches(fn: Callable, cases: Case | Iterable[Case] | None = None, *, 
 
     ``fn(indices, scores, slot_table)`` is given ``num_slots`` and ``on_miss`` only when its signature
     takes them; a case needing one it does not take is skipped (with one case, or when every case is
-    skipped, through ``pytest.skip``).
+    skipped, through ``pytest.skip``). ``fn`` runs in this process, with no timeout, on new arrays of its own;
+    its outputs are copied as it returns them, so a function reusing its output buffers is reported with the
+    failing case's outputs.
 
     Args:
         fn: the implementation; returns ``(slots, mix, miss_ids, miss_scores)``, arrays NumPy can read.
@@ -119,8 +121,10 @@ def assert_matches(fn: Callable, cases: Case | Iterable[Case] | None = None, *, 
         :class:`Matched`: how many cases matched, and the skipped ones.
 
     Raises:
-        AssertionError: a case differs (or ``fn`` raised on it, or returned no four arrays): how many,
-            and the first in full, as Python to paste into a test.
+        AssertionError: a case differs (or ``fn`` raised on it, a ``BaseException`` such as ``SystemExit`` or
+            ``GeneratorExit`` too, returned no four arrays, or wrote into the inputs it was handed: ``modified its
+            inputs``): how many, and the first in full, as Python to paste into a test.
+        KeyboardInterrupt: Ctrl-C during a call, as it came.
         ValueError: ``cases`` holds no case (nothing would be checked).
     """
     if not callable(fn):

@@ -170,6 +170,126 @@ def _gone(pid: int) -> bool:
     return False
 
 
+# ---- BaseException -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("function, message", [
+    ("cancelled", "raised CancelledError: the event loop went away"),
+    ("generator_exit", "raised GeneratorExit: closed"),
+    ("lazy_slots", "slots could not be read as a NumPy array (GeneratorExit: evaluated too late)"),
+])
+def test_a_base_exception_from_the_function_fails_that_case_naming_it(project, capsys, function, message):
+    assert main(["check", "--impl", f"base_exception_impl:{function}", "--random-rows", "0"]) == 1
+    out = capsys.readouterr().out
+    assert message in _table_row(out, f"base_exception_impl:{function}")
+    assert "1 implementation ran, 1 with mismatches" in out
+
+
+def test_a_base_exception_at_import_is_named_as_the_module_not_importing(project, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["check", "--impl", "cancelled_import_impl:route_shed"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert ("module 'cancelled_import_impl' does not import (CancelledError: no event loop at import)" in err), err
+
+
+def test_assert_matches_names_a_base_exception_and_lets_ctrl_c_through(project):
+    from base_exception_impl import generator_exit
+
+    from kq.spec import assert_matches, golden_cases
+
+    with pytest.raises(AssertionError, match="raised GeneratorExit: closed"):
+        assert_matches(generator_exit, golden_cases()[0])
+
+    def interrupted(indices, scores, slot_table):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        assert_matches(interrupted, golden_cases()[0])
+
+
+# ---- Ctrl-C ------------------------------------------------------------------------------------------------
+
+def test_ctrl_c_stops_the_check_with_the_partial_table():
+    import kq
+    from kq.backends import Backend
+
+    calls = []
+
+    def probe():
+        def run(indices, scores, slot_table, **options):
+            calls.append(1)
+            if len(calls) == 5:
+                raise KeyboardInterrupt
+            return kq.route_shed_oracle(indices, scores, slot_table, **options)
+
+        return run, "cpu"
+
+    reports = kq.check.run_checks((Backend("first", probe), Backend("second", probe)), random_rows=8)
+    assert [r.name for r in reports] == ["first", "second"]
+    assert reports[0].interrupted and reports[0].run == reports[0].passed == 4 and not reports[0].ok
+    assert reports[1].skipped and not reports[1].ok and len(calls) == 5
+    table = kq.check.format_table(reports)
+    assert re.search(r"first\s+cpu\s+4/4 \(\d+ not run\)", table), table
+    assert "interrupted (Ctrl-C) during first: the table is partial" in table
+
+
+def test_ctrl_c_during_an_implementations_call_prints_the_partial_table_and_ends_it(project):
+    kq_run = subprocess.Popen([sys.executable, "-m", "kq", "check", "--impl", "hanging_impl:sleeping",
+                               "--random-rows", "0"], cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    pid_file = project / "sleeping.pid"
+    deadline = time.monotonic() + 120
+    while not pid_file.exists() and time.monotonic() < deadline and kq_run.poll() is None:
+        time.sleep(0.1)
+    assert pid_file.exists(), kq_run.communicate(timeout=30)
+    time.sleep(0.2)  # the pid written, the call asleep
+    kq_run.send_signal(signal.SIGINT)
+    out, err = kq_run.communicate(timeout=60)
+    # 130 (128 + SIGINT) where the command line returns it for an interrupted run; never killed by the signal
+    assert kq_run.returncode in (1, 130), (kq_run.returncode, out, err)
+    assert "interrupted (Ctrl-C) during hanging_impl:sleeping: the table is partial" in out, out + err
+    assert re.search(r"hanging_impl:sleeping\s+numpy arrays\s+\d+/\d+ \(\d+ not run\)", out), out
+    assert "Traceback" not in err, err
+    assert _gone(int(pid_file.read_text())), "the implementation's process outlived the check"
+
+
+# ---- a call that never returns, a crash ------------------------------------------------------------------
+
+@pytest.mark.parametrize("function", ["sleeping", "backtracking"])
+def test_a_call_that_never_returns_fails_that_case_and_the_next_implementation_runs(project, function):
+    backends = (kq.check.implementation_backend(f"hanging_impl:{function}", timeout=1.5),
+                kq.check.implementation_backend("correct_impl:route_shed", timeout=30))
+    start = time.monotonic()
+    hung, correct = kq.check.run_checks(backends, random_rows=8)
+    assert time.monotonic() - start < 60
+    cases = GOLDEN + _random_case_count(8)
+    assert hung.failures[0] == ("zero_rows", "hung: did not return within 1.5 s")
+    assert hung.not_run == cases - hung.run > 0 and hung.passed == hung.run - 1 and not hung.ok
+    assert "zero_rows: hung: did not return within 1.5 s" in hung.first_failure
+    assert correct.ok and correct.run == cases
+    assert _gone(int((project / f"{function}.pid").read_text())), "the hung process was left running"
+    table = kq.check.format_table([hung, correct])
+    assert f"{hung.passed}/{hung.run} ({hung.not_run} not run)" in _table_row(table, f"hanging_impl:{function}")
+    assert (f"stopped hanging_impl:{function} at zero_rows: hung: did not return within 1.5 s; the other "
+            f"{hung.not_run} cases were not run") in table
+
+
+def test_the_command_line_names_a_call_that_never_returns(project, capsys, monkeypatch):
+    monkeypatch.setattr(kq.check, "implementation_backend",
+                        functools.partial(kq.check.implementation_backend, timeout=1))
+    assert main(["check", "--impl", "hanging_impl:sleeping", "--random-rows", "0"]) == 1
+    out = capsys.readouterr().out
+    assert "zero_rows: hung: did not return within 1 s" in _table_row(out, "hanging_impl:sleeping")
+    assert "# got: hung: did not return within 1 s" in out  # the case, printed as a test
+
+
+def test_a_crash_of_the_function_is_that_cases_failure(project):
+    result = _run_kq(["check", "--impl", "crashing_impl:route_shed", "--random-rows", "0"], project)
+    assert result.returncode == 1, (result.returncode, result.stdout, result.stderr)
+    row = _table_row(result.stdout, "crashing_impl:route_shed")
+    assert "died: the process running it ended by signal SIGSEGV" in row, row
+
+
 # ---- NumPy's error state -----------------------------------------------------------------------------------
 
 def test_random_cases_and_the_check_run_under_any_numpy_error_state():
@@ -187,3 +307,65 @@ def test_random_cases_and_the_check_run_under_any_numpy_error_state():
         for ours, theirs in zip(want, got):
             for a, b in zip((*ours.inputs, *ours.expected), (*theirs.inputs, *theirs.expected)):
                 assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def test_an_implementation_setting_numpy_to_raise_at_import_is_checked(project, capsys):
+    assert main(["check", "--impl", "seterr_impl:route_shed", "--random-rows", "64"]) == 0
+    assert "1 implementation ran, 0 with mismatches" in capsys.readouterr().out
+
+
+# ---- output buffers reused, inputs written into -------------------------------------------------------------
+
+def _pasted(snippet: str) -> dict:
+    """The names a printed case defines, run up to its failing assert_matches."""
+    namespace = {}
+    with pytest.raises(AssertionError, match=r"special_scores: mix\[0, 1\]"):
+        exec(compile(snippet, "pasted", "exec"), namespace)
+    return namespace
+
+
+def _assert_got_is_the_special_scores_case(namespace):
+    case = load_spec().case("special_scores")
+    got, want = namespace["got"], case.expected
+    for name in ("slots", "miss_ids", "miss_scores"):
+        assert getattr(got, name).tobytes() == getattr(want, name).tobytes(), name
+    bits = want.mix.view(np.uint32).copy()
+    bits[0, 1] += 1
+    assert got.mix.view(np.uint32).tolist() == bits.tolist()
+
+
+def test_outputs_in_reused_buffers_are_printed_as_the_failing_case_gave_them(project, capsys):
+    from reusing_impl import route_shed
+
+    from kq.spec import assert_matches, golden_cases
+
+    with pytest.raises(AssertionError) as error:
+        assert_matches(route_shed, golden_cases())
+    message = str(error.value)
+    _assert_got_is_the_special_scores_case(_pasted(message[message.index("import numpy"):]))
+
+    assert main(["check", "--impl", "reusing_impl:route_shed", "--random-rows", "8"]) == 1
+    out = capsys.readouterr().out
+    _assert_got_is_the_special_scores_case(_pasted(out[out.index("```python\n") + 10:out.rindex("```")]))
+
+
+def test_a_function_writing_into_its_inputs_fails_naming_them(project, capsys):
+    from writing_impl import route_shed
+
+    from kq.spec import assert_matches, golden_cases
+
+    assert main(["check", "--impl", "writing_impl:route_shed", "--random-rows", "0"]) == 1
+    row = _table_row(capsys.readouterr().out, "writing_impl:route_shed")
+    assert re.search(r"decode_typical: modified its inputs: slot_table \(2 of \d+ entries differ after the call\)",
+                     row), row
+    with pytest.raises(AssertionError, match=r"modified its inputs: slot_table \(2 of \d+ entries differ"):
+        assert_matches(route_shed, golden_cases()[0])
+    before = golden_cases()[0]
+    assert before.slot_table.tobytes() == load_spec().cases[0].inputs["slot_table"].tobytes()
+
+
+def test_a_function_writing_into_its_mlx_inputs_fails_naming_them(project, capsys):
+    pytest.importorskip("mlx")
+    assert main(["check", "--impl", "writing_impl:mlx_route_shed", "--impl-arrays", "mlx", "--random-rows", "0"]) == 1
+    row = _table_row(capsys.readouterr().out, "writing_impl:mlx_route_shed")
+    assert "modified its inputs: slot_table (1 of" in row, row
