@@ -369,3 +369,28 @@ def test_a_function_writing_into_its_mlx_inputs_fails_naming_them(project, capsy
     assert main(["check", "--impl", "writing_impl:mlx_route_shed", "--impl-arrays", "mlx", "--random-rows", "0"]) == 1
     row = _table_row(capsys.readouterr().out, "writing_impl:mlx_route_shed")
     assert "modified its inputs: slot_table (1 of" in row, row
+
+
+# ---- docs/conformance.md ------------------------------------------------------------------------------------
+
+def _conformance_block(containing: str) -> str:
+    page = (ROOT / "docs" / "conformance.md").read_text()
+    return next(code for code in re.findall(r"```python\n(.*?)```", page, flags=re.S) if containing in code)
+
+
+def test_the_conformance_shim_saved_as_a_module_checks_only_when_run(tmp_path, capsys):
+    (tmp_path / "shim_module.py").write_text(_conformance_block("def route_shed_shim"))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    imported = subprocess.run([sys.executable, "-c", "import shim_module"], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=120)
+    assert imported.returncode == 0 and imported.stdout == "", imported.stdout + imported.stderr
+    run = subprocess.run([sys.executable, "shim_module.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0 and re.search(r"\d+ cases bit for bit, \d+ skipped", run.stdout), run.stdout + run.stderr
+    result = _run_kq(["check", "--impl", "shim_module:route_shed_shim", "--random-rows", "8"], tmp_path)
+    assert result.returncode == 0 and "1 implementation ran, 0 with mismatches" in result.stdout, result.stdout
+
+
+def test_the_pytest_example_says_first_what_it_needs():
+    first_line = _conformance_block("import pytest").splitlines()[0]
+    assert first_line.startswith("#") and "pip install" in first_line and "pytest" in first_line, first_line
