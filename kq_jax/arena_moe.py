@@ -5,19 +5,22 @@ exact loop, the tier benchmark) runs a layer through :func:`arena_moe` with its 
 weights, so what a rule does with a miss, how hits and tier copies are gathered and how the
 entries are combined is defined here alone.
 
-Rules for a routed expert that is not resident (:data:`RULES`):
+Rules for a routed expert that is not resident (:data:`RULES`): the names and meanings of
+:mod:`kq_core.rules`, which every backend of kq takes; this module runs each of them in JAX:
 
-* ``route_shed``: shed it, the kept weights scaled to keep the row's routed mass (``route_shed``'s ``mix``);
-* ``shed``: shed it, the kept weights as they are;
-* ``renormalize``: shed it, the kept weights scaled to sum to 1;
+* ``exact``: the exact output from the arena: a miss's expert read inside the program by the host's
+  ``fetch`` (:mod:`kq_jax.miss_fetch`), the router's weights as they are;
+* ``tier``: the miss from its low-precision copy at its own weight (``route_shed(on_miss="tier")``);
+* ``shed``: the miss dropped, the kept weights as they are (:data:`kq_core.rules.DEFAULT_RULE`);
+* ``route_shed``: the miss dropped, the kept weights scaled to keep the row's routed mass
+  (``route_shed``'s ``mix``);
+* ``renormalize``: the miss dropped, the kept weights scaled to sum to 1;
 * ``substitute``: the most probable resident expert the row did not choose, at the miss's weight;
-* ``tier``: its low-precision copy at its own weight (``on_miss="tier"``); ``uniform`` is the same
-  step with an arena that holds nothing (every entry from the tier);
 * ``reroute``, ``prior``: cache-aware routing (the router's top-2k and resident experts; see
   :func:`serve`);
-* ``stall``: every routed expert computed from the whole set of experts (the exact output);
-* ``exact``: the exact output from the arena: a miss's expert read inside the program by the host's
-  ``fetch`` (:mod:`kq_jax.miss_fetch`), the router's weights as they are.
+* ``uniform``: the ``tier`` step on a table that holds nothing, whatever the table given: every routed
+  expert from the tier;
+* ``stall``: every routed expert computed from the whole set of experts (the exact output).
 """
 
 from __future__ import annotations
@@ -27,19 +30,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kq_core.validate import is_int
 import kq_jax
+from kq_core import rules
 from kq_core.contract import RouteShedResult
+from kq_core.rules import check_rule
+from kq_core.validate import is_int
 from kq_jax.miss_fetch import gather_with_misses
 from kq_jax.moe import (Experts, TierExperts, apply_gathered, check_tier, combine, experts_apply, router_probs,
                         tiered_apply)
 from kq_jax.reference import bounded_table, lookup_slots, normalize_topk_ref
 
-FUSED_RULES = ("route_shed", "tier", "uniform")  # routed and shed by one topk_route_shed launch in moe_layer
-RULES = ("route_shed", "shed", "renormalize", "substitute", "tier", "uniform", "stall", "exact", "reroute",
-         "prior")
-TIER_RULES = ("tier", "uniform")
-RESIDENT_PRIOR = 1.0  # the ``prior`` rule's bonus to a resident expert's log-probability (nats)
+RULES = rules.RULES  # every rule of kq_core.rules
+TIER_RULES = rules.TIER_RULES  # a miss served from the tier
+FUSED_RULES = ("route_shed", *TIER_RULES)  # routed and shed by one topk_route_shed launch in moe_layer
+RESIDENT_PRIOR = rules.RESIDENT_PRIOR  # the ``prior`` rule's bonus to a resident expert's log-probability (nats)
 
 
 def router_topk(probs, *, top_k: int, normalize: bool):
@@ -55,9 +59,10 @@ def moe_layer(x, router_w, slot_table, *, rule: str, top_k: int, normalize: bool
               layer=0):
     """One MoE layer on an arena from its router's weights: the router, then :func:`arena_moe` under ``rule``.
 
-    The step :class:`kq_jax.nnx.ArenaMoE` runs and :func:`kq_jax.qwen3_moe_arena.make_step`'s layers run, so
-    the module and the functional decode step compute with the same operations in the same order. Rules
-    :data:`FUSED_RULES` route and shed in one ``topk_route_shed`` launch; the others take the router's
+    The step :class:`kq_jax.nnx.ArenaMoE` runs, :func:`kq_jax.qwen3_moe_arena.make_step`'s layers run and
+    :func:`kq_jax.moe.moe_ffn_arena` and :func:`~kq_jax.moe.moe_ffn_tiered` run (rules ``route_shed`` and
+    ``tier``), so the module and the functional layers compute with the same operations in the same order.
+    Rules :data:`FUSED_RULES` route and shed in one ``topk_route_shed`` launch; the others take the router's
     ``lax.top_k`` (:func:`router_topk`) and let :func:`arena_moe` shed.
 
     Args:
@@ -66,16 +71,32 @@ def moe_layer(x, router_w, slot_table, *, rule: str, top_k: int, normalize: bool
             jitted step, so the router's product keeps the checkpoint's layout). ``x`` and ``router_w``
             float32, bfloat16 or float16 (:func:`kq_jax.moe.router_probs`).
         slot_table: int32 ``[E]``, expert -> arena slot (negative: not resident).
-        rule, weights, num_slots, tier, slot_rows, impl, fetch, layer: as for :func:`arena_moe`.
+        rule: one of :data:`RULES` (:mod:`kq_core.rules`).
+        weights, num_slots, tier, slot_rows, impl, fetch, layer: as for :func:`arena_moe`.
         top_k: experts a token routes to; normalize: whether the router renormalises its top-k.
 
     Returns:
         ``(out [T, D], report)`` as :func:`arena_moe`.
 
     Raises:
+        ValueError: ``rule`` is no rule of :data:`RULES`, naming it and listing them; or as :func:`arena_moe`.
         TypeError: ``x`` or ``router_w`` of another dtype, naming it (:func:`kq_jax.moe.router_probs`).
     """
+    out, report, _ = _moe_layer(x, router_w, slot_table, rule=rule, top_k=top_k, normalize=normalize,
+                                weights=weights, num_slots=num_slots, tier=tier, slot_rows=slot_rows, impl=impl,
+                                fetch=fetch, layer=layer)
+    return out, report
+
+
+def _moe_layer(x, router_w, slot_table, *, rule: str, top_k: int, normalize: bool, weights: Experts,
+               num_slots: int, tier: TierExperts | None, slot_rows, impl: str, fetch, layer):
+    """:func:`moe_layer` and, for rules :data:`FUSED_RULES`, ``topk_route_shed``'s
+    :class:`~kq_core.contract.TopkRouteShedResult` (None for the others): ``(out, report, routing)``."""
+    check_rule(rule, "moe_layer")
+    if rule == "uniform":
+        slot_table = _holding_nothing(slot_table)
     probs = router_probs(x, router_w)
+    routing = None
     if rule in FUSED_RULES:
         routing = kq_jax.topk_route_shed(probs, slot_table, top_k=top_k, normalize=normalize,
                                          on_miss="tier" if rule in TIER_RULES else "shed", num_slots=num_slots,
@@ -83,9 +104,15 @@ def moe_layer(x, router_w, slot_table, *, rule: str, top_k: int, normalize: bool
         indices, scores, shed = routing.indices, routing.scores, routing.shed
     else:
         (indices, scores), shed = router_topk(probs, top_k=top_k, normalize=normalize), None
-    return arena_moe(x, indices, scores, slot_table, rule=rule, weights=weights, num_slots=num_slots, tier=tier,
-                     probs=probs, slot_rows=slot_rows, normalize=normalize, shed=shed, impl=impl, fetch=fetch,
-                     layer=layer)
+    out, report = arena_moe(x, indices, scores, slot_table, rule=rule, weights=weights, num_slots=num_slots,
+                            tier=tier, probs=probs, slot_rows=slot_rows, normalize=normalize, shed=shed, impl=impl,
+                            fetch=fetch, layer=layer)
+    return out, report, routing
+
+
+def _holding_nothing(slot_table):
+    """The ``uniform`` rule's table: ``slot_table``'s shape, every expert not resident (int32 -1)."""
+    return jnp.full(jnp.shape(slot_table), -1, jnp.int32)
 
 
 def serve(rule: str, indices, scores, probs, slot_table, shed, *, normalize: bool = False,
@@ -112,8 +139,8 @@ def serve(rule: str, indices, scores, probs, slot_table, shed, *, normalize: boo
         routed = kq_jax.topk_route_shed(probs, slot_table, top_k=indices.shape[-1], normalize=normalize,
                                         on_miss="substitute", num_slots=num_slots)
         return routed.shed.slots, routed.shed.mix
-    raise ValueError(f"serve: rule must be one of {[r for r in RULES if r not in (*TIER_RULES, 'stall')]}, "
-                     f"got {rule!r}")
+    check_rule(rule, "serve", allowed=[r for r in RULES if r not in (*TIER_RULES, "stall", "exact")])
+    raise AssertionError(f"serve: rule {rule!r} has no branch")  # every rule check_rule allows has one above
 
 
 def resident_entries(indices, slot_table, num_slots: int | None):
@@ -174,7 +201,7 @@ def arena_moe(x, indices, scores, slot_table, *, rule: str, weights: Experts, nu
         x: ``[T, D]`` the layer's MoE input.
         indices, scores: the router's top-k, int32 and float32 ``[T, k]``.
         slot_table: int32 ``[E]``, expert -> arena slot (negative: not resident).
-        rule: one of :data:`RULES`.
+        rule: one of :data:`RULES` (:mod:`kq_core.rules`); ``uniform`` takes the table as holding nothing.
         weights: the experts the slots gather from, :class:`~kq_jax.moe.Experts` ``[N, ...]``: the arena
             (``N = num_slots``), or with ``slot_rows`` any stack the slots map into; for ``stall``, all E
             experts, gathered by expert id.
@@ -184,7 +211,7 @@ def arena_moe(x, indices, scores, slot_table, *, rule: str, weights: Experts, nu
         slot_rows: int32 ``[S]``, the row of ``weights`` each slot holds (None: slot s is row s).
         normalize: whether the router renormalises its top-k (``substitute``, ``reroute``, ``prior``).
         shed: ``route_shed``'s result for this routing and table when the caller has it (``topk_route_shed``
-            routes and sheds in one launch); None: computed here.
+            routes and sheds in one launch; for ``uniform``, a table that holds nothing); None: computed here.
         impl: ``route_shed``'s implementation.
         fetch: rule ``exact``: the host's reader of missed experts (:data:`kq_jax.miss_fetch.Fetch`);
             layer: the layer index (int or int32 scalar) it is called with.
@@ -192,9 +219,14 @@ def arena_moe(x, indices, scores, slot_table, *, rule: str, weights: Experts, nu
     Returns:
         ``(out [T, D], report)``: the combined output in ``weights``' dtype, and the report's fields
         ``(indices, scores, miss_ids, miss_scores, served)`` (:mod:`kq_core.reports`), each ``[T, k]``.
+
+    Raises:
+        ValueError: ``rule`` is no rule of :data:`RULES` (naming it and listing them), or an argument the rule
+            needs is missing or of another shape, naming it.
     """
-    if rule not in RULES:
-        raise ValueError(f"arena_moe: rule must be one of {RULES}, got {rule!r}")
+    check_rule(rule, "arena_moe")
+    if rule == "uniform":
+        slot_table = _holding_nothing(slot_table)
     _check_layer_arguments(x, indices, scores, slot_table, rule, weights, num_slots, probs, slot_rows)
     on_miss = "tier" if rule in TIER_RULES else "shed"
     if on_miss == "tier" and tier is None:

@@ -1,8 +1,9 @@
 """A jittable MoE feed-forward that runs on a bounded expert arena through ``route_shed``.
 
-:func:`moe_ffn_tiered` is the arena layer that serves misses from the low-precision tier
-(:mod:`kq_host.tier`) instead of dropping them: a hit is computed with the arena's weights,
-a miss with its tier copy straight from its packed words (:func:`quantized_apply`), in one graph.
+:func:`kq_jax.arena_moe.moe_layer` is the layer on an arena under any rule of :mod:`kq_core.rules`;
+:func:`moe_ffn_arena` (rule ``route_shed``) and :func:`moe_ffn_tiered` (rule ``tier``: a hit computed
+with the arena's weights, a miss with its tier copy straight from its packed words,
+:func:`quantized_apply`, in one graph) are that layer under one rule each, the pieces here its parts.
 
 Routing follows Qwen3-MoE (softmax over experts, top-k, renormalised); experts
 are SwiGLU (``down(silu(gate(x)) * up(x))``). :func:`moe_ffn_resident` is the
@@ -23,10 +24,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kq_core.contract import EXPERT_PROJECTIONS, SCORE_DTYPES, TopkRouteShedResult
+from kq_core.contract import EXPERT_PROJECTIONS, SCORE_DTYPES
 from kq_core.validate import dtype_name, is_int
 from kq_host.tier import BITS, GROUP_SIZES
-from kq_jax.api import topk_route_shed
 from kq_jax.reference import normalize_topk_ref
 
 
@@ -286,7 +286,9 @@ def moe_ffn_resident(x, router_w, experts: Experts, *, top_k: int):
 
 
 def moe_ffn_arena(x, router_w, arena: Experts, slot_table, *, top_k: int, impl: str = "auto"):
-    """The MoE layer on an arena of S slots.
+    """The MoE layer on an arena of S slots under rule ``route_shed`` (a miss shed, the kept weights rescaled to
+    the row's routed mass), its router renormalising its top-k: :func:`kq_jax.arena_moe.moe_layer`'s step, bit
+    for bit, with ``topk_route_shed``'s result beside the output.
 
     Args:
         x: ``[T, D]``; router_w: ``[D, E]``; each float32, bfloat16 or float16.
@@ -299,12 +301,15 @@ def moe_ffn_arena(x, router_w, arena: Experts, slot_table, *, top_k: int, impl: 
 
     Raises:
         TypeError: ``x`` or ``router_w`` of another dtype, naming it (:func:`router_probs`).
+        ValueError: a shape the layer cannot take, naming it (:func:`kq_jax.arena_moe.arena_moe`).
     """
+    from kq_jax.arena_moe import _moe_layer  # kq_jax.arena_moe imports this module
+
     # num_slots: a table entry past the arena is shed, never gathered (jnp.take would clamp it).
-    routing: TopkRouteShedResult = topk_route_shed(router_probs(x, router_w), slot_table, top_k=top_k,
-                                                   num_slots=arena.gate.shape[0], impl=impl)
-    y = experts_apply(x, arena, routing.shed.slots)
-    return combine(y, routing.shed.mix), routing
+    y, _, routing = _moe_layer(x, router_w, slot_table, rule="route_shed", top_k=top_k, normalize=True,
+                               weights=arena, num_slots=arena.gate.shape[0], tier=None, slot_rows=None, impl=impl,
+                               fetch=None, layer=0)
+    return y, routing
 
 
 def tiered_apply(x, arena: Experts, tier: TierExperts, slots):
@@ -332,7 +337,8 @@ def tiered_apply(x, arena: Experts, tier: TierExperts, slots):
 
 def moe_ffn_tiered(x, router_w, arena: Experts, tier: TierExperts, slot_table, *, top_k: int,
                    impl: str = "auto"):
-    """The MoE layer on an arena of S slots whose misses the tier serves (``on_miss="tier"``).
+    """The MoE layer on an arena of S slots whose misses the tier serves: rule ``tier``, its router
+    renormalising its top-k, :func:`kq_jax.arena_moe.moe_layer`'s step bit for bit.
 
     Each routed entry keeps its router weight; a hit (slot < S) gathers the arena's expert, a miss
     (slot S + e) expert e of the tier (:func:`quantized_apply`, cast to the arena's dtype). With every
@@ -352,9 +358,10 @@ def moe_ffn_tiered(x, router_w, arena: Experts, tier: TierExperts, slot_table, *
         ValueError: the tier does not hold the router's E experts or does not fit the arena
             (:func:`check_tier`; at trace time under ``jax.jit``).
     """
+    from kq_jax.arena_moe import _moe_layer  # kq_jax.arena_moe imports this module
+
     check_tier(tier, arena, num_experts=router_w.shape[-1], where="moe_ffn_tiered: tier")
-    num_slots = arena.gate.shape[0]
-    routing: TopkRouteShedResult = topk_route_shed(router_probs(x, router_w), slot_table, top_k=top_k,
-                                                   num_slots=num_slots, on_miss="tier", impl=impl)
-    y = tiered_apply(x, arena, tier, routing.shed.slots)
-    return combine(y, routing.shed.mix), routing
+    y, _, routing = _moe_layer(x, router_w, slot_table, rule="tier", top_k=top_k, normalize=True, weights=arena,
+                               num_slots=arena.gate.shape[0], tier=tier, slot_rows=None, impl=impl, fetch=None,
+                               layer=0)
+    return y, routing

@@ -1,11 +1,12 @@
 """Flax NNX MoE modules whose experts live in a bounded arena, with an optional low-precision tier.
 
 :class:`ArenaMoE` is the MoE feed-forward of :mod:`kq_jax.moe` as an ``nnx.Module``: ``__call__(inputs)``
-routes with its :class:`Router`, runs ``topk_route_shed`` against the module's slot table, computes the hits
-with the arena's weights and the misses with the tier's copy (``on_miss="tier"``) or sheds them
-(``on_miss="shed"``), and returns the output beside the routing reports the host reads back. The step is
-the library's one MoE step, :func:`kq_jax.arena_moe.moe_layer` (rules ``route_shed`` and ``tier``), the one
-:func:`kq_jax.qwen3_moe_arena.make_step`'s layers run: the module holds the state, the library computes.
+routes with its :class:`Router`, looks the routed experts up in the module's slot table, computes the hits
+with the arena's weights and treats the misses by its ``rule`` (:mod:`kq_core.rules`: ``"shed"``, the
+default, drops them; ``"tier"`` runs them from the tier's copy; ``"exact"`` reads them; ...), and returns
+the output beside the routing reports the host reads back. The step is the library's one MoE step,
+:func:`kq_jax.arena_moe.moe_layer`, the one :func:`kq_jax.qwen3_moe_arena.make_step`'s layers run: the
+module holds the state, the library computes.
 :class:`kq_jax.qwen3_moe_nnx.Qwen3MoeDecoder` is Qwen3-MoE on a stack of these modules.
 
 That state is NNX variables of three kinds of their own, so filters tell them apart from the trainable
@@ -30,6 +31,8 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,6 +43,7 @@ except ImportError as error:  # the one module of kq_jax that needs Flax
     raise ImportError("kq_jax.nnx needs Flax: pip install 'kq[nnx]'") from error
 
 from kq_core.contract import EXPERT_PROJECTIONS
+from kq_core.rules import DEFAULT_RULE, RULE, RULES, check_rule
 from kq_core.validate import is_int
 from kq_host.tier import BITS, GROUP_SIZES, quantize, scale_dtype
 from kq_jax.api import IMPLS
@@ -49,8 +53,50 @@ from kq_jax.moe import Experts, TierExperts, TierWeights, check_tier, combine, e
 
 # The arena's projections, named as the expert store's tensors, ``JaxArena.arrays`` and the tier's layers.
 _TIER_PARTS = ("packed", "scales", "biases")
+# The rules an arena module runs: every rule of kq_core.rules but stall, which computes every expert from its
+# full weights (DenseMoE is that layer).
+MODULE_RULES = tuple(rule for rule in RULES if not RULE[rule].needs_experts)
+# on_miss, deprecated: its values and the rule each is. Its "shed" rescaled the kept weights (route_shed).
 ON_MISS = ("shed", "tier", "fetch")
-_RULE = {"shed": "route_shed", "tier": "tier", "fetch": "exact"}  # arena_moe's rule for each on_miss
+ON_MISS_RULES = {"shed": "route_shed", "tier": "tier", "fetch": "exact"}
+
+
+def resolve_rule(rule, on_miss, where: str) -> str:
+    """The rule a module runs, from its ``rule`` or its deprecated ``on_miss`` (at most one given).
+
+    Args:
+        rule: a rule of :data:`MODULE_RULES`, or None (:data:`kq_core.rules.DEFAULT_RULE` where ``on_miss`` is
+            None too).
+        on_miss: None, or a value of :data:`ON_MISS`, taken as its rule of :data:`ON_MISS_RULES` with a
+            ``DeprecationWarning`` (``"shed"`` is rule ``"route_shed"``: the kept weights rescaled to the routed
+            mass, where rule ``"shed"`` keeps them as they are).
+        where: the caller, named in errors and the warning.
+
+    Returns:
+        The rule's name.
+
+    Raises:
+        ValueError: both given, an ``on_miss`` not of :data:`ON_MISS`, or a ``rule`` not of
+            :data:`MODULE_RULES`, naming the argument and listing the names it takes.
+    """
+    if on_miss is not None:
+        if rule is not None:
+            raise ValueError(f"{where}: give rule or on_miss, not both (on_miss is deprecated), got rule={rule!r} "
+                             f"and on_miss={on_miss!r}")
+        if not isinstance(on_miss, str) or on_miss not in ON_MISS:
+            raise ValueError(f"{where}: on_miss must be one of {', '.join(ON_MISS)} (deprecated: give rule, one of "
+                             f"{', '.join(MODULE_RULES)}), got {on_miss!r}")
+        rule = ON_MISS_RULES[on_miss]
+        changed = (" (its kept weights rescaled to the row's routed mass; rule='shed' keeps the kept weights as they "
+                   "are)") if on_miss == "shed" else ""
+        warnings.warn(f"{where}: on_miss is deprecated; on_miss={on_miss!r} is rule={rule!r}{changed}",
+                      DeprecationWarning, stacklevel=3)
+    rule = DEFAULT_RULE if rule is None else rule
+    if rule == "stall":
+        raise ValueError(f"{where}: rule 'stall' computes every routed expert from every expert's weights, which an "
+                         f"arena module does not hold: DenseMoE is that layer (rule 'exact' gives its output from "
+                         f"the arena)")
+    return check_rule(rule, where, allowed=MODULE_RULES)
 
 
 class ArenaSlots(nnx.Variable):
@@ -201,8 +247,8 @@ class DenseMoE(nnx.Module):
 
 
 class ArenaMoE(nnx.Module):
-    """The MoE feed-forward on an arena of S expert slots, a slot table, and (``on_miss="tier"``) a
-    low-precision copy of every expert.
+    """The MoE feed-forward on an arena of S expert slots, a slot table, and (rules ``"tier"`` and
+    ``"uniform"``) a low-precision copy of every expert.
 
     The arena starts empty (zeros, every table entry -1); :meth:`set_residency` fills it, or
     :meth:`from_dense` builds it from a :class:`DenseMoE`'s weights. The tier starts as zeros too (a miss
@@ -214,13 +260,18 @@ class ArenaMoE(nnx.Module):
     Args:
         hidden_size: D; intermediate_size: F; num_experts: E; num_slots: S; top_k, normalize: as
             :class:`Router`'s.
-        on_miss: ``"shed"`` (a miss's weight goes to the row's kept experts), ``"tier"`` (a miss runs
-            from the tier at its own weight) or ``"fetch"`` (a miss's expert read inside the program by
-            ``fetch``: the output is the resident layer's; :mod:`kq_jax.miss_fetch`).
-        fetch: ``on_miss="fetch"``'s reader, ``fetch(layer, ids) -> (gate, up, down)`` of the experts ``ids``
+        rule: what the layer does with a routed expert that is not resident, a rule of :data:`MODULE_RULES`
+            (:mod:`kq_core.rules`; None: :data:`kq_core.rules.DEFAULT_RULE`, ``"shed"``): e.g. ``"shed"`` (the
+            miss dropped, the kept weights the router's), ``"route_shed"`` (the kept weights rescaled to the
+            row's routed mass), ``"tier"`` (the miss from the tier at its own weight) or ``"exact"`` (the
+            miss's expert read inside the program by ``fetch``: the output is the resident layer's;
+            :mod:`kq_jax.miss_fetch`).
+        on_miss: deprecated, for ``rule``: ``"shed"`` is rule ``"route_shed"``, ``"tier"`` rule ``"tier"``,
+            ``"fetch"`` rule ``"exact"`` (:data:`ON_MISS_RULES`; a ``DeprecationWarning``).
+        fetch: rule ``"exact"``'s reader, ``fetch(layer, ids) -> (gate, up, down)`` of the experts ``ids``
             (e.g. a :class:`kq_host.miss_reader.MissReader`); called from inside the step, only when the
             layer misses.
-        tier_bits, tier_group_size: the tier's format (:mod:`kq_host.tier`), used where ``on_miss="tier"``;
+        tier_bits, tier_group_size: the tier's format (:mod:`kq_host.tier`), used where the rule needs a tier;
             D and F must be multiples of ``tier_group_size``.
         dtype: the router's and the arena's dtype (the tier's scales and biases are
             :func:`kq_host.tier.scale_dtype`'s for it).
@@ -228,31 +279,30 @@ class ArenaMoE(nnx.Module):
         rngs: ``nnx.Rngs`` with a ``params`` stream (the router's initial kernel).
 
     Raises:
-        ValueError: a size, ``on_miss``, ``impl`` or a tier option the layer cannot take, naming it.
+        ValueError: a size, ``rule``, ``on_miss``, ``impl`` or a tier option the layer cannot take, naming it.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, num_slots: int, top_k: int, *,
-                 normalize: bool = True, on_miss: str = "shed", tier_bits: int = 3, tier_group_size: int = 32,
-                 dtype=jnp.float32, impl: str = "auto", fetch=None, rngs: nnx.Rngs):
+                 normalize: bool = True, rule: str | None = None, on_miss: str | None = None, tier_bits: int = 3,
+                 tier_group_size: int = 32, dtype=jnp.float32, impl: str = "auto", fetch=None, rngs: nnx.Rngs):
+        rule = resolve_rule(rule, on_miss, "ArenaMoE")
         self.router = Router(hidden_size, num_experts, top_k, normalize=normalize, dtype=dtype, rngs=rngs)
         d, e = self.router.hidden_size, self.router.num_experts
         f = _check_size("ArenaMoE", "intermediate_size", intermediate_size)
         s = _check_size("ArenaMoE", "num_slots", num_slots)
-        if on_miss not in ON_MISS:
-            raise ValueError(f"ArenaMoE: on_miss must be one of {ON_MISS}, got {on_miss!r}")
         if impl not in IMPLS:
             raise ValueError(f"ArenaMoE: impl must be one of {IMPLS}, got {impl!r}")
-        if (on_miss == "fetch") != callable(fetch):
-            raise ValueError(f"ArenaMoE: fetch must be a callable exactly when on_miss='fetch', got on_miss="
-                             f"{on_miss!r} and fetch={fetch!r}")
-        self.intermediate_size, self.num_slots, self.on_miss, self.impl = f, s, on_miss, impl
+        if RULE[rule].needs_reader != callable(fetch):
+            raise ValueError(f"ArenaMoE: fetch must be a callable exactly when rule='exact' (on_miss='fetch'), got "
+                             f"rule={rule!r} and fetch={fetch!r}")
+        self.intermediate_size, self.num_slots, self.rule, self.impl = f, s, rule, impl
         self.fetch = fetch
         self.arena_gating_SFD = ArenaSlots(jnp.zeros((s, f, d), dtype))
         self.arena_up_proj_SFD = ArenaSlots(jnp.zeros((s, f, d), dtype))
         self.arena_down_proj_SDF = ArenaSlots(jnp.zeros((s, d, f), dtype))
         self.slot_table_E = SlotTable(jnp.full((e,), -1, jnp.int32))
         self.tier_bits = self.tier_group_size = None
-        if on_miss == "tier":
+        if RULE[rule].needs_tier:
             for name, value, allowed in (("tier_bits", tier_bits, BITS), ("tier_group_size", tier_group_size,
                                                                           GROUP_SIZES)):
                 if not is_int(value) or value not in allowed:
@@ -276,13 +326,15 @@ class ArenaMoE(nnx.Module):
         return Experts(self.arena_gating_SFD[...], self.arena_up_proj_SFD[...], self.arena_down_proj_SDF[...])
 
     def tier(self) -> TierExperts:
-        """The tier of every expert (``on_miss="tier"``), as :func:`kq_jax.moe.tier_experts` builds it.
+        """The tier of every expert (rules ``"tier"`` and ``"uniform"``), as :func:`kq_jax.moe.tier_experts`
+        builds it.
 
         Raises:
-            ValueError: the module sheds its misses and holds no tier.
+            ValueError: the module's rule serves nothing from a tier and it holds none.
         """
-        if self.on_miss != "tier":
-            raise ValueError("ArenaMoE.tier: this module sheds its misses (on_miss='shed') and holds no tier")
+        if not RULE[self.rule].needs_tier:
+            raise ValueError(f"ArenaMoE.tier: this module's rule {self.rule!r} serves nothing from a tier, and it "
+                             f"holds no tier")
         return TierExperts(*(TierWeights(*(getattr(self, f"tier_{projection}_{part}")[...] for part in _TIER_PARTS))
                              for projection in ("gating", "up_proj", "down_proj")),
                            bits=self.tier_bits, group_size=self.tier_group_size)
@@ -294,7 +346,7 @@ class ArenaMoE(nnx.Module):
 
         Args:
             inputs: ``[..., D]``, e.g. ``[B, T, D]``; its ``T`` rows (every leading position) are routed.
-            layer: int or int32 scalar, the layer ``fetch`` is told it reads for (``on_miss="fetch"``).
+            layer: int or int32 scalar, the layer ``fetch`` is told it reads for (rule ``"exact"``).
 
         Returns:
             ``(outputs [..., D], reports int32 [F, T, top_k])``: the report of :mod:`kq_core.reports` for
@@ -309,13 +361,13 @@ class ArenaMoE(nnx.Module):
         """
         rows = _rows("ArenaMoE", inputs, self.router.hidden_size)
         arena, table, tier = self.arena(), self.slot_table_E[...], None
-        if self.on_miss == "tier":
+        if RULE[self.rule].needs_tier:
             tier = self.tier()
             check_tier(tier, arena, num_experts=self.router.num_experts, where="ArenaMoE: tier")
-        # The library's one step (kq_jax.qwen3_moe_arena.make_step's layers run it too): topk_route_shed
-        # routes and sheds in one launch, arena_moe runs the hits and the misses and combines them.
+        # The library's one step (kq_jax.qwen3_moe_arena.make_step's layers run it too): the router, then
+        # arena_moe runs the hits and the misses under the rule and combines them.
         outputs, report = moe_layer(rows, self.router.kernel_ED[...].T, table,
-                                    rule=_RULE[self.on_miss], top_k=self.router.top_k,
+                                    rule=self.rule, top_k=self.router.top_k,
                                     normalize=self.router.normalize, weights=arena, num_slots=self.num_slots,
                                     tier=tier, impl=self.impl, fetch=self.fetch, layer=layer)
         outputs = jnp.reshape(outputs, jnp.shape(inputs)[:-1] + outputs.shape[-1:])
@@ -376,15 +428,16 @@ class ArenaMoE(nnx.Module):
                 variable.set_value(jnp.asarray(arena[name]))
 
     def set_tier(self, tier: TierExperts) -> None:
-        """Loads the tier (``on_miss="tier"``): :func:`kq_jax.moe.tier_experts` of ``Tier.layer(l)``, every
-        array ``[E, ...]`` (``[L, E, ...]`` for a stack), in this module's format.
+        """Loads the tier (rules ``"tier"`` and ``"uniform"``): :func:`kq_jax.moe.tier_experts` of
+        ``Tier.layer(l)``, every array ``[E, ...]`` (``[L, E, ...]`` for a stack), in this module's format.
 
         Raises:
             ValueError: the module holds no tier, or ``tier``'s format, a shape or a dtype is not the
                 module's (nothing is changed then).
         """
-        if self.on_miss != "tier":
-            raise ValueError("ArenaMoE.set_tier: this module sheds its misses (on_miss='shed') and holds no tier")
+        if not RULE[self.rule].needs_tier:
+            raise ValueError(f"ArenaMoE.set_tier: this module's rule {self.rule!r} serves nothing from a tier, and "
+                             f"it holds no tier")
         if not isinstance(tier, TierExperts):
             raise ValueError(f"ArenaMoE.set_tier: tier must be a kq_jax.moe.TierExperts, got {type(tier).__name__}")
         if (tier.bits, tier.group_size) != (self.tier_bits, self.tier_group_size):
@@ -400,10 +453,10 @@ class ArenaMoE(nnx.Module):
 
     @classmethod
     def from_dense(cls, dense: DenseMoE, *, resident: Sequence[int] | None = None, num_slots: int | None = None,
-                   on_miss: str = "shed", tier_bits: int = 3, tier_group_size: int = 32,
-                   impl: str = "auto") -> "ArenaMoE":
+                   rule: str | None = None, on_miss: str | None = None, tier_bits: int = 3,
+                   tier_group_size: int = 32, impl: str = "auto", fetch=None) -> "ArenaMoE":
         """The arena layer of a :class:`DenseMoE`'s weights: its router, and the experts ``resident`` in
-        slots 0, 1, ... (the rest of the slots empty); the tier, where ``on_miss="tier"``, quantized from
+        slots 0, 1, ... (the rest of the slots empty); the tier, where the rule needs one, quantized from
         every expert on the host (:func:`kq_host.tier.quantize`).
 
         With every expert resident the output is ``dense``'s, bit for bit.
@@ -412,13 +465,14 @@ class ArenaMoE(nnx.Module):
             dense: the layer (concrete weights, not traced).
             resident: expert ids, distinct, in slot order (None: every expert, expert e in slot e).
             num_slots: S, at least ``len(resident)`` (None: ``len(resident)``).
-            on_miss, tier_bits, tier_group_size, impl: as for :class:`ArenaMoE`.
+            rule, on_miss, tier_bits, tier_group_size, impl, fetch: as for :class:`ArenaMoE`.
 
         Raises:
             ValueError: ``resident`` holds an id outside ``[0, E)`` or twice, or ``num_slots`` is too small.
         """
         if not isinstance(dense, DenseMoE):
             raise ValueError(f"ArenaMoE.from_dense: dense must be a DenseMoE, got {type(dense).__name__}")
+        rule = resolve_rule(rule, on_miss, "ArenaMoE.from_dense")
         router, experts = dense.router, dense.experts()
         e = router.num_experts
         ids = np.arange(e) if resident is None else np.asarray(resident).reshape(-1)
@@ -437,14 +491,14 @@ class ArenaMoE(nnx.Module):
             raise ValueError(f"ArenaMoE.from_dense: the dense layer's experts are {experts.gate.dtype} and its "
                              f"router {kernel.dtype}; the arena layer keeps one dtype")
         module = cls(router.hidden_size, experts.gate.shape[1], e, num_slots, router.top_k,
-                     normalize=router.normalize, on_miss=on_miss, tier_bits=tier_bits,
-                     tier_group_size=tier_group_size, dtype=kernel.dtype, impl=impl, rngs=nnx.Rngs(0))
+                     normalize=router.normalize, rule=rule, tier_bits=tier_bits, tier_group_size=tier_group_size,
+                     dtype=kernel.dtype, impl=impl, fetch=fetch, rngs=nnx.Rngs(0))
         module.router.kernel_ED.set_value(kernel)
         table = np.full(e, -1, np.int32)
         table[ids] = np.arange(ids.size, dtype=np.int32)
         module.set_residency(table, {name: jnp.zeros((num_slots, *w.shape[1:]), w.dtype).at[:ids.size].set(w[ids])
                                      for name, w in zip(EXPERT_PROJECTIONS, experts)})
-        if on_miss == "tier":
+        if RULE[rule].needs_tier:
             module.set_tier(TierExperts(*(TierWeights(*(jnp.asarray(a) for a in quantize(
                 np.asarray(w), bits=tier_bits, group_size=tier_group_size))) for w in experts),
                 bits=tier_bits, group_size=tier_group_size))

@@ -4,8 +4,8 @@
 The attention, the norms and the embedding run as :func:`kq_jax.qwen3_moe.decode_step` runs them; each
 layer's MoE is its layer of the stacked ``ArenaMoE``, whose step is :func:`kq_jax.arena_moe.moe_layer`,
 the step :func:`kq_jax.qwen3_moe_arena.make_step`'s layers run: on the same arena, tables and tier, the
-same operations on the same values as ``make_step(cfg, "route_shed")`` (``on_miss="shed"``) or
-``make_step(cfg, "tier")`` (``on_miss="tier"``). On CPU the logits and reports are that step's bit for bit,
+same operations on the same values as ``make_step(cfg, rule)`` under the decoder's ``rule``
+(:mod:`kq_core.rules`). On CPU the logits and reports are that step's bit for bit,
 with every expert resident the resident model's (``tests/test_qwen3_moe_nnx.py``). The two are not one
 program: the decoder's routers are one ``[L, E, D]`` array sliced inside it, the functional step's one
 array a layer, and where XLA tunes each program's kernels (a GPU) their products may round apart.
@@ -27,7 +27,7 @@ import numpy as np
 from kq_core.validate import is_int
 from kq_jax import qwen3_moe
 from kq_jax.moe import TierExperts
-from kq_jax.nnx import ArenaMoE  # first: its ImportError says how to install Flax
+from kq_jax.nnx import ArenaMoE, resolve_rule  # first: its ImportError says how to install Flax
 
 from flax import nnx  # noqa: E402  (isort: after kq_jax.nnx)
 
@@ -52,19 +52,22 @@ class Qwen3MoeDecoder(nnx.Module):
             ``router.kernel_ED`` ``[L, E, D]``; its experts, if any, are not read.
         cfg: the checkpoint's :class:`kq_jax.qwen3_moe.Qwen3MoeConfig`.
         num_slots: S, each layer's arena slots.
-        on_miss, tier_bits, tier_group_size, impl, fetch: as for :class:`kq_jax.nnx.ArenaMoE` (``on_miss="fetch"``:
-            exact in one pass, a layer's misses read inside the step; the logits are the resident model's).
+        rule, on_miss, tier_bits, tier_group_size, impl, fetch: as for :class:`kq_jax.nnx.ArenaMoE` (``rule``
+            None: :data:`kq_core.rules.DEFAULT_RULE`; ``rule="exact"``: exact in one pass, a layer's misses read
+            inside the step by ``fetch``; the logits are the resident model's; ``on_miss`` deprecated).
 
     The arena starts empty (every table entry -1); :meth:`set_residency` points it at the host's tables
-    and arena, :meth:`set_tier` loads the tier (``on_miss="tier"``).
+    and arena, :meth:`set_tier` loads the tier (rules ``"tier"`` and ``"uniform"``).
 
     Raises:
         ValueError: ``cfg`` is no ``Qwen3MoeConfig``, ``params`` lacks an array or holds ``cfg``'s layers,
             router or embedding in another shape, or an option the MoE layers cannot take, naming it.
     """
 
-    def __init__(self, params: Mapping, cfg: qwen3_moe.Qwen3MoeConfig, num_slots: int, *, on_miss: str = "shed",
-                 tier_bits: int = 3, tier_group_size: int = 32, impl: str = "auto", fetch=None):
+    def __init__(self, params: Mapping, cfg: qwen3_moe.Qwen3MoeConfig, num_slots: int, *, rule: str | None = None,
+                 on_miss: str | None = None, tier_bits: int = 3, tier_group_size: int = 32, impl: str = "auto",
+                 fetch=None):
+        rule = resolve_rule(rule, on_miss, "Qwen3MoeDecoder")
         if not isinstance(cfg, qwen3_moe.Qwen3MoeConfig):
             raise ValueError(f"Qwen3MoeDecoder: cfg must be a kq_jax.qwen3_moe.Qwen3MoeConfig, got "
                              f"{type(cfg).__name__}")
@@ -77,7 +80,7 @@ class Qwen3MoeDecoder(nnx.Module):
         @nnx.vmap(in_axes=(0,), out_axes=0)
         def create(rngs):
             return ArenaMoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, num_slots,
-                            cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob, on_miss=on_miss,
+                            cfg.num_experts_per_tok, normalize=cfg.norm_topk_prob, rule=rule,
                             tier_bits=tier_bits, tier_group_size=tier_group_size, dtype=routers.dtype, impl=impl,
                             fetch=fetch, rngs=rngs)
 
@@ -96,7 +99,7 @@ class Qwen3MoeDecoder(nnx.Module):
         self.moe.set_residency(tables, arena)
 
     def set_tier(self, tier: TierExperts) -> None:
-        """Loads the tier (``on_miss="tier"``), every array ``[L, E, ...]``: e.g.
+        """Loads the tier (rules ``"tier"`` and ``"uniform"``), every array ``[L, E, ...]``: e.g.
         ``kq_jax.moe.tier_experts(kq_jax.qwen3_moe_arena.tier_arrays(tier), bits=..., group_size=...)`` of a
         :class:`kq_host.tier.Tier`. As :meth:`kq_jax.nnx.ArenaMoE.set_tier`."""
         self.moe.set_tier(tier)

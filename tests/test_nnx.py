@@ -67,10 +67,10 @@ def _misses(reports) -> np.ndarray:
 # ---- every expert resident: the dense module's bits --------------------------------------------------
 
 
-@pytest.mark.parametrize("on_miss", ["shed", "tier"])
+@pytest.mark.parametrize("rule", ["route_shed", "tier"])
 @pytest.mark.parametrize("jitted", [False, True], ids=["eager", "nnx.jit"])
-def test_every_expert_resident_is_the_dense_module_bit_for_bit(dense, inputs, on_miss, jitted):
-    module = ArenaMoE.from_dense(dense, on_miss=on_miss)
+def test_every_expert_resident_is_the_dense_module_bit_for_bit(dense, inputs, rule, jitted):
+    module = ArenaMoE.from_dense(dense, rule=rule)
     want = _call(dense, inputs) if jitted else dense(inputs)
     got, reports = _call(module, inputs) if jitted else module(inputs)
     assert got.shape == inputs.shape and reports.shape == (len(REPORT_FIELDS), T, K) and reports.dtype == jnp.int32
@@ -107,15 +107,15 @@ def test_the_router_is_the_dense_routers_top_k(dense, inputs):
 # ---- a partial arena: the functional layers' bits ----------------------------------------------------
 
 
-def _partial(dense, on_miss, impl="auto"):
-    module = ArenaMoE.from_dense(dense, resident=RESIDENT, num_slots=S, on_miss=on_miss, impl=impl)
+def _partial(dense, rule, impl="auto"):
+    module = ArenaMoE.from_dense(dense, resident=RESIDENT, num_slots=S, rule=rule, impl=impl)
     table = np.full(E, -1, np.int32)
     table[RESIDENT] = np.arange(len(RESIDENT))
     return module, jnp.asarray(table)
 
 
-def test_shed_mode_is_the_functional_arena_layer(dense, inputs):
-    module, table = _partial(dense, "shed")
+def test_route_shed_rule_is_the_functional_arena_layer(dense, inputs):
+    module, table = _partial(dense, "route_shed")
     got, reports = _call(module, inputs)
     rows = inputs.reshape(-1, D)
     # Every array an argument, as the module's are under nnx.jit (a closed-over constant XLA may fold).
@@ -126,7 +126,7 @@ def test_shed_mode_is_the_functional_arena_layer(dense, inputs):
     np.testing.assert_array_equal(np.asarray(reports), np.asarray(pack_reports([routing]))[:, 0])
 
 
-def test_tier_mode_is_the_functional_tiered_layer(dense, inputs):
+def test_tier_rule_is_the_functional_tiered_layer(dense, inputs):
     module, table = _partial(dense, "tier")
     got, reports = _call(module, inputs)
     rows = inputs.reshape(-1, D)
@@ -137,7 +137,7 @@ def test_tier_mode_is_the_functional_tiered_layer(dense, inputs):
     assert_same_bits(want.reshape(inputs.shape), got)
     np.testing.assert_array_equal(np.asarray(reports), np.asarray(pack_reports([routing]))[:, 0])
     # The misses ran from the tier, not shed: the shed layer's output differs.
-    shed, _ = _call(_partial(dense, "shed")[0], inputs)
+    shed, _ = _call(_partial(dense, "route_shed")[0], inputs)
     assert not np.array_equal(bits(shed), bits(got))
 
 
@@ -190,11 +190,11 @@ def test_exact_mode_acquires_the_misses_and_gives_the_dense_bits(dense, inputs):
 L = 2
 
 
-def _stack(on_miss="shed"):
+def _stack(rule="route_shed"):
     @nnx.split_rngs(splits=L)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def create(rngs):
-        return ArenaMoE(D, F, E, S, K, on_miss=on_miss, rngs=rngs)
+        return ArenaMoE(D, F, E, S, K, rule=rule, rngs=rngs)
     return create(nnx.Rngs(3))
 
 
@@ -251,9 +251,9 @@ def test_nnx_scan_over_layers_steps_with_the_manager(inputs):
 # ---- gradients ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("on_miss", ["shed", "tier"])
-def test_gradients_through_the_mix_are_the_functional_layers(dense, inputs, on_miss):
-    module, table = _partial(dense, on_miss)
+@pytest.mark.parametrize("rule", ["route_shed", "tier"])
+def test_gradients_through_the_mix_are_the_functional_layers(dense, inputs, rule):
+    module, table = _partial(dense, rule)
     rows = inputs.reshape(-1, D)
     target = jnp.sin(rows)
 
@@ -262,27 +262,27 @@ def test_gradients_through_the_mix_are_the_functional_layers(dense, inputs, on_m
         return jnp.sum((y.reshape(-1, D) - target) ** 2)
 
     def functional(kernel, arena, tier, table):
-        extra = (tier,) if on_miss == "tier" else ()
-        y, _ = (moe_ffn_tiered if on_miss == "tier" else moe_ffn_arena)(rows, kernel.T, arena, *extra, table, top_k=K)
+        extra = (tier,) if rule == "tier" else ()
+        y, _ = (moe_ffn_tiered if rule == "tier" else moe_ffn_arena)(rows, kernel.T, arena, *extra, table, top_k=K)
         return jnp.sum((y - target) ** 2)
 
     grads = nnx.jit(nnx.grad(loss))(module)
     assert _paths(grads) == [("router", "kernel_ED")]  # the arena, table and tier are no Params
     got = grads["router"]["kernel_ED"][...]
-    tier = module.tier() if on_miss == "tier" else None
+    tier = module.tier() if rule == "tier" else None
     want = jax.jit(jax.grad(functional))(dense.router.kernel_ED[...], module.arena(), tier, table)
     assert np.abs(np.asarray(want)).max() > 0
     assert_same_bits(want, got)
 
 
-@pytest.mark.parametrize("on_miss", ["shed", "tier"])
+@pytest.mark.parametrize("rule", ["route_shed", "tier"])
 @pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
-def test_every_expert_resident_gives_the_dense_modules_gradients_bit_for_bit(on_miss, jitted):
+def test_every_expert_resident_gives_the_dense_modules_gradients_bit_for_bit(rule, jitted):
     """The shed rule's weights are the router's scores times total / kept mass, 1 when nothing is shed: its
     derivative is written so that it is exactly 0 then, and the gradients are the dense module's bits."""
     dense = DenseMoE(64, F, E, K, rngs=nnx.Rngs(0))
     inputs = jax.random.normal(jax.random.key(1), (6, 64), jnp.float32)
-    module = ArenaMoE.from_dense(dense, on_miss=on_miss)
+    module = ArenaMoE.from_dense(dense, rule=rule)
 
     def loss(module):
         y = module(inputs)
@@ -303,13 +303,13 @@ def test_every_expert_resident_gives_the_dense_modules_gradients_bit_for_bit(on_
 # ---- sharded rows -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("on_miss", ["shed", "tier"])
-def test_sharded_rows_stay_on_their_devices_with_the_single_device_bits(dense, on_miss):
+@pytest.mark.parametrize("rule", ["route_shed", "tier"])
+def test_sharded_rows_stay_on_their_devices_with_the_single_device_bits(dense, rule):
     devices = jax.devices("cpu")
     if len(devices) < 8:
         pytest.skip("needs 8 host devices (tests/conftest.py sets XLA_FLAGS before JAX starts)")
     mesh = Mesh(np.array(devices[:8]).reshape(4, 2), ("data", "model"))
-    module, _ = _partial(dense, on_miss, impl="reference")  # the host devices' impl, also beside a GPU
+    module, _ = _partial(dense, rule, impl="reference")  # the host devices' impl, also beside a GPU
     x = jax.random.normal(jax.random.key(6), (16, 2, D), jnp.float32)  # [B, T, D], the batch over "data"
     graphdef, state = nnx.split(module)
     rows = NamedSharding(mesh, P("data", None, None))
@@ -326,23 +326,23 @@ def test_sharded_rows_stay_on_their_devices_with_the_single_device_bits(dense, o
     np.testing.assert_array_equal(np.asarray(want_reports), np.asarray(reports))
 
 
-@pytest.mark.parametrize("on_miss", ["shed", "tier"])
-def test_no_rows_give_empty_outputs_and_reports(dense, on_miss):
-    module = ArenaMoE.from_dense(dense, resident=RESIDENT, num_slots=S, on_miss=on_miss)
+@pytest.mark.parametrize("rule", ["route_shed", "tier"])
+def test_no_rows_give_empty_outputs_and_reports(dense, rule):
+    module = ArenaMoE.from_dense(dense, resident=RESIDENT, num_slots=S, rule=rule)
     out, reports = _call(module, jnp.zeros((2, 0, D), jnp.float32))
     assert out.shape == (2, 0, D) and reports.shape == (len(REPORT_FIELDS), 0, K)
 
 
 def test_no_rows_fetch_nothing(inputs):
     calls = []
-    module = ArenaMoE(D, F, E, S, K, on_miss="fetch", fetch=lambda layer, ids: calls.append(ids), rngs=nnx.Rngs(0))
+    module = ArenaMoE(D, F, E, S, K, rule="exact", fetch=lambda layer, ids: calls.append(ids), rngs=nnx.Rngs(0))
     out, reports = _call(module, jnp.zeros((2, 0, D), jnp.float32))
     assert out.shape == (2, 0, D) and reports.shape == (len(REPORT_FIELDS), 0, K) and calls == []
 
 
 @pytest.mark.parametrize("layer", [1.5, -1, "a", True], ids=["float", "negative", "str", "bool"])
 def test_a_layer_fetch_cannot_be_told_is_refused_by_name(inputs, layer):
-    module = ArenaMoE(D, F, E, S, K, on_miss="fetch", fetch=lambda layer, ids: None, rngs=nnx.Rngs(0))
+    module = ArenaMoE(D, F, E, S, K, rule="exact", fetch=lambda layer, ids: None, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="layer"):
         module(inputs, layer=layer)
 
@@ -353,9 +353,9 @@ def test_a_layer_fetch_cannot_be_told_is_refused_by_name(inputs, layer):
 @pytest.mark.parametrize("options, argument", [
     (dict(hidden_size=0), "hidden_size"), (dict(intermediate_size=2.0), "intermediate_size"),
     (dict(num_slots=0), "num_slots"), (dict(top_k=E + 1), "top_k"), (dict(on_miss="drop"), "on_miss"),
-    (dict(impl="cuda"), "impl"), (dict(on_miss="tier", tier_bits=5), "tier_bits"),
-    (dict(on_miss="tier", tier_group_size=16), "tier_group_size"),
-    (dict(on_miss="tier", hidden_size=48), "hidden_size"), (dict(normalize="yes"), "normalize"),
+    (dict(rule="drop"), "rule"), (dict(impl="cuda"), "impl"), (dict(rule="tier", tier_bits=5), "tier_bits"),
+    (dict(rule="tier", tier_group_size=16), "tier_group_size"),
+    (dict(rule="tier", hidden_size=48), "hidden_size"), (dict(normalize="yes"), "normalize"),
     (dict(dtype=jnp.int32), "dtype must be a floating-point dtype"),
 ])
 def test_a_layer_it_cannot_build_is_refused_by_name(options, argument):
@@ -366,14 +366,14 @@ def test_a_layer_it_cannot_build_is_refused_by_name(options, argument):
 
 def test_integer_inputs_are_refused_by_name(dense):
     """Token ids handed where hidden states go: refused, not routed as numbers."""
-    module, _ = _partial(dense, "shed")
+    module, _ = _partial(dense, "route_shed")
     for layer in (module, dense):
         with pytest.raises(ValueError, match="inputs must be floating point"):
             layer(np.ones((2, D), np.int32))
 
 
 def test_bad_residency_is_refused_by_name_and_changes_nothing(dense):
-    module, table = _partial(dense, "shed")
+    module, table = _partial(dense, "route_shed")
     before = {name: bits(v[...]) for name, v in (("table", module.slot_table_E), ("gate", module.arena_gating_SFD))}
     good = {name: jnp.zeros(w.shape, w.dtype) for name, w in zip(EXPERT_PROJECTIONS, module.arena())}
     for call, argument in (
@@ -408,7 +408,7 @@ def test_a_tier_modules_state_restored_into_a_new_module_steps_with_the_same_bit
     restore does) serves its misses from the restored tier."""
     module, _ = _partial(dense, "tier")
     want, _ = _call(module, inputs)
-    fresh = ArenaMoE(D, F, E, S, K, on_miss="tier", rngs=nnx.Rngs(3))
+    fresh = ArenaMoE(D, F, E, S, K, rule="tier", rngs=nnx.Rngs(3))
     nnx.update(fresh, nnx.state(module))
     got, _ = _call(fresh, inputs)
     assert np.abs(np.asarray(want)).min() > 0
@@ -416,8 +416,8 @@ def test_a_tier_modules_state_restored_into_a_new_module_steps_with_the_same_bit
 
 
 def test_a_tier_of_another_format_is_refused(dense):
-    module = ArenaMoE.from_dense(dense, on_miss="tier", tier_bits=4)
-    other = ArenaMoE.from_dense(dense, on_miss="tier", tier_bits=2)
+    module = ArenaMoE.from_dense(dense, rule="tier", tier_bits=4)
+    other = ArenaMoE.from_dense(dense, rule="tier", tier_bits=2)
     with pytest.raises(ValueError, match="tier_bits=4"):
         module.set_tier(other.tier())
 

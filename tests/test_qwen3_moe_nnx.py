@@ -11,6 +11,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from kq.study import SHIPPED_MODEL  # noqa: E402
 from kq_core.reports import REPORT_FIELDS  # noqa: E402
+from kq_core.rules import DEFAULT_RULE  # noqa: E402
 from kq_host.residency import LayerReport, ResidencyManager  # noqa: E402
 from kq_host.tier import quantize  # noqa: E402
 from kq_jax import qwen3_moe  # noqa: E402
@@ -88,7 +89,7 @@ def _misses(steps) -> int:
 def test_every_expert_resident_gives_the_functional_and_the_resident_steps_logits(model):
     cfg, params = model
     tables, arena = _placed(params, cfg, cfg.num_experts)
-    decoder = Qwen3MoeDecoder(params, cfg, cfg.num_experts)
+    decoder = Qwen3MoeDecoder(params, cfg, cfg.num_experts, rule="route_shed")
     decoder.set_residency(tables, arena)
     steps = _run_both(cfg, params, decoder, make_step(cfg, "route_shed"), arena, tables)
     _assert_same(steps)
@@ -98,12 +99,13 @@ def test_every_expert_resident_gives_the_functional_and_the_resident_steps_logit
         np.testing.assert_array_equal(bits(want), bits(got))
 
 
-def test_a_quarter_arena_shedding_is_the_functional_route_shed_step(model):
+@pytest.mark.parametrize("rule", ["route_shed", "shed"])
+def test_a_quarter_arena_shedding_is_the_functional_step_of_its_rule(model, rule):
     cfg, params = model
     tables, arena = _placed(params, cfg, SLOTS)
-    decoder = Qwen3MoeDecoder(params, cfg, SLOTS, on_miss="shed")
+    decoder = Qwen3MoeDecoder(params, cfg, SLOTS, rule=rule)
     decoder.set_residency(tables, arena)
-    steps = _run_both(cfg, params, decoder, make_step(cfg, "route_shed"), arena, tables)
+    steps = _run_both(cfg, params, decoder, make_step(cfg, rule), arena, tables)
     _assert_same(steps)
     assert _misses(steps) > 0
     resident = _run_both(cfg, params, decoder, make_step(cfg, "stall"), None, tables)
@@ -114,7 +116,7 @@ def test_a_quarter_arena_with_a_tier_is_the_functional_tier_step(model):
     cfg, params = model
     tables, arena = _placed(params, cfg, SLOTS, seed=1)
     tier = _tier(params)
-    decoder = Qwen3MoeDecoder(params, cfg, SLOTS, on_miss="tier", tier_bits=3, tier_group_size=32)
+    decoder = Qwen3MoeDecoder(params, cfg, SLOTS, rule="tier", tier_bits=3, tier_group_size=32)
     decoder.set_residency(tables, arena)
     decoder.set_tier(tier_experts(tier, bits=3, group_size=32))
     steps = _run_both(cfg, params, decoder, make_step(cfg, "tier", (3, 32)), arena, tables, tier)
@@ -133,7 +135,7 @@ class _StackedStore:
 
 
 def test_a_quarter_arena_fetching_its_misses_gives_the_resident_logits_in_one_pass(model):
-    """on_miss='fetch': each token one pass, its misses read inside the step by a MissReader, which then hands
+    """rule='exact': each token one pass, its misses read inside the step by a MissReader, which then hands
     them to the manager; the logits are the resident model's bit for bit, from a cold arena on."""
     from kq_host.miss_reader import MissReader
 
@@ -143,7 +145,7 @@ def test_a_quarter_arena_fetching_its_misses_gives_the_resident_logits_in_one_pa
     arena = JaxArena(cfg.num_hidden_layers, SLOTS, {name: (w.shape[2:], w.dtype) for name, w in store.host.items()})
     manager = ResidencyManager(cfg.num_hidden_layers, cfg.num_experts, SLOTS, arena=arena, loader=
                                lambda layer, expert, slot: reader.loader(layer, expert))
-    decoder = Qwen3MoeDecoder(params, cfg, SLOTS, on_miss="fetch", fetch=reader)
+    decoder = Qwen3MoeDecoder(params, cfg, SLOTS, rule="exact", fetch=reader)
     resident = make_step(cfg, "stall")
     cache_r = cache_n = qwen3_moe.empty_cache(cfg, 1, len(TOKENS))
     tables, misses = manager.snapshot(), 0
@@ -164,9 +166,9 @@ def test_a_quarter_arena_fetching_its_misses_gives_the_resident_logits_in_one_pa
     assert misses > 0 and reader.experts_read > 0 and manager.stats()[1].hits > 0
 
 
-@pytest.mark.parametrize("options", [{"on_miss": "fetch"}, {"on_miss": "shed", "fetch": lambda layer, ids: ()}],
-                         ids=["fetch-without-reader", "reader-without-fetch"])
-def test_a_reader_goes_with_on_miss_fetch(model, options):
+@pytest.mark.parametrize("options", [{"rule": "exact"}, {"rule": "shed", "fetch": lambda layer, ids: ()}],
+                         ids=["exact-without-reader", "reader-without-exact"])
+def test_a_reader_goes_with_rule_exact(model, options):
     cfg, params = model
     with pytest.raises(ValueError, match="fetch"):
         Qwen3MoeDecoder(params, cfg, SLOTS, **options)
@@ -180,8 +182,8 @@ def test_the_decoder_steps_with_the_manager_and_a_jax_arena(model):
     arena = JaxArena(cfg.num_hidden_layers, SLOTS, {name: (w.shape[2:], w.dtype) for name, w in host.items()})
     manager = ResidencyManager(cfg.num_hidden_layers, cfg.num_experts, SLOTS, arena=arena, queue_depth=0,
                                loader=lambda layer, expert, slot: {n: w[layer, expert] for n, w in host.items()})
-    decoder = Qwen3MoeDecoder(params, cfg, SLOTS)
-    functional = make_step(cfg, "route_shed")
+    decoder = Qwen3MoeDecoder(params, cfg, SLOTS)  # kq_core.rules.DEFAULT_RULE
+    functional = make_step(cfg, DEFAULT_RULE)
     cache_f = cache_n = qwen3_moe.empty_cache(cfg, 1, len(TOKENS))
     tables, misses = manager.snapshot(), []
     try:
