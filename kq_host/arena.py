@@ -67,15 +67,60 @@ def checked_writes(shape: tuple[int, int], layers, slots, payloads: Sequence[Any
         raise ValueError(f"write_slots: layers and slots must be 1-D integer arrays of one write each, as many as "
                          f"the payloads; got {layers.dtype} {list(layers.shape)}, {slots.dtype} "
                          f"{list(slots.shape)} and {len(payloads)} payloads")
-    errors: list[BaseException | None] = []
-    for layer, slot, payload in zip(layers.tolist(), slots.tolist(), payloads):
+    layer_list, slot_list = layers.tolist(), slots.tolist()
+    errors: list[BaseException | None] = [None] * len(payloads)
+    if not payloads:
+        return layer_list, slot_list, errors
+    outside = (layers < 0) | (layers >= shape[0]) | (slots < 0) | (slots >= shape[1])
+    for j in np.flatnonzero(outside).tolist():
         try:
-            check_slot(shape, layer, slot)
-            check_payload(payload, layout_of(layer))
-            errors.append(None)
+            check_slot(shape, layer_list[j], slot_list[j])
+        except ValueError as error:
+            errors[j] = error
+    # One check per kind of payload in the batch: a payload of a type, projections and arrays (their types,
+    # shapes and dtypes) that passed check_payload against the layer's layout passes again.
+    layouts: dict[int, tuple[Mapping, frozenset, Any]] = {}  # each layer's, asked for once
+    passed: set = set()
+    for j, (layer, payload) in enumerate(zip(layer_list, payloads)):
+        if errors[j] is not None:
+            continue
+        layout, names, layout_key = layouts.get(layer) or layouts.setdefault(layer, _keyed_layout(layout_of(layer)))
+        kind = _payload_kind(payload, names)
+        if kind is not None and (layout_key, kind) in passed:
+            continue
+        try:
+            check_payload(payload, layout)
         except ValueError as error:  # ExpertPayloadError is one
-            errors.append(error)
-    return layers.tolist(), slots.tolist(), errors
+            errors[j] = error
+            continue
+        if kind is not None:
+            passed.add((layout_key, kind))
+    return layer_list, slot_list, errors
+
+
+def _keyed_layout(layout: Mapping) -> tuple[Mapping, frozenset, Any]:
+    """A slot layout, its projections' names, and a key equal for layouts written alike (one object's identity
+    where the layout cannot be hashed; kept alive beside it)."""
+    try:
+        key = tuple((name, tuple(shape), dtype) for name, (shape, dtype) in layout.items())
+        hash(key)
+    except (TypeError, ValueError):
+        key = id(layout)
+    return layout, frozenset(layout), key
+
+
+def _payload_kind(payload, names: frozenset):
+    """What :func:`check_payload` decides on, as a key: the payload's type, and each projection's array type,
+    shape and dtype, in the layout's names; None where it cannot be keyed (not a dict with exactly those
+    names, an array with no shape or dtype, or one that is not hashable), so it is checked on its own."""
+    if type(payload) is not dict or payload.keys() != names:
+        return None
+    try:
+        kind = tuple((name, type(value), tuple(value.shape), value.dtype) for name, value in payload.items())
+        hash(kind)
+    except (AttributeError, TypeError):
+        return None
+    return kind
 
 
 def check_arena_arguments(kind: str, num_layers, num_slots, shapes) -> None:
@@ -147,6 +192,10 @@ def _numpy_dtype(name: str, value) -> np.dtype:
         raise ExpertPayloadError(f"payload {name} has dtype {dtype}, which is no NumPy dtype") from None
 
 
+# A batch of writes of at most this many bytes a projection is stacked and scattered at once (NumpyArena).
+_STACKED_WRITE_BYTES = 1 << 22
+
+
 class NumpyArena:
     """A host-memory arena: ``{projection: array [L, S, ...]}``; writes copy into the slot.
 
@@ -170,6 +219,33 @@ class NumpyArena:
         check_payload(payload, self.slot_layout)
         for name, value in payload.items():
             self.arrays[name][layer, slot] = value
+
+    def write_slots(self, layers, slots, payloads: Sequence[Mapping[str, np.ndarray]]) -> list[BaseException | None]:
+        """Copies n experts into ``[layers[i], slots[i]]``, every payload checked first (:func:`checked_writes`);
+        one error (that expert not written, its slot untouched) or None per write. A slot written twice keeps
+        its last write.
+
+        Args:
+            layers, slots: int ``[n]``; payloads: n ``{projection: array}``.
+        """
+        layers, slots, errors = checked_writes(self.shape, layers, slots, payloads, lambda layer: self.slot_layout)
+        valid = [j for j, error in enumerate(errors) if error is None]
+        if not valid:
+            return errors
+        at_layers, at_slots = np.array([layers[j] for j in valid]), np.array([slots[j] for j in valid])
+        # Small experts are stacked and scattered, one copy per projection; large ones (or a slot written
+        # twice, or arrays of several dtypes) are copied one by one, with no stacked copy of them all.
+        scattered = (len(valid) > 1 and np.unique(at_layers * self.shape[1] + at_slots).size == len(valid))
+        for name, target in self.arrays.items():
+            values = [payloads[j][name] for j in valid]
+            if (scattered and target[0, 0].nbytes * len(values) <= _STACKED_WRITE_BYTES
+                    and all(type(value) is np.ndarray for value in values)
+                    and len({value.dtype for value in values}) == 1):
+                target[at_layers, at_slots] = np.stack(values)
+            else:
+                for layer, slot, value in zip(at_layers.tolist(), at_slots.tolist(), values):
+                    target[layer, slot] = value
+        return errors
 
     @property
     def slot_layout(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:

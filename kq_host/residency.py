@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import mmap
 import numbers
 import queue
 import threading
@@ -50,8 +51,8 @@ import time
 import weakref
 from collections.abc import Mapping as MappingABC
 from concurrent.futures import Future
-from operator import itemgetter
 from dataclasses import dataclass, fields
+from operator import itemgetter
 from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 import numpy as np
@@ -622,20 +623,51 @@ def _outcome_kind(kind: type) -> int:
         return _PAYLOAD
 
 
-def _refuse_shared_buffers(picked: list, failed: np.ndarray) -> None:
-    """Fails every landed read whose payload shares memory with another payload's array, or another
-    projection of its own (a staging buffer or payload dict reused before its expert was written)."""
+def _refuse_shared_buffers(picked: list, failed: np.ndarray, carried: np.ndarray) -> None:
+    """Fails every landed read whose payload (where ``carried``) shares memory with another payload's array, or
+    another projection of its own (a staging buffer or payload dict reused before its expert was written)."""
     owners, arrays = [], []  # the read each array came from, and the array
-    for j, payload in enumerate(picked):
-        if not failed[j] and isinstance(payload, MappingABC):
+    for j in np.flatnonzero(carried & ~failed).tolist():
+        payload = picked[j]
+        if type(payload) is dict or isinstance(payload, MappingABC):
             for value in payload.values():
                 owners.append(j)
                 arrays.append(value)
-    shared = {owners[index] for pair in shared_memory_pairs(arrays) for index in pair}
+    maybe = _maybe_shared(arrays)
+    pairs = shared_memory_pairs([arrays[i] for i in maybe]) if len(maybe) > 1 else []
+    shared = {owners[maybe[index]] for pair in pairs for index in pair}
     for j in shared:
         failed[j], picked[j] = True, ValueError(
             "the payload's arrays share memory with another payload not yet published (or with each other): "
             "a loader or host_allocator must hand each read buffers of its own until the step that publishes it")
+
+
+# Objects whose memory no other object of these types holds: arrays backed by distinct ones cannot overlap.
+_OWNERS_OF_MEMORY = (bytes, bytearray, mmap.mmap)
+
+
+def _maybe_shared(arrays: list) -> list[int]:
+    """The positions of the NumPy arrays among ``arrays`` that may share memory with another of them: those backed
+    by the same allocation as another (a NumPy array owning its data, or a bytes, bytearray or mmap object); every
+    non-empty one where any is backed by something else (whose memory another object may also expose), for
+    :func:`~kq_host.expert_store.shared_memory_pairs` to compare. Arrays of other frameworks are left out, as it
+    leaves them out."""
+    positions, owners = [], []  # the arrays compared, and what backs each (its identity)
+    for index, value in enumerate(arrays):
+        if not isinstance(value, np.ndarray) or not value.size:
+            continue
+        owner = value
+        while isinstance(owner, np.ndarray) and owner.base is not None:
+            owner = owner.base
+        if not (owner.flags.owndata if isinstance(owner, np.ndarray) else type(owner) in _OWNERS_OF_MEMORY):
+            return [index for index, value in enumerate(arrays) if isinstance(value, np.ndarray) and value.size]
+        positions.append(index)
+        owners.append(id(owner))
+    if len(owners) < 2:
+        return []
+    owners = np.array(owners, np.uint64)
+    _, first, counts = np.unique(owners, return_inverse=True, return_counts=True)
+    return np.array(positions)[counts[first] > 1].tolist()
 
 
 def _bookkeeping(impl: str):
@@ -810,7 +842,7 @@ class ResidencyManager(ManagerBase):
                             f"arena to write it into: pass arena=, or have the loader write the expert and "
                             f"return None or its byte count")
                 else:
-                    _refuse_shared_buffers(picked, failed)
+                    _refuse_shared_buffers(picked, failed, carried)
                     self._write(layers, slots, picked, failed, carried & ~failed)
             # Settled: close the reads, then the bookkeeping (neither raises).
             if ready is None:

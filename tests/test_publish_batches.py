@@ -171,3 +171,48 @@ def test_a_close_while_inline_reads_run_starts_none_after_the_one_running():
         worker.join(10)
     assert len(raised) == 1 and isinstance(raised[0], ManagerClosed), raised
     assert len(calls) == 2
+
+
+def test_payloads_found_sharing_memory_are_those_every_pair_compared_finds():
+    """The manager compares only the arrays that may share memory (backed by one allocation, or by memory another
+    object may expose): it refuses the same reads as comparing every pair does, whatever backs the arrays."""
+    import mmap
+
+    from kq_host.expert_store import shared_memory_pairs
+    from kq_host.residency import _refuse_shared_buffers
+
+    rng = np.random.default_rng(11)
+    block = np.zeros((16, 12), np.float32)
+    buffer, mapped = bytearray(16 * 48), mmap.mmap(-1, 16 * 48)
+
+    def array(kind):
+        row = int(rng.integers(0, 16))
+        if kind == 0:
+            return np.zeros(12, np.float32)  # memory of its own
+        if kind == 1:
+            return block[row]  # a row of one block: overlaps another read of the same row
+        if kind == 2:
+            return block[row, ::-1]  # the same, backwards
+        if kind == 3:
+            return np.frombuffer(buffer, np.float32, 12, row * 48)  # a bytearray, through a memoryview
+        if kind == 4:
+            return np.ndarray((12,), np.float32, buffer=mapped, offset=row * 48)  # an mmap
+        if kind == 5:
+            return np.ndarray((12,), np.float32, buffer=buffer, offset=row * 48)  # the bytearray itself
+        if kind == 6:
+            return block[row, :0]  # empty
+        return block[:, row % 12]  # a column: strided across every row
+
+    for trial in range(300):
+        kinds = rng.choice(8, int(rng.integers(1, 4)), replace=False) if trial % 2 else [int(rng.integers(0, 8))]
+        count = int(rng.integers(1, 7))
+        picked = [{f"p{i}": array(int(rng.choice(kinds))) for i in range(int(rng.integers(1, 3)))}
+                  for _ in range(count)]
+        picked.append(7)  # a byte count, no payload
+        failed = np.zeros(len(picked), bool)
+        carried = np.array([isinstance(p, dict) for p in picked])
+        owners, arrays = zip(*[(j, value) for j, p in enumerate(picked[:-1]) for value in p.values()])
+        want = sorted({owners[i] for pair in shared_memory_pairs(list(arrays)) for i in pair})
+        _refuse_shared_buffers(picked, failed, carried)
+        assert np.flatnonzero(failed).tolist() == want, (trial, kinds)
+        assert all(isinstance(picked[j], ValueError) for j in want)

@@ -15,8 +15,8 @@ over the NumPy one's.
 The boundary (:func:`time_boundary`), at the largest model of the set (DeepSeek-V3's (61, 256, 64, 8) by
 default) and each of its row counts, is timed for each way a loader hands its read over: ``count`` (no
 arena; the loader returns its byte count), ``writes`` (the loader writes the expert into a host arena's
-slot itself and returns None) and ``payload`` (it returns the expert's arrays, which the manager writes
-into the arena as it publishes them). Every mode replays one trace, made first; in each round every
+slot itself and returns None) and ``payload`` (it returns the expert's arrays, each in memory of its own,
+which the manager writes into the arena as it publishes them). Every mode replays one trace, made first; in each round every
 mode decodes it through a fresh manager (the default implementation, ``impl="auto"``), the modes
 taking turns in an order that rotates from round to round, so a load on the machine falls on all of
 them alike. A round's figure is the median over the second half of its tokens of each ``step``'s wall
@@ -185,17 +185,17 @@ def _boundary_manager(mode: str, layers: int, experts: int, slots: int):
         return ResidencyManager(layers, experts, slots, loader=lambda layer, expert, slot: 256, queue_depth=0)
     arena = NumpyArena(layers, slots, _BOUNDARY_EXPERT)
     expert_bytes = sum(int(np.prod(shape)) * np.dtype(dtype).itemsize for shape, dtype in _BOUNDARY_EXPERT.values())
-    # Every expert's arrays, made once (views of one block, no two sharing memory).
-    block = {name: np.zeros((layers, experts, *shape), dtype) for name, (shape, dtype) in _BOUNDARY_EXPERT.items()}
     if mode == "writes":
+        block = {name: np.zeros((layers, experts, *shape), dtype) for name, (shape, dtype) in _BOUNDARY_EXPERT.items()}
         targets = [(arena.arrays[name], block[name]) for name in _BOUNDARY_EXPERT]
 
         def loader(layer, expert, slot):
             for target, source in targets:
                 target[layer, slot] = source[layer, expert]
     elif mode == "payload":
-        payloads = [[{name: block[name][layer, expert] for name in _BOUNDARY_EXPERT} for expert in range(experts)]
-                    for layer in range(layers)]
+        # Every expert's arrays made once, each in memory of its own (as a store's reads land by default).
+        payloads = [[{name: np.zeros(shape, dtype) for name, (shape, dtype) in _BOUNDARY_EXPERT.items()}
+                     for _ in range(experts)] for _ in range(layers)]
 
         def loader(layer, expert, slot):
             return payloads[layer][expert]
