@@ -556,7 +556,23 @@ SUBCOMMANDS = {
                "grid (73 runs and the resident one, each of 256 scored tokens in two windows within the shipped "
                "model's trained length) takes about 6 minutes on a 2-core CPU; --tokens, --residency, --policies and "
                "--rules shorten it.")),
+    "serve": (lambda parser: _application("serve").add_options(parser), dict(
+        help="an OpenAI-compatible server for an mlx-lm MoE model directory, its experts streamed through an arena",
+        description="Serves /v1/chat/completions, /v1/completions and /v1/models (mlx-lm's server) with the model "
+                    "kq_mlx.load gives: one arena for every request, requests served one at a time. docs/serving.md")),
+    "plan": (lambda parser: _application("plan").add_options(parser), dict(
+        help="where a memory budget goes for a model, and the speed this machine's reads allow",
+        description="Prints the split of --memory (non-expert weights, KV cache, tier, arena per layer) read from "
+                    "the model's shapes, the read bandwidth of its experts measured now and the tokens per second "
+                    "those reads allow. Nothing is loaded.")),
 }
+
+
+def _application(name: str):
+    """kq's module of a subcommand, imported when it is named."""
+    import importlib
+
+    return importlib.import_module(f"kq.{name}")
 
 
 def main(argv: list[str] | None = None) -> int:
