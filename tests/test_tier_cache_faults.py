@@ -1,7 +1,6 @@
 """The tier's cache on disk: a save ended by SIGTERM leaves no temporary behind, an entry is an ordinary file
 (0644 under the umask), and an entry that holds a NaN scale is built again, never served."""
 
-import json
 import os
 import signal
 import subprocess
@@ -12,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import kq_host.tier as tier_module
 from kq_host.expert_store import ExpertStore
 from kq_host.tier import build_tier
 
@@ -53,7 +51,7 @@ def _terminating_savez(monkeypatch, calls):
 def test_sigterm_during_the_save_leaves_no_temporary_and_ends_the_process_as_sigterm_does(tmp_path):
     """``timeout`` ends a run with SIGTERM: a save then in progress removes its temporary and the process still
     ends as SIGTERM ends it (SIGINT had cleaned up, SIGTERM had left a ``.tier_*.npz.*.tmp`` nothing removed)."""
-    script = textwrap.dedent(f"""
+    script = textwrap.dedent("""
         import os, signal, sys
         from pathlib import Path
         import numpy as np
@@ -64,8 +62,8 @@ def test_sigterm_during_the_save_leaves_no_temporary_and_ends_the_process_as_sig
             os.kill(os.getpid(), signal.SIGTERM)
             return savez(out, **arrays)
         np.savez = terminated
-        weights = {{"gate_proj": tier.quantize(np.ones((4, 32), np.float32), bits=3, group_size=32)}}
-        tier._save(Path(sys.argv[1]) / "tier_entry.npz", weights, {{"version": "test"}})
+        weights = {"gate_proj": tier.quantize(np.ones((4, 32), np.float32), bits=3, group_size=32)}
+        tier._save(Path(sys.argv[1]) / "tier_entry.npz", weights, {"version": "test"})
         print("saved")
     """)
     run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
