@@ -214,3 +214,19 @@ def test_the_plan_splits_what_is_left_evenly_over_the_layers():
     assert capped.slots == 8 and capped.residency == 1.0
     with pytest.raises(MemoryPlanError, match=r"smallest budget that works is .*\(1180 bytes\)"):
         plan_memory(other=1000, expert=10, num_layers=4, num_experts=8, top_k=2, kv_cache=100, memory=1179)
+
+
+@pytest.mark.parametrize("rule", ["exact", "shed"])
+def test_batch_generate_runs_and_exact_gives_the_unmodified_models_batch(rule):
+    from mlx_lm import batch_generate
+
+    plain, tokenizer = reference(WHEELS)
+    prompts = [tokenizer.encode(text) for text in ("def main():", "class Stack(object):\n    def")]
+    want = batch_generate(plain, tokenizer, prompts, max_tokens=10).texts
+    model, tokenizer = load(WHEELS, residency=0.25, rule=rule)
+    got = batch_generate(model, tokenizer, prompts, max_tokens=10).texts
+    assert len(got) == 2 and all(got)
+    if rule == "exact":
+        assert got == want
+    assert stream_of(model).stats()["lookups"] > 0
+    stream_of(model).close()
