@@ -82,16 +82,31 @@ def moe_layer(x, router_w, slot_table, *, rule: str, top_k: int, normalize: bool
         ValueError: ``rule`` is no rule of :data:`RULES`, naming it and listing them; or as :func:`arena_moe`.
         TypeError: ``x`` or ``router_w`` of another dtype, naming it (:func:`kq_jax.moe.router_probs`).
     """
-    out, report, _ = _moe_layer(x, router_w, slot_table, rule=rule, top_k=top_k, normalize=normalize,
-                                weights=weights, num_slots=num_slots, tier=tier, slot_rows=slot_rows, impl=impl,
-                                fetch=fetch, layer=layer)
+    out, report, _ = moe_layer_with_routing(x, router_w, slot_table, rule=rule, top_k=top_k, normalize=normalize,
+                                            weights=weights, num_slots=num_slots, tier=tier, slot_rows=slot_rows,
+                                            impl=impl, fetch=fetch, layer=layer)
     return out, report
 
 
-def _moe_layer(x, router_w, slot_table, *, rule: str, top_k: int, normalize: bool, weights: Experts,
-               num_slots: int, tier: TierExperts | None, slot_rows, impl: str, fetch, layer):
-    """:func:`moe_layer` and, for rules :data:`FUSED_RULES`, ``topk_route_shed``'s
-    :class:`~kq_core.contract.TopkRouteShedResult` (None for the others): ``(out, report, routing)``."""
+def moe_layer_with_routing(x, router_w, slot_table, *, rule: str, top_k: int, normalize: bool, weights: Experts,
+                           num_slots: int, tier: TierExperts | None = None, slot_rows=None, impl: str = "auto",
+                           fetch=None, layer=0):
+    """:func:`moe_layer`, with ``topk_route_shed``'s result beside its output (what
+    :func:`kq_jax.moe.moe_ffn_arena` and :func:`~kq_jax.moe.moe_ffn_tiered` return).
+
+    Args:
+        x, router_w, slot_table, rule, top_k, normalize, weights, num_slots, tier, slot_rows, impl, fetch, layer:
+            as for :func:`moe_layer`.
+
+    Returns:
+        ``(out [T, D], report, routing)``: :func:`moe_layer`'s output and report, and for rules
+        :data:`FUSED_RULES` the :class:`~kq_core.contract.TopkRouteShedResult` of the router's one
+        ``topk_route_shed`` launch (its routing and ``route_shed``'s outputs, each ``[T, k]``); None for the
+        other rules, which route with ``lax.top_k``.
+
+    Raises:
+        ValueError, TypeError: as :func:`moe_layer`.
+    """
     check_rule(rule, "moe_layer")
     if rule == "uniform":
         slot_table = _holding_nothing(slot_table)

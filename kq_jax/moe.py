@@ -303,12 +303,11 @@ def moe_ffn_arena(x, router_w, arena: Experts, slot_table, *, top_k: int, impl: 
         TypeError: ``x`` or ``router_w`` of another dtype, naming it (:func:`router_probs`).
         ValueError: a shape the layer cannot take, naming it (:func:`kq_jax.arena_moe.arena_moe`).
     """
-    from kq_jax.arena_moe import _moe_layer  # kq_jax.arena_moe imports this module
+    from kq_jax.arena_moe import moe_layer_with_routing  # kq_jax.arena_moe imports this module
 
     # num_slots: a table entry past the arena is shed, never gathered (jnp.take would clamp it).
-    y, _, routing = _moe_layer(x, router_w, slot_table, rule="route_shed", top_k=top_k, normalize=True,
-                               weights=arena, num_slots=arena.gate.shape[0], tier=None, slot_rows=None, impl=impl,
-                               fetch=None, layer=0)
+    y, _, routing = moe_layer_with_routing(x, router_w, slot_table, rule="route_shed", top_k=top_k, normalize=True,
+                                           weights=arena, num_slots=arena.gate.shape[0], impl=impl)
     return y, routing
 
 
@@ -358,10 +357,9 @@ def moe_ffn_tiered(x, router_w, arena: Experts, tier: TierExperts, slot_table, *
         ValueError: the tier does not hold the router's E experts or does not fit the arena
             (:func:`check_tier`; at trace time under ``jax.jit``).
     """
-    from kq_jax.arena_moe import _moe_layer  # kq_jax.arena_moe imports this module
+    from kq_jax.arena_moe import moe_layer_with_routing  # kq_jax.arena_moe imports this module
 
     check_tier(tier, arena, num_experts=router_w.shape[-1], where="moe_ffn_tiered: tier")
-    y, _, routing = _moe_layer(x, router_w, slot_table, rule="tier", top_k=top_k, normalize=True, weights=arena,
-                               num_slots=arena.gate.shape[0], tier=tier, slot_rows=None, impl=impl, fetch=None,
-                               layer=0)
+    y, _, routing = moe_layer_with_routing(x, router_w, slot_table, rule="tier", top_k=top_k, normalize=True,
+                                           weights=arena, num_slots=arena.gate.shape[0], tier=tier, impl=impl)
     return y, routing

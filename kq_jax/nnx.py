@@ -252,10 +252,10 @@ class ArenaMoE(nnx.Module):
 
     The arena starts empty (zeros, every table entry -1); :meth:`set_residency` fills it, or
     :meth:`from_dense` builds it from a :class:`DenseMoE`'s weights. The tier starts as zeros too (a miss
-    served from it before :meth:`set_tier`, or a restored state, loads it contributes zeros). ``__call__`` works under ``nnx.jit``,
-    ``nnx.vmap`` / ``nnx.scan`` over a stack of layers and ``nnx.grad`` (the output is differentiable in the
-    router's kernel through the renormalised gate weights), and with its input rows sharded: the router's
-    ``topk_route_shed`` keeps each device on its own rows (:mod:`kq_jax.partition`), the variables replicated.
+    served from it before :meth:`set_tier`, or a restored state, loads it contributes zeros). ``__call__``
+    works under ``nnx.jit``, ``nnx.vmap`` / ``nnx.scan`` over a stack of layers and ``nnx.grad`` (the output
+    is differentiable in the router's kernel through the gate weights), and with its input rows sharded: the
+    router keeps each device on its own rows (:mod:`kq_jax.partition`), the variables replicated.
 
     Args:
         hidden_size: D; intermediate_size: F; num_experts: E; num_slots: S; top_k, normalize: as
