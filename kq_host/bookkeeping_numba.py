@@ -211,7 +211,6 @@ def _place(candidates, shielded, priority, table, owner, state, pinned, held, ev
     offered = np.full(candidates.size, -1, np.int64)
     found = np.zeros(num_layers, np.int64)
     keys = np.empty(candidates.size, np.float64)  # the victims' priorities, kept sorted per layer
-    key_experts = np.empty(candidates.size, np.int64)  # and their experts: ties go to the lower id
     for layer in range(num_layers):
         wanted = need[layer]
         if wanted == 0:
@@ -224,29 +223,28 @@ def _place(candidates, shielded, priority, table, owner, state, pinned, held, ev
                 free += 1
         victims = 0
         if free < wanted:
-            # The resident slots whose experts may go, the lowest (priority, expert id) first: one pass over
-            # the layer's slots, each eligible one inserted into the sorted run of those kept so far.
+            # Resident experts by id (their table entries point at their slots), so an equal
+            # priority never displaces an earlier one: ties go to the lower id.
             first = base + free
             room = wanted - free
-            for s in range(num_slots):
-                if state[layer, s] != RESIDENT:
+            worst = np.inf  # the key a resident expert must beat to get in: +inf until the room is full
+            for expert in range(num_experts):
+                slot = table[layer, expert]
+                eligible = (slot >= 0) & ~pinned[layer, expert] & ~shielded[layer, expert]
+                key = priority[layer, expert] if eligible else np.inf
+                if key >= worst:
                     continue
-                expert = owner[layer, s]
-                if pinned[layer, expert] or shielded[layer, expert]:
-                    continue
-                key = priority[layer, expert]
-                last = first + room - 1
-                if victims == room and (key > keys[last] or (key == keys[last] and expert > key_experts[last])):
-                    continue  # full, and it goes after every one kept
                 if victims < room:
                     at = first + victims
                     victims += 1
-                else:  # full: the last one kept drops out
-                    at = last
-                while at > first and (key < keys[at - 1] or (key == keys[at - 1] and expert < key_experts[at - 1])):
-                    keys[at], key_experts[at], offered[at] = keys[at - 1], key_experts[at - 1], offered[at - 1]
+                else:  # full: the highest key drops out
+                    at = first + room - 1
+                while at > first and key < keys[at - 1]:
+                    keys[at], offered[at] = keys[at - 1], offered[at - 1]
                     at -= 1
-                keys[at], key_experts[at], offered[at] = key, expert, s
+                keys[at], offered[at] = key, slot
+                if victims == room:
+                    worst = keys[first + room - 1]
         found[layer] = free + victims
     # The candidates in order, each taking its layer's next offered slot; past the offers one waits.
     reads = np.empty((3, candidates.size), np.int64)
