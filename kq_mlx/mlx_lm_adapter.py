@@ -860,52 +860,136 @@ def pack_predictions(model: nn.Module) -> mx.array:
                                                             for p in predicted])
 
 
-def _restorer(cache) -> Callable[[], None] | None:
-    """A function that puts one mlx-lm cache back as it is now, or None for a cache that cannot be put back.
+class _CannotPutBack(Exception):
+    """A cache found in a state its restorer cannot put back as it was (another pass wrote it since)."""
 
-    A trimmable cache (``KVCache`` and its kin) is trimmed back to its offset; an ``ArraysCache`` (the
-    state of a linear-attention or state-space layer, replaced a pass at a time) gets its arrays back;
-    a ``CacheList`` each of its caches.
+
+def _restorable(cache) -> bool:
+    """Whether :func:`_restorer` can put ``cache`` back (without building a restorer)."""
+    from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache
+
+    if isinstance(cache, CacheList):
+        return all(_restorable(part) for part in cache.caches)
+    return isinstance(cache, ArraysCache) or type(cache) is RotatingKVCache or cache.is_trimmable()
+
+
+def _restorer(cache) -> tuple[Callable[[], None], list[mx.array]] | None:
+    """What puts one mlx-lm cache back as it is now: ``(restore, saved)``, or None for a cache that cannot be put
+    back. ``saved`` are the arrays it copied (lazily) to do so: evaluated before the pass writes the cache, they
+    let that write reuse the cache's memory (:meth:`_CacheCheckpoint.settle`).
+
+    A ``RotatingKVCache`` (a sliding window) gets its counters and arrays back, wrapped or not
+    (:func:`_rotating_restorer`); any other trimmable cache (``KVCache`` and its kin) is trimmed back to its
+    offset; an ``ArraysCache`` (the state of a linear-attention or state-space layer, replaced a pass at a time)
+    gets its arrays back; a ``CacheList`` each of its caches.
     """
-    from mlx_lm.models.cache import ArraysCache, CacheList
+    from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache
 
     if isinstance(cache, CacheList):
         parts = [_restorer(part) for part in cache.caches]
-        return None if None in parts else lambda: [part() for part in parts]
+        if None in parts:
+            return None
+        return (lambda: [restore() for restore, _ in parts]), [array for _, saved in parts for array in saved]
     if isinstance(cache, ArraysCache):
         arrays, left_padding, lengths = list(cache.cache), cache.left_padding, cache.lengths
 
         def restore():
             cache.cache, cache.left_padding, cache.lengths = list(arrays), left_padding, lengths
-        return restore
+        return restore, []
+    if type(cache) is RotatingKVCache:
+        return _rotating_restorer(cache)
     if cache.is_trimmable():
         offset = cache.offset
-        return lambda: cache.trim(cache.offset - offset)
+        return (lambda: cache.trim(cache.offset - offset)), []
     return None
 
 
+def _rotating_restorer(cache) -> tuple[Callable[[], None], list[mx.array]]:
+    """:func:`_restorer` of an mlx-lm ``RotatingKVCache``, before the window wraps or after.
+
+    A pass of several tokens (or one that grows or trims the window) gives the cache new ``keys`` and ``values``
+    arrays: the ones kept here are the cache's as they were. A pass of one token writes its entry in place, at
+    one position of the window: ``cache.keys[..., i:i + 1, :] = k`` rebinds the very array object the cache
+    (and any reference to it) holds to the written array, so what the position held is copied first, one entry
+    a layer (a gather into an array of its own: a view would share, and keep, the whole window's memory), and
+    written back. The counters (``offset``, ``_idx``, ``keep``, ``max_size``) are put back too. The cache is
+    then the one before the pass, bit for bit.
+
+    Restore raises :class:`_CannotPutBack` where the cache was written in place by more than that one pass
+    since (a later pass's checkpoint must be restored first).
+    """
+    keys, values = cache.keys, cache.values
+    counters = (cache.offset, cache._idx, cache.keep, cache.max_size)
+    overwritten = None  # (position, keys there, values there): what a one-token pass overwrites in place
+    if keys is not None:
+        width = keys.shape[2]
+        grows = cache.offset >= width and width < cache.max_size
+        if not grows and width <= cache.max_size:  # mlx-lm's _update_in_place writes into these arrays
+            position = cache.keep if cache._idx == cache.max_size else cache._idx
+            where = mx.array([position])
+            overwritten = (position, mx.take(keys, where, axis=2), mx.take(values, where, axis=2))
+
+    def restore():
+        offset, index = counters[:2]
+        if cache.keys is keys and cache.values is values:  # the same arrays: written in place, or not at all
+            if (cache.offset, cache._idx) != (offset, index):
+                if overwritten is None or (cache.offset, cache._idx) != (offset + 1, overwritten[0] + 1):
+                    raise _CannotPutBack
+                position, old_keys, old_values = overwritten
+                cache.keys[..., position:position + 1, :] = old_keys
+                cache.values[..., position:position + 1, :] = old_values
+        else:  # replaced: the arrays kept here are the cache's as they were
+            cache.keys, cache.values = keys, values
+        cache.offset, cache._idx, cache.keep, cache.max_size = counters
+
+    return restore, [] if overwritten is None else list(overwritten[1:])
+
+
 class _CacheCheckpoint:
-    """Caches as they were when added; :meth:`restore` puts every one back (a pass undone)."""
+    """Caches as they were when added; :meth:`restore` puts every one back (a pass undone).
+
+    Checkpoints of passes run one after another are restored newest first."""
 
     def __init__(self, caches=()):
         self._restorers: dict[int, tuple[object, Callable[[], None] | None]] = {}
+        self._pending: list[mx.array] = []
         for cache in caches:
             self.add(cache)
 
     def add(self, cache) -> None:
         if id(cache) not in self._restorers:
-            self._restorers[id(cache)] = (cache, _restorer(cache))
+            restorer = _restorer(cache)
+            self._restorers[id(cache)] = (cache, None if restorer is None else restorer[0])
+            if restorer is not None:
+                self._pending += restorer[1]
 
     def restorable(self) -> bool:
         return all(restore is not None for _, restore in self._restorers.values())
 
+    def arrays(self) -> list[mx.array]:
+        """The copies the restorers made and :meth:`settle` has not evaluated: evaluated with (before) the pass,
+        or at the latest when restored."""
+        return list(self._pending)
+
+    def settle(self) -> None:
+        """Evaluates the restorers' copies now: call it where the caches' arrays are evaluated already (no wait),
+        before the pass, so that a one-token pass writes the cache in place (a copy still to be made would hold
+        the array and have the write copy the whole window)."""
+        if self._pending:
+            mx.eval(self._pending)
+            self._pending = []
+
     def restore(self) -> None:
         """Puts every cache back; raises RuntimeError naming the caches that cannot be put back."""
         stuck = [type(cache).__name__ for cache, restore in self._restorers.values() if restore is None]
-        for _, restore in self._restorers.values():
+        for cache, restore in self._restorers.values():
             if restore is not None:
-                restore()
+                try:
+                    restore()
+                except _CannotPutBack:
+                    stuck.append(type(cache).__name__)
         self._restorers.clear()
+        self._pending = []
         if stuck:
             raise RuntimeError(f"the pass failed after its {', '.join(stuck)} caches took its tokens, and those "
                                f"cannot be cut back: make a new cache (mlx_lm.models.cache.make_prompt_cache) and "
@@ -946,6 +1030,7 @@ class _PassGuardLayer(nn.Module):
         for value in (*args, *kwargs.values()):
             if isinstance(value, _BaseCache):
                 checkpoint.add(value)
+        checkpoint.settle()  # the caches hold the last pass, evaluated by the caller: no wait
         try:
             return self.layer(*args, **kwargs)
         except BaseException as error:
@@ -1056,8 +1141,8 @@ def attach_exact(model: nn.Module, blocks: list[ArenaLayer], manager, *, lookahe
     A pass that raises (a read failed or timed out: :class:`~kq_host.residency.PreloadError`) leaves every
     KV cache as it was before the pass: the decoder layers are wrapped so that each records its cache's
     state, and the caches the pass touched are cut back before the error goes on. Running the same tokens
-    again (once the reads can land) gives the model's logits. A cache that cannot be cut back (a rotating
-    window already wrapped) turns the error into a RuntimeError saying so.
+    again (once the reads can land) gives the model's logits. A sliding window (``RotatingKVCache``) is put back
+    bit for bit, wrapped or not. A cache that cannot be cut back turns the error into a RuntimeError saying so.
 
     Args:
         model: an mlx-lm model whose MoE blocks :func:`attach_arena` wrapped (``blocks``, one per layer).
@@ -1444,6 +1529,7 @@ def _cache_restored_on_error(caller: str, cache, read_retries: int):
     go back to it (a RuntimeError says so where one cannot be cut back), and a PreloadError goes on named by
     ``caller``, saying how many times each failed read was retried (unless a read again was still out)."""
     checkpoint = _CacheCheckpoint(cache)
+    checkpoint.settle()  # each pass run so starts from evaluated caches: no wait
     try:
         yield checkpoint
     except BaseException as error:
@@ -1527,8 +1613,9 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
         prompt: the prompt's token ids in the model's vocabulary, a sequence of ints or a 1-D integer array (at
             least one); max_tokens: tokens to generate, an int (at least one).
         overlap: dispatch the next token before this token's boundary.
-        exact: run a token again until it misses nothing (needs caches that can be put back: trimmable
-            KV caches, or the arrays caches of linear-attention and state-space layers).
+        exact: run a token again until it misses nothing (needs caches that can be put back: KV caches,
+            sliding windows (``RotatingKVCache``, wrapped or not) and the arrays caches of linear-attention and
+            state-space layers).
         timeout: with ``exact``, seconds each wait for reads (``acquire``) may take (None: no limit).
         read_retries: with ``exact``, times a missed expert whose read failed is read again before the
             error (0: the first failure raises).
@@ -1575,9 +1662,9 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
         cache = make_prompt_cache(model)
     else:
         _check_cache("generate_greedy", cache, model)
-    if exact and not _CacheCheckpoint(cache).restorable():
+    if exact and not all(_restorable(layer_cache) for layer_cache in cache):
         raise ValueError("generate_greedy: exact=True runs a token again, which needs caches that can be put "
-                         "back (trimmable KV caches or arrays caches); this model's cannot")
+                         "back (KV caches, sliding windows or arrays caches); this model's cannot")
     if prefill_prompt is None:
         prefill_prompt = exact
     if prefill_prompt and len(prompt) > 1:
@@ -1586,10 +1673,13 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
     set_tables(blocks, manager.snapshot())
     tokens: list[int] = []
 
-    def build(x):  # (input, greedy token, packed reports, the cache as it was before: exact only, and where
-        # every layer ran its resident path (the pass cannot miss) its layers' report fields, packed with
-        # other such passes' later in place of the packed reports)
+    def build(x, settled: bool = False):  # (input, greedy token, packed reports, the cache as it was before: exact
+        # only, and where every layer ran its resident path (the pass cannot miss) its layers' report fields,
+        # packed with other such passes' later in place of the packed reports). `settled`: the caches hold the
+        # passes before, evaluated (the checkpoint's copies made now, no wait); else they go with the pass.
         before = _CacheCheckpoint(cache) if exact else None
+        if settled and before is not None:
+            before.settle()
         token = mx.argmax(model(x, cache=cache)[0, -1], axis=-1)
         if all(block._deferred is not None and block._deferred.miss is None and block._deferred.last is block.last
                for block in blocks):
@@ -1598,11 +1688,11 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
             return x, token, None, before, fields
         return x, token, pack_reports(blocks), before, None
 
-    def outputs(built):  # what evaluating a built pass evaluates
-        return [array for array in built[1:3] if array is not None]
+    def outputs(built):  # what evaluating a built pass evaluates: the checkpoint's copies first
+        return (built[3].arrays() if built[3] is not None else []) + [a for a in built[1:3] if a is not None]
 
-    def dispatch(x):
-        built = build(x)
+    def dispatch(x):  # the passes before are evaluated (read back)
+        built = build(x, settled=True)
         mx.async_eval(*outputs(built))
         return built
 
@@ -1657,10 +1747,11 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
                 report = LayerReport.from_packed(np.array(current[2]))
                 missed = exact and bool((report.miss_ids >= 0).any())
             if missed and following is not None:
-                # The token built on this one goes, its entries in the caches (there still once the caches are
-                # cut back) computed first: left lazy, they kept its graph and the arenas' arrays it read, and
-                # every slot write of the run again copied its array whole.
+                # The token built on this one goes, its entries in the caches computed first (left lazy, they kept
+                # its graph and the arenas' arrays it read, and every slot write of the run again copied its array
+                # whole), then cut back: newest first, as the caches took them.
                 mx.eval(outputs(following))
+                following[3].restore()
                 following = None
             if following is not None and not missed and not early:
                 mx.async_eval(*outputs(following))
@@ -1668,7 +1759,7 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
                 # The layers after its first miss ran on a wrong input: the pass and its report go (nothing
                 # credited, nothing read for it), and the token runs again layer by layer, its routing credited
                 # and its misses read by acquire.
-                current[3].restore()  # the following token's entries, built on this one, go with it
+                current[3].restore()
                 current, _ = run_layer_by_layer(current[0])
                 kind, layered = "layered", True
                 continue
