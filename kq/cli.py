@@ -274,21 +274,39 @@ def _demo(args, parser) -> int:
 
 def _generate(args, parser) -> int:
     from kq.generate import GenerateConfig, GenerateError, format_summary, generate
-
-    config = GenerateConfig(model=args.model, prompt=args.prompt, max_tokens=args.max_tokens, residency=args.residency,
-                            rule=args.rule, tier_bits=args.tier_bits, tier_group_size=args.tier_group_size,
-                            tier_model=args.tier_model, queue_depth=args.queue_depth, timeout=args.timeout,
-                            float32=args.float32, overlap=args.overlap, floor=args.floor)
     from kq_host.residency import PreloadError
 
+    def progress(done: int, total: int) -> None:
+        if total > 1 and sys.stderr.isatty():  # the prompt read in passes: a line that rewrites itself
+            print(f"\rreading the prompt: {done}/{total} tokens", end="" if done < total else "\n", file=sys.stderr,
+                  flush=True)
+
+    config = GenerateConfig(model=args.model, prompt=args.prompt, max_tokens=args.max_tokens, residency=args.residency,
+                            memory=args.memory, context=args.context, rule=args.rule, tier_bits=args.tier_bits,
+                            tier_group_size=args.tier_group_size, tier_model=args.tier_model,
+                            queue_depth=args.queue_depth, timeout=args.timeout, float32=args.float32, temp=args.temp,
+                            top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
+                            chat_template=not args.ignore_chat_template, system_prompt=args.system_prompt,
+                            floor=args.floor, progress=progress)
+    echoed = []
+
+    def show(text: str) -> None:
+        if not echoed:  # the prompt first, so the continuation reads on from it
+            echoed.append(True)
+            print(args.prompt, end="", flush=True)
+        print(text, end="", flush=True)
+
     try:
-        result = generate(config, on_text=lambda text: print(text, end="", flush=True))
+        result = generate(config, on_text=show)
     except GenerateError as error:
         parser.error(str(error))
     except PreloadError as error:  # the disk, not an argument: no usage line
         waited = f" (--timeout {args.timeout} s)" if args.timeout is not None else ""
         print(f"\nkq generate: reading experts failed{waited}: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("\nkq generate: interrupted", file=sys.stderr)
+        return 130
     print()
     print(format_summary(result))
     if args.json is not None:
@@ -447,36 +465,27 @@ def _demo_options(demo) -> None:
 
 
 def _generate_options(generate_parser) -> None:
-    from kq_host.tier import BITS as TIER_BITS
-    from kq_host.tier import DEFAULT_TIER_BITS, DEFAULT_TIER_GROUP_SIZE
-    from kq_host.tier import GROUP_SIZES as TIER_GROUP_SIZES
+    from kq.model_options import add_model_options
 
-    generate_parser.add_argument("--model", required=True, type=Path, help="an mlx-lm model directory")
-    generate_parser.add_argument("--prompt", required=True, help="the text to continue")
+    add_model_options(generate_parser)
+    generate_parser.add_argument("--prompt", required=True,
+                                 help="the text to continue, or the user's message where the tokenizer has a chat "
+                                      "template")
     generate_parser.add_argument("--max-tokens", type=_count(1), default=64, help="tokens to generate (default 64)")
-    generate_parser.add_argument("--residency", type=float, default=0.25,
-                                 help="fraction of each MoE layer's experts the arena holds, in (0, 1] (default 0.25)")
-    generate_parser.add_argument("--rule", choices=("exact", "tier", "shed"), default="exact",
-                                 help="a routed expert not in the arena: exact (read, the token run again: "
-                                      "mlx_lm.generate's greedy tokens), tier (its low-precision copy), shed "
-                                      "(dropped) (default exact)")
-    generate_parser.add_argument("--tier-bits", type=int, choices=TIER_BITS, default=None,
-                                 help=f"--rule tier: quantize every expert to this many bits (default "
-                                      f"{DEFAULT_TIER_BITS})")
-    generate_parser.add_argument("--tier-group-size", type=int, choices=TIER_GROUP_SIZES, default=None,
-                                 help=f"--rule tier: the quantization's group size (default {DEFAULT_TIER_GROUP_SIZE})")
+    generate_parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    generate_parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1: off)")
+    generate_parser.add_argument("--top-k", type=_count(0), default=0, help="top-k sampling (default 0: off)")
+    generate_parser.add_argument("--min-p", type=float, default=0.0, help="min-p sampling (default 0: off)")
+    generate_parser.add_argument("--seed", type=_count(0), default=None, help="MLX's random seed for the sampling")
+    generate_parser.add_argument("--ignore-chat-template", action="store_true",
+                                 help="continue the prompt as it is, even where the tokenizer has a chat template")
+    generate_parser.add_argument("--system-prompt", default=None, help="the chat template's system message")
     generate_parser.add_argument("--tier-model", type=Path, default=None,
                                  help="--rule tier: read the tier from this lower-bit mlx-lm conversion of the model")
-    generate_parser.add_argument("--queue-depth", type=_count(0), default=8, help="reads in flight, at most 256 (default 8)")
+    generate_parser.add_argument("--queue-depth", type=_count(0), default=8,
+                                 help="reads in flight, at most 256 (default 8)")
     generate_parser.add_argument("--timeout", type=float, default=None,
                                  help="seconds a wait for reads may take before the run fails (default: no limit)")
-    generate_parser.add_argument("--float32", action="store_true",
-                                 help="run the float parameters (a quantized model's scales and biases too) in "
-                                      "float32: MLX's CPU quantized matmul is several times faster on them (float "
-                                      "models run in float32 on the CPU regardless)")
-    generate_parser.add_argument("--overlap", action="store_true",
-                                 help="dispatch the next token before this token's boundary: faster, but a slot "
-                                      "written meanwhile copies its layer's arena (the peak holds it twice)")
     generate_parser.add_argument("--floor", action="store_true",
                                  help="also measure the time to first token's floor: the prompt's experts read "
                                       "again, and the model loaded whole (it must fit in memory) for its prefill")
@@ -544,8 +553,9 @@ SUBCOMMANDS = {
                                  formatter_class=argparse.RawDescriptionHelpFormatter)),
     "generate": (_generate_options, dict(
         help="generate text with an mlx-lm MoE model directory, its experts streamed through an arena",
-        description="Generates text greedily with any mlx-lm MoE model directory (float or quantized), loaded "
-                    "lazily: each MoE layer keeps --residency of its experts in an arena, filled from the "
+        description="Generates text with any mlx-lm MoE model directory (float or quantized) as mlx_lm.generate "
+                    "does (its sampler, the tokenizer's chat template), the model loaded by kq_mlx.load: each MoE "
+                    "layer keeps --residency of its experts (or what --memory leaves) in an arena, filled from the "
                     "directory's safetensors files by the residency manager; no other expert is ever in memory. "
                     "The prompt runs layer by layer, each expert it routes to read once; then each token under "
                     "--rule. The text is printed as it comes, then the speeds, hit rate, reads and peak memory.")),

@@ -15,7 +15,6 @@ dropped).
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import resource
@@ -26,12 +25,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 
 from kq_core.validate import is_int, is_real
-from kq_host.checkpoint import (MODEL_FILES, CheckpointError, check_packed_words, check_regular_files, check_shards,
-                                model_files, refusal_summary)
-from kq_host.expert_store import ExpertStoreError, read_safetensors_headers
+from kq_host.checkpoint import (CheckpointError, check_regular_files)
+from kq_host.expert_store import ExpertStoreError
 from kq_host.residency import MAX_QUEUE_DEPTH
 
 RULES = ("exact", "tier", "shed")
@@ -51,10 +48,14 @@ class GenerateConfig:
 
     Attributes:
         model: an mlx-lm model directory (``config.json``, ``model*.safetensors``, the tokenizer), float or quantized.
-        prompt: the text to continue.
+        prompt: the text to continue, or with the tokenizer's chat template the user's message.
         max_tokens: tokens to generate (fewer if the model ends the sequence).
-        residency: the fraction of each MoE layer's experts the arena holds, in ``(0, 1]``.
-        rule: what a routed expert not in the arena gets (:data:`RULES`).
+        residency: the fraction of each MoE layer's experts the arena holds, in ``(0, 1]``
+            (:data:`kq_mlx.load.DEFAULT_RESIDENCY` where neither it nor ``memory`` is given).
+        memory: instead of ``residency``, the memory budget (bytes, or a text such as ``"8GiB"``):
+            :func:`kq_host.memory_plan.plan_memory` sizes the arena with what the rest leaves.
+        context: tokens of KV cache the budget keeps room for.
+        rule: what a generated token's routed expert not in the arena gets (:data:`RULES`).
         tier_bits, tier_group_size: rule ``tier``: the experts quantized to this many bits
             (:func:`kq_host.tier.build_tier`, cached on disk); default :data:`kq_host.tier.DEFAULT_TIER_BITS`
             bits, groups of :data:`kq_host.tier.DEFAULT_TIER_GROUP_SIZE`.
@@ -65,17 +66,23 @@ class GenerateConfig:
             quantized matmul runs several times faster on float32 than on bfloat16 (the tokens may then differ
             from the model's own dtype's). Float models run in float32 on MLX's CPU backend regardless (its
             gather_mm takes float32 only).
-        overlap: build and dispatch the next token before this token's boundary (generate_greedy's overlap):
-            faster, but a slot written while a token is in flight copies its layer's arena arrays, so the
-            peak memory holds the written layers' arenas twice. Off: the arena is written in place.
+        temp, top_p, top_k, min_p: the sampler (``mlx_lm.sample_utils.make_sampler``; temp 0 is greedy, top_k 0
+            and min_p 0 are off).
+        seed: MLX's random seed before the sampling (None: as it is).
+        chat_template: wrap the prompt in the tokenizer's chat template, where it has one (a user message, after
+            ``system_prompt``), as ``mlx_lm.generate`` does.
+        system_prompt: the chat template's system message.
         floor: measure the time to first token's floor too (:attr:`GenerateResult.floor_s`): the model loaded
             again with every expert in memory (it must fit) and the prompt's experts read again.
+        progress: called with ``(tokens read, tokens in the prompt)`` while the prompt is read.
     """
 
     model: str | Path
     prompt: str
     max_tokens: int = 64
-    residency: float = 0.25
+    residency: float | None = None
+    memory: str | int | None = None
+    context: int = 4096
     rule: str = "exact"
     tier_bits: int | None = None
     tier_group_size: int | None = None
@@ -83,8 +90,15 @@ class GenerateConfig:
     queue_depth: int = 8
     timeout: float | None = None
     float32: bool = False
-    overlap: bool = False
+    temp: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    chat_template: bool = True
+    system_prompt: str | None = None
     floor: bool = False
+    progress: Callable[[int, int], None] | None = None
 
 
 @dataclass
@@ -154,40 +168,13 @@ def _checked(config: GenerateConfig) -> tuple[Path, dict]:
     for argument, value in (("--model", config.model), ("--tier-model", config.tier_model)):
         if not isinstance(value, (str, os.PathLike)) and (argument == "--model" or value is not None):
             raise _fail(argument, f"must be a directory path, got {value!r}")
-    model = Path(config.model)
+    from kq.model_options import flag_of
+    from kq_mlx.load import LoadError, checked_directory
+
     try:
-        if not model.is_dir():
-            raise _fail("--model", f"{model} is not a directory (an mlx-lm model directory: config.json, "
-                                   f"{MODEL_FILES})")
-        _check_regular_files("--model", model)  # before anything opens a file: a FIFO would hang its reader
-        if not (model / "config.json").is_file():
-            raise _fail("--model", f"{model} has no config.json: not an mlx-lm model directory")
-        if not model_files(model):
-            raise _fail("--model", f"{model} holds no {MODEL_FILES} file (the weights files mlx-lm loads)")
-        check_shards(model)
-        for path in model_files(model):
-            if not path.is_file():  # a pipe or a device would block mlx-lm's load, a directory fail it
-                raise _fail("--model", f"{path} is not a regular file (mlx-lm loads every {MODEL_FILES} file)")
-        settings = json.loads((model / "config.json").read_text())
-    except json.JSONDecodeError as error:
-        raise _fail("--model", f"{model / 'config.json'} is not JSON ({error})") from None
-    except CheckpointError as error:
-        raise _fail("--model", str(error)) from None
-    except (OSError, ValueError) as error:
-        if isinstance(error, GenerateError):
-            raise
-        raise _fail("--model", f"{model}: unreadable ({type(error).__name__}: {error})") from None
-    if not isinstance(settings, dict):
-        raise _fail("--model", f"{model / 'config.json'} holds {type(settings).__name__}, not a JSON object")
-    top_k = settings.get("num_experts_per_tok")  # the key of every family mlx-lm names a routing width for
-    if top_k is not None and (not is_int(top_k) or top_k < 1):
-        raise _fail("--model", f"{model / 'config.json'}: num_experts_per_tok must be an int >= 1 (the experts a "
-                               f"token routes to), got {top_k!r}")
-    if "quantization" in settings:  # mlx-community's layout: each quantized module's words as mlx-lm takes them
-        try:
-            check_packed_words(read_safetensors_headers(model_files(model)))
-        except ExpertStoreError as error:
-            raise _fail("--model", str(error)) from None
+        model, settings = checked_directory(config.model)
+    except LoadError as error:
+        raise GenerateError(flag_of(error)) from None
     if config.rule == "tier" and "quantization" not in settings and "quantization_config" in settings:
         method = settings["quantization_config"]
         method = method.get("quant_method") if isinstance(method, dict) else method
@@ -207,8 +194,21 @@ def _checked(config: GenerateConfig) -> tuple[Path, dict]:
         raise _fail("--max-tokens", f"must be an int in [1, {MAX_TOKENS}] (an MLX array's axis, the key-value "
                                     f"cache's positions, holds at most {MAX_TOKENS}), got {config.max_tokens!r}")
     residency = config.residency
-    if not is_real(residency) or not 0 < residency <= 1:
+    if residency is not None and (not is_real(residency) or not 0 < residency <= 1):
         raise _fail("--residency", f"must be a fraction in (0, 1] of each layer's experts, got {residency!r}")
+    if residency is not None and config.memory is not None:
+        raise _fail("--memory/--residency", "give one of them: a budget in bytes or the fraction of each layer's "
+                                            "experts to keep")
+    for name, value, low, high in (("--temp", config.temp, 0, math.inf), ("--top-p", config.top_p, 0, 1),
+                                   ("--min-p", config.min_p, 0, 1)):
+        if not is_real(value) or not low <= value <= high:
+            raise _fail(name, f"must be a number in [{low}, {high}], got {value!r}")
+    if not is_int(config.top_k) or config.top_k < 0:
+        raise _fail("--top-k", f"must be an int >= 0 (0: off), got {config.top_k!r}")
+    if config.seed is not None and (not is_int(config.seed) or not 0 <= config.seed < 2**64):
+        raise _fail("--seed", f"must be an int in [0, 2**64), got {config.seed!r}")
+    if config.system_prompt is not None and not isinstance(config.system_prompt, str):
+        raise _fail("--system-prompt", f"must be a text, got {config.system_prompt!r}")
     if config.rule not in RULES:
         raise _fail("--rule", f"must be one of {', '.join(RULES)}, got {config.rule!r}")
     tier_options = config.tier_bits is not None or config.tier_group_size is not None
@@ -238,116 +238,6 @@ def _check_regular_files(argument: str, directory: Path) -> None:
         raise _fail(argument, str(error)) from None
     except OSError as error:
         raise _fail(argument, f"{directory}: unreadable ({type(error).__name__}: {error})") from None
-
-
-def _load(model_dir: Path):
-    """``(model, tokenizer)`` from mlx-lm, lazily: no weight is read until it is evaluated."""
-    from mlx_lm import load
-
-    try:
-        return load(str(model_dir), lazy=True)
-    except Exception as error:  # noqa: BLE001 - mlx-lm's errors for a directory it cannot load vary by cause
-        raise _fail("--model", f"mlx-lm cannot load {model_dir} ({type(error).__name__}: "
-                               f"{refusal_summary(error)})") from None
-
-
-def expert_tensor_names(model_dir: Path, blocks) -> dict[int, dict[str, str]]:
-    """Each MoE layer's ``{payload key: tensor name}`` in the directory's files: the stacked tensors of the
-    model as loaded (mlx-lm's and mlx-community's checkpoints), or where those are absent the Hugging Face
-    layout's tensor per expert (``...mlp.experts.{expert}.gate_proj.weight``, stacked by mlx-lm on loading).
-
-    Raises:
-        GenerateError: a tensor is in neither layout (the message names both names and the files).
-    """
-    from kq_host.expert_store import ExpertStoreError, read_safetensors_headers
-
-    files = model_files(model_dir)
-    try:
-        present = set(read_safetensors_headers(files))
-    except ExpertStoreError as error:
-        raise _fail("--model", str(error)) from None
-    names = {}
-    for layer, block in enumerate(blocks):
-        parent = block.module_path.rpartition(".")[0]
-        names[layer] = {}
-        for key, stacked in block.tensor_names().items():
-            per_expert = f"{parent}.experts.{{expert}}.{key}" + ("" if "." in key else ".weight")
-            if stacked in present:
-                names[layer][key] = stacked
-            elif per_expert.replace("{expert}", "0") in present:
-                names[layer][key] = per_expert
-            else:
-                raise _fail("--model", f"{model_dir}: neither {stacked} nor {per_expert.replace('{expert}', '0')} is "
-                                       f"in {', '.join(f.name for f in files[:3])}{' ...' if len(files) > 3 else ''} "
-                                       f"(mlx_lm.convert writes the stacked layout kq reads)")
-    return names
-
-
-def _tier_source(model_dir: Path, blocks, names, quantization, stack):
-    """A store handing :func:`kq_host.tier.build_tier` each MoE layer's float projections."""
-    from kq_host.checkpoint import DequantizedExperts
-    from kq_host.expert_store import ExpertStore
-
-    if quantization is None:
-        weights = {layer: {p: keys[p] for p in blocks[layer].projections} for layer, keys in names.items()}
-    else:
-        weights = {layer: {f"{p}.{a}": keys[f"{p}.{a}"] for p in blocks[layer].projections
-                           for a in ("weight", "scales", "biases")} for layer, keys in names.items()}
-    store = stack(ExpertStore.for_tensors(model_files(model_dir), weights))
-    if quantization is None:
-        return store
-    return DequantizedExperts(store, quantization, blocks[0].projections,
-                              module=lambda layer, projection: f"{blocks[layer].module_path}.{projection}")
-
-
-def _attach_tier(config: GenerateConfig, model_dir: Path, blocks, names, quantization, stack):
-    """Builds or reads the tier and gives it to the blocks; returns it and its bytes on the device."""
-    from mlx.utils import tree_flatten
-
-    from kq_host.checkpoint import tier_from_checkpoint
-    from kq_host.expert_store import ExpertReadError
-    from kq_host.tier import TierOptionError, build_tier
-    from kq_mlx.mlx_lm_adapter import attach_tier
-
-    source = _tier_source(model_dir, blocks, names, quantization, stack)
-    layers, experts = len(blocks), blocks[0].num_experts
-    if config.tier_model is not None:
-        try:
-            tier = tier_from_checkpoint(config.tier_model, source, layers, experts)
-        except ExpertReadError as error:  # the disk, not an argument
-            raise _read_failed("the tier's read from --tier-model", error) from None
-        except (TierOptionError, ExpertStoreError) as error:
-            raise _fail("--tier-model", str(error)) from None
-    else:
-        options = {name: value for name, value in (("bits", config.tier_bits), ("group_size", config.tier_group_size))
-                   if value is not None}
-        try:
-            tier = build_tier(source, layers, experts, **options)
-        except TierOptionError as error:
-            raise _fail("--tier-bits/--tier-group-size", str(error)) from None
-        except ExpertReadError as error:
-            raise _read_failed("the tier's build", error) from None
-        except ExpertStoreError as error:  # the stored experts are not what config.json's "quantization" says
-            raise _fail("--model", f"the experts' tensors: {error}") from None
-    try:
-        attach_tier(blocks, tier)
-    except ValueError as error:  # a tier whose widths are not the model's as loaded
-        raise _fail("--tier-model" if config.tier_model is not None else "--model",
-                    f"the tier does not fit the model as mlx-lm loads it ({error})") from None
-    # What the tier takes on the device (attach_tier may widen its scales and biases to the arena's float dtype).
-    return tier, sum(_nbytes(a for _, a in tree_flatten(block.tier.parameters())) for block in blocks)
-
-
-def _warn_tier_size(tier, tier_bytes: int, experts_bytes: int, widened: bool) -> None:
-    """A warning where the tier takes no less memory than every expert it stands in for, as stored: it saves
-    nothing over holding the experts themselves."""
-    if tier_bytes < experts_bytes:
-        return
-    scales = ", its scales and biases in float32 on the device" if widened else ""
-    warnings.warn(f"--rule tier: the tier takes {tier_bytes / 2**20:.1f} MiB ({tier.bits} bits in groups of "
-                  f"{tier.group_size}{scales}), no less than the {experts_bytes / 2**20:.1f} MiB of the experts it "
-                  f"stands in for as stored: it saves no memory; a smaller --tier-bits, or --rule exact or shed, "
-                  f"holds less", stacklevel=3)
 
 
 def _read_failed(what: str, error: Exception):
@@ -416,165 +306,113 @@ def _one_line_warnings():
 
 
 def _generate(config: GenerateConfig, on_text: Callable[[str], None] | None) -> GenerateResult:
-    """:func:`generate`'s run."""
+    """:func:`generate`'s run: the model from :func:`kq_mlx.load.load`, the tokens from ``mlx_lm.stream_generate``."""
     import mlx.core as mx
-    import mlx.nn as nn
     from mlx.utils import tree_flatten
-    from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
 
-    from kq_host.expert_store import ExpertStore, ExpertStoreError
-    from kq_host.checkpoint import Quantization
-    from kq_host.residency import ResidencyManager
-    from kq_mlx.mlx_lm_adapter import SwitchGLUArena, attach_arena, generate_greedy, prefill
+    from kq.model_options import flag_of
+    from kq_mlx.load import LoadError, load, stream_of
 
     model_dir, settings = _checked(config)
     mx.reset_peak_memory()  # MLX's peak from here: the load, the tier's build, the prompt and the tokens
     started = time.perf_counter()
-    stages = {}
-    quantization = None
-    if "quantization" in settings and config.rule == "tier":  # the tier is built from the experts dequantized
-        try:
-            quantization = Quantization.of(model_dir)
-        except ExpertStoreError as error:
-            raise _fail("--model", str(error)) from None
-    model, tokenizer = _load(model_dir)
-    # quantized as loaded: mlx-lm quantizes some "quantization_config" models (gpt-oss's mxfp4) on loading
-    # and dequantizes others (fp8) to float
-    quantized = any(isinstance(module, (nn.QuantizedLinear, QuantizedSwitchLinear)) for module in model.modules())
-    num_experts = _expert_count(model, model_dir)
-    top_k = settings.get("num_experts_per_tok")  # an int >= 1 or absent (_checked)
-    if top_k is not None and top_k > num_experts:
-        raise _fail("--model", f"{model_dir / 'config.json'}: num_experts_per_tok must be an int in [1, {num_experts}] "
-                               f"(the experts of a layer), got {top_k!r}")
-    slots = min(num_experts, max(1, round(config.residency * num_experts)))
-    blocks = attach_arena(model, slots, keep_experts=False)
-    if config.float32 or (mx.default_device() == mx.cpu and not quantized):
-        model.set_dtype(mx.float32)  # MLX's CPU gather_mm takes float32 only
-    with contextlib.ExitStack() as stack:
-        names = expert_tensor_names(model_dir, blocks)
-        try:
-            store = stack.enter_context(ExpertStore.for_tensors(model_files(model_dir), names,
-                                                                queue_depth=max(config.queue_depth, 1)))
-        except ExpertStoreError as error:
-            raise _fail("--model", f"the experts' tensors: {error}") from None
-        tier, tier_bytes = None, 0
-        if config.rule == "tier":
-            tier_start = time.perf_counter()
-            tier, tier_bytes = _attach_tier(config, model_dir, blocks, names, quantization, stack.enter_context)
-            stages["tier_s"] = time.perf_counter() - tier_start
-            widened = any(a.dtype == mx.float32 for block in blocks for _, a in tree_flatten(block.tier.parameters()))
-            _warn_tier_size(tier, tier_bytes, len(blocks) * num_experts * store.expert_nbytes(0), widened)
-        for block in blocks:  # exact: a token that misses runs again (generate_greedy), so no miss is ever shed
-            block.rule = "shed" if config.rule == "exact" else config.rule
-        manager = ResidencyManager(len(blocks), num_experts, slots, arena=SwitchGLUArena(blocks),
-                                   loader=lambda layer, expert, slot: store.read_expert(layer, expert),
-                                   bytes_per_expert=store.expert_nbytes(0), queue_depth=config.queue_depth,
-                                   impl="numpy")
-        stack.callback(manager.close)
-        mx.eval(model.parameters())  # the other weights, the arenas and the tier: nothing of the dropped experts
-        stages["load_s"] = time.perf_counter() - started
-
-        prompt = _encode(tokenizer, config.prompt)
+    try:
+        model, tokenizer = load(model_dir, memory=config.memory, residency=config.residency, rule=config.rule,
+                                tier_bits=config.tier_bits, tier_group_size=config.tier_group_size,
+                                tier_model=config.tier_model, context=config.context, queue_depth=config.queue_depth,
+                                timeout=config.timeout, float32=config.float32)
+    except LoadError as error:
+        raise GenerateError(flag_of(error)) from None
+    stream = stream_of(model)
+    try:
+        stages = {"load_s": time.perf_counter() - started}
+        manager, plan, blocks = stream.manager, stream.plan, stream.blocks
+        prompt = _prompt_ids(tokenizer, config)
         _warn_past_positions(settings, len(prompt), config.max_tokens)
-        detokenizer = tokenizer.detokenizer
-        detokenizer.reset()
-        eos = set(tokenizer.eos_token_ids)
-        first_token_at = None
-        texts = []
-
-        def emit(token: int) -> None:
-            nonlocal first_token_at
-            if lossy:  # a miss whose read failed is shed and read again later: the text would change unsaid
-                manager.raise_failures("generation")
-            if first_token_at is None:
-                first_token_at = time.perf_counter()
-                marks["first"] = manager.stats()[1]
-            if token in eos:
-                return
-            detokenizer.add_token(token)
-            segment = detokenizer.last_segment
-            if segment:
-                texts.append(segment)
-                if on_text is not None:
-                    on_text(segment)
-
-        marks = {}
-        lossy = config.rule != "exact"  # exact reads every miss before its layer runs, and retries a failed read
-        cache = make_prompt_cache(model)
+        if config.seed is not None:
+            mx.random.seed(config.seed)
+        sampler = make_sampler(config.temp, top_p=config.top_p, min_p=config.min_p, top_k=config.top_k)
+        stream.reset_prompt()
+        texts, tokens, first, first_token_at = [], [], None, None
         clock = time.perf_counter()
-        routed = [set() for _ in blocks]  # the experts each layer's prefill routed
-        for start in range(0, len(prompt) - 1, PREFILL_STEP):  # mlx-lm's prefill_step_size passes
-            prefill(model, blocks, manager, prompt[start:min(start + PREFILL_STEP, len(prompt) - 1)], cache,
-                    timeout=config.timeout)
-            for experts, block in zip(routed, blocks):
-                experts.update(np.unique(np.array(block.last[0])).tolist())
-        if lossy:
-            manager.raise_failures("prefill")
-        routed_pairs = sum(len(experts) for experts in routed)
-        prefill_reads = manager.stats()[1].reads_landed
-        stages["prefill_s"] = time.perf_counter() - clock
-        tokens = generate_greedy(model, blocks, manager, prompt[-1:], config.max_tokens,
-                                 exact=config.rule == "exact", timeout=config.timeout, on_token=emit,
-                                 overlap=config.overlap, prefill_prompt=False, cache=cache, stop_tokens=eos)
+        for response in stream_generate(model, tokenizer, prompt, max_tokens=config.max_tokens, sampler=sampler,
+                                        prefill_step_size=PREFILL_STEP, prompt_progress_callback=config.progress):
+            if first_token_at is None:
+                first_token_at, first = time.perf_counter(), manager.stats()[1]
+            tokens.append(int(response.token))
+            if response.text:
+                texts.append(response.text)
+                if on_text is not None:
+                    on_text(response.text)
         ended = time.perf_counter()
-        detokenizer.finalize()
-        if detokenizer.last_segment:
-            texts.append(detokenizer.last_segment)
-            if on_text is not None:
-                on_text(detokenizer.last_segment)
-        total = manager.stats()[1]
-        first = marks["first"]
-        generated = total.since(first)
-        expert_bytes = store.expert_nbytes(0)
+        stream.end_pass()  # the last pass's reports to the manager
+        stages["prefill_s"] = first_token_at - clock
+        if config.rule != "exact":
+            manager.raise_failures("generation")
+        generated = manager.stats()[1].since(first)
+        expert_bytes = stream.store.expert_nbytes(0)
         arena_bytes = sum(_nbytes(a for _, a in tree_flatten(block.arena.parameters())) for block in blocks)
-        all_bytes = _nbytes(a for _, a in tree_flatten(model.parameters()))
+        routed = stream.prompt_routed
+        prefill_reads = stream.prompt_reads if stream.prompt_reads is not None else first.reads_landed
+        tier_format = stream.tier_format or (None, None)
         result = GenerateResult(
             text="".join(texts), prompt_tokens=len(prompt), tokens=tokens, num_layers=len(blocks),
-            num_experts=num_experts, slots=slots, quantized=quantized,
+            num_experts=plan.num_experts, slots=plan.slots, quantized=_quantized(model),
             time_to_first_token_s=first_token_at - clock, generation_s=ended - first_token_at,
             prompt_tps=len(prompt) / (first_token_at - clock),
             generation_tps=(len(tokens) - 1) / (ended - first_token_at) if len(tokens) > 1 else float("nan"),
-            hit_rate=generated.hit_rate if generated.lookups else math.nan,  # one token: none generated after it
-            prompt_reads=first.reads_landed, prompt_routed_pairs=routed_pairs,
-            prefill_reads=prefill_reads,
-            prompt_read_mib=first.reads_landed * expert_bytes / 2**20,
+            hit_rate=generated.hit_rate if len(tokens) > 1 and generated.lookups else math.nan,
+            prompt_reads=first.reads_landed, prompt_routed_pairs=sum(len(experts) for experts in routed),
+            prefill_reads=prefill_reads, prompt_read_mib=first.reads_landed * expert_bytes / 2**20,
             generation_reads=generated.reads_landed,
             mib_read_per_token=(generated.reads_landed * expert_bytes / 2**20 / (len(tokens) - 1) if len(tokens) > 1
                                 else math.nan),
-            expert_mib=expert_bytes / 2**20, experts_mib=len(blocks) * num_experts * expert_bytes / 2**20,
-            arena_mib=arena_bytes / 2**20, tier_mib=tier_bytes / 2**20,
-            other_weights_mib=(all_bytes - arena_bytes - tier_bytes) / 2**20, peak_rss_mib=_peak_rss_mib(),
+            expert_mib=expert_bytes / 2**20, experts_mib=len(blocks) * plan.num_experts * expert_bytes / 2**20,
+            arena_mib=arena_bytes / 2**20, tier_mib=stream.tier_bytes / 2**20,
+            other_weights_mib=plan.other / 2**20, peak_rss_mib=_peak_rss_mib(),
             mlx_peak_mib=mx.get_peak_memory() / 2**20, device=str(mx.default_device()), stages=stages,
-            tier_bits=None if tier is None else tier.bits, tier_group_size=None if tier is None else tier.group_size)
+            tier_bits=tier_format[0], tier_group_size=tier_format[1])
         if config.floor:
             try:
-                result.read_bandwidth_gbs = _read_bandwidth(store, routed)
+                result.read_bandwidth_gbs = _read_bandwidth(stream.store, routed)
             except ExpertStoreError as error:  # the disk failed, or the file changed since the run read it
                 raise _read_failed("--floor: the prompt's experts read again", error) from None
+    finally:
+        stream.close()
     if config.floor:
         result.resident_prefill_s = _resident_prefill_seconds(model_dir, prompt,
-                                                              config.float32 or not quantized)
+                                                              config.float32 or not result.quantized)
         reads_s = (0.0 if result.read_bandwidth_gbs is None
                    else result.prompt_routed_pairs * expert_bytes / (result.read_bandwidth_gbs * 1e9))
         result.floor_s = reads_s + result.resident_prefill_s
     return result
 
 
-def _expert_count(model, model_dir: Path) -> int:
-    """The experts of the model's first SwitchGLU / SwitchMLP (from its lazy arrays' shapes: nothing read)."""
-    from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+def _quantized(model) -> bool:
+    """Whether the model runs quantized layers as loaded (mlx-lm quantizes some ``quantization_config`` models on
+    loading, gpt-oss's mxfp4, and dequantizes others, fp8)."""
+    import mlx.nn as nn
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
-    import mlx.core as mx
+    from kq_mlx.mlx_lm_adapter import ArenaLayer
 
-    for _, module in model.named_modules():
-        if isinstance(module, (SwitchGLU, SwitchMLP)):
-            for child in module.children().values():
-                weight = child.get("weight") if hasattr(child, "get") else None
-                if isinstance(weight, mx.array) and weight.ndim == 3:
-                    return int(weight.shape[0])
-    raise _fail("--model", f"{model_dir} is not an MoE model: {type(model).__module__} has no SwitchGLU or "
-                           f"SwitchMLP (mlx_lm.models.switch_layers) to put an arena in")
+    return any(isinstance(module, (nn.QuantizedLinear, QuantizedSwitchLinear)) for module in model.modules()
+               if not isinstance(module, ArenaLayer))
+
+
+def _prompt_ids(tokenizer, config: GenerateConfig) -> list[int]:
+    """The prompt's ids as ``mlx_lm.generate`` makes them: the chat template's (the system message, then the prompt
+    as the user's, the assistant's turn begun) where the tokenizer has one and ``chat_template`` is on, else the
+    text encoded (:func:`_encode`)."""
+    if config.chat_template and getattr(tokenizer, "chat_template", None):
+        messages = ([{"role": "system", "content": config.system_prompt}] if config.system_prompt else [])
+        messages.append({"role": "user", "content": config.prompt})
+        ids = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        if ids:
+            return ids
+    return _encode(tokenizer, config.prompt)
 
 
 def _encode(tokenizer, prompt: str) -> list[int]:

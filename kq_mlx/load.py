@@ -62,25 +62,50 @@ class ExpertStream:
         manager: the :class:`~kq_host.residency.ResidencyManager` filling them.
         store: the :class:`~kq_host.expert_store.ExpertStore` reading the experts from the model's files.
         tier_bytes: what the tier takes on the device (0 without one).
+        tier_format: the tier's ``(bits, group_size)`` (None without one).
     """
 
-    def __init__(self, *, rule, plan, blocks, manager, store, tier_bytes, closer: contextlib.ExitStack):
+    def __init__(self, *, rule, plan, blocks, manager, store, tier_bytes, tier_format, closer: contextlib.ExitStack):
         self.rule, self.plan, self.blocks, self.manager = rule, plan, blocks, manager
-        self.store, self.tier_bytes = store, tier_bytes
+        self.store, self.tier_bytes, self.tier_format = store, tier_bytes, tier_format
         # Closed at the latest when the interpreter exits: reads in flight then would outlive MLX's teardown.
         self._close = weakref.finalize(self, closer.close)
         self._pending = None  # how the last pass ends: "step" (its reports) or "next" (it ran layer by layer)
+        self._prompt_pass = False  # the last pass read a prompt (more than one position)
         self.passes = 0
+        # The look-ahead's prefetchers (attach_exact): on for passes of one position under exact alone (a prompt
+        # pass reads every expert it routes on its critical path, and a prediction for many positions reads more).
+        self._prefetchers: list = []
+        self.reset_prompt()
 
-    def begin_pass(self, hidden: mx.array) -> None:
-        """Ends the previous pass for the manager and sets this pass's rule (``hidden``: ``[B, T, D]``)."""
+    def reset_prompt(self) -> None:
+        """Starts counting a new prompt: :attr:`prompt_routed` (each layer's experts its passes routed) and
+        :attr:`prompt_reads` (the manager's landed reads when its last pass ended)."""
+        self.prompt_routed = [set() for _ in self.blocks]
+        self.prompt_reads = None
+
+    def end_pass(self) -> None:
+        """Ends the last pass for the manager: its routing counted, its misses' reads started (``step`` on its
+        reports after a graph pass, ``next_token`` after a pass run layer by layer). The next pass does it
+        otherwise; a run calls it after its last pass to count it."""
         blocks, manager = self.blocks, self.manager
+        if self._prompt_pass:
+            for routed, block in zip(self.prompt_routed, blocks):
+                routed.update(np.unique(np.array(block.last[0])).tolist())
         if self._pending == "step":
             report = LayerReport.from_packed(np.array(adapter.pack_reports(blocks)))
             adapter.set_tables(blocks, manager.step(report))
         elif self._pending == "next":
             adapter.set_tables(blocks, manager.next_token())
         self._pending = None
+        if self._prompt_pass:
+            self.prompt_reads = int(manager.stats()[1].reads_landed)
+        self._prompt_pass = False
+
+    def begin_pass(self, hidden: mx.array) -> None:
+        """Ends the previous pass (:meth:`end_pass`) and sets this pass's rule (``hidden``: ``[B, T, D]``)."""
+        blocks, manager = self.blocks, self.manager
+        self.end_pass()
         if self.rule != "exact":
             manager.raise_failures("generation")  # a failed read would otherwise be shed unsaid
         prompt = hidden.ndim >= 2 and hidden.shape[-2] > 1
@@ -93,7 +118,10 @@ class ExpertStream:
             rule = self.rule
         for block in blocks:
             block.rule = rule
+        for layer, prefetch in self._prefetchers:
+            layer.prefetch = prefetch if rule == "exact" and not prompt else None
         self._pending = "next" if rule == "exact" else "step"
+        self._prompt_pass = prompt
         self.passes += 1
 
     def stats(self) -> dict:
@@ -144,36 +172,63 @@ def stream_of(model: nn.Module) -> ExpertStream:
     return stream
 
 
-def _checked_directory(path) -> tuple[Path, dict]:
+def checked_directory(path) -> tuple[Path, dict]:
+    """The model directory and its ``config.json``, checked before anything opens a weights file (what :func:`load`
+    checks first; a command checks its options with it before it loads).
+
+    Raises:
+        LoadError: naming ``path``: not a directory, a FIFO, device or socket in it (a reader would wait forever),
+            no config.json or weights file, a shard its index names but lacks, a ``num_experts_per_tok`` no model
+            has, or a quantized module whose packed words are not uint32.
+    """
+    from kq_host.checkpoint import CheckpointError, check_packed_words, check_regular_files, check_shards
+    from kq_host.expert_store import ExpertStoreError, read_safetensors_headers
+
     if not isinstance(path, (str, os.PathLike)):
         raise _fail("path", f"must be a model directory, got {path!r}")
     model_dir = Path(path)
-    if not model_dir.is_dir():
-        raise _fail("path", f"{model_dir} is not a directory (an mlx-lm model directory: config.json, {MODEL_FILES})")
     config = model_dir / "config.json"
-    if not config.is_file():
-        raise _fail("path", f"{model_dir} has no config.json: not an mlx-lm model directory")
-    files = model_files(model_dir)
-    if not files:
-        raise _fail("path", f"{model_dir} holds no {MODEL_FILES} file (the weights files mlx-lm loads)")
-    for name in [*files, model_dir / "tokenizer.json", model_dir / "tokenizer_config.json",
-                 model_dir / "generation_config.json"]:
-        if name.exists() and not name.is_file():  # a pipe or a device would block a read forever
-            raise _fail("path", f"{name} is not a regular file")
     try:
+        if not model_dir.is_dir():
+            raise _fail("path", f"{model_dir} is not a directory (an mlx-lm model directory: config.json, "
+                                f"{MODEL_FILES})")
+        check_regular_files(model_dir)
+        if not config.is_file():
+            raise _fail("path", f"{model_dir} has no config.json: not an mlx-lm model directory")
+        if not model_files(model_dir):
+            raise _fail("path", f"{model_dir} holds no {MODEL_FILES} file (the weights files mlx-lm loads)")
+        check_shards(model_dir)
         settings = json.loads(config.read_text())
-    except (OSError, ValueError) as error:
-        raise _fail("path", f"{config} cannot be read as JSON ({type(error).__name__}: {error})") from None
-    if not isinstance(settings, dict):
-        raise _fail("path", f"{config} holds {type(settings).__name__}, not a JSON object")
+        if not isinstance(settings, dict):
+            raise _fail("path", f"{config} holds {type(settings).__name__}, not a JSON object")
+        top_k = settings.get("num_experts_per_tok")  # the key of every family mlx-lm names a routing width for
+        if top_k is not None and (not is_int(top_k) or top_k < 1):
+            raise _fail("path", f"{config}: num_experts_per_tok must be an int >= 1 (the experts a token routes "
+                                f"to), got {top_k!r}")
+        if "quantization" in settings:  # mlx-community's layout: each quantized module's words as mlx-lm takes them
+            check_packed_words(read_safetensors_headers(model_files(model_dir)))
+    except (CheckpointError, ExpertStoreError) as error:
+        raise _fail("path", str(error)) from None
+    except LoadError:
+        raise
+    except (OSError, ValueError) as error:  # unreadable, or config.json no JSON
+        raise _fail("path", f"{model_dir}: unreadable ({type(error).__name__}: {error})") from None
     return model_dir, settings
 
 
-def _check_options(rule, tier_bits, tier_group_size, queue_depth, timeout, context) -> None:
+def _check_options(rule, tier_bits, tier_group_size, tier_model, queue_depth, timeout, context) -> None:
     if rule not in RULES:
         raise _fail("rule", f"must be one of {', '.join(RULES)}, got {rule!r}")
-    if rule != "tier" and (tier_bits is not None or tier_group_size is not None):
-        raise _fail("tier_bits", f"the tier serves the misses of rule 'tier'; the rule is {rule!r}")
+    if rule != "tier" and (tier_bits is not None or tier_group_size is not None or tier_model is not None):
+        raise _fail("tier_bits/tier_group_size/tier_model", f"the tier serves the misses of rule 'tier'; the rule "
+                                                            f"is {rule!r}")
+    if tier_model is not None:
+        if tier_bits is not None or tier_group_size is not None:
+            raise _fail("tier_model", "reads the tier's format from its checkpoint: give it or tier_bits, not both")
+        try:
+            checked_directory(tier_model)
+        except LoadError as error:
+            raise _fail("tier_model", str(error).partition(": ")[2]) from None
     if not is_int(queue_depth) or not 0 <= queue_depth <= MAX_QUEUE_DEPTH:
         raise _fail("queue_depth", f"must be an int in [0, {MAX_QUEUE_DEPTH}], got {queue_depth!r}")
     if timeout is not None and (not is_real(timeout) or not timeout > 0):
@@ -218,7 +273,7 @@ def _float_itemsize(model: nn.Module) -> int:
 
 
 def load(path, *, memory=None, residency=None, rule: str = "exact", tier_bits: int | None = None,
-         tier_group_size: int | None = None, context: int = DEFAULT_CONTEXT, queue_depth: int = 8,
+         tier_group_size: int | None = None, tier_model=None, context: int = DEFAULT_CONTEXT, queue_depth: int = 8,
          timeout: float | None = None, float32: bool = False, lookahead: bool | None = None,
          tokenizer_config: dict | None = None):
     """Loads an mlx-lm MoE model directory with its experts streamed through an arena: ``(model, tokenizer)``.
@@ -234,6 +289,7 @@ def load(path, *, memory=None, residency=None, rule: str = "exact", tier_bits: i
             layer runs: the model's own logits), ``"tier"`` (its low-precision copy) or ``"shed"`` (dropped).
         tier_bits, tier_group_size: rule ``"tier"``: the copy's format (:func:`kq_host.tier.build_tier`'s
             defaults where not given; the built tier is cached on disk).
+        tier_model: rule ``"tier"``: read the tier from this lower-bit mlx-lm conversion of the same model instead.
         context: tokens of KV cache the budget keeps room for.
         queue_depth: expert reads in flight (0: read on the calling thread).
         timeout: seconds a wait for reads may take (None: no limit).
@@ -253,24 +309,24 @@ def load(path, *, memory=None, residency=None, rule: str = "exact", tier_bits: i
     from kq_host.expert_store import ExpertStore, ExpertStoreError
     from kq_host.residency import ResidencyManager
 
-    model_dir, settings = _checked_directory(path)
-    _check_options(rule, tier_bits, tier_group_size, queue_depth, timeout, context)
+    model_dir, settings = checked_directory(path)
+    _check_options(rule, tier_bits, tier_group_size, tier_model, queue_depth, timeout, context)
     model, tokenizer, switches = _lazy_model(model_dir, float32, tokenizer_config)
     plan = _plan_for(model, switches, settings, memory=memory, residency=residency, rule=rule, tier_bits=tier_bits,
                      tier_group_size=tier_group_size, context=context)
     blocks = adapter.attach_arena(model, plan.slots, keep_experts=False)
     closer = contextlib.ExitStack()
     try:
-        names = _expert_tensor_names(model_dir, blocks)
+        names = expert_tensor_names(model_dir, blocks)
         try:
             store = closer.enter_context(ExpertStore.for_tensors(model_files(model_dir), names,
                                                                  queue_depth=max(queue_depth, 1)))
         except ExpertStoreError as error:
             raise _fail("path", f"the experts' tensors: {error}") from None
-        tier_bytes = 0
+        tier_bytes, tier_format = 0, None
         if rule == "tier":
-            tier_bytes = _attach_tier(model_dir, settings, blocks, names, tier_bits, tier_group_size,
-                                      closer.enter_context)
+            tier_bytes, tier_format = _attach_tier(model_dir, settings, blocks, names, tier_bits, tier_group_size,
+                                                   tier_model, closer.enter_context)
         manager = ResidencyManager(len(blocks), plan.num_experts, plan.slots, arena=adapter.SwitchGLUArena(blocks),
                                    loader=lambda layer, expert_id, slot: store.read_expert(layer, expert_id),
                                    bytes_per_expert=store.expert_nbytes(0), queue_depth=queue_depth, impl="numpy")
@@ -282,8 +338,10 @@ def load(path, *, memory=None, residency=None, rule: str = "exact", tier_bits: i
             block.read_retries = 2
         adapter.set_tables(blocks, manager.snapshot())
         stream = ExpertStream(rule=rule, plan=plan, blocks=blocks, manager=manager, store=store,
-                              tier_bytes=tier_bytes, closer=closer)
+                              tier_bytes=tier_bytes, tier_format=tier_format, closer=closer)
         layers = adapter._decoder_layers(model, blocks)
+        stream._prefetchers = [(layer, layer.prefetch) for layer in model.modules()
+                               if isinstance(layer, adapter._LookaheadLayer) and layer.prefetch is not None]
         layers[0] = _PassBoundary(layers[0], stream)
         object.__setattr__(model, "_kq_stream", stream)
         mx.eval(model.parameters())  # the other weights, the arenas and the tier: none of the dropped experts
@@ -302,7 +360,10 @@ def _lazy_model(model_dir: Path, float32: bool, tokenizer_config: dict | None):
     try:
         model, tokenizer = mlx_lm_load(str(model_dir), lazy=True, tokenizer_config=tokenizer_config or {})
     except Exception as error:  # noqa: BLE001 - mlx-lm's errors for a directory it cannot load vary by cause
-        raise _fail("path", f"mlx-lm cannot load {model_dir} ({type(error).__name__}: {str(error)[:300]})") from None
+        from kq_host.checkpoint import refusal_summary
+
+        raise _fail("path", f"mlx-lm cannot load {model_dir} ({type(error).__name__}: "
+                            f"{refusal_summary(error)})") from None
     switches = _switches(model)
     if not switches:
         raise _fail("path", f"{model_dir} is not an MoE model: {type(model).__module__} has no SwitchGLU or "
@@ -322,8 +383,10 @@ def _plan_for(model, switches, settings: dict, *, memory, residency, rule, tier_
         residency = DEFAULT_RESIDENCY
     experts_bytes = sum(_per_expert_nbytes(switch)[1] for switch in switches)
     num_experts = int(adapter._expert_count(switches[0]))
-    top_k = settings.get("num_experts_per_tok", 1)
-    top_k = int(top_k) if is_int(top_k) and top_k >= 1 else 1
+    top_k = settings.get("num_experts_per_tok") or 1  # an int >= 1 or absent (checked_directory)
+    if top_k > num_experts:
+        raise _fail("path", f"config.json: num_experts_per_tok must be an int in [1, {num_experts}] (the experts of a "
+                            f"layer), got {top_k!r}")
     other = sum(array.nbytes for _, array in tree_flatten(model.parameters())) - experts_bytes
     tier = 0
     if rule == "tier":
@@ -355,8 +418,8 @@ def plan(path, *, memory=None, residency=None, rule: str = "exact", tier_bits: i
     Raises:
         LoadError: as :func:`load`, a budget too small naming the smallest that works.
     """
-    model_dir, settings = _checked_directory(path)
-    _check_options(rule, tier_bits, tier_group_size, 0, None, context)
+    model_dir, settings = checked_directory(path)
+    _check_options(rule, tier_bits, tier_group_size, None, 0, None, context)
     model, _, switches = _lazy_model(model_dir, float32, None)
     return _plan_for(model, switches, settings, memory=memory, residency=residency, rule=rule, tier_bits=tier_bits,
                      tier_group_size=tier_group_size, context=context)
@@ -378,7 +441,7 @@ def _tier_options(bits, group_size) -> tuple[int, int]:
             defaults["group_size"].default if group_size is None else group_size)
 
 
-def _expert_tensor_names(model_dir: Path, blocks) -> dict[int, dict[str, str]]:
+def expert_tensor_names(model_dir: Path, blocks) -> dict[int, dict[str, str]]:
     """Each MoE layer's ``{payload key: tensor name}`` in the directory's files: the stacked tensors of the model
     as loaded (mlx-lm's and mlx-community's checkpoints), or where those are absent the Hugging Face layout's
     tensor per expert (``...mlp.experts.{expert}.gate_proj.weight``, stacked by mlx-lm on loading).
@@ -410,12 +473,17 @@ def _expert_tensor_names(model_dir: Path, blocks) -> dict[int, dict[str, str]]:
     return names
 
 
-def _attach_tier(model_dir: Path, settings: dict, blocks, names, bits, group_size, enter) -> int:
-    """Builds (or reads from its cache) the tier of every expert and gives it to the blocks; returns its bytes."""
+def _attach_tier(model_dir: Path, settings: dict, blocks, names, bits, group_size, tier_model, enter) -> int:
+    """Builds the tier of every expert (or reads it from ``tier_model``, a lower-bit conversion of the model) and
+    gives it to the blocks; returns its bytes on the device, with a warning where they are no fewer than the
+    experts' it stands in for."""
+    import warnings
+
     from mlx.utils import tree_flatten
 
-    from kq_host.checkpoint import DequantizedExperts, Quantization
-    from kq_host.expert_store import ExpertStore, ExpertStoreError
+    from kq_host.checkpoint import DequantizedExperts, Quantization, tier_from_checkpoint
+    from kq_host.expert_store import ExpertReadError, ExpertStore, ExpertStoreError
+    from kq_host.residency import PreloadError
     from kq_host.tier import TierOptionError, build_tier
 
     quantization = None
@@ -429,62 +497,36 @@ def _attach_tier(model_dir: Path, settings: dict, blocks, names, bits, group_siz
     else:
         weights = {layer: {f"{p}.{a}": keys[f"{p}.{a}"] for p in blocks[layer].projections
                            for a in ("weight", "scales", "biases")} for layer, keys in names.items()}
+    argument = "tier_model" if tier_model is not None else "tier_bits"
     try:
         source = enter(ExpertStore.for_tensors(model_files(model_dir), weights))
         if quantization is not None:
             source = DequantizedExperts(source, quantization, blocks[0].projections,
                                         module=lambda layer, projection: f"{blocks[layer].module_path}.{projection}")
-        options = dict(zip(("bits", "group_size"), _tier_options(bits, group_size)))
-        tier = build_tier(source, len(blocks), blocks[0].num_experts, **options)
+        if tier_model is not None:
+            tier = tier_from_checkpoint(tier_model, source, len(blocks), blocks[0].num_experts)
+        else:
+            options = dict(zip(("bits", "group_size"), _tier_options(bits, group_size)))
+            tier = build_tier(source, len(blocks), blocks[0].num_experts, **options)
+    except ExpertReadError as error:  # the disk, not an argument
+        raise PreloadError(f"the tier's {'read' if tier_model is not None else 'build'}: {error}", [], []) from None
     except TierOptionError as error:
-        raise _fail("tier_bits", str(error)) from None
-    except ExpertStoreError as error:
-        raise _fail("path", f"the experts' tensors: {error}") from None
+        raise _fail(argument, str(error)) from None
+    except ExpertStoreError as error:  # the stored experts are not what config.json says, or tier_model's
+        raise _fail("tier_model" if tier_model is not None else "path", f"the experts' tensors: {error}") from None
     try:
         adapter.attach_tier(blocks, tier)
     except ValueError as error:
-        raise _fail("path", f"the tier does not fit the model as mlx-lm loads it ({error})") from None
-    return sum(array.nbytes for block in blocks for _, array in tree_flatten(block.tier.parameters()))
-
-
-def read_bandwidth(path, *, sample_bytes: int = 256 * 2**20, queue_depth: int = 8) -> dict:
-    """The bandwidth of reading the model's experts as the arena reads them (one expert a read, ``queue_depth``
-    reads in flight), measured now: the same sample read twice, the second time from the page cache.
-
-    Args:
-        path: the model directory.
-        sample_bytes: how much to read (experts spread over the layers; at most every expert).
-        queue_depth: reads in flight.
-
-    Returns:
-        ``{"bytes": read each time, "first_gbs": the first read's GB/s (the disk, or the page cache where the
-        files are cached), "again_gbs": the second's (the page cache)}``.
-    """
-    import time
-
-    from kq_host.expert_store import ExpertStore, ExpertStoreError
-
-    model_dir, _ = _checked_directory(path)
-    if not is_int(sample_bytes) or sample_bytes < 1:
-        raise _fail("sample_bytes", f"must be an int >= 1, got {sample_bytes!r}")
-    if not is_int(queue_depth) or not 1 <= queue_depth <= MAX_QUEUE_DEPTH:
-        raise _fail("queue_depth", f"must be an int in [1, {MAX_QUEUE_DEPTH}], got {queue_depth!r}")
-    model, _, switches = _lazy_model(model_dir, False, None)
-    blocks = adapter.attach_arena(model, 1, keep_experts=False)  # lazily: nothing read
-    try:
-        store = ExpertStore.for_tensors(model_files(model_dir), _expert_tensor_names(model_dir, blocks),
-                                        queue_depth=queue_depth)
-    except ExpertStoreError as error:
-        raise _fail("path", f"the experts' tensors: {error}") from None
-    with store:
-        experts, layers = blocks[0].num_experts, len(blocks)
-        count = max(1, min(layers * experts, sample_bytes // max(store.expert_nbytes(0), 1)))
-        pairs = [(index % layers, (index // layers) % experts) for index in range(count)]
-        seconds = []
-        for _ in range(2):
-            before, start = store.bytes_read, time.perf_counter()
-            for future in [store.submit(layer, expert) for layer, expert in pairs]:
-                future.result()
-            seconds.append(time.perf_counter() - start)
-            read = store.bytes_read - before
-    return {"bytes": int(read), "first_gbs": read / seconds[0] / 1e9, "again_gbs": read / seconds[1] / 1e9}
+        raise _fail("tier_model" if tier_model is not None else "path",
+                    f"the tier does not fit the model as mlx-lm loads it ({error})") from None
+    tier_bytes = sum(array.nbytes for block in blocks for _, array in tree_flatten(block.tier.parameters()))
+    stream_format = (tier.bits, tier.group_size)
+    experts_bytes = sum(array.nbytes for block in blocks for _, array in adapter._slot_arrays(block.arena)) \
+        // blocks[0].num_slots * blocks[0].num_experts
+    if tier_bytes >= experts_bytes:
+        warnings.warn(f"the tier takes {tier_bytes / 2**20:.1f} MiB ({tier.bits} bits in groups of "
+                      f"{tier.group_size}), no less than the {experts_bytes / 2**20:.1f} MiB of the experts it stands "
+                      f"in for: it saves no memory; a smaller tier_bits (--tier-bits), or rule exact or shed, "
+                      f"holds less",
+                      stacklevel=3)
+    return tier_bytes, stream_format

@@ -54,7 +54,8 @@ def test_cli_exact_on_the_shipped_model_gives_mlx_lms_greedy_tokens(residency, c
     from mlx_lm import load
 
     _, tokenizer = load(str(STDLIB))
-    assert out.startswith(tokenizer.decode([t for t in want if t not in tokenizer.eos_token_ids]))  # streamed text
+    # the prompt echoed, then the streamed text
+    assert out.startswith(PROMPT + tokenizer.decode([t for t in want if t not in tokenizer.eos_token_ids]))
     for line in ("prompt: ", "generation: ", "tokens/s", "hit rate", "MiB read a token", "peak memory: "):
         assert line in out
     assert result["slots"] == max(1, round(64 * residency)) and result["num_layers"] == 4
@@ -386,7 +387,7 @@ def test_only_the_files_mlx_lm_loads_hold_the_experts(tmp_path):
 def test_expert_tensor_names_take_the_stacked_or_the_per_expert_layout():
     from mlx_lm import load
 
-    from kq.generate import expert_tensor_names
+    from kq_mlx.load import expert_tensor_names
     from kq_mlx.mlx_lm_adapter import attach_arena
 
     for directory, name in ((STDLIB, "model.layers.2.mlp.experts.{expert}.up_proj.weight"),
