@@ -979,6 +979,13 @@ class _CacheCheckpoint:
             mx.eval(self._pending)
             self._pending = []
 
+    def start(self) -> None:
+        """Dispatches the restorers' copies (``mx.async_eval``) where the caches' arrays are still being computed
+        (an overlapped pass): they run after those, and once they have run before the pass is dispatched, the
+        pass writes the cache in place."""
+        if self._pending:
+            mx.async_eval(self._pending)
+
     def restore(self) -> None:
         """Puts every cache back; raises RuntimeError naming the caches that cannot be put back."""
         stuck = [type(cache).__name__ for cache, restore in self._restorers.values() if restore is None]
@@ -1676,10 +1683,13 @@ def generate_greedy(model: nn.Module, blocks: list[ArenaLayer], manager, prompt:
     def build(x, settled: bool = False):  # (input, greedy token, packed reports, the cache as it was before: exact
         # only, and where every layer ran its resident path (the pass cannot miss) its layers' report fields,
         # packed with other such passes' later in place of the packed reports). `settled`: the caches hold the
-        # passes before, evaluated (the checkpoint's copies made now, no wait); else they go with the pass.
+        # passes before, evaluated (the checkpoint's copies made now, no wait); else the copies are dispatched
+        # behind the pass in flight (no wait either) and evaluated with this pass at the latest.
         before = _CacheCheckpoint(cache) if exact else None
-        if settled and before is not None:
+        if before is not None and settled:
             before.settle()
+        elif before is not None:
+            before.start()
         token = mx.argmax(model(x, cache=cache)[0, -1], axis=-1)
         if all(block._deferred is not None and block._deferred.miss is None and block._deferred.last is block.last
                for block in blocks):
