@@ -65,7 +65,8 @@ def test_a_batch_checks_and_writes_as_its_writes_one_by_one(seed):
         payloads = [menu(rng, float(seed * 1000 + trial * 20 + j)) for j in range(count)]
         batched, alone = NumpyArena(LAYERS, SLOTS, SHAPES), NumpyArena(LAYERS, SLOTS, SHAPES)
         want = errors_alone(batched.shape, layers.tolist(), slots.tolist(), payloads, batched.slot_layout)
-        _, _, checked = checked_writes(batched.shape, layers, slots, payloads, lambda layer: batched.slot_layout)
+        layout = batched.slot_layout
+        _, _, checked = checked_writes(batched.shape, layers, slots, payloads, lambda layer, layout=layout: layout)
         same_errors(checked, want)
         same_errors(batched.write_slots(layers, slots, payloads), want)
         for layer, slot, payload, error in zip(layers.tolist(), slots.tolist(), payloads, want):
