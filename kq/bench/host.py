@@ -19,9 +19,9 @@ slot itself and returns None) and ``payload`` (it returns the expert's arrays, e
 which the manager writes into the arena as it publishes them). Every mode replays one trace, made
 first; in each round every mode decodes it through a fresh manager (the default implementation,
 ``impl="auto"``), the modes taking turns in an order that rotates from round to round, so a load on
-the machine falls on all of them alike. A round's figure is the median over the second half of its tokens of each ``step``'s wall
-time and of its thread's CPU time (the loads run inline, on the step's thread); min, median and max
-over the rounds are reported.
+the machine falls on all of them alike. A round's figure is the median over the second half of its
+tokens of each ``step``'s wall time and of its thread's CPU time (the loads run inline, on the step's
+thread); min, median and max over the rounds are reported.
 """
 
 from __future__ import annotations
