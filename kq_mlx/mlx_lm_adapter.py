@@ -26,6 +26,13 @@ misses" (:attr:`ArenaLayer.full_path`).
 :func:`attach_tier` gives each layer a low-precision copy of all its experts
 (:class:`kq_host.tier.Tier`, MLX's quantized layout, run by ``gather_qmm``); with rule ``"tier"`` a
 miss is computed with its copy at its full weight instead of being shed.
+
+mlx-lm's idioms work on an attached model: ``copy.deepcopy`` (the copy on arrays and compiled graphs of its own;
+refused while a residency manager fills the arenas, :func:`attach_exact`), the family's ``Model.shard`` (a
+SwitchGLU's ``gate_proj``, ``up_proj`` and ``down_proj`` reach every copy of the experts the layer holds: its
+own, the arena's slots, the tier's), a cast through ``model.update(tree_map(...))``, ``save_weights`` /
+``load_weights`` and ``nn.quantize`` (the slots quantized as the experts they hold). Slot tables and the last
+pass's records are no parameters.
 """
 
 from __future__ import annotations
@@ -93,9 +100,14 @@ ROUTERS: dict[str, Callable] = {
 MISS_RULES = ("route_shed", "shed", "renormalize", "substitute", "tier", "stall", "exact")
 # The rules that need no gate weights: every family, at the SwitchGLU seam.
 SEAM_RULES = ("shed", "tier", "stall", "exact")
-# An ArenaLayer's attributes kept outside mlx's module tree: its slot table is no parameter (a cast, an update or
-# save_weights of the model leaves it alone).
-_OUTSIDE_TREE = frozenset({"slot_table"})
+# An ArenaLayer's attributes kept outside mlx's module tree: its slot table and what the last pass left are no
+# parameters (a cast, an update or save_weights of the model leaves them alone).
+_OUTSIDE_TREE = frozenset({"slot_table", "last", "last_mix"})
+# What a deep copy of a layer starts afresh: its compiled graphs (closures over the layer copied) and the records of
+# the last pass, as a layer just attached has them.
+_NOT_COPIED = {"_graphs": dict, "_deferred": lambda: None, "last": lambda: None, "last_mix": lambda: None}
+# What a deep copy of a layer shares with it: the process group Model.shard split it over (a handle, not state).
+_SHARED_IN_COPY = frozenset({"sharding_group"})
 
 
 def _switch_types() -> tuple[type, ...]:
@@ -115,7 +127,8 @@ class ArenaLayer(nn.Module):
     """What :class:`ArenaMoeBlock` and :class:`ArenaSwitch` share: one layer's arena and its slot table.
 
     Attributes:
-        slot_table: ``mx.array int32 [E]`` for the next forward pass (set by :func:`set_tables`).
+        slot_table: ``mx.array int32 [E]`` for the next forward pass (set by :func:`set_tables`, checked where set;
+            no parameter of the module).
         rule: one of the class's ``RULES``.
         last: ``(inds, scores, RouteShedResult)`` of the last forward pass, for the host.
         last_mix: the weights the last pass combined the experts' outputs with (0: not served).
@@ -173,6 +186,76 @@ class ArenaLayer(nn.Module):
             object.__setattr__(self, key, value)
         else:
             super().__setattr__(key, value)
+
+    def __deepcopy__(self, memo: dict) -> "ArenaLayer":
+        """A copy of the layer on arrays of its own (``copy.deepcopy`` of the model): its arena, experts, tier and
+        table copied, its rule and options kept; its compiled graphs are built again on its first pass and the
+        last pass's records start empty (as after :func:`attach_arena`).
+
+        Raises:
+            TypeError: the layer is bound to a residency manager (:func:`attach_exact`), which fills this layer's
+                arena and not a copy's.
+        """
+        if self.manager is not None:
+            raise TypeError(f"{self._where()} cannot be deep-copied while bound to a residency manager (attach_exact): "
+                            f"the manager writes this layer's arena, not a copy's. Copy the model before attach_exact, "
+                            f"then attach_exact the copy to a manager over its own blocks")
+        twin = type(self).__new__(type(self))
+        memo[id(self)] = twin
+        for key, value in self.__dict__.items():
+            if key in _NOT_COPIED:
+                value = _NOT_COPIED[key]()
+            elif key not in _SHARED_IN_COPY:
+                value = copy.deepcopy(value, memo)
+            object.__setattr__(twin, key, value)
+        for key, value in self.items():
+            dict.__setitem__(twin, key, copy.deepcopy(value, memo))
+        return twin
+
+    def _own_switch(self) -> nn.Module | None:
+        """The layer's own SwitchGLU (every expert), or None where attach_arena dropped it."""
+        raise NotImplementedError
+
+    def _projection_view(self, projection: str) -> "_ProjectionView":
+        return _ProjectionView(self, projection)
+
+    def _set_expert_array(self, projection: str, name: str, value) -> None:
+        """Sets the per-expert array ``name`` (``[E, ...]``) of a projection on every copy the layer holds: its own
+        experts (when kept), the experts' bias the tier takes (and the tier's), and each slot of the arena that
+        holds an expert by the current table (that expert's row). A tier's quantized weights are its own copy and
+        stay as they are (attach_tier again for a new one)."""
+        own = self._own_switch()
+        holder = None if own is None else own[projection]
+        if holder is not None and isinstance(holder.get(name), mx.array):
+            current = holder[name]
+        elif name == "bias" and projection in self.expert_biases:
+            current = self.expert_biases[projection]
+        else:
+            raise AttributeError(self._no_expert_array(projection, name))
+        if not isinstance(value, mx.array) or tuple(value.shape) != tuple(current.shape):
+            got = list(value.shape) if isinstance(value, mx.array) else type(value).__name__
+            raise ValueError(f"{self._where()}: {projection}.{name} must be an mx.array {list(current.shape)} (one row "
+                             f"an expert), got {got}")
+        if holder is not None and name in holder:
+            holder[name] = value
+        if name == "bias" and projection in self.expert_biases:
+            self.expert_biases[projection] = value
+            if self.tier is not None and "bias" in self.tier[projection]:
+                self.tier[projection]["bias"] = value
+        slots = self.arena[projection].get(name)
+        if isinstance(slots, mx.array):
+            table = np.array(self.slot_table)
+            resident = np.flatnonzero((table >= 0) & (table < self.num_slots))
+            if resident.size:
+                slots[mx.array(table[resident])] = value[mx.array(resident)].astype(slots.dtype)
+
+    def _no_expert_array(self, projection: str, name: str) -> str:
+        """Why ``<projection>.<name>`` cannot be read as the layer's experts' array."""
+        if self._own_switch() is None and name in self.arena[projection]:
+            return (f"{self._where()}: {projection}.{name}: the layer's own experts were dropped "
+                    f"(attach_arena(..., keep_experts=False)); its arena holds {self.num_slots} slots, not "
+                    f"{self.num_experts} experts")
+        return f"{self._where()}: {projection} has no per-expert array {name!r}"
 
     @property
     def slot_table(self) -> mx.array:
@@ -438,6 +521,24 @@ class ArenaSwitch(ArenaLayer):
                              f"attach_arena(..., keep_experts=False)")
         return self.source
 
+    def _own_switch(self) -> nn.Module | None:
+        return self.source if self.keeps_experts else None
+
+    def __getattr__(self, key: str):
+        try:
+            return super().__getattr__(key)
+        except AttributeError:
+            # The SwitchGLU's projections, as the family's code reaches them (mlx-lm's Model.shard)
+            if key in self.__dict__.get("projections", ()):
+                return self._projection_view(key)
+            raise
+
+    def __setattr__(self, key: str, value) -> None:
+        if key in self.__dict__.get("projections", ()):
+            raise TypeError(f"{self._where()}: {key} is the arena's and the layer's experts' projection; it cannot "
+                            f"be replaced (update its arrays: they reach every copy)")
+        super().__setattr__(key, value)
+
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         if self.compiled and self.rule in ("shed", "tier"):
             return self._compiled_call(x, indices)
@@ -515,6 +616,7 @@ class ArenaMoeBlock(ArenaLayer):
         super().__init__(block.switch_mlp, num_slots, keep_experts, module_path or "switch_mlp")
         self._route = ROUTERS[name]
         self.block = block
+        self.sharding_group = None  # set by mlx-lm's Model.shard: the block sums its output over the group
         if not keep_experts:
             # Dropped before anything evaluates them: from a lazily loaded checkpoint the experts are then
             # never read into memory (the arena is filled from disk by the residency manager).
@@ -526,7 +628,26 @@ class ArenaMoeBlock(ArenaLayer):
                              f"attach_arena(..., keep_experts=False)")
         return self.block.switch_mlp
 
+    def _own_switch(self) -> nn.Module | None:
+        return self.block.switch_mlp if self.keeps_experts else None
+
+    @property
+    def switch_mlp(self) -> "_SwitchView":
+        """The block's SwitchGLU as the family's code reaches it (``layer.mlp.switch_mlp.gate_proj``: mlx-lm's
+        Model.shard): its projections over every copy the layer holds (:class:`_ProjectionView`)."""
+        return _SwitchView(self)
+
     def __call__(self, x: mx.array) -> mx.array:
+        group = self.sharding_group
+        if group is None:
+            return self._forward(x)
+        # Sharded (mlx-lm's Model.shard): each process holds a part of every expert; the parts' outputs are
+        # summed, as the family's block sums them.
+        from mlx.nn.layers.distributed import sum_gradients
+
+        return mx.distributed.all_sum(self._forward(sum_gradients(group)(x)), group=group)
+
+    def _forward(self, x: mx.array) -> mx.array:
         if self.compiled and self.rule in ("route_shed", "shed", "renormalize", "tier"):
             return self._compiled_call(x)
         if self.rule == "substitute":
@@ -636,6 +757,69 @@ class ArenaMoeBlock(ArenaLayer):
             return mx.where(kept, scores, 0.0)
         kept_mass = mx.sum(mx.where(kept, scores, 0.0), axis=-1, keepdims=True)
         return mx.where(kept, scores / mx.where(kept_mass > 0, kept_mass, 1.0), 0.0)
+
+
+class _ProjectionView(nn.Module):
+    """A projection (``gate_proj``, ``up_proj``, ``down_proj``) of a layer whose SwitchGLU an arena took the place
+    of, as mlx-lm's code reaches it (``shard_inplace`` in Model.shard, code reading ``switch.gate_proj.weight``).
+
+    Built when asked for, outside the model's tree: one module over every copy of the projection the layer
+    holds, its children ``arena`` (the slots), ``experts`` (the layer's own experts, when kept), ``tier`` (when
+    attached) and ``expert_bias`` (the experts' bias the tier takes, gpt-oss). An update of its parameters
+    reaches each copy (shard_inplace cuts each array by its name: every copy alike). Reading an array
+    (``.weight``, ``.bias``) reads the layer's own experts' ``[E, ...]``; setting one sets every copy
+    (:meth:`ArenaLayer._set_expert_array`).
+    """
+
+    def __init__(self, layer: ArenaLayer, projection: str):
+        super().__init__()
+        object.__setattr__(self, "_layer", layer)
+        object.__setattr__(self, "_projection", projection)
+        self["arena"] = layer.arena[projection]
+        own = layer._own_switch()
+        if own is not None:
+            self["experts"] = own[projection]
+        if layer.tier is not None:
+            self["tier"] = layer.tier[projection]
+        if projection in layer.expert_biases:
+            self["expert_bias"] = layer.expert_biases[projection]
+
+    def __getattr__(self, key: str):
+        layer, projection = self.__dict__["_layer"], self.__dict__["_projection"]
+        if key in self:
+            return self[key]
+        own = layer._own_switch()
+        if own is not None:
+            if key in own[projection] or hasattr(type(own[projection]), key) or key in own[projection].__dict__:
+                return getattr(own[projection], key)
+        elif key == "bias" and "expert_bias" in self:
+            return self["expert_bias"]
+        elif not isinstance(layer.arena[projection].get(key), mx.array) and hasattr(layer.arena[projection], key):
+            return getattr(layer.arena[projection], key)  # a hyper-parameter, the same for slots and experts
+        raise AttributeError(layer._no_expert_array(projection, key))
+
+    def __setattr__(self, key: str, value) -> None:
+        if key.startswith("_"):
+            object.__setattr__(self, key, value)
+            return
+        self.__dict__["_layer"]._set_expert_array(self.__dict__["_projection"], key, value)
+
+    def update(self, parameters: dict, strict: bool = True) -> "_ProjectionView":
+        super().update(parameters, strict)
+        layer, projection = self.__dict__["_layer"], self.__dict__["_projection"]
+        if "expert_bias" in self:
+            layer.expert_biases[projection] = self["expert_bias"]
+        return self
+
+
+class _SwitchView(nn.Module):
+    """An :class:`ArenaMoeBlock`'s SwitchGLU as the family's code reaches it (``layer.mlp.switch_mlp``): its
+    projections as :class:`_ProjectionView` s."""
+
+    def __init__(self, layer: ArenaLayer):
+        super().__init__()
+        for projection in layer.projections:
+            self[projection] = layer._projection_view(projection)
 
 
 class SwitchGLUArena:
@@ -819,6 +1003,12 @@ class _LookaheadLayer(nn.Module):
         self.layer, self.following, self.norm = layer, following, norm
         self.predicted = None
         self.prefetch = None  # attach_exact: called with the evaluated predictions, ids and scores
+
+    def __setattr__(self, key: str, value) -> None:
+        if key == "predicted":  # what the last pass predicted: no parameter
+            object.__setattr__(self, key, value)
+        else:
+            super().__setattr__(key, value)
 
     def __call__(self, x, *args, **kwargs):
         out = self.layer(x, *args, **kwargs)
@@ -1348,7 +1538,8 @@ def _as_slot_ids(caller: str, argument: str, tables: np.ndarray, row_name: Calla
         detail = ""
         if kind == "f" and tables.size:
             with np.errstate(invalid="ignore"):
-                bad = ~np.isfinite(tables) | (tables != np.trunc(tables)) | (tables < _INT32.min) | (tables > _INT32.max)
+                bad = (~np.isfinite(tables) | (tables != np.trunc(tables)) | (tables < _INT32.min)
+                       | (tables > _INT32.max))
             if bad.any():
                 row, expert = (int(i) for i in np.argwhere(bad)[0])
                 detail = f": {row_name(row)}holds {tables[row, expert]} for expert {expert}, which is no slot"

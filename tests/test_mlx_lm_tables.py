@@ -37,7 +37,8 @@ def _bad_tables(case: str, layers: int):
         tables[1, 1] = 2**32 + 3  # int32 wraps it to 3, expert 0's slot
         return tables, r"holds 4294967299 for expert 1, outside int32"
     if case == "uint32 past int32":
-        return np.where(tables < 0, 2**32 - 1, tables).astype(np.uint32), r"holds 4294967295 for expert 4, outside int32"
+        tables = np.where(tables < 0, 2**32 - 1, tables).astype(np.uint32)
+        return tables, r"holds 4294967295 for expert 4, outside int32"
     if case == "float fraction":
         tables = tables.astype(np.float64)
         tables[1, 1] = 3.5  # truncated to 3, expert 0's slot
@@ -55,7 +56,8 @@ def _bad_tables(case: str, layers: int):
     raise AssertionError(case)
 
 
-BAD = ["duplicate", "int64 past int32", "uint32 past int32", "float fraction", "float NaN", "float whole", "bool", "str"]
+BAD = ["duplicate", "int64 past int32", "uint32 past int32", "float fraction", "float NaN", "float whole", "bool",
+       "str"]
 ROW_NAMED = {"duplicate": 1, "int64 past int32": 1, "uint32 past int32": 0, "float fraction": 1, "float NaN": 1}
 
 

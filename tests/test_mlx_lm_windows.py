@@ -118,11 +118,20 @@ def test_exact_generation_past_the_window_is_the_models_greedy_tokens(family, pr
     blocks = attach_arena(model, slots)
     manager = _manager(blocks, slots)
     restored = _wrapped_restores(monkeypatch)
+    cache = make_prompt_cache(model)
     got = generate_greedy(model, blocks, manager, PROMPT, STEPS, exact=True, overlap=overlap,
-                          prefill_prompt=prefill_prompt)
+                          prefill_prompt=prefill_prompt, cache=cache)
     manager.close()
     assert got == want
     assert any(restored), "the case must cut back a token from a wrapped window"
+    # The caches hold what the unmodified model's hold after the same passes, bit for bit (the last token is not fed)
+    plain = build_windowed(family, seed=1)
+    plain_cache = make_prompt_cache(plain)
+    if prefill_prompt:
+        mx.eval(plain(mx.array([PROMPT[:-1]]), cache=plain_cache))
+    for token in (PROMPT[-1:] if prefill_prompt else PROMPT) + want[:-1]:
+        mx.eval(plain(mx.array([[token]]), cache=plain_cache))
+    assert [_snapshot(c) for c in cache] == [_snapshot(c) for c in plain_cache]
 
 
 def _snapshot(cache) -> list:
