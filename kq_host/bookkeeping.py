@@ -247,12 +247,15 @@ def place(tables: Tables, miss_ids: np.ndarray, miss_scores: np.ndarray, shielde
 
 
 def publish(tables: Tables, layers: np.ndarray, experts: np.ndarray, slots: np.ndarray, failed: np.ndarray,
-            nbytes: np.ndarray) -> None:
-    """Finished reads: a landed one's expert now points at its slot; a failed one's slot is free again.
+            nbytes: np.ndarray, *, backing_off: bool = True) -> None:
+    """Finished reads: a landed one's expert now points at its slot (and reads again at once, should it fail
+    later); a failed one's slot is free again.
 
     Args:
         layers, experts, slots: int64 ``[R]`` the reads; failed: bool ``[R]``;
         nbytes: int64 ``[R]`` bytes each landed read counts (ignored where failed).
+        backing_off: False when no expert is backing off after failed reads (``retry_after`` is then all 0,
+            and not written).
     """
     num_layers = tables.table.shape[0]
     tables.counts["reads_in_flight"] -= np.bincount(layers, minlength=num_layers)
@@ -268,4 +271,5 @@ def publish(tables: Tables, layers: np.ndarray, experts: np.ndarray, slots: np.n
         tables.state[layers, slots] = RESIDENT
         tables.counts["reads_landed"] += np.bincount(layers, minlength=num_layers)
         np.add.at(tables.counts["bytes_read"], layers, nbytes[landed])  # in int64: counts past 2**53 stay exact
-        tables.retry_after[layers, experts] = 0
+        if backing_off:
+            tables.retry_after[layers, experts] = 0

@@ -272,8 +272,8 @@ def _place(candidates, shielded, priority, table, owner, state, pinned, held, ev
 
 
 @_jit
-def _publish(layers, experts, slots, failed, nbytes, table, owner, state, held, retry_after, landed_count,
-             failed_count, bytes_read, in_flight):
+def _publish(layers, experts, slots, failed, nbytes, backing_off, table, owner, state, held, retry_after,
+             landed_count, failed_count, bytes_read, in_flight):
     for i in range(layers.size):
         layer, expert, slot = layers[i], experts[i], slots[i]
         in_flight[layer] -= 1
@@ -287,7 +287,8 @@ def _publish(layers, experts, slots, failed, nbytes, table, owner, state, held, 
             state[layer, slot] = RESIDENT
             landed_count[layer] += 1
             bytes_read[layer] += nbytes[i]
-            retry_after[layer, expert] = 0
+            if backing_off:
+                retry_after[layer, expert] = 0
 
 
 @_jit
@@ -341,9 +342,9 @@ def place(tables: Tables, miss_ids: np.ndarray, miss_scores: np.ndarray, shielde
 
 
 def publish(tables: Tables, layers: np.ndarray, experts: np.ndarray, slots: np.ndarray, failed: np.ndarray,
-            nbytes: np.ndarray) -> None:
+            nbytes: np.ndarray, *, backing_off: bool = True) -> None:
     """:func:`kq_host.bookkeeping.publish`, compiled."""
     counts = tables.counts
-    _publish(layers, experts, slots, failed, nbytes, tables.table, tables.owner, tables.state, tables.held,
+    _publish(layers, experts, slots, failed, nbytes, backing_off, tables.table, tables.owner, tables.state, tables.held,
              tables.retry_after, counts["reads_landed"], counts["reads_failed"], counts["bytes_read"],
              counts["reads_in_flight"])

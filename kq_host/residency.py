@@ -736,6 +736,7 @@ class ResidencyManager(ManagerBase):
                            for name in ("critical_reads", "critical_wait_s", "prefetches", "prefetch_used",
                                         "prefetch_late", "prefetch_wasted")}
         self._unused_prefetches: dict[tuple[int, int], bool] = {}
+        self._backed_off = False  # whether any read has failed, so that retry_after may hold a token
 
     # ---- tables -------------------------------------------------------------------------
 
@@ -854,7 +855,8 @@ class ResidencyManager(ManagerBase):
                 for i in ready.tolist():
                     outcomes[i] = None  # no payload kept alive past its publishing
             batch.open_count -= layers.size
-            self._ops.publish(self._tables, layers, experts, slots, failed, nbytes)  # tables point at slots now
+            # The tables point at the slots now (retry_after is all 0 until a read first fails: not written).
+            self._ops.publish(self._tables, layers, experts, slots, failed, nbytes, backing_off=self._backed_off)
             if failed.any():
                 for j in np.flatnonzero(failed).tolist():
                     error = picked[j]
@@ -942,6 +944,7 @@ class ResidencyManager(ManagerBase):
         self.failures[key] = FailedRead(read.layer, read.expert, read.slot, count, type(error).__name__,
                                         describe_error(error), self.token)
         self._tables.retry_after[key] = self.token + 2 ** min(count, MAX_BACKOFF_DOUBLINGS)
+        self._backed_off = True
 
     def preload(self, layer: int, experts: Iterable[int], *, timeout: float | None = None) -> None:
         """Loads experts into free slots now and publishes them (start-up, pinned sets).

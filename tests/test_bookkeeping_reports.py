@@ -51,3 +51,22 @@ def test_credit_from_the_reported_misses_counts_as_from_the_tables_they_describe
         for name in want_tables.counts:
             assert np.array_equal(want_tables.counts[name].view(np.int64), got_tables.counts[name].view(np.int64)), \
                 (trial, name)
+
+
+@pytest.mark.parametrize("backing_off", [True, False])
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__.rsplit(".", 1)[-1])
+def test_publish_writes_retry_after_only_while_an_expert_may_back_off(module, backing_off):
+    rng = np.random.default_rng(5)
+    tables = Tables.empty(2, 8, 4, "lfu", _COUNTERS)
+    layers, experts, slots = np.array([0, 0, 1]), np.array([3, 5, 3]), np.array([0, 1, 2])
+    bookkeeping.claim(tables, layers, experts, slots)
+    tables.retry_after[:] = rng.integers(0, 9, tables.retry_after.shape)
+    before = tables.retry_after.copy()
+    failed = np.array([False, True, False])
+    module.publish(tables, layers, experts, slots, failed, np.array([1, 2, 3]), backing_off=backing_off)
+    want = before.copy()
+    if backing_off:
+        want[[0, 1], [3, 3]] = 0  # the landed reads' experts read again at once, should they fail later
+    assert np.array_equal(tables.retry_after, want)
+    assert tables.table[0, 3] == 0 and tables.table[1, 3] == 2 and tables.table[0, 5] == -1
+    assert tables.counts["bytes_read"].tolist() == [1, 3] and tables.counts["reads_failed"].tolist() == [1, 0]
