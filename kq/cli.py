@@ -29,7 +29,8 @@ temporary directory, deleted at the end, and the plot goes to --plot."""
 
 def _check(args, parser) -> int:
     from kq.backends import all_backends, backend
-    from kq.check import ImplementationError, format_failed_case, format_table, implementation_backend, run_checks
+    from kq.check import (ImplementationError, format_failed_case, format_table, implementation_backend, run_checks,
+                          was_interrupted)
 
     if args.impl_arrays != "numpy" and not args.impl:
         parser.error("--impl-arrays applies to the functions of --impl; give --impl MODULE:FUNCTION")
@@ -42,7 +43,7 @@ def _check(args, parser) -> int:
             sys.path.insert(0, str(Path.cwd()))
         for target in args.impl:
             try:
-                impls.append(implementation_backend(target, args.impl_arrays))
+                impls.append(implementation_backend(target, args.impl_arrays, timeout=args.timeout or None))
             except ImplementationError as error:
                 parser.error(f"--impl {error}")
     names = args.backends or ([] if impls else [b.name for b in all_backends()])
@@ -62,6 +63,8 @@ def _check(args, parser) -> int:
     ran = [r for r in reports if not r.skipped]
     what = ("implementation" if impls else "backend") + ("" if len(ran) == 1 else "s")
     print(f"\n{len(ran)} {what} ran, {len(failed)} with mismatches, {len(reports) - len(ran)} skipped")
+    if was_interrupted(reports):
+        return 130
     return 1 if failed or not ran else 0
 
 
@@ -72,6 +75,16 @@ def _shape(text: str) -> tuple[int, int, int]:
         return parse_shape(text)
     except ValueError as error:  # argparse shows an ArgumentTypeError's own message
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text}")
+    return value
 
 
 def _count(minimum: int):
@@ -371,6 +384,7 @@ class _DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def _check_options(check) -> None:
     from kq.backends import all_backends
+    from kq.check import DEFAULT_TIMEOUT
 
     names = [b.name for b in all_backends()]
     check.add_argument("--backends", nargs="+", metavar="NAME", choices=names,
@@ -389,6 +403,8 @@ def _check_options(check) -> None:
                             "counted); kq's backends then run only as --backends names them (docs/conformance.md)")
     check.add_argument("--impl-arrays", choices=("numpy", "jax", "mlx"), default="numpy",
                        help="the arrays --impl functions are given; their outputs may be any arrays NumPy reads")
+    check.add_argument("--timeout", type=_seconds, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+                       help="seconds an --impl function may take on one case before it fails as hung (0: no limit)")
     check.set_defaults(func=lambda args: _check(args, check))
 
 

@@ -37,8 +37,12 @@ def add_model_options(parser: argparse.ArgumentParser, *, rules: bool = True) ->
                             help="a generated token's routed expert not in the arena: read before its layer runs "
                                  "(exact: the model's own tokens), served by a low-precision copy (tier), or "
                                  "dropped (shed)")
-        parser.add_argument("--tier-bits", type=int, help="--rule tier: the copy's bits per weight")
-        parser.add_argument("--tier-group-size", type=int, help="--rule tier: weights a scale and bias")
+        from kq_host.tier import BITS, DEFAULT_TIER_BITS, DEFAULT_TIER_GROUP_SIZE, GROUP_SIZES
+
+        parser.add_argument("--tier-bits", type=int, choices=BITS,
+                            help=f"--rule tier: the copy's bits per weight (default {DEFAULT_TIER_BITS})")
+        parser.add_argument("--tier-group-size", type=int, choices=GROUP_SIZES,
+                            help=f"--rule tier: weights sharing a scale and bias (default {DEFAULT_TIER_GROUP_SIZE})")
     parser.add_argument("--float32", action="store_true",
                         help="run every float parameter in float32 (float models do on MLX's CPU backend anyway)")
 

@@ -37,9 +37,10 @@ from kq_host.expert_store import ExpertStoreError, FileIdentity, file_identity, 
 
 BITS = (2, 3, 4, 8)
 GROUP_SIZES = (32, 64, 128)
-# The tier's options where none are given: build_tier's, kq generate's and kq study's (3 bits in groups of 32:
-# 4 bits a weight with the 16-bit scales and biases, a quarter of a bfloat16 expert).
-DEFAULT_TIER_BITS, DEFAULT_TIER_GROUP_SIZE = 3, 32
+# The tier's options where none are given: build_tier's, kq demo's, kq generate's and kq study's (4 bits in groups
+# of 32: 5 bits a weight with the 16-bit scales and biases, under a third of a bfloat16 expert). 3 bits took the
+# shipped model's greedy text off the resident model's at its first token through a quarter arena (kq demo).
+DEFAULT_TIER_BITS, DEFAULT_TIER_GROUP_SIZE = 4, 32
 # The packing word: q values run through uint32 words as one little-endian bit stream.
 WORD_BITS = 32
 # The dtypes of the tier's scales and biases, by name (as the cache stores them): mlx-community's 16 bits.

@@ -48,8 +48,17 @@ def _jax_on_gpu() -> bool:
 
 
 def assert_same_bits(expected, got):
+    """Every bit of ``got`` is ``expected``'s: a route_shed result field by field, or one array whole."""
     from kq_core.compare import first_mismatch
 
+    if isinstance(expected, np.ndarray):  # one array (a result's fields are compared by first_mismatch)
+        got = np.asarray(got)
+        assert (got.dtype, got.shape) == (expected.dtype, expected.shape), (got.dtype, got.shape)
+        width = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[expected.dtype.itemsize]
+        differs = np.argwhere(expected.view(width) != got.view(width))
+        assert differs.size == 0, f"first differing element {tuple(differs[0])}: {expected[tuple(differs[0])]!r} " \
+                                  f"against {got[tuple(differs[0])]!r}"
+        return
     mismatch = first_mismatch(expected, got)
     assert mismatch is None, str(mismatch)
 
