@@ -78,7 +78,10 @@ def route_shed(indices, scores, slot_table, *, num_slots: int | None = None, on_
         num_slots: the arena's slot count S (a Python int): a table entry
             outside ``[0, S)`` then counts as not resident, so the gathers after
             the op never read past the arena. None: no bound (today's tables).
-        on_miss: ``"shed"``, or ``"tier"``: a miss keeps its score and gets slot
+        on_miss: ``"shed"``: a miss's weight 0, the kept weights scaled to
+            carry the row's routed mass (the layer rule ``route_shed`` of
+            :mod:`kq_core.rules`; the rule ``shed`` keeps them as they are);
+            or ``"tier"``: a miss keeps its score and gets slot
             ``num_slots + id``, its expert's place in a low-precision tier of
             every expert placed after the arena's slots (needs ``num_slots``).
         impl: ``"pallas"`` (the fused kernel, GPU), ``"pallas_interpret"``
@@ -135,7 +138,7 @@ def topk_route_shed(probs, slot_table, *, top_k: int, normalize: bool = True, on
             takes up to 16, past that the top-k runs in XLA before it.
         normalize: renormalise the top-k values to sum to 1, as routers with
             ``norm_topk_prob`` do; ``False`` keeps them as they are.
-        on_miss: ``"shed"`` (``route_shed``), ``"substitute"``: each miss
+        on_miss: ``"shed"`` (``route_shed``'s: the layer rule ``route_shed``), ``"substitute"``: each miss
             served by the best resident expert the row did not choose, at the
             miss's weight (kq_core.oracle, step 4), or ``"tier"``: as for
             :func:`route_shed` (needs ``num_slots``).

@@ -42,7 +42,9 @@ from kq_jax.reference import bounded_table, lookup_slots, normalize_topk_ref
 
 RULES = rules.RULES  # every rule of kq_core.rules
 TIER_RULES = rules.TIER_RULES  # a miss served from the tier
-FUSED_RULES = ("route_shed", *TIER_RULES)  # routed and shed by one topk_route_shed launch in moe_layer
+# Routed and shed by one topk_route_shed launch in moe_layer: every rule on an arena. stall, the layer with every
+# expert, routes with the router's lax.top_k (router_topk), as the resident model does.
+FUSED_RULES = tuple(rule for rule in RULES if rule != "stall")
 RESIDENT_PRIOR = rules.RESIDENT_PRIOR  # the ``prior`` rule's bonus to a resident expert's log-probability (nats)
 
 
@@ -62,8 +64,11 @@ def moe_layer(x, router_w, slot_table, *, rule: str, top_k: int, normalize: bool
     The step :class:`kq_jax.nnx.ArenaMoE` runs, :func:`kq_jax.qwen3_moe_arena.make_step`'s layers run and
     :func:`kq_jax.moe.moe_ffn_arena` and :func:`~kq_jax.moe.moe_ffn_tiered` run (rules ``route_shed`` and
     ``tier``), so the module and the functional layers compute with the same operations in the same order.
-    Rules :data:`FUSED_RULES` route and shed in one ``topk_route_shed`` launch; the others take the router's
-    ``lax.top_k`` (:func:`router_topk`) and let :func:`arena_moe` shed.
+    Rules :data:`FUSED_RULES` (every rule on an arena) route and shed in one ``topk_route_shed`` launch, whose
+    top-k and weights are :func:`router_topk`'s (``kq_core.oracle``'s order and arithmetic) and which keeps
+    sharded rows on their devices (:mod:`kq_jax.partition`; XLA's own ``top_k`` gathers them on the CPU);
+    ``stall`` takes the router's ``lax.top_k`` (:func:`router_topk`), as the resident model does, and lets
+    :func:`arena_moe` shed.
 
     Args:
         x: ``[T, D]`` the layer's MoE input.
@@ -101,8 +106,8 @@ def moe_layer_with_routing(x, router_w, slot_table, *, rule: str, top_k: int, no
     Returns:
         ``(out [T, D], report, routing)``: :func:`moe_layer`'s output and report, and for rules
         :data:`FUSED_RULES` the :class:`~kq_core.contract.TopkRouteShedResult` of the router's one
-        ``topk_route_shed`` launch (its routing and ``route_shed``'s outputs, each ``[T, k]``); None for the
-        other rules, which route with ``lax.top_k``.
+        ``topk_route_shed`` launch (its routing and ``route_shed``'s outputs, each ``[T, k]``); None for
+        ``stall``, which routes with ``lax.top_k``.
 
     Raises:
         ValueError, TypeError: as :func:`moe_layer`.

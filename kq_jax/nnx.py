@@ -254,8 +254,11 @@ class ArenaMoE(nnx.Module):
     :meth:`from_dense` builds it from a :class:`DenseMoE`'s weights. The tier starts as zeros too (a miss
     served from it before :meth:`set_tier`, or a restored state, loads it contributes zeros). ``__call__``
     works under ``nnx.jit``, ``nnx.vmap`` / ``nnx.scan`` over a stack of layers and ``nnx.grad`` (the output
-    is differentiable in the router's kernel through the gate weights), and with its input rows sharded: the
-    router keeps each device on its own rows (:mod:`kq_jax.partition`), the variables replicated.
+    is differentiable in the router's kernel through the gate weights), and with its input rows sharded and
+    the variables replicated: under rules ``shed``, ``route_shed``, ``renormalize``, ``substitute``, ``tier``
+    and ``uniform`` each device stays on its own rows, no collective (:mod:`kq_jax.partition`); ``reroute``
+    and ``prior`` take XLA's ``top_k`` of the probabilities and ``exact`` reads its misses for all rows, which
+    gather the rows.
 
     Args:
         hidden_size: D; intermediate_size: F; num_experts: E; num_slots: S; top_k, normalize: as

@@ -67,7 +67,7 @@ def _misses(reports) -> np.ndarray:
 # ---- every expert resident: the dense module's bits --------------------------------------------------
 
 
-@pytest.mark.parametrize("rule", ["route_shed", "tier"])
+@pytest.mark.parametrize("rule", ["route_shed", "tier", "shed"])
 @pytest.mark.parametrize("jitted", [False, True], ids=["eager", "nnx.jit"])
 def test_every_expert_resident_is_the_dense_module_bit_for_bit(dense, inputs, rule, jitted):
     module = ArenaMoE.from_dense(dense, rule=rule)
@@ -303,7 +303,7 @@ def test_every_expert_resident_gives_the_dense_modules_gradients_bit_for_bit(rul
 # ---- sharded rows -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("rule", ["route_shed", "tier"])
+@pytest.mark.parametrize("rule", ["route_shed", "tier", "shed"])
 def test_sharded_rows_stay_on_their_devices_with_the_single_device_bits(dense, rule):
     devices = jax.devices("cpu")
     if len(devices) < 8:

@@ -314,6 +314,36 @@ def test_the_module_refuses_stall_naming_the_rule(dense):
         ArenaMoE(D, F, E, S, K, rule="drop", rngs=nnx.Rngs(0))
 
 
+@pytest.mark.parametrize("rule", ["shed", "route_shed", "renormalize", "substitute", "tier", "uniform"])
+def test_sharded_rows_stay_on_their_devices_under_the_row_wise_rules(dense, rule):
+    """Every rule but the cache-aware ones and exact routes through the one row-partitioned topk_route_shed
+    launch: rows sharded over devices compile to no collective, with the single device's reports and (but
+    for the tier's entries, whose bits depend on how many rows run together) its bits."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    devices = jax.devices("cpu")
+    if len(devices) < 8:
+        pytest.skip("needs 8 host devices (tests/conftest.py sets XLA_FLAGS before JAX starts)")
+    mesh = Mesh(np.array(devices[:8]).reshape(4, 2), ("data", "model"))
+    module = ArenaMoE.from_dense(dense, resident=RESIDENT, num_slots=S, rule=rule, impl="reference")
+    graphdef, state = nnx.split(module)
+    step = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
+    x = jax.random.normal(jax.random.key(6), (16, 2, D), jnp.float32)
+    rows, replicated = NamedSharding(mesh, P("data", None, None)), NamedSharding(mesh, P())
+    hlo = step.lower(jax.device_put(state, replicated), jax.device_put(x, rows)).compile().as_text()
+    found = [name for name in ("all-gather", "all-reduce", "all-to-all", "collective-permute", "reduce-scatter")
+             if name in hlo]
+    assert not found, f"collectives in the compiled module: {found}"
+    out, reports = step(jax.device_put(state, replicated), jax.device_put(x, rows))
+    want, want_reports = step(jax.device_put(state, devices[0]), jax.device_put(x, devices[0]))
+    np.testing.assert_array_equal(np.asarray(want_reports), np.asarray(reports))
+    if rule in rules.TIER_RULES:  # a tier entry's bits depend on the rows computed together (docs/api.md)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-6)
+    else:
+        np.testing.assert_array_equal(bits(want), bits(out))
+
+
 # ---- the module's default and its old argument ---------------------------------------------------------
 
 

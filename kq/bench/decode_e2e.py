@@ -88,6 +88,9 @@ from kq.bench.floor import floor_columns, miss_path_gib_per_s
 from kq.terminal import progress_bar, render_table
 
 MODES = ("resident", "lossy", "tier", "exact", "exact-fetch")
+# The lossy mode's rule (kq_core.rules): route_shed, the kept weights rescaled to the routed mass, whose
+# one topk_route_shed launch routes and sheds (the recorded timings are its); not kq_core.rules.DEFAULT_RULE.
+LOSSY_RULE = "route_shed"
 RESIDENCIES = (1.0, 0.75, 0.5, 0.25)
 TIER_BITS, TIER_GROUP_SIZE = 3, 32
 # Recorded: name -> (checkpoint under models/, layers (None: every layer the checkpoint has), hidden,
@@ -295,7 +298,7 @@ class Engine:
 
         def arena_program(rule: str, fetch=None):
             """A new jitted ``(x, position, arrays, tables) -> (x, packed reports)`` on the arena with ``rule``
-            (``route_shed``, ``tier`` on ``self.tier``, ``exact`` with misses read by ``fetch``, or ``full``:
+            (:data:`LOSSY_RULE`, ``tier`` on ``self.tier``, ``exact`` with misses read by ``fetch``, or ``full``:
             tables that hold every expert, :func:`kq_jax.arena_moe.full_table_moe`)."""
             if rule == "tier":
                 tiered = jax.jit(lambda x, position, arrays, tables, tier: streamed(x, position, arrays, tables,
@@ -304,7 +307,7 @@ class Engine:
             return jax.jit(lambda x, position, arrays, tables: streamed(x, position, arrays, tables, None, rule, fetch))
 
         self.resident = jax.jit(resident)
-        self.streamed = arena_program("route_shed")
+        self.streamed = arena_program(LOSSY_RULE)
         self.tiered = arena_program("tier")
         self.full = arena_program("full")
         # the exact rule with misses read inside the program, by a host reader given per run
