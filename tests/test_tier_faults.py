@@ -12,7 +12,8 @@ import pytest
 
 import kq_host.tier as tier_module
 from kq_host.expert_store import ExpertStore, ExpertStoreError
-from kq_host.tier import QuantizedWeight, TierOptionError, build_tier, quantize
+from kq_host.tier import (DEFAULT_TIER_BITS, DEFAULT_TIER_GROUP_SIZE, QuantizedWeight, TierOptionError, build_tier,
+                          quantize)
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -31,12 +32,13 @@ def _write_checkpoint(path, rng, *, layers=2, experts=4, hidden=64, ffn=32, dtyp
     return tensors
 
 
-def _expected(tensors, layer, expert, projection, bits=3, group_size=32):
+def _expected(tensors, layer, expert, projection, bits=DEFAULT_TIER_BITS, group_size=DEFAULT_TIER_GROUP_SIZE):
     return quantize(tensors[f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight"], bits=bits,
                     group_size=group_size)
 
 
-def _assert_tier_is(tier, tensors, *, layers=2, experts=4, bits=3, group_size=32):
+def _assert_tier_is(tier, tensors, *, layers=2, experts=4, bits=DEFAULT_TIER_BITS,
+                    group_size=DEFAULT_TIER_GROUP_SIZE):
     assert (tier.num_layers, tier.num_experts, tier.bits, tier.group_size) == (layers, experts, bits, group_size)
     for layer in range(layers):
         for expert in range(experts):
