@@ -1,9 +1,10 @@
 """One MoE layer's step on an arena, written once: route_shed, the rule, the experts, the combine, the report.
 
-Every decode loop of kq (the study's steps, the end-to-end benchmark's engine, the demo's stack, the
-exact loop, the tier benchmark) runs a layer through :func:`arena_moe` with its own routing and
-weights, so what a rule does with a miss, how hits and tier copies are gathered and how the
-entries are combined is defined here alone.
+Every decode loop of kq in JAX (the study's steps, the end-to-end benchmark's engine, the demo's stack, the
+exact loop, the tier benchmark, :class:`kq_jax.nnx.ArenaMoE`, :func:`kq_jax.moe.moe_ffn_arena` and
+:func:`~kq_jax.moe.moe_ffn_tiered`) runs a layer through :func:`arena_moe` with its own routing and
+weights, so how JAX does what a rule says with a miss, how hits and tier copies are gathered and how the
+entries are combined is written here alone; what each rule means is :mod:`kq_core.rules`'.
 
 Rules for a routed expert that is not resident (:data:`RULES`): the names and meanings of
 :mod:`kq_core.rules`, which every backend of kq takes; this module runs each of them in JAX:
