@@ -9,6 +9,7 @@ reads already made instead of reading it twice.
 
 from __future__ import annotations
 
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Mapping, Sequence
@@ -16,6 +17,19 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from kq_core.validate import is_int
+
+
+# The words that name each projection's role, in the order a program takes them: gate, up, down (Hugging Face's
+# gate_proj / up_proj / down_proj, Mixtral's w1 / w3 / w2).
+ROLE_WORDS = (("gate", "w1"), ("up", "w3"), ("down", "w2"))
+
+
+def _role(name) -> int | None:
+    """The position of the role a projection's name says (:data:`ROLE_WORDS`), None where it says none."""
+    words = set(re.split(r"[^a-z0-9]+", str(name).lower()))
+    words |= {word.removesuffix("proj") for word in words}
+    found = [role for role, names in enumerate(ROLE_WORDS) if words & set(names)]
+    return found[0] if len(found) == 1 else None
 
 
 class MissReader:
@@ -31,7 +45,8 @@ class MissReader:
             converted to it for the program (the kept reads stay as read); None: as read.
 
     Raises:
-        ValueError: ``projections`` empty, ``workers`` or ``keep`` below 1.
+        ValueError: ``projections`` empty or named in another order than gate, up, down (:data:`ROLE_WORDS`;
+            names that say no role are taken as given), ``workers`` or ``keep`` below 1.
 
     A read that fails (the store raises, or its payload lacks a projection or differs in shape or dtype
     from the call's other experts) fails the call, naming the expert and layer; nothing of that call is
@@ -42,6 +57,10 @@ class MissReader:
     def __init__(self, store, projections: Sequence[str], *, workers: int = 8, keep: int = 4096, dtype=None):
         if not projections:
             raise ValueError("MissReader: projections must name at least one payload key")
+        roles = [_role(name) for name in projections]
+        if len(roles) == len(ROLE_WORDS) and None not in roles and roles != sorted(set(roles)):
+            raise ValueError(f"MissReader: projections must be in the order the program takes them, gate, up, down "
+                             f"(gate and up have one shape: a swap would run unnoticed), got {tuple(projections)}")
         for name, value in (("workers", workers), ("keep", keep)):
             if not is_int(value) or value < 1:
                 raise ValueError(f"MissReader: {name} must be an int >= 1, got {value!r}")
