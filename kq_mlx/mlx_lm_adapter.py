@@ -53,6 +53,7 @@ import kq_mlx
 from kq_mlx import report_pack, route_shed_columns
 from kq_mlx.route_shed_mlx import from_numpy
 from kq_core.contract import holds_every_expert
+from kq_core.rules import DEFAULT_RULE, RULE, RULES, check_rule
 from kq_host.arena import check_payload, check_slot, checked_writes
 from kq_host.residency import LayerReport, PreloadError, deadline_of
 
@@ -91,15 +92,11 @@ ROUTERS: dict[str, Callable] = {
 }
 
 
-# What a layer does with a routed expert that is not resident (kq study compares them):
-# route_shed (shed, the kept weights keep the routed mass), shed (the miss's output zeroed, the kept
-# weights as they are), renormalize (kept weights to sum 1), substitute (the best resident expert the
-# row did not choose, at the miss's weight; Qwen3-MoE only), tier (the miss's low-precision copy, at its
-# weight; after attach_tier), stall (the layer's own experts: exact), exact (the misses read before the
-# experts run; after attach_exact).
-MISS_RULES = ("route_shed", "shed", "renormalize", "substitute", "tier", "stall", "exact")
+# What a layer does with a routed expert that is not resident: kq_core.rules' rules (their meanings in RULE), but
+# reroute and prior (they change which experts run: JAX only) and uniform (no arena: kq study's baseline).
+MISS_RULES: tuple[str, ...] = tuple(rule for rule in RULES if rule not in ("reroute", "prior", "uniform"))
 # The rules that need no gate weights: every family, at the SwitchGLU seam.
-SEAM_RULES = ("shed", "tier", "stall", "exact")
+SEAM_RULES: tuple[str, ...] = tuple(rule for rule in MISS_RULES if not RULE[rule].needs_router)
 # An ArenaLayer's attributes kept outside mlx's module tree: its slot table and what the last pass left are no
 # parameters (a cast, an update or save_weights of the model leaves them alone).
 _OUTSIDE_TREE = frozenset({"slot_table", "last", "last_mix"})
@@ -129,7 +126,7 @@ class ArenaLayer(nn.Module):
     Attributes:
         slot_table: ``mx.array int32 [E]`` for the next forward pass (set by :func:`set_tables`, checked where set;
             no parameter of the module).
-        rule: one of the class's ``RULES``.
+        rule: one of the class's ``RULES`` (:mod:`kq_core.rules`); default ``"shed"`` (``DEFAULT_RULE``).
         last: ``(inds, scores, RouteShedResult)`` of the last forward pass, for the host.
         last_mix: the weights the last pass combined the experts' outputs with (0: not served).
         compiled: build the layer's graph through ``mx.compile`` (the default): its routing, ``route_shed``,
@@ -168,7 +165,7 @@ class ArenaLayer(nn.Module):
         self.model_layer = int(numbers[0]) if numbers else None
         object.__setattr__(self, "_slot_table", mx.full((self.num_experts,), -1, mx.int32))  # not a parameter
         self._published = None  # set_tables' last row for this layer (_Published: outside the module's tree)
-        self._rule = self.RULES[0]
+        self._rule = DEFAULT_RULE
         self.tier = None  # a copy of the arena holding every expert at low precision (attach_tier)
         self.manager, self.layer, self.timeout = None, None, None  # rule "exact" (attach_exact)
         self.read_retries = 0  # rule "exact": times a failed read is read again before the error
@@ -305,13 +302,11 @@ class ArenaLayer(nn.Module):
 
     @rule.setter
     def rule(self, rule: str) -> None:
-        if rule not in self.RULES:
-            if rule in MISS_RULES:
-                raise ValueError(f"{type(self).__name__}: rule {rule!r} rescales the gate weights, which this family's "
-                                 f"own router computes; it takes {self.RULES} (kq runs the routers of "
-                                 f"{sorted(ROUTERS)} itself, and gives those every rule of {MISS_RULES})")
-            raise ValueError(f"{type(self).__name__}: rule must be one of {self.RULES}, got {rule!r}")
-        self._rule = rule
+        if isinstance(rule, str) and rule in MISS_RULES and rule not in self.RULES:
+            raise ValueError(f"{type(self).__name__}: rule {rule!r} rescales the gate weights, which this family's "
+                             f"own router computes; it takes {self.RULES} (kq runs the routers of "
+                             f"{sorted(ROUTERS)} itself, and gives those every rule of {MISS_RULES})")
+        self._rule = check_rule(rule, type(self).__name__, allowed=self.RULES)
 
     def _source(self, why: str) -> nn.Module:
         """The layer's own SwitchGLU (every expert), kept unless attach_arena dropped it."""
@@ -604,7 +599,8 @@ class ArenaSwitch(ArenaLayer):
 class ArenaMoeBlock(ArenaLayer):
     """An mlx-lm MoE block whose router kq knows (:data:`ROUTERS`), its experts in an arena of ``num_slots``
     slots: the block's routing, ``route_shed`` and the arena's experts combined by ``mix``. Every rule of
-    :data:`MISS_RULES` (default ``"route_shed"``); the reports carry the router's scores."""
+    :data:`MISS_RULES` (default ``"shed"``: :data:`kq_core.rules.DEFAULT_RULE`); the reports carry the router's
+    scores."""
 
     RULES = MISS_RULES
 

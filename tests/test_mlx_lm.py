@@ -1168,6 +1168,7 @@ def test_a_compiled_layer_graph_holds_fewer_primitives_than_its_ops_one_by_one(o
 
     model = evaluated(qwen3_model, seed=2)
     blocks = attach_arena(model, EXPERTS // 4)
+    blocks[0].rule = "route_shed"
     set_tables(blocks, np.tile(np.where(np.arange(EXPERTS) % 4 == 0, np.arange(EXPERTS) // 4, -1), (LAYERS, 1)))
     x = mx.array(np.random.default_rng(2).standard_normal((1, 1, 64)).astype(np.float32))
 

@@ -165,6 +165,35 @@ def test_the_mlx_adapters_rules_are_kq_cores():
     assert set(SEAM_RULES) == {rule for rule in MISS_RULES if rule in rules.SEAM_RULES}
 
 
+def test_the_mlx_layers_start_under_the_default_rule_and_refuse_a_rule_they_do_not_run_by_name():
+    pytest.importorskip("mlx.core")
+    pytest.importorskip("mlx_lm")
+    from mlx_lm.models import qwen3_moe
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    from kq_mlx.mlx_lm_adapter import ArenaMoeBlock, ArenaSwitch
+
+    args = qwen3_moe.ModelArgs(
+        model_type="qwen3_moe", hidden_size=32, num_hidden_layers=1, intermediate_size=64, num_attention_heads=2,
+        num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], moe_intermediate_size=16,
+        rms_norm_eps=1e-6, vocab_size=32, num_key_value_heads=1, head_dim=16, rope_theta=10000.0,
+        tie_word_embeddings=False, max_position_embeddings=64, norm_topk_prob=True)
+    block = ArenaMoeBlock(qwen3_moe.Qwen3MoeSparseMoeBlock(args), 4)
+    switch = ArenaSwitch(SwitchGLU(32, 16, 8), 4)
+    for layer in (block, switch):
+        assert layer.rule == DEFAULT_RULE
+        for rule in ("drop", 3, None, "reroute", "uniform"):
+            with pytest.raises(ValueError, match=f"^{type(layer).__name__}: rule must be one of "
+                                                 f"{', '.join(layer.RULES)}; got"):
+                layer.rule = rule
+        assert layer.rule == DEFAULT_RULE
+    for rule in block.RULES:
+        block.rule = rule
+        assert block.rule == rule
+    with pytest.raises(ValueError, match="^ArenaSwitch: rule 'route_shed' rescales the gate weights"):
+        switch.rule = "route_shed"
+
+
 def test_a_rule_the_layers_do_not_know_is_refused_listing_the_names(dense, rows):
     module = _module(dense, "shed")
     for call in (lambda: _functional(dense, rows, "drop", _table(), module),
