@@ -138,22 +138,12 @@ class ExpertStream:
         self._close()
 
 
-class _PassBoundary(nn.Module):
+class _PassBoundary(adapter.LayerWrapper):
     """The model's first decoder layer: a pass begins here (:meth:`ExpertStream.begin_pass`)."""
 
     def __init__(self, layer: nn.Module, stream: ExpertStream):
-        super().__init__()
-        self.layer = layer
+        super().__init__(layer)
         object.__setattr__(self, "_stream", stream)  # outside the module's tree
-
-    def __getattr__(self, key):
-        try:
-            return super().__getattr__(key)
-        except AttributeError:
-            inner = self.get("layer")
-            if inner is None:
-                raise
-            return getattr(inner, key)  # a family's model reads its decoder layers' attributes
 
     def __call__(self, x, *args, **kwargs):
         self._stream.begin_pass(x)

@@ -990,13 +990,36 @@ def attach_arena(model: nn.Module, num_slots: int, *, keep_experts: bool = True)
     return [layer for _, layer in replaced]
 
 
-class _LookaheadLayer(nn.Module):
+class LayerWrapper(nn.Module):
+    """A decoder layer wrapped: the wrapper holds it as ``layer`` (a child in the module tree) and hands on the
+    attributes it lacks to it, as a family's model reads its decoder layers' attributes (``use_sliding``,
+    ``self_attn``, ...). Subclasses add what runs around the layer's ``__call__``.
+
+    Args:
+        layer: the decoder layer wrapped, an ``mlx.nn.Module``.
+    """
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def __getattr__(self, key: str):
+        try:
+            return super().__getattr__(key)
+        except AttributeError:
+            inner = self.get("layer")
+            if inner is None:
+                raise
+            return getattr(inner, key)
+
+
+class _LookaheadLayer(LayerWrapper):
     """A decoder layer, then the next MoE block's router on its output (normalised as that layer
     normalises its MoE input, its attention skipped): the next layer's predicted experts, ``predicted``."""
 
     def __init__(self, layer: nn.Module, following: nn.Module, norm: nn.Module):
-        super().__init__()
-        self.layer, self.following, self.norm = layer, following, norm
+        super().__init__(layer)
+        self.following, self.norm = following, norm
         self.predicted = None
         self.prefetch = None  # attach_exact: called with the evaluated predictions, ids and scores
 
@@ -1196,23 +1219,13 @@ class _SharedCheckpoint:
         self.checkpoint = _CacheCheckpoint()
 
 
-class _PassGuardLayer(nn.Module):
+class _PassGuardLayer(LayerWrapper):
     """A decoder layer that records the caches it is handed; when it raises, every cache the pass has
     touched (from the first decoder layer on) is put back as it was before the pass, then the error goes on."""
 
     def __init__(self, layer: nn.Module, shared: _SharedCheckpoint, first: bool):
-        super().__init__()
-        self.layer = layer
+        super().__init__(layer)
         self._shared, self._first = shared, first
-
-    def __getattr__(self, key):
-        try:
-            return super().__getattr__(key)
-        except AttributeError:
-            inner = self.get("layer")
-            if inner is None:
-                raise
-            return getattr(inner, key)  # a family's model reads its decoder layers' attributes
 
     def __call__(self, *args, **kwargs):
         from mlx_lm.models.cache import _BaseCache
