@@ -45,7 +45,7 @@ except ImportError as error:  # the one module of kq_jax that needs Flax
 from kq_core.contract import EXPERT_PROJECTIONS
 from kq_core.rules import DEFAULT_RULE, RULE, RULES, check_rule
 from kq_core.validate import is_int
-from kq_host.tier import BITS, GROUP_SIZES, quantize, scale_dtype
+from kq_host.tier import BITS, DEFAULT_TIER_BITS, DEFAULT_TIER_GROUP_SIZE, GROUP_SIZES, quantize, scale_dtype
 from kq_jax.api import IMPLS
 from kq_jax.arena import pack_reports
 from kq_jax.arena_moe import moe_layer, router_topk
@@ -274,7 +274,9 @@ class ArenaMoE(nnx.Module):
         fetch: rule ``"exact"``'s reader, ``fetch(layer, ids) -> (gate, up, down)`` of the experts ``ids``
             (e.g. a :class:`kq_host.miss_reader.MissReader`); called from inside the step, only when the
             layer misses.
-        tier_bits, tier_group_size: the tier's format (:mod:`kq_host.tier`), used where the rule needs a tier;
+        tier_bits, tier_group_size: the tier's format (:mod:`kq_host.tier`; default
+            :data:`~kq_host.tier.DEFAULT_TIER_BITS` bits in groups of :data:`~kq_host.tier.DEFAULT_TIER_GROUP_SIZE`),
+            used where the rule needs a tier;
             D and F must be multiples of ``tier_group_size``.
         dtype: the router's and the arena's dtype (the tier's scales and biases are
             :func:`kq_host.tier.scale_dtype`'s for it).
@@ -286,8 +288,9 @@ class ArenaMoE(nnx.Module):
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, num_slots: int, top_k: int, *,
-                 normalize: bool = True, rule: str | None = None, on_miss: str | None = None, tier_bits: int = 3,
-                 tier_group_size: int = 32, dtype=jnp.float32, impl: str = "auto", fetch=None, rngs: nnx.Rngs):
+                 normalize: bool = True, rule: str | None = None, on_miss: str | None = None,
+                 tier_bits: int = DEFAULT_TIER_BITS, tier_group_size: int = DEFAULT_TIER_GROUP_SIZE, dtype=jnp.float32,
+                 impl: str = "auto", fetch=None, rngs: nnx.Rngs):
         rule = resolve_rule(rule, on_miss, "ArenaMoE")
         self.router = Router(hidden_size, num_experts, top_k, normalize=normalize, dtype=dtype, rngs=rngs)
         d, e = self.router.hidden_size, self.router.num_experts
@@ -456,8 +459,8 @@ class ArenaMoE(nnx.Module):
 
     @classmethod
     def from_dense(cls, dense: DenseMoE, *, resident: Sequence[int] | None = None, num_slots: int | None = None,
-                   rule: str | None = None, on_miss: str | None = None, tier_bits: int = 3,
-                   tier_group_size: int = 32, impl: str = "auto", fetch=None) -> "ArenaMoE":
+                   rule: str | None = None, on_miss: str | None = None, tier_bits: int = DEFAULT_TIER_BITS,
+                   tier_group_size: int = DEFAULT_TIER_GROUP_SIZE, impl: str = "auto", fetch=None) -> "ArenaMoE":
         """The arena layer of a :class:`DenseMoE`'s weights: its router, and the experts ``resident`` in
         slots 0, 1, ... (the rest of the slots empty); the tier, where the rule needs one, quantized from
         every expert on the host (:func:`kq_host.tier.quantize`).

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kq_core.validate import is_int
+from kq_host.tier import DEFAULT_TIER_BITS, DEFAULT_TIER_GROUP_SIZE
 from kq_jax import qwen3_moe
 from kq_jax.moe import TierExperts
 from kq_jax.nnx import ArenaMoE, resolve_rule  # first: its ImportError says how to install Flax
@@ -65,8 +66,8 @@ class Qwen3MoeDecoder(nnx.Module):
     """
 
     def __init__(self, params: Mapping, cfg: qwen3_moe.Qwen3MoeConfig, num_slots: int, *, rule: str | None = None,
-                 on_miss: str | None = None, tier_bits: int = 3, tier_group_size: int = 32, impl: str = "auto",
-                 fetch=None):
+                 on_miss: str | None = None, tier_bits: int = DEFAULT_TIER_BITS,
+                 tier_group_size: int = DEFAULT_TIER_GROUP_SIZE, impl: str = "auto", fetch=None):
         rule = resolve_rule(rule, on_miss, "Qwen3MoeDecoder")
         if not isinstance(cfg, qwen3_moe.Qwen3MoeConfig):
             raise ValueError(f"Qwen3MoeDecoder: cfg must be a kq_jax.qwen3_moe.Qwen3MoeConfig, got "

@@ -6,13 +6,15 @@ import json
 from pathlib import Path
 
 from kq_host.checkpoint import CHECKPOINT_LAYOUTS
+from kq_host.tier import DEFAULT_TIER_BITS, DEFAULT_TIER_GROUP_SIZE
 
 
-def arena_tier(checkpoint, *, bits: int = 3, group_size: int = 32):
+def arena_tier(checkpoint, *, bits: int = DEFAULT_TIER_BITS, group_size: int = DEFAULT_TIER_GROUP_SIZE):
     """A ``qwen3_moe`` or ``mixtral`` checkpoint's low-precision tier of every expert, quantized from its
     float weights (dequantized where it is stored quantized), its projections under the mlx-lm arena's
     names (:func:`kq_mlx.mlx_lm_adapter.attach_tier`): built once, cached on disk
-    (:func:`kq_host.tier.build_tier`)."""
+    (:func:`kq_host.tier.build_tier`); ``bits`` and ``group_size`` default to :data:`kq_host.tier.DEFAULT_TIER_BITS`
+    and :data:`~kq_host.tier.DEFAULT_TIER_GROUP_SIZE`."""
     from kq_host.checkpoint import open_experts
     from kq_host.tier import Tier, build_tier
     from kq_mlx.mlx_lm_adapter import PROJECTIONS

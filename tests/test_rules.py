@@ -10,6 +10,7 @@ can be read off the output to the bit.
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 
 import numpy as np
@@ -192,6 +193,30 @@ def test_the_mlx_layers_start_under_the_default_rule_and_refuse_a_rule_they_do_n
         assert block.rule == rule
     with pytest.raises(ValueError, match="^ArenaSwitch: rule 'route_shed' rescales the gate weights"):
         switch.rule = "route_shed"
+
+
+def test_the_layers_tier_defaults_are_kq_hosts(dense):
+    """A tier rule's module, the Qwen3-MoE decoder and the MLX arena's tier take kq_host.tier's one default
+    format unless told otherwise."""
+    import inspect
+
+    from kq_host.tier import DEFAULT_TIER_BITS, DEFAULT_TIER_GROUP_SIZE
+    from kq_jax.qwen3_moe_nnx import Qwen3MoeDecoder
+
+    for rule in rules.TIER_RULES:
+        module = ArenaMoE.from_dense(dense, resident=RESIDENT, num_slots=S, rule=rule)
+        assert (module.tier_bits, module.tier_group_size) == (DEFAULT_TIER_BITS, DEFAULT_TIER_GROUP_SIZE)
+        assert module.tier_gating_packed[...].shape[-1] == D * DEFAULT_TIER_BITS // 32  # the packed words of a row
+    defaults = [ArenaMoE.__init__, ArenaMoE.from_dense, Qwen3MoeDecoder.__init__]
+    if importlib.util.find_spec("mlx") is not None:
+        from kq_mlx.tier import arena_tier
+
+        defaults.append(arena_tier)
+    for function in defaults:
+        parameters = inspect.signature(function).parameters
+        bits, group = (("tier_bits", "tier_group_size") if "tier_bits" in parameters else ("bits", "group_size"))
+        assert (parameters[bits].default, parameters[group].default) == (DEFAULT_TIER_BITS, DEFAULT_TIER_GROUP_SIZE), \
+            function.__qualname__
 
 
 def test_a_rule_the_layers_do_not_know_is_refused_listing_the_names(dense, rows):
