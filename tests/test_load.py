@@ -230,3 +230,34 @@ def test_batch_generate_runs_and_exact_gives_the_unmodified_models_batch(rule):
         assert got == want
     assert stream_of(model).stats()["lookups"] > 0
     stream_of(model).close()
+
+
+def test_mlx_lm_chat_runs_two_turns_on_the_loaded_model(monkeypatch, capsys):
+    """mlx-lm's own chat command (its loop, its prompt cache kept over the turns) on kq_mlx.load's model prints
+    what it prints on the unmodified model; the shipped tokenizer is given a plain chat template."""
+    import builtins
+    import sys
+
+    from mlx_lm import chat
+
+    template = "{% for message in messages %}{{ message['content'] }}\n{% endfor %}"
+
+    def run(loader) -> str:
+        turns = iter(["def add(a, b):", "class Stack:", "q"])
+        monkeypatch.setattr(builtins, "input", lambda *_: next(turns))
+        monkeypatch.setattr(sys, "argv", ["mlx_lm.chat", "--model", str(WHEELS), "--temp", "0", "--max-tokens", "8"])
+        monkeypatch.setattr(chat, "load", loader)
+        capsys.readouterr()
+        chat.main()
+        return "\n".join(line for line in capsys.readouterr().out.splitlines() if "tok/s" not in line)  # no speeds
+
+    def with_template(model, tokenizer):
+        tokenizer._tokenizer.chat_template = template
+        return model, tokenizer
+
+    want = run(lambda *args, **kwargs: with_template(*mlx_lm_load(str(WHEELS))))
+    loaded = []
+    got = run(lambda *args, **kwargs: with_template(*loaded.append(load(WHEELS, residency=0.25)) or loaded[0]))
+    assert got == want and got.count("\n") >= 2
+    assert stream_of(loaded[0][0]).stats()["reads"] > 0
+    stream_of(loaded[0][0]).close()
