@@ -586,6 +586,10 @@ SUBCOMMANDS = {
         help="an OpenAI-compatible server for an mlx-lm MoE model directory, its experts streamed through an arena",
         description="Serves /v1/chat/completions, /v1/completions and /v1/models (mlx-lm's server) with the model "
                     "kq_mlx.load gives: one arena for every request, requests served one at a time. docs/serving.md")),
+    "chat": (lambda parser: _application("chat").add_options(parser), dict(
+        help="a conversation in the terminal with an mlx-lm MoE model directory, its experts streamed through an arena",
+        description="Each line is a turn (the tokenizer's chat template where it has one), the reply streamed back; "
+                    "one prompt cache holds the conversation. 'r' starts again, 'q' or the end of input ends it.")),
     "plan": (lambda parser: _application("plan").add_options(parser), dict(
         help="where a memory budget goes for a model, and the speed this machine's reads allow",
         description="Prints the split of --memory (non-expert weights, KV cache, tier, arena per layer) read from "
