@@ -28,13 +28,15 @@ import numpy as np
 
 from kq.terminal import render_figures, wrap
 from kq_core.contract import EXPERT_PROJECTIONS
+from kq_core.rules import check_rule
 from kq_core.validate import is_int
 from kq_host.tier import DEFAULT_TIER_BITS  # the tier rule's bits where none are given: kq generate's and kq study's
 
 if TYPE_CHECKING:
     from kq.study import RunResult
 
-DEMO_RULES = ("tier", "route_shed", "shed", "exact")
+# The rules kq demo runs (kq_core.rules' names): kq study's tier, route_shed and shed, and exact.
+DEMO_RULES: tuple[str, ...] = ("tier", "route_shed", "shed", "exact")
 FRAMEWORK_PACKAGES = {"mlx": "mlx_lm", "jax": "jax"}  # each framework and the package it needs, MLX first
 
 
@@ -76,8 +78,9 @@ class ModelDemoConfig:
             raise ValueError(f"--tier-bits serves the misses of --rule tier; the rule is {self.rule!r}")
         if self.rule == "tier" and self.tier_bits is None:
             object.__setattr__(self, "tier_bits", DEFAULT_TIER_BITS)
-        for name, value, known in (("--policy", self.policy, ("lfu", "lru")), ("--rule", self.rule, DEMO_RULES),
-                                   ("--tier-bits", self.tier_bits, (*BITS, None))):
+        check_rule(self.rule, "kq demo", argument="--rule", allowed=DEMO_RULES)
+        for name, value, known in (("--policy", self.policy, ("lfu", "lru")), ("--tier-bits", self.tier_bits,
+                                                                                (*BITS, None))):
             if value not in known:
                 raise ValueError(f"{name} must be among {known}, got {value!r}")
         if not 0.0 < self.residency <= 1.0:
@@ -229,7 +232,7 @@ def generate_through_arena(framework: str, checkpoint: Path, prompt: str, tokens
         tokens: greedy tokens to generate.
         residency: fraction of each layer's experts in the arena, in (0, 1].
         policy: the arena's eviction policy, ``"lfu"`` or ``"lru"``.
-        rule: a :data:`kq.study.RULES` rule for a routed expert not in the arena.
+        rule: a :data:`kq.study.RULES` rule for a routed expert not in the arena (:mod:`kq_core.rules`).
         tier_bits: bits per weight of the ``tier`` rule's copy of every expert.
         say: called with the name of each slow phase as it starts (loading, building the tier, compiling and
             generating through the arena, generating with every expert).

@@ -26,12 +26,13 @@ from pathlib import Path
 from typing import Callable
 
 
+from kq.model_options import RULES
+from kq_core.rules import check_rule
 from kq_core.validate import is_int, is_real
 from kq_host.checkpoint import (CheckpointError, check_regular_files)
 from kq_host.expert_store import ExpertStoreError
 from kq_host.residency import MAX_QUEUE_DEPTH
 
-RULES = ("exact", "tier", "shed")
 # The most tokens a run generates: an MLX array's axis (the key-value cache's positions) holds at most int32's.
 MAX_TOKENS = 2**31 - 1
 # Prompt tokens a prefill pass (mlx-lm's default prefill_step_size).
@@ -55,7 +56,8 @@ class GenerateConfig:
         memory: instead of ``residency``, the memory budget (bytes, or a text such as ``"8GiB"``):
             :func:`kq_host.memory_plan.plan_memory` sizes the arena with what the rest leaves.
         context: tokens of KV cache the budget keeps room for.
-        rule: what a generated token's routed expert not in the arena gets (:data:`RULES`).
+        rule: what a generated token's routed expert not in the arena gets (:data:`kq.model_options.RULES`:
+            ``exact``, ``tier`` or ``shed``, as :mod:`kq_core.rules` defines them).
         tier_bits, tier_group_size: rule ``tier``: the experts quantized to this many bits
             (:func:`kq_host.tier.build_tier`, cached on disk); default :data:`kq_host.tier.DEFAULT_TIER_BITS`
             bits, groups of :data:`kq_host.tier.DEFAULT_TIER_GROUP_SIZE`.
@@ -209,8 +211,10 @@ def _checked(config: GenerateConfig) -> tuple[Path, dict]:
         raise _fail("--seed", f"must be an int in [0, 2**64), got {config.seed!r}")
     if config.system_prompt is not None and not isinstance(config.system_prompt, str):
         raise _fail("--system-prompt", f"must be a text, got {config.system_prompt!r}")
-    if config.rule not in RULES:
-        raise _fail("--rule", f"must be one of {', '.join(RULES)}, got {config.rule!r}")
+    try:
+        check_rule(config.rule, "kq generate", argument="--rule", allowed=RULES)
+    except ValueError as error:  # kq generate's errors name the argument first
+        raise _fail("--rule", str(error).partition(" --rule ")[2]) from None
     tier_options = config.tier_bits is not None or config.tier_group_size is not None
     if config.rule != "tier" and (tier_options or config.tier_model is not None):
         raise _fail("--tier-bits/--tier-group-size/--tier-model", f"serve the misses of --rule tier; the rule is "

@@ -23,7 +23,7 @@ Rules for a routed expert that is not resident (``RULES``):
   the other k/2 places with the most probable resident experts of its top 2k not already chosen, each
   at its own probability (scaled as the router scales its top-k);
 * ``prior``: cache-aware routing: the top-k of the router's log-probabilities plus
-  :data:`RESIDENT_PRIOR` for resident experts, each chosen expert at its own probability (a miss shed).
+  :data:`kq_core.rules.RESIDENT_PRIOR` for resident experts, each chosen expert at its own probability (a miss shed).
 
 ``reroute`` and ``prior`` run in JAX only; the manager still reads the misses of the router's own top-k.
 The baseline ``uniform`` (JAX only) has no arena: every routed expert is served from the tier, as a model
@@ -49,13 +49,13 @@ import numpy as np
 
 from kq.terminal import progress_bar, render_table
 from kq_core.contract import MAX_TOP_K
+from kq_core.rules import RESIDENT_PRIOR  # noqa: F401  (the ``prior`` rule's bonus, named in the docstring)
 from kq_host.checkpoint import (CHECKPOINT_LAYOUTS, EXPERT_WIDTH_KEYS, MODEL_FILES, CheckpointError,
                                  check_regular_files, check_shards, model_files, read_config, trained_length)
 from kq_host.tier import DEFAULT_TIER_BITS, DEFAULT_TIER_GROUP_SIZE
 
 RULES = ("route_shed", "shed", "renormalize", "substitute", "tier", "stall", "reroute", "prior", "uniform")
 JAX_ONLY_RULES = ("reroute", "prior", "uniform")
-RESIDENT_PRIOR = 1.0  # the ``prior`` rule's bonus to a resident expert's log-probability (nats)
 POLICIES = ("lfu", "lru")
 RESIDENCIES = (1.0, 0.75, 0.5, 0.25, 0.125)
 SHIPPED_MODEL = Path(__file__).resolve().parents[1] / "models" / "stdlib-moe"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from kq_host.tier import DEFAULT_TIER_BITS, DEFAULT_TIER_GROUP_SIZE
 from kq_jax import qwen3_moe
 from kq_jax.arena import pack_reports
 from kq_jax.arena_moe import arena_moe, moe_layer
@@ -35,16 +36,17 @@ def _experts(p) -> Experts:
     return Experts(p["gate_proj"], p["up_proj"], p["down_proj"])
 
 
-def make_step(cfg, rule: str, tier_options: tuple[int, int] = (3, 32)):
-    """A jitted decode step under ``rule`` (:data:`kq_jax.arena_moe.RULES`), each MoE layer
-    :func:`kq_jax.arena_moe.moe_layer`: the step of :class:`kq_jax.nnx.ArenaMoE` (rules ``route_shed`` and
-    ``tier``), so :class:`kq_jax.qwen3_moe_nnx.Qwen3MoeDecoder` gives this step's logits bit for bit.
+def make_step(cfg, rule: str, tier_options: tuple[int, int] = (DEFAULT_TIER_BITS, DEFAULT_TIER_GROUP_SIZE)):
+    """A jitted decode step under ``rule`` (any rule of :mod:`kq_core.rules`), each MoE layer
+    :func:`kq_jax.arena_moe.moe_layer`: the step of :class:`kq_jax.nnx.ArenaMoE`, which runs the same layer
+    under any rule but ``stall`` (every expert, from ``params`` here), so
+    :class:`kq_jax.qwen3_moe_nnx.Qwen3MoeDecoder` gives this step's logits bit for bit.
 
     ``(params, arena, tables, token, position, cache, tier=None) -> (logits [1, V], cache, packed)``:
     ``arena`` ``{projection: [L, S, ...]}`` (None with rule ``stall``: every expert from ``params``),
     ``tables`` int32 ``[L, E]``, ``tier`` ``{projection: (packed, scales, biases)}`` ``[L, E, ...]`` for
-    the tier rules, quantized with ``tier_options`` ``(bits, group_size)``; ``packed`` int32
-    ``[5, L, 1, k]`` (:mod:`kq_core.reports`).
+    the tier rules, quantized with ``tier_options`` ``(bits, group_size)`` (default :mod:`kq_host.tier`'s);
+    ``packed`` int32 ``[5, L, 1, k]`` (:mod:`kq_core.reports`).
     """
     bits, group_size = tier_options
 
@@ -65,7 +67,8 @@ def make_step(cfg, rule: str, tier_options: tuple[int, int] = (3, 32)):
     return jax.jit(step)
 
 
-def make_streams_step(cfg, rule: str, num_slots: int, tier_options: tuple[int, int] = (3, 32)):
+def make_streams_step(cfg, rule: str, num_slots: int,
+                      tier_options: tuple[int, int] = (DEFAULT_TIER_BITS, DEFAULT_TIER_GROUP_SIZE)):
     """:func:`make_step` for B streams side by side, each with its own arena of ``num_slots`` per layer:
     ``(params, tables [L, B, E], tokens [B], position, cache, tier=None) -> (logits [B, V], cache,
     packed int32 [5, L, B, k])``.

@@ -166,6 +166,21 @@ def test_the_mlx_adapters_rules_are_kq_cores():
     assert set(SEAM_RULES) == {rule for rule in MISS_RULES if rule in rules.SEAM_RULES}
 
 
+def test_the_commands_rules_are_kq_cores_and_one_tuple_for_the_loader():
+    from kq import demo, generate, model_options, study
+
+    assert generate.RULES is model_options.RULES == ("exact", "tier", "shed")
+    for names in (model_options.RULES, demo.DEMO_RULES, study.RULES):
+        assert set(names) <= set(RULES), sorted(set(names) - set(RULES))
+    assert study.RESIDENT_PRIOR is rules.RESIDENT_PRIOR
+    if importlib.util.find_spec("mlx") is not None:
+        from kq_mlx import load
+
+        assert load.RULES == model_options.RULES
+    with pytest.raises(ValueError, match=r"^kq demo: --rule must be one of tier, route_shed, shed, exact; got 'stall'"):
+        demo.ModelDemoConfig(rule="stall", frameworks=("jax",))
+
+
 def test_the_mlx_layers_start_under_the_default_rule_and_refuse_a_rule_they_do_not_run_by_name():
     pytest.importorskip("mlx.core")
     pytest.importorskip("mlx_lm")
@@ -196,11 +211,12 @@ def test_the_mlx_layers_start_under_the_default_rule_and_refuse_a_rule_they_do_n
 
 
 def test_the_layers_tier_defaults_are_kq_hosts(dense):
-    """A tier rule's module, the Qwen3-MoE decoder and the MLX arena's tier take kq_host.tier's one default
-    format unless told otherwise."""
+    """A tier rule's module, the Qwen3-MoE decoder and its functional steps, and the MLX arena's tier take
+    kq_host.tier's one default format unless told otherwise."""
     import inspect
 
     from kq_host.tier import DEFAULT_TIER_BITS, DEFAULT_TIER_GROUP_SIZE
+    from kq_jax.qwen3_moe_arena import make_step, make_streams_step
     from kq_jax.qwen3_moe_nnx import Qwen3MoeDecoder
 
     for rule in rules.TIER_RULES:
@@ -217,6 +233,9 @@ def test_the_layers_tier_defaults_are_kq_hosts(dense):
         bits, group = (("tier_bits", "tier_group_size") if "tier_bits" in parameters else ("bits", "group_size"))
         assert (parameters[bits].default, parameters[group].default) == (DEFAULT_TIER_BITS, DEFAULT_TIER_GROUP_SIZE), \
             function.__qualname__
+    for function in (make_step, make_streams_step):
+        assert inspect.signature(function).parameters["tier_options"].default == (DEFAULT_TIER_BITS,
+                                                                                 DEFAULT_TIER_GROUP_SIZE)
 
 
 def test_a_rule_the_layers_do_not_know_is_refused_listing_the_names(dense, rows):
