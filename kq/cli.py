@@ -432,6 +432,7 @@ def _bench_options(bench) -> None:
 
 
 def _demo_options(demo) -> None:
+    from kq.demo import DEMO_RULES
     from kq.demo_random import column_legend
     from kq_host.tier import BITS as TIER_BITS
     from kq_host.tier import DEFAULT_TIER_BITS
@@ -460,7 +461,7 @@ def _demo_options(demo) -> None:
     demo.add_argument("--policy", choices=["lfu", "lru"], default="lfu",
                       help="eviction policy: lfu evicts the least frequently used expert (counts decayed over "
                            "time), lru the least recently used (default lfu)")
-    demo.add_argument("--rule", choices=["tier", "route_shed", "shed", "exact"], default=argparse.SUPPRESS,
+    demo.add_argument("--rule", choices=DEMO_RULES, default=argparse.SUPPRESS,
                       help="the shipped model's misses: served by a low-precision copy of every expert (tier, the "
                            "default), shed (route_shed rescales the kept weights, shed does not), or read before "
                            "their layer's experts run, the next layer's experts prefetched (exact: the layer-by-layer "

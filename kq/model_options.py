@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-# The rules a model kq_mlx.load.load loads runs (kq_core.rules' names; kq_mlx.load.RULES holds the same): a
-# generated token's misses read before their layer runs (exact), served by their low-precision copies (tier) or
-# dropped (shed). kq generate, kq serve and kq plan take these.
-RULES: tuple[str, ...] = ("exact", "tier", "shed")
+from kq_core.rules import LOADER_RULES as RULES  # noqa: E402 - the rules a loaded model runs
 
 
 def _positive_int(text: str) -> int:

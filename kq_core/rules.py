@@ -124,6 +124,9 @@ RULE: dict[str, Rule] = {rule.name: rule for rule in (
 )}
 RULES: tuple[str, ...] = tuple(RULE)
 DEFAULT_RULE = "shed"
+# The rules of a model kq_mlx.load loads (kq generate, serve, chat and plan): those that need neither the router's
+# probabilities nor every expert in memory.
+LOADER_RULES: tuple[str, ...] = ("exact", "tier", "shed")
 TIER_RULES: tuple[str, ...] = tuple(name for name, rule in RULE.items() if rule.needs_tier)
 ROUTER_RULES: tuple[str, ...] = tuple(name for name, rule in RULE.items() if rule.needs_router)
 # The rules a layer runs knowing only which experts it routed to, not their weights: what an MLX model gets at

@@ -37,7 +37,7 @@ from kq_host.memory_plan import MemoryPlan, MemoryPlanError, plan_memory
 from kq_host.residency import MAX_QUEUE_DEPTH, LayerReport
 from kq_mlx import mlx_lm_adapter as adapter
 
-RULES = ("exact", "tier", "shed")
+from kq_core.rules import LOADER_RULES as RULES  # noqa: E402 - the rules a loaded model runs
 # Tokens of context the KV cache is planned for when none is given.
 DEFAULT_CONTEXT = 4096
 # The fraction of each layer's experts kept where neither a budget nor a residency is given.
@@ -207,7 +207,7 @@ def checked_directory(path) -> tuple[Path, dict]:
 
 
 def _check_options(rule, tier_bits, tier_group_size, tier_model, queue_depth, timeout, context) -> None:
-    if rule not in RULES:
+    if rule not in RULES:  # check_rule's wording, the argument first as this module's errors have it
         raise _fail("rule", f"must be one of {', '.join(RULES)}, got {rule!r}")
     if rule != "tier" and (tier_bits is not None or tier_group_size is not None or tier_model is not None):
         raise _fail("tier_bits/tier_group_size/tier_model", f"the tier serves the misses of rule 'tier'; the rule "

@@ -395,7 +395,7 @@ def _arena_run(checkpoint: Path, quantized: bool, residency: float, mode: str, p
     else:  # generate_greedy's loops: each token's time is its arrival (a boundary may credit several)
         stamps = []
         if mode == "tier":
-            attach_tier(blocks, arena_tier(checkpoint))
+            attach_tier(blocks, arena_tier(checkpoint, bits=3))  # the 3-bit tier its recorded runs used
             for block in blocks:
                 block.rule = "tier"
         # The exact loop feeds the prompt a token a pass (each pass's misses read on its critical path), as
