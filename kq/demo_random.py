@@ -137,7 +137,8 @@ class JaxStack:
         import jax.numpy as jnp
 
         from kq_jax.arena import JaxArena, pack_reports
-        from kq_jax.moe import Experts, moe_ffn_arena, moe_ffn_resident
+        from kq_jax.arena_moe import moe_ffn_arena
+        from kq_jax.moe import Experts, moe_ffn_resident
 
         self.router = jnp.asarray(router)
         self.experts = Experts(*(jnp.asarray(experts[p]).astype(jnp.float32) for p in PROJECTIONS))

@@ -1,8 +1,8 @@
 """One MoE layer's step on an arena, written once: route_shed, the rule, the experts, the combine, the report.
 
 Every decode loop of kq in JAX (the study's steps, the end-to-end benchmark's engine, the demo's stack, the
-exact loop, the tier benchmark, :class:`kq_jax.nnx.ArenaMoE`, :func:`kq_jax.moe.moe_ffn_arena` and
-:func:`~kq_jax.moe.moe_ffn_tiered`) runs a layer through :func:`arena_moe` with its own routing and
+exact loop, the tier benchmark, :class:`kq_jax.nnx.ArenaMoE`, :func:`kq_jax.arena_moe.moe_ffn_arena` and
+:func:`~kq_jax.arena_moe.moe_ffn_tiered`) runs a layer through :func:`arena_moe` with its own routing and
 weights, so how JAX does what a rule says with a miss, how hits and tier copies are gathered and how the
 entries are combined is written here alone; what each rule means is :mod:`kq_core.rules`'.
 
@@ -63,7 +63,7 @@ def moe_layer(x, router_w, slot_table, *, rule: str, top_k: int, normalize: bool
     """One MoE layer on an arena from its router's weights: the router, then :func:`arena_moe` under ``rule``.
 
     The step :class:`kq_jax.nnx.ArenaMoE` runs, :func:`kq_jax.qwen3_moe_arena.make_step`'s layers run and
-    :func:`kq_jax.moe.moe_ffn_arena` and :func:`~kq_jax.moe.moe_ffn_tiered` run (rules ``route_shed`` and
+    :func:`kq_jax.arena_moe.moe_ffn_arena` and :func:`~kq_jax.arena_moe.moe_ffn_tiered` run (rules ``route_shed`` and
     ``tier``), so the module and the functional layers compute with the same operations in the same order.
     Rules :data:`FUSED_RULES` (every rule on an arena) route and shed in one ``topk_route_shed`` launch, whose
     top-k and weights are :func:`router_topk`'s (``kq_core.oracle``'s order and arithmetic) and which keeps
@@ -98,7 +98,7 @@ def moe_layer_with_routing(x, router_w, slot_table, *, rule: str, top_k: int, no
                            num_slots: int, tier: TierExperts | None = None, slot_rows=None, impl: str = "auto",
                            fetch=None, layer=0):
     """:func:`moe_layer`, with ``topk_route_shed``'s result beside its output (what
-    :func:`kq_jax.moe.moe_ffn_arena` and :func:`~kq_jax.moe.moe_ffn_tiered` return).
+    :func:`kq_jax.arena_moe.moe_ffn_arena` and :func:`~kq_jax.arena_moe.moe_ffn_tiered` return).
 
     Args:
         x, router_w, slot_table, rule, top_k, normalize, weights, num_slots, tier, slot_rows, impl, fetch, layer:
@@ -322,3 +322,58 @@ def _check_layer_arguments(x, indices, scores, slot_table, rule, weights, num_sl
             held = "weights holds" if slot_rows is None else "slot_rows maps"
             raise ValueError(f"arena_moe: num_slots must be an int in [1, {rows}] (the {held} {rows} slots), got "
                              f"{num_slots!r}")
+
+
+def moe_ffn_arena(x, router_w, arena: Experts, slot_table, *, top_k: int, impl: str = "auto"):
+    """The MoE layer on an arena of S slots under rule ``route_shed`` (a miss shed, the kept weights rescaled to
+    the row's routed mass), its router renormalising its top-k: :func:`kq_jax.arena_moe.moe_layer`'s step, bit
+    for bit, with ``topk_route_shed``'s result beside the output.
+
+    Args:
+        x: ``[T, D]``; router_w: ``[D, E]``; each float32, bfloat16 or float16.
+        arena: :class:`Experts` with ``N = S``;
+        slot_table: int32 ``[E]`` (-1 = not resident); impl: ``topk_route_shed``'s.
+
+    Returns:
+        ``(y [T, D], TopkRouteShedResult)``: the output, and the routing and
+        ``route_shed`` outputs the host reads after the step.
+
+    Raises:
+        TypeError: ``x`` or ``router_w`` of another dtype, naming it (:func:`router_probs`).
+        ValueError: a shape the layer cannot take, naming it (:func:`kq_jax.arena_moe.arena_moe`).
+    """
+
+    # num_slots: a table entry past the arena is shed, never gathered (jnp.take would clamp it).
+    y, _, routing = moe_layer_with_routing(x, router_w, slot_table, rule="route_shed", top_k=top_k, normalize=True,
+                                           weights=arena, num_slots=arena.gate.shape[0], impl=impl)
+    return y, routing
+
+
+def moe_ffn_tiered(x, router_w, arena: Experts, tier: TierExperts, slot_table, *, top_k: int,
+                   impl: str = "auto"):
+    """The MoE layer on an arena of S slots whose misses the tier serves: rule ``tier``, its router
+    renormalising its top-k, :func:`kq_jax.arena_moe.moe_layer`'s step bit for bit.
+
+    Each routed entry keeps its router weight; a hit (slot < S) gathers the arena's expert, a miss
+    (slot S + e) expert e of the tier (:func:`quantized_apply`, cast to the arena's dtype). With every
+    routed expert resident the output is :func:`moe_ffn_resident`'s, bit for bit.
+
+    Args:
+        x: ``[T, D]``; router_w: ``[D, E]``; each float32, bfloat16 or float16.
+        arena: :class:`Experts` with ``N = S``;
+        tier: :class:`TierExperts` of all E experts; slot_table: int32 ``[E]`` (-1 = not resident);
+        impl: ``topk_route_shed``'s.
+
+    Returns:
+        ``(y [T, D], TopkRouteShedResult)``, as :func:`moe_ffn_arena`.
+
+    Raises:
+        TypeError: ``x`` or ``router_w`` of another dtype, naming it (:func:`router_probs`).
+        ValueError: the tier does not hold the router's E experts or does not fit the arena
+            (:func:`check_tier`; at trace time under ``jax.jit``).
+    """
+
+    check_tier(tier, arena, num_experts=router_w.shape[-1], where="moe_ffn_tiered: tier")
+    y, _, routing = moe_layer_with_routing(x, router_w, slot_table, rule="tier", top_k=top_k, normalize=True,
+                                           weights=arena, num_slots=arena.gate.shape[0], tier=tier, impl=impl)
+    return y, routing

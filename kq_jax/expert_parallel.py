@@ -15,7 +15,7 @@ sees whole. A step, inside ``shard_map``:
    additive identity of every float (``x + -0.0 == x`` bit for bit, ``+0.0``
    included), so the sum is exact in any reduction order;
 4. each device weighs the entries and sums over k in the single-device
-   layer's order, so the output has :func:`kq_jax.moe.moe_ffn_arena`'s bits.
+   layer's order, so the output has :func:`kq_jax.arena_moe.moe_ffn_arena`'s bits.
 
 The tokens need no dispatch collective (they are already on every device of
 their expert-axis group); the combine moves ``k`` times the bytes of a partial
@@ -45,7 +45,7 @@ def arena_sharding(mesh: Mesh, expert_axis: str = "expert") -> Experts:
 def moe_ffn_arena_sharded(x, router_w, arena: Experts, slot_table, *, top_k: int, mesh: Mesh,
                           data_axis: str | None = "data", expert_axis: str = "expert",
                           impl: str = "auto") -> tuple[jax.Array, TopkRouteShedResult]:
-    """:func:`kq_jax.moe.moe_ffn_arena` on a mesh, with its bits.
+    """:func:`kq_jax.arena_moe.moe_ffn_arena` on a mesh, with its bits.
 
     Args:
         x: ``[T, D]`` hidden states, rows sharded over ``data_axis``

@@ -285,32 +285,6 @@ def moe_ffn_resident(x, router_w, experts: Experts, *, top_k: int):
     return combine(experts_apply(x, experts, indices), scores)
 
 
-def moe_ffn_arena(x, router_w, arena: Experts, slot_table, *, top_k: int, impl: str = "auto"):
-    """The MoE layer on an arena of S slots under rule ``route_shed`` (a miss shed, the kept weights rescaled to
-    the row's routed mass), its router renormalising its top-k: :func:`kq_jax.arena_moe.moe_layer`'s step, bit
-    for bit, with ``topk_route_shed``'s result beside the output.
-
-    Args:
-        x: ``[T, D]``; router_w: ``[D, E]``; each float32, bfloat16 or float16.
-        arena: :class:`Experts` with ``N = S``;
-        slot_table: int32 ``[E]`` (-1 = not resident); impl: ``topk_route_shed``'s.
-
-    Returns:
-        ``(y [T, D], TopkRouteShedResult)``: the output, and the routing and
-        ``route_shed`` outputs the host reads after the step.
-
-    Raises:
-        TypeError: ``x`` or ``router_w`` of another dtype, naming it (:func:`router_probs`).
-        ValueError: a shape the layer cannot take, naming it (:func:`kq_jax.arena_moe.arena_moe`).
-    """
-    from kq_jax.arena_moe import moe_layer_with_routing  # kq_jax.arena_moe imports this module
-
-    # num_slots: a table entry past the arena is shed, never gathered (jnp.take would clamp it).
-    y, _, routing = moe_layer_with_routing(x, router_w, slot_table, rule="route_shed", top_k=top_k, normalize=True,
-                                           weights=arena, num_slots=arena.gate.shape[0], impl=impl)
-    return y, routing
-
-
 def tiered_apply(x, arena: Experts, tier: TierExperts, slots):
     """Each token's k experts on it, from the arena or the tier: ``slots`` ``[T, k]`` as ``route_shed``'s
     with ``on_miss="tier"`` (``< S``: an arena slot; ``S + e``: expert e of the tier) -> ``[T, k, D]``.
@@ -332,34 +306,3 @@ def tiered_apply(x, arena: Experts, tier: TierExperts, slots):
     up = quantized_apply(tier.up, tier_rows, entries, **options)
     low = quantized_apply(tier.down, tier_rows, jax.nn.silu(gate) * up, **options).astype(hits.dtype)
     return jnp.where(from_tier[..., None], low, hits)
-
-
-def moe_ffn_tiered(x, router_w, arena: Experts, tier: TierExperts, slot_table, *, top_k: int,
-                   impl: str = "auto"):
-    """The MoE layer on an arena of S slots whose misses the tier serves: rule ``tier``, its router
-    renormalising its top-k, :func:`kq_jax.arena_moe.moe_layer`'s step bit for bit.
-
-    Each routed entry keeps its router weight; a hit (slot < S) gathers the arena's expert, a miss
-    (slot S + e) expert e of the tier (:func:`quantized_apply`, cast to the arena's dtype). With every
-    routed expert resident the output is :func:`moe_ffn_resident`'s, bit for bit.
-
-    Args:
-        x: ``[T, D]``; router_w: ``[D, E]``; each float32, bfloat16 or float16.
-        arena: :class:`Experts` with ``N = S``;
-        tier: :class:`TierExperts` of all E experts; slot_table: int32 ``[E]`` (-1 = not resident);
-        impl: ``topk_route_shed``'s.
-
-    Returns:
-        ``(y [T, D], TopkRouteShedResult)``, as :func:`moe_ffn_arena`.
-
-    Raises:
-        TypeError: ``x`` or ``router_w`` of another dtype, naming it (:func:`router_probs`).
-        ValueError: the tier does not hold the router's E experts or does not fit the arena
-            (:func:`check_tier`; at trace time under ``jax.jit``).
-    """
-    from kq_jax.arena_moe import moe_layer_with_routing  # kq_jax.arena_moe imports this module
-
-    check_tier(tier, arena, num_experts=router_w.shape[-1], where="moe_ffn_tiered: tier")
-    y, _, routing = moe_layer_with_routing(x, router_w, slot_table, rule="tier", top_k=top_k, normalize=True,
-                                           weights=arena, num_slots=arena.gate.shape[0], tier=tier, impl=impl)
-    return y, routing

@@ -9,7 +9,8 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from kq_jax.expert_parallel import arena_sharding, moe_ffn_arena_sharded  # noqa: E402
-from kq_jax.moe import Experts, moe_ffn_arena, moe_ffn_resident  # noqa: E402
+from kq_jax.arena_moe import moe_ffn_arena  # noqa: E402
+from kq_jax.moe import Experts, moe_ffn_resident  # noqa: E402
 
 E, D, F, T, K = 16, 32, 24, 8, 4
 MESH_SHAPES = [(4, 2), (2, 4), (1, 8)]

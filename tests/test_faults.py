@@ -703,7 +703,8 @@ def test_the_jax_arena_layer_sheds_a_slot_past_the_arena_instead_of_clamping():
     pytest.importorskip("jax")
     import jax.numpy as jnp
 
-    from kq_jax.moe import Experts, moe_ffn_arena
+    from kq_jax.arena_moe import moe_ffn_arena
+    from kq_jax.moe import Experts
 
     rng = np.random.default_rng(0)
     experts, slots, hidden, ffn = 8, 4, 16, 8

@@ -9,7 +9,8 @@ from conftest import assert_same_bits  # noqa: E402
 
 from kq_core.contract import holds_every_expert  # noqa: E402
 from kq_core.oracle import route_shed_oracle  # noqa: E402
-from kq_jax.moe import Experts, apply_gathered, combine, experts_apply, moe_ffn_arena, moe_ffn_resident, route  # noqa: E402
+from kq_jax.arena_moe import moe_ffn_arena  # noqa: E402
+from kq_jax.moe import Experts, apply_gathered, combine, experts_apply, moe_ffn_resident, route  # noqa: E402
 
 E, D, F, T, K = 16, 32, 24, 5, 4
 
@@ -275,7 +276,8 @@ def _routing_layers():
     = 32 (a tier's groups are 32 wide), half of them in the arena."""
     from kq_host.tier import quantize
     from kq_jax.arena_moe import moe_layer
-    from kq_jax.moe import TierExperts, TierWeights, moe_ffn_tiered
+    from kq_jax.arena_moe import moe_ffn_tiered
+    from kq_jax.moe import TierExperts, TierWeights
 
     rng = np.random.default_rng(2)
     full = Experts(*(jnp.asarray(rng.normal(size=(E, 32, 32)).astype(np.float32) * 0.1) for _ in range(3)))

@@ -20,7 +20,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from kq_core.reports import REPORT_FIELDS  # noqa: E402
 from kq_host.residency import LayerReport, ResidencyManager  # noqa: E402
 from kq_jax.arena import JaxArena, pack_reports  # noqa: E402
-from kq_jax.moe import Experts, combine, experts_apply, moe_ffn_arena, moe_ffn_tiered, route  # noqa: E402
+from kq_jax.arena_moe import moe_ffn_arena, moe_ffn_tiered  # noqa: E402
+from kq_jax.moe import Experts, combine, experts_apply, route  # noqa: E402
 from kq_jax.nnx import EXPERT_PROJECTIONS, ArenaMoE, ArenaSlots, DenseMoE, SlotTable  # noqa: E402
 from test_optional_backends import BLOCK  # noqa: E402
 

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from kq_jax import arena_moe as arena_moe_module
 from kq_jax.arena import pack_reports
 from kq_jax.arena_moe import arena_moe, moe_layer
-from kq_jax.moe import experts_apply, moe_ffn_arena, moe_ffn_tiered, router_probs, tiered_apply
+from kq_jax.arena_moe import moe_ffn_arena, moe_ffn_tiered
+from kq_jax.moe import experts_apply, router_probs, tiered_apply
 from kq_jax.nnx import ArenaMoE, DenseMoE
 
 D, F, E, K, T = 32, 32, 16, 4, 8

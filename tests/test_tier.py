@@ -167,7 +167,8 @@ def test_jax_dequantize_in_the_gather_matches_the_host_reference(rng, bits):
 
 def test_tiered_layer_with_every_expert_resident_is_the_resident_layer(rng):
     jax = pytest.importorskip("jax")
-    from kq_jax.moe import moe_ffn_resident, moe_ffn_tiered
+    from kq_jax.arena_moe import moe_ffn_tiered
+    from kq_jax.moe import moe_ffn_resident
 
     x, router, full = _layer(rng)
     _, tier = _tier_of(full, 3, 32)
@@ -186,7 +187,8 @@ def test_tiered_layer_serves_misses_with_their_dequantized_copy(rng, bits):
     otherwise (on a GPU it does), so the bound is float32 rounding, far below what dropping the misses costs."""
     jax = pytest.importorskip("jax")
     jnp = jax.numpy
-    from kq_jax.moe import Experts, moe_ffn_arena, moe_ffn_resident, moe_ffn_tiered
+    from kq_jax.arena_moe import moe_ffn_arena, moe_ffn_tiered
+    from kq_jax.moe import Experts, moe_ffn_resident
 
     x, router, full = _layer(rng)
     layer, tier = _tier_of(full, bits, 32)
@@ -213,7 +215,8 @@ def test_tiered_layer_gives_the_same_bits_eagerly_and_in_any_jitted_program(rng,
     the program, and inside a larger program, the same bits (unfenced, XLA's CPU backend contracted its
     multiplies and adds into FMAs in some of these and not others)."""
     jax = pytest.importorskip("jax")
-    from kq_jax.moe import Experts, moe_ffn_tiered
+    from kq_jax.arena_moe import moe_ffn_tiered
+    from kq_jax.moe import Experts
 
     x, router, full = _layer(rng)
     x = x * 37.0  # outputs far from 1, where a rounding difference shows in the last bits
@@ -240,7 +243,8 @@ def test_a_tier_passed_to_jit_gives_the_bits_of_a_closed_over_one(rng):
     """bits and group_size are the tier's static data, its arrays its leaves: a TierExperts is a jit argument
     as it is a constant of the program, and tree_map / device_put keep its format."""
     jax = pytest.importorskip("jax")
-    from kq_jax.moe import Experts, moe_ffn_tiered
+    from kq_jax.arena_moe import moe_ffn_tiered
+    from kq_jax.moe import Experts
 
     x, router, full = _layer(rng)
     _, tier = _tier_of(full, 3, 32)

@@ -490,7 +490,7 @@ def _arena(full, resident=(0, 2, 3, 5, 8, 13)):
 @pytest.mark.parametrize("jit", [False, True])
 def test_tiered_layer_refuses_a_tier_of_fewer_experts_than_the_router(rng, jit):
     jax = pytest.importorskip("jax")
-    from kq_jax.moe import moe_ffn_tiered
+    from kq_jax.arena_moe import moe_ffn_tiered
 
     x, router, full = _layer(rng)
     arena, table = _arena(full)
@@ -509,7 +509,7 @@ def test_tiered_layer_refuses_a_tier_of_fewer_experts_than_the_router(rng, jit):
 @pytest.mark.parametrize("jit", [False, True])
 def test_tiered_layer_names_a_format_that_disagrees_with_the_arrays(rng, mismatch, argument, jit):
     jax = pytest.importorskip("jax")
-    from kq_jax.moe import moe_ffn_tiered
+    from kq_jax.arena_moe import moe_ffn_tiered
 
     x, router, full = _layer(rng)
     arena, table = _arena(full)

@@ -41,7 +41,8 @@ def run(rows=(1, 8, 64, 256), *, hidden: int = 2048, ffn: int = 768, experts: in
     from jax.sharding import PartitionSpec as P
 
     from kq_jax.expert_parallel import arena_sharding, moe_ffn_arena_sharded
-    from kq_jax.moe import Experts, moe_ffn_arena, moe_ffn_resident
+    from kq_jax.arena_moe import moe_ffn_arena
+    from kq_jax.moe import Experts, moe_ffn_resident
 
     devices = jax.devices()
     n = len(devices)

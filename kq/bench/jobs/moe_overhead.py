@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kq.bench.kernels import trace_kernels
-from kq_jax.moe import Experts, moe_ffn_arena, moe_ffn_resident
+from kq_jax.arena_moe import moe_ffn_arena
+from kq_jax.moe import Experts, moe_ffn_resident
 from kq.bench.common import run_header, write_json
 
 
