@@ -669,14 +669,3 @@ def check_tier(tier: Tier, where: str = "tier") -> None:
             raise TierOptionError(f"{where}: {name}'s rows of {words} uint32 words at bits={tier.bits} do not hold "
                                   f"the {groups} groups of group_size={tier.group_size} its scales do; bits or "
                                   f"group_size disagrees with the arrays")
-
-
-def __getattr__(name: str):
-    """``kq_host.tier.tier_from_checkpoint``, the name it had before it moved: the function, with a warning."""
-    if name == "tier_from_checkpoint":
-        from kq_host import checkpoint
-
-        warnings.warn("kq_host.tier.tier_from_checkpoint moved to kq_host.checkpoint.tier_from_checkpoint",
-                      DeprecationWarning, stacklevel=2)
-        return checkpoint.tier_from_checkpoint
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -232,14 +232,13 @@ def test_a_float_checkpoint_or_float32_scales_or_mixed_options_are_refused_by_na
             tier_from_checkpoint(None, store, 2, 8)
 
 
-def test_the_former_name_of_tier_from_checkpoint_still_imports_with_a_warning():
-    from kq_host import checkpoint
+def test_tier_from_checkpoint_lives_in_kq_host_checkpoint_alone():
+    """kq_host.tier imports nothing of kq_host.checkpoint (which builds on it): the function's former name is gone."""
+    import kq_host.tier
 
-    with pytest.warns(DeprecationWarning, match="moved to kq_host.checkpoint.tier_from_checkpoint"):
-        from kq_host.tier import tier_from_checkpoint
-    assert tier_from_checkpoint is checkpoint.tier_from_checkpoint
-    with pytest.raises(ImportError, match="no_such_name"):
-        from kq_host.tier import no_such_name  # noqa: F401
+    with pytest.raises(ImportError, match="tier_from_checkpoint"):
+        from kq_host.tier import tier_from_checkpoint  # noqa: F401
+    assert not hasattr(kq_host.tier, "tier_from_checkpoint")
 
 
 @pytest.mark.parametrize("field, value", [("scales", float("nan")), ("biases", float("inf"))])
