@@ -335,6 +335,7 @@ def _generate(args, parser) -> int:
 
 def _study(args, parser) -> int:
     from kq import study
+    from kq.study_runner import make_study
 
     try:
         config = study.StudyConfig(checkpoint=args.checkpoint, text=args.text, tokens=args.tokens, warmup=args.warmup,
@@ -346,7 +347,7 @@ def _study(args, parser) -> int:
             raise ValueError("--lookahead replays the routing recorded in JAX; use --framework jax")
         if args.prefetch_budget and not args.lookahead:
             raise ValueError("--prefetch-budget only applies with --lookahead")
-        runner = study.make_study(config)  # reads and checks the text
+        runner = make_study(config)  # reads and checks the text
     except ValueError as error:
         parser.error(str(error))
     with _CheckpointFaults("study", parser) as ended:

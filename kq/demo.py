@@ -243,7 +243,8 @@ def generate_through_arena(framework: str, checkpoint: Path, prompt: str, tokens
     """
     from tokenizers import Tokenizer
 
-    from kq.study import StudyConfig, make_study
+    from kq.study import StudyConfig
+    from kq.study_runner import make_study
 
     tokenizer = Tokenizer.from_file(str(Path(checkpoint) / "tokenizer.json"))
     ids = tokenizer.encode(prompt).ids

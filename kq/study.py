@@ -441,19 +441,8 @@ def grid(config: StudyConfig, rules=RULES) -> list[tuple[float, str, str]]:
     return runs
 
 
-def make_study(config: StudyConfig):
-    """The study's runner for ``config.framework``: :class:`kq.study_jax.JaxStudy` or :class:`kq.study_mlx.MlxStudy`."""
-    if config.framework == "jax":
-        from kq.study_jax import JaxStudy
-
-        return JaxStudy(config)
-    from kq.study_mlx import MlxStudy
-
-    return MlxStudy(config)
-
-
 def run_study(study, *, progress: bool = True) -> tuple[RunResult, list[RunResult]]:
-    """The resident run and every run of the study's grid; ``study`` from :func:`make_study`."""
+    """The resident run and every run of the study's grid; ``study`` from :func:`kq.study_runner.make_study`."""
     runs = grid(study.config, study.rules)
     results = []
     with progress_bar(len(runs) + 1, enabled=progress, description="kq study") as advance:

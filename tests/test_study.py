@@ -10,7 +10,8 @@ pytest.importorskip("jax")
 pytest.importorskip("tokenizers")
 pytest.importorskip("safetensors")
 
-from kq.study import SHIPPED_MODEL, StudyConfig, make_study  # noqa: E402
+from kq.study import SHIPPED_MODEL, StudyConfig  # noqa: E402
+from kq.study_runner import make_study  # noqa: E402
 from tiny_models import write_mixtral  # noqa: E402
 
 

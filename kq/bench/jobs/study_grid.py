@@ -19,6 +19,7 @@ from pathlib import Path
 
 from kq.bench.common import run_header, write_json
 from kq import study
+from kq.study_runner import make_study
 
 RULES = ("shed", "route_shed", "reroute", "prior", "stall")
 
@@ -49,7 +50,7 @@ def main() -> int:
                                  tier_bits=bits, tier_group_size=args.group_size)
 
     started = time.perf_counter()
-    runner = study.make_study(config(args.tier_bits[0]))
+    runner = make_study(config(args.tier_bits[0]))
     resident = runner.resident()
     rows = []
     payload = {**run_header(), "checkpoint": str(args.checkpoint), "streams": args.streams, "tokens_per_stream": args.tokens,
@@ -69,11 +70,11 @@ def main() -> int:
         for rule in args.rules:
             record(runner.run(residency, "lfu", rule), 0)
     for bits in args.tier_bits:
-        tiered = runner if bits == args.tier_bits[0] else study.make_study(config(bits))
+        tiered = runner if bits == args.tier_bits[0] else make_study(config(bits))
         for residency in (r for r in args.residency if r < 1.0):
             record(tiered.run(residency, "lfu", "tier"), bits)
     for bits in args.uniform_bits:
-        record(study.make_study(config(bits)).run(0.0, "-", "uniform"), bits)
+        record(make_study(config(bits)).run(0.0, "-", "uniform"), bits)
 
     if args.plot:
         write_memory_plot(payload, args.plot)
