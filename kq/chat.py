@@ -40,17 +40,16 @@ def run(args) -> int:
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
 
-    from kq.model_options import flag_of, load_options
-    from kq_mlx.load import LoadError, load, stream_of
+    from kq.model_options import load_model
+    from kq_mlx.load import stream_of
 
     if args.max_tokens < 1 or not 0 <= args.temp or not 0 <= args.top_p <= 1:
         print("kq chat: --max-tokens must be >= 1, --temp >= 0 and --top-p in [0, 1]", file=sys.stderr)
         return 2
-    try:
-        model, tokenizer = load(args.model, **load_options(args))
-    except LoadError as error:
-        print(f"kq chat: {flag_of(error)}", file=sys.stderr)
+    loaded = load_model("chat", args)
+    if loaded is None:
         return 2
+    model, tokenizer = loaded
     stream = stream_of(model)
     if args.seed is not None:
         mx.random.seed(args.seed)

@@ -64,3 +64,17 @@ def flag_of(error: Exception) -> str:
         named = "/".join(flags.get(part, "--" + part.replace("_", "-")) for part in argument.split("/"))
         return f"{named}: {rest}"
     return text
+
+
+def load_model(command: str, args: argparse.Namespace):
+    """``(model, tokenizer)`` from :func:`kq_mlx.load.load` with the parsed options, or None where the load is
+    refused: the refusal printed on stderr as one line naming the flag (``kq serve: --memory: ...``)."""
+    import sys
+
+    from kq_mlx.load import LoadError, load
+
+    try:
+        return load(args.model, **load_options(args))
+    except LoadError as error:
+        print(f"kq {command}: {flag_of(error)}", file=sys.stderr)
+        return None

@@ -205,17 +205,16 @@ def run(args) -> int:
     import signal
     import sys
 
-    from kq.model_options import flag_of, load_options
-    from kq_mlx.load import LoadError, load, stream_of
+    from kq.model_options import load_model
+    from kq_mlx.load import stream_of
 
     if args.stop_after is not None and not args.stop_after > 0:
         print("kq serve: --stop-after: must be a number of seconds > 0", file=sys.stderr)
         return 2
-    try:
-        model, tokenizer = load(args.model, **load_options(args))
-    except LoadError as error:
-        print(f"kq serve: {flag_of(error)}", file=sys.stderr)
+    loaded = load_model("serve", args)
+    if loaded is None:
         return 2
+    model, tokenizer = loaded
     stream = stream_of(model)
     plan = stream.plan
     defaults = ServeDefaults(args.max_tokens, args.temp, args.top_p, args.top_k, args.min_p)
