@@ -16,6 +16,7 @@ pytest.importorskip("mlx_lm")
 
 from kq.cli import main  # noqa: E402
 from kq.generate import GenerateConfig, GenerateError, generate  # noqa: E402
+from tiny_models import with_header  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STDLIB, WHEELS = ROOT / "models" / "stdlib-moe", ROOT / "models" / "wheels-moe"
@@ -27,19 +28,6 @@ PROMPT = "def read_config(path):"
 def _own_cache(tmp_path, monkeypatch):
     """Each test builds its tier afresh, in a cache of its own."""
     monkeypatch.setenv("KQ_CACHE_DIR", str(tmp_path / "cache"))
-
-
-def with_header(source, directory, edit):
-    """A copy of the model directory ``source`` in ``directory``, its weights' header changed by ``edit(header)``
-    (the data bytes as they were)."""
-    shutil.copytree(source, directory)
-    raw = (source / WEIGHTS).read_bytes()
-    size = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8:8 + size])
-    edit(header)
-    encoded = json.dumps(header).encode()
-    (directory / WEIGHTS).write_bytes(struct.pack("<Q", len(encoded)) + encoded + raw[8 + size:])
-    return directory
 
 
 def with_config(source, directory, **changes):

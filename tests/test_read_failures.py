@@ -1,9 +1,7 @@
 """A read that fails ends the run that needed it, with its message: ``kq generate`` under every rule, ``kq study``
 and ``kq demo`` (whose figures a shed read would change without a word); never a traceback."""
 
-import json
 import shutil
-import struct
 
 import pytest
 
@@ -12,20 +10,9 @@ pytest.importorskip("safetensors")
 
 from kq.cli import main  # noqa: E402
 from kq.study import SHIPPED_MODEL  # noqa: E402
+from tiny_models import with_header  # noqa: E402
 
 WEIGHTS = "model.safetensors"
-
-
-def _with_header(directory, edit):
-    """The shipped model in ``directory``, its weights' header changed in place by ``edit(header)``."""
-    shutil.copytree(SHIPPED_MODEL, directory)
-    raw = (SHIPPED_MODEL / WEIGHTS).read_bytes()
-    size = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8:8 + size])
-    edit(header)
-    encoded = json.dumps(header).encode()
-    (directory / WEIGHTS).write_bytes(struct.pack("<Q", len(encoded)) + encoded + raw[8 + size:])
-    return directory
 
 
 def _relabelled(directory, layers, experts, dtype="F16"):
@@ -36,7 +23,7 @@ def _relabelled(directory, layers, experts, dtype="F16"):
             for expert in experts:
                 header[f"model.layers.{layer}.mlp.experts.{expert}.up_proj.weight"]["dtype"] = dtype
 
-    return _with_header(directory, edit)
+    return with_header(SHIPPED_MODEL, directory, edit)
 
 
 def _ended(capsys, argv):
@@ -77,7 +64,7 @@ def test_kq_demo_ends_at_a_failed_read_naming_it(tmp_path, capsys, where):
 def test_kq_demo_refuses_a_checkpoint_missing_an_expert_by_name(tmp_path, capsys):
     pytest.importorskip("mlx_lm")
     name = "model.layers.2.mlp.experts.7.up_proj.weight"
-    directory = _with_header(tmp_path / "model",
+    directory = with_header(SHIPPED_MODEL, tmp_path / "model",
                              lambda header: header.__setitem__(name.replace("experts.7", "experts.x7"), header.pop(name)))
     with pytest.raises(SystemExit) as caught:
         main(["demo", "--checkpoint", str(directory), "--frameworks", "mlx", "--tokens", "2", "--rule", "shed"])

@@ -9,20 +9,8 @@ import numpy as np
 import pytest
 
 from kq_host.expert_store import ExpertReadError, ExpertStore, ExpertStoreError
+from tiny_models import PROJECTIONS, write_per_expert_checkpoint
 
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-
-
-def _write_checkpoint(path, rng, *, layers=2, experts=4, hidden=64, ffn=32):
-    from safetensors.numpy import save_file
-
-    path.mkdir(parents=True, exist_ok=True)
-    save_file({f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight":
-               rng.normal(size=shape).astype(np.float32)
-               for layer in range(layers) for expert in range(experts)
-               for projection, shape in zip(PROJECTIONS, ((ffn, hidden), (ffn, hidden), (hidden, ffn)))},
-              str(path / "model.safetensors"))
-    return path / "model.safetensors"
 
 
 def _failing(monkeypatch, name, *, after=0):
@@ -42,7 +30,7 @@ def _failing(monkeypatch, name, *, after=0):
 @pytest.mark.parametrize("allocator", [None, "fresh"], ids=["pread", "preadv"])
 def test_a_read_error_is_the_stores_own_error_naming_file_tensor_layer_and_expert(tmp_path, rng, monkeypatch,
                                                                                  allocator):
-    weights = _write_checkpoint(tmp_path / "ckpt", rng)
+    weights = write_per_expert_checkpoint(tmp_path / "ckpt", rng) / "model.safetensors"
     host_allocator = None if allocator is None else (lambda shape, dtype: np.empty(shape, dtype))
     with ExpertStore(tmp_path / "ckpt", host_allocator=host_allocator) as store:
         want = store.read_expert(1, 2)
@@ -62,7 +50,7 @@ def test_a_read_error_is_the_stores_own_error_naming_file_tensor_layer_and_exper
 
 
 def test_a_file_changed_after_its_header_was_read_is_a_read_error(tmp_path, rng):
-    weights = _write_checkpoint(tmp_path / "ckpt", rng)
+    weights = write_per_expert_checkpoint(tmp_path / "ckpt", rng) / "model.safetensors"
     with ExpertStore(tmp_path / "ckpt") as store:
         os.truncate(weights, 1000)
         with pytest.raises(ExpertReadError, match="changed after its header was read"):

@@ -13,21 +13,9 @@ import pytest
 
 from kq_host.expert_store import ExpertStore
 from kq_host.tier import build_tier
+from tiny_models import PROJECTIONS, write_per_expert_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-
-
-def _write_checkpoint(path, rng, *, layers=2, experts=4, hidden=64, ffn=32):
-    from safetensors.numpy import save_file
-
-    path.mkdir(parents=True, exist_ok=True)
-    save_file({f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight":
-               rng.normal(size=shape).astype(np.float32)
-               for layer in range(layers) for expert in range(experts)
-               for projection, shape in zip(PROJECTIONS, ((ffn, hidden), (ffn, hidden), (hidden, ffn)))},
-              str(path / "model.safetensors"))
-    return path
 
 
 def _build(checkpoint, cache, **options):
@@ -77,7 +65,7 @@ def test_a_programs_own_sigterm_handler_runs_once_and_the_aborted_save_leaves_th
         tmp_path, rng, monkeypatch):
     """A program that handles SIGTERM and goes on: its handler is called, the save is dropped with its temporary
     (the tier returned uncached, with a warning), and its handler is in place again afterwards."""
-    checkpoint = _write_checkpoint(tmp_path / "ckpt", rng)
+    checkpoint = write_per_expert_checkpoint(tmp_path / "ckpt", rng)
     handled = []
 
     def handler(signum, frame):
@@ -103,7 +91,7 @@ def test_a_programs_own_sigterm_handler_runs_once_and_the_aborted_save_leaves_th
 
 
 def test_a_save_leaves_the_sigterm_disposition_as_it_found_it(tmp_path, rng):
-    checkpoint = _write_checkpoint(tmp_path / "ckpt", rng)
+    checkpoint = write_per_expert_checkpoint(tmp_path / "ckpt", rng)
     before = signal.getsignal(signal.SIGTERM)
     _build(checkpoint, tmp_path / "cache")
     assert signal.getsignal(signal.SIGTERM) == before
@@ -112,7 +100,7 @@ def test_a_save_leaves_the_sigterm_disposition_as_it_found_it(tmp_path, rng):
 @pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
 def test_a_cached_entry_is_an_ordinary_file_under_the_umask(tmp_path, rng, umask, mode):
     """An entry is created as open() creates a file, 0666 less the umask (the temporary's 0600 had been kept)."""
-    checkpoint = _write_checkpoint(tmp_path / "ckpt", rng)
+    checkpoint = write_per_expert_checkpoint(tmp_path / "ckpt", rng)
     previous = os.umask(umask)
     try:
         _build(checkpoint, tmp_path / "cache")
@@ -126,7 +114,7 @@ def test_a_cached_entry_is_an_ordinary_file_under_the_umask(tmp_path, rng, umask
 def test_a_cached_entry_holding_a_nan_scale_is_built_again_not_served(tmp_path, rng, field):
     """An entry whose meta and shapes answer the request but whose scale (or bias) is NaN, as a damaged disk or
     an edit leaves it: built again with a warning, never handed out (a NaN scale makes its misses NaN)."""
-    checkpoint = _write_checkpoint(tmp_path / "ckpt", rng)
+    checkpoint = write_per_expert_checkpoint(tmp_path / "ckpt", rng)
     want = _build(checkpoint, tmp_path / "cache")
     (entry,) = (tmp_path / "cache").iterdir()
     with np.load(entry) as cached:

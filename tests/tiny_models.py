@@ -50,3 +50,36 @@ def tier_of(blocks, expert_weights, *, experts: int, bits: int, group_size: int 
     weights = quantize_experts(lambda layer, e: expert_weights(blocks[layer], e), ("gate_proj", "up_proj", "down_proj"),
                                len(blocks), experts, bits=bits, group_size=group_size)
     return Tier(weights, bits, group_size)
+
+
+WEIGHTS = "model.safetensors"
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def with_header(source: Path, directory: Path, edit) -> Path:
+    """A copy of the model directory ``source`` in ``directory``, its weights' header changed by ``edit(header)``
+    (the data bytes as they were)."""
+    import struct
+
+    shutil.copytree(source, directory)
+    raw = (source / WEIGHTS).read_bytes()
+    size = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + size])
+    edit(header)
+    encoded = json.dumps(header).encode()
+    (directory / WEIGHTS).write_bytes(struct.pack("<Q", len(encoded)) + encoded + raw[8 + size:])
+    return directory
+
+
+def write_per_expert_checkpoint(path: Path, rng, *, layers=2, experts=4, hidden=64, ffn=32) -> Path:
+    """A float32 checkpoint directory of one tensor per expert and projection (the Hugging Face layout), random
+    weights drawn from ``rng``; returns the directory."""
+    from safetensors.numpy import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight":
+               rng.normal(size=shape).astype(np.float32)
+               for layer in range(layers) for expert in range(experts)
+               for projection, shape in zip(PROJECTIONS, ((ffn, hidden), (ffn, hidden), (hidden, ffn)))},
+              str(path / WEIGHTS))
+    return path
